@@ -1,0 +1,160 @@
+"""The Case: one fuzzed training setup as frozen, JSON-round-trippable data.
+
+Nothing but a Case crosses a process boundary. Everything a run needs to be
+rebuilt bit for bit is in it, seeds included (Hypothesis does not seed torch).
+Free-form values (optimizer kwargs, target options) hold JSON-native types
+only (lists, not tuples), so ``Case.from_json(c.to_json()) == c`` always.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One node of the model tree.
+
+    kinds with params: linear, embedding, layernorm, conv1d;
+    activations: act (``act`` names it); composites: seq, residual (x + f(x)),
+    twice (f(f(x)), one submodule called twice in a forward).
+    """
+
+    kind: str
+    d_in: int = 0
+    d_out: int = 0
+    bias: bool = True
+    act: str = ""
+    kernel: int = 1
+    children: tuple[Layer, ...] = ()
+
+
+@dataclass(frozen=True)
+class Model:
+    input: str  # "features" (float [B, L, d_in]) or "tokens" (int [B, L], d_in = vocab)
+    d_in: int
+    layers: tuple[Layer, ...]
+    tie_head: bool = False  # tokens only: output projection reuses the embedding weight
+    unused: bool = False  # a submodule whose params never get a grad
+    buffer: bool = False  # a registered buffer scales the output
+
+
+@dataclass(frozen=True)
+class Optim:
+    name: str  # a torch.optim class name
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    tensor_lr: str = ""  # "", "0d" (lr as a 0-d tensor) or "1d" (1-element tensor)
+    named: bool = False  # pass (name, param) pairs, the named-params API
+
+
+@dataclass(frozen=True)
+class Group:
+    params: tuple[str, ...]  # parameter FQNs, in the order handed to the optimizer
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    set_to_none: bool = True  # zero_grad(set_to_none=...) before this step
+    freeze: tuple[str, ...] = ()  # requires_grad_(False) before this step
+    unfreeze: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Case:
+    target: str
+    world_size: int
+    mesh_shape: tuple[int, ...]
+    model: Model
+    optim: Optim
+    groups: tuple[Group, ...]
+    schedule: tuple[Step, ...]
+    frozen: tuple[str, ...] = ()
+    batch: int = 2
+    seq: int = 2
+    dtype: str = "float32"
+    device: str = "cpu"
+    target_options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT_VERSION, **_to_jsonable(self)}
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Case:
+        data = dict(data)
+        fmt = data.pop("format", FORMAT_VERSION)
+        if fmt != FORMAT_VERSION:
+            raise CaseError(f"case format {fmt} is not supported (this fuzzshard reads {FORMAT_VERSION})")
+        return _from_jsonable(cls, data, "case")
+
+    @classmethod
+    def from_json(cls, text: str) -> Case:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CaseError(f"not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise CaseError("a case must be a JSON object")
+        return cls.from_dict(data)
+
+
+class CaseError(ValueError):
+    """A case that cannot be read: bad JSON, a missing field, a wrong type."""
+
+
+def _to_jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _from_jsonable(tp: Any, value: Any, where: str) -> Any:
+    """Rebuild a value of type ``tp`` from JSON data, with a clear error path."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise CaseError(f"{where}: expected an object, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = set(value) - names
+        if unknown:
+            raise CaseError(f"{where}: unknown field(s) {sorted(unknown)}")
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name in value:
+                kwargs[f.name] = _from_jsonable(hints[f.name], value[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise CaseError(f"{where}: missing field {f.name!r}")
+        return tp(**kwargs)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise CaseError(f"{where}: expected a list, got {type(value).__name__}")
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        return tuple(_from_jsonable(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise CaseError(f"{where}: expected an object, got {type(value).__name__}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp in (int, float, str, bool):
+        ok = isinstance(value, tp) and not (tp is int and isinstance(value, bool))
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not ok:
+            raise CaseError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+        return value
+    return value

@@ -1,0 +1,171 @@
+"""Build a model from a Case's ``Model`` spec, deterministically from a seed."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..case import Layer, Model
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
+
+
+class Act(nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def forward(self, x):
+        return ACTIVATIONS[self.name](x)
+
+
+class Conv(nn.Module):
+    """Conv1d over the sequence axis of a [B, L, D] activation."""
+
+    def __init__(self, d_in: int, d_out: int, kernel: int, bias: bool):
+        super().__init__()
+        self.conv = nn.Conv1d(d_in, d_out, kernel, padding=kernel // 2, bias=bias)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+class Residual(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return x + self.inner(x)
+
+
+class Twice(nn.Module):
+    """One submodule called twice in one forward: its params get two grad contributions."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(self.inner(x))
+
+
+class Net(nn.Module):
+    def __init__(self, spec: Model):
+        super().__init__()
+        self.layers = nn.ModuleList(_build(layer) for layer in spec.layers)
+        d_last = out_dim(spec)
+        if spec.tie_head:
+            emb = self.layers[0]
+            self.head = nn.Linear(emb.embedding_dim, emb.num_embeddings, bias=False)
+            self.head.weight = emb.weight  # tied: one Parameter registered twice
+        if spec.unused:
+            self.unused = nn.Linear(2, 3)  # never called: its grads stay None
+        if spec.buffer:
+            self.register_buffer("scale", torch.rand(d_last) + 0.5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        if hasattr(self, "head"):
+            x = self.head(x)
+        if hasattr(self, "scale"):
+            x = x * self.scale
+        return x
+
+
+def _build(layer: Layer) -> nn.Module:
+    k = layer.kind
+    if k == "linear":
+        return nn.Linear(layer.d_in, layer.d_out, bias=layer.bias)
+    if k == "embedding":
+        return nn.Embedding(layer.d_in, layer.d_out)
+    if k == "layernorm":
+        return nn.LayerNorm(layer.d_in, bias=layer.bias)
+    if k == "conv1d":
+        return Conv(layer.d_in, layer.d_out, layer.kernel, layer.bias)
+    if k == "act":
+        return Act(layer.act)
+    if k == "seq":
+        return nn.Sequential(*[_build(c) for c in layer.children])
+    if k == "residual":
+        return Residual(nn.Sequential(*[_build(c) for c in layer.children]))
+    if k == "twice":
+        return Twice(nn.Sequential(*[_build(c) for c in layer.children]))
+    raise ValueError(f"unknown layer kind {k!r}")
+
+
+def build_model(spec: Model, seed: int, device: str, dtype: torch.dtype) -> Net:
+    """The same seed gives bitwise the same initial model on every rank."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = Net(spec)
+    return net.to(device=device, dtype=dtype)
+
+
+def out_dim(spec: Model) -> int:
+    d = spec.d_in
+    for layer in spec.layers:
+        d = _out(layer, d)
+    return d
+
+
+def _out(layer: Layer, d: int) -> int:
+    if layer.kind in ("linear", "embedding", "conv1d"):
+        return layer.d_out
+    if layer.kind == "seq":
+        for c in layer.children:
+            d = _out(c, d)
+    return d
+
+
+def param_shapes(spec: Model) -> dict[str, tuple[int, ...]]:
+    """FQN -> shape of every unique parameter, in ``named_parameters()`` order,
+    without building anything (strategies draw groups and placements from it)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i, layer in enumerate(spec.layers):
+        _shapes(layer, f"layers.{i}", shapes)
+    if spec.unused:
+        shapes["unused.weight"] = (3, 2)
+        shapes["unused.bias"] = (3,)
+    return shapes
+
+
+def _shapes(layer: Layer, prefix: str, out: dict) -> None:
+    k = layer.kind
+    if k == "linear":
+        out[f"{prefix}.weight"] = (layer.d_out, layer.d_in)
+        if layer.bias:
+            out[f"{prefix}.bias"] = (layer.d_out,)
+    elif k == "embedding":
+        out[f"{prefix}.weight"] = (layer.d_in, layer.d_out)
+    elif k == "layernorm":
+        out[f"{prefix}.weight"] = (layer.d_in,)
+        if layer.bias:
+            out[f"{prefix}.bias"] = (layer.d_in,)
+    elif k == "conv1d":
+        out[f"{prefix}.conv.weight"] = (layer.d_out, layer.d_in, layer.kernel)
+        if layer.bias:
+            out[f"{prefix}.conv.bias"] = (layer.d_out,)
+    elif k == "seq":
+        for j, c in enumerate(layer.children):
+            _shapes(c, f"{prefix}.{j}", out)
+    elif k in ("residual", "twice"):
+        for j, c in enumerate(layer.children):
+            _shapes(c, f"{prefix}.inner.{j}", out)
+
+
+def make_batch(spec: Model, seed: int, step: int, batch: int, seq: int, device: str, dtype: torch.dtype):
+    """Global (inputs, targets) of one step; every rank draws the same."""
+    g = torch.Generator().manual_seed(seed * 1000 + step + 1)
+    if spec.input == "tokens":
+        x = torch.randint(0, spec.d_in, (batch, seq), generator=g)
+    else:
+        x = torch.randn(batch, seq, spec.d_in, generator=g).to(dtype)
+    d_out = spec.d_in if spec.tie_head else out_dim(spec)
+    y = torch.randn(batch, seq, d_out, generator=g).to(dtype)
+    return x.to(device), y.to(device)
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()

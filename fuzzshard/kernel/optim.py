@@ -1,0 +1,78 @@
+"""Build the optimizer of a Case, and move its state in and out by param FQN."""
+from __future__ import annotations
+
+import torch
+
+from ..case import Case
+
+# kwargs torch documents as tuples; a Case stores them as JSON lists
+_TUPLE_KWARGS = ("betas", "etas", "step_sizes", "eps", "ns_coefficients")
+
+
+def optimizer_kwargs(kwargs: dict, tensor_lr: str, device) -> dict:
+    out = {}
+    for k, v in kwargs.items():
+        if k in _TUPLE_KWARGS and isinstance(v, list):
+            v = tuple(v)
+        if k == "lr" and tensor_lr:
+            # a tensor lr stays on the CPU unless the optimizer is capturable/fused on an accelerator
+            v = torch.tensor(v) if tensor_lr == "0d" else torch.tensor([v])
+        out[k] = v
+    return out
+
+
+def build_optimizer(model: torch.nn.Module, case: Case) -> torch.optim.Optimizer:
+    """The optimizer over the Case's param groups, in the Case's order; frozen
+    params stay in their groups (torch.optim skips params without a grad)."""
+    params = dict(model.named_parameters())
+    cls = getattr(torch.optim, case.optim.name)
+    groups = []
+    for g in case.groups:
+        ps = [(n, params[n]) if case.optim.named else params[n] for n in g.params]
+        groups.append({"params": ps, **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device)})
+    return cls(groups, **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device))
+
+
+def param_order(case: Case) -> list[str]:
+    """FQNs in the index order torch.optim uses in ``state_dict()``."""
+    return [n for g in case.groups for n in g.params]
+
+
+def state_by_fqn(opt: torch.optim.Optimizer, model: torch.nn.Module, full) -> dict[str, dict[str, torch.Tensor]]:
+    """{fqn: {state name: full plain tensor}} for every param that has state.
+    ``full`` turns a sharded tensor into a full local copy (a collective)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st:
+                out[names[id(p)]] = {k: _full_value(v, full) for k, v in sorted(st.items())}
+    return out
+
+
+def _full_value(v, full):
+    if isinstance(v, torch.Tensor):
+        return full(v).detach().clone()
+    return torch.tensor(v)  # python scalars some optimizers keep
+
+
+def group_hparams(opt: torch.optim.Optimizer) -> list[dict]:
+    """Every group's hyperparameters (params excluded), as comparable values."""
+    out = []
+    for group in opt.param_groups:
+        h = {}
+        for k, v in sorted(group.items()):
+            if k in ("params", "param_names"):
+                continue
+            h[k] = v.detach().cpu().tolist() if isinstance(v, torch.Tensor) else v
+        out.append(h)
+    return out
+
+
+def load_state_by_fqn(opt: torch.optim.Optimizer, case: Case, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Replace ``opt``'s per-param state with ``state`` (plain full tensors)."""
+    sd = opt.state_dict()
+    index = {n: i for i, n in enumerate(param_order(case))}
+    sd["state"] = {index[n]: {k: v.clone() for k, v in st.items()} for n, st in state.items()}
+    opt.load_state_dict(sd)

@@ -1,0 +1,127 @@
+"""Oracles: pure comparisons of what the sharded run did against the reference.
+
+Tolerances are derived, never tuned. ``u`` is the unit roundoff of the dtype.
+- *step*: the reference optimizer step starts from exactly the sharded
+  params, state and grads (the reference is re-anchored every step), so the
+  only legitimate difference is elementwise rounding of the same formulas
+  (vectorised vs scalar tails, fused multiply-add): ``STEP_ULPS * u``, times
+  the reduction length for optimizers that reduce over a param (Adafactor).
+- *reduction*: loss and grads come from the same params and data but a
+  different reduction order (sharded matmuls, collectives). Summing n terms
+  in any order errs by at most ``n * u * sum|terms|`` (Higham); we bound
+  ``sum|terms|`` by the tensor's largest magnitude and take n as the longest
+  reduction in the model times its depth, counted for both runs.
+An element fails when ``|got - want| > atol + rtol * |want|`` with
+``rtol = k*u`` and ``atol = k*u*max|want|``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+UNIT_ROUNDOFF = {
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "bfloat16": 2.0**-8,
+    "float16": 2.0**-11,
+}
+STEP_ULPS = 16
+
+
+def step_tolerance(dtype: str, reduce_len: int = 1) -> dict:
+    k = STEP_ULPS * reduce_len
+    return {"k_ulps": k, "u": UNIT_ROUNDOFF[dtype], "why": f"same inputs, elementwise rounding: {k} ulps of {dtype}"}
+
+
+def reduction_tolerance(dtype: str, n: int) -> dict:
+    k = 2 * n
+    return {
+        "k_ulps": k,
+        "u": UNIT_ROUNDOFF[dtype],
+        "why": f"reordered reductions of length <= {n} on both sides: 2*{n} ulps of {dtype}",
+    }
+
+
+def compare(quantity: str, step: int, fqn: str, got, want, tol: dict) -> dict | None:
+    """None when ``got`` matches ``want`` within ``tol``, else a mismatch record."""
+    if got is None or want is None:
+        if got is None and want is None:
+            return None
+        return _mismatch(quantity, step, fqn, tol, detail=f"sharded has {_desc(got)}, reference has {_desc(want)}")
+    if tuple(got.shape) != tuple(want.shape):
+        return _mismatch(
+            quantity, step, fqn, tol, detail=f"shape {tuple(got.shape)} vs reference {tuple(want.shape)}"
+        )
+    g = got.detach().to("cpu", torch.float64)
+    w = want.detach().to("cpu", torch.float64)
+    if g.numel() == 0:
+        return None
+    nan_g, nan_w = torch.isnan(g), torch.isnan(w)
+    if not torch.equal(nan_g, nan_w):
+        return _mismatch(quantity, step, fqn, tol, detail="NaN in one run only")
+    g, w = g.masked_fill(nan_g, 0), w.masked_fill(nan_w, 0)
+    inf = torch.isinf(g) | torch.isinf(w)
+    if inf.any() and not torch.equal(g[inf], w[inf]):
+        return _mismatch(quantity, step, fqn, tol, detail="inf in one run only")
+    g, w = g.masked_fill(inf, 0), w.masked_fill(inf, 0)
+    scale = w.abs().max().item()
+    k_u = tol["k_ulps"] * tol["u"]
+    atol = k_u * scale
+    err = (g - w).abs()
+    bound = atol + k_u * w.abs()
+    bad = err > bound
+    if not bad.any():
+        return None
+    flat = int(torch.argmax(torch.where(bad, err - bound, torch.zeros_like(err))).item())
+    idx = list(torch.unravel_index(torch.tensor(flat), tuple(w.shape))) if w.dim() else []
+    at = tuple(int(i) for i in idx)
+    e, ref = err.reshape(-1)[flat].item(), w.reshape(-1)[flat].item()
+    return _mismatch(
+        quantity,
+        step,
+        fqn,
+        tol,
+        max_abs=err.max().item(),
+        max_rel=(err / w.abs().clamp_min(1e-300)).max().item(),
+        at=at,
+        got=g.reshape(-1)[flat].item(),
+        want=ref,
+        allowed=atol + k_u * abs(ref),
+        bad=int(bad.sum().item()),
+        numel=w.numel(),
+        detail=f"|{e:.3g}| > {atol + k_u * abs(ref):.3g} at {at}",
+    )
+
+
+def compare_hparams(step: int, got: list[dict], want: list[dict]) -> dict | None:
+    """Param-group hyperparameters must be equal exactly (they are not computed)."""
+    if len(got) != len(want):
+        return _mismatch("param_groups", step, "", None, detail=f"{len(got)} groups vs {len(want)}")
+    for i, (g, w) in enumerate(zip(got, want)):
+        for key in sorted(set(g) | set(w)):
+            if not _same(g.get(key), w.get(key)):
+                return _mismatch(
+                    f"param_groups.{key}", step, f"group {i}", None, detail=f"{g.get(key)!r} vs reference {w.get(key)!r}"
+                )
+    return None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _desc(t) -> str:
+    return "none" if t is None else f"a tensor of shape {tuple(t.shape)}"
+
+
+def _mismatch(quantity, step, fqn, tol, **fields) -> dict:
+    out = {"quantity": quantity, "step": step, "fqn": fqn}
+    if tol is not None:
+        out["tolerance"] = tol["why"]
+    out.update(fields)
+    return out

@@ -1,0 +1,229 @@
+"""Run one Case: the sharded training on every rank, then the reference check.
+
+The sharded run records, after every step, the full (gathered) loss, grads,
+params, optimizer state and param-group hyperparameters. The reporting rank
+then replays the reference *anchored*: before step k it loads the sharded
+run's params and state after step k-1, so float noise never compounds over
+steps and every divergence is caught at the step that made it:
+  - loss and grads of step k vs the reference forward/backward on the same
+    params and data (reduction tolerance);
+  - params, state and hyperparameters after step k vs the reference
+    optimizer stepping from the same params, state *and grads* (step tolerance).
+A verdict is a plain dict: status pass | invalid | finding.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from ..case import Case
+from .model import build_model, loss_fn, make_batch
+from .optim import build_optimizer, group_hparams, load_state_by_fqn, state_by_fqn
+from .oracles import compare, compare_hparams, reduction_tolerance, step_tolerance
+
+MAX_REPORTED = 8
+# optimizers whose step reduces over a param (row/column means, matmuls)
+REDUCING_OPTIMIZERS = {"Adafactor": 4, "Muon": 64}
+
+
+def torch_dtype(case: Case) -> torch.dtype:
+    return getattr(torch, case.dtype)
+
+
+def run_case(case: Case, mesh, target_cls, device: str, reporter: bool, timings: dict | None = None) -> dict | None:
+    """Every rank of the case's mesh calls this; only the reporter returns a verdict
+    unless the sharded run raised here (then this rank returns the error verdict)."""
+    timings = {} if timings is None else timings
+    t0 = time.perf_counter()
+    try:
+        _plain_setup(case, device)
+    except Exception as e:  # the reference itself rejects the config
+        return {"status": "invalid", "reason": f"reference rejects the config: {_exc(e)['text']}"}
+    obs, error = _run_sharded(case, mesh, target_cls, device, keep=reporter)
+    t1 = timings["sharded"] = time.perf_counter() - t0
+    if error is not None:
+        ref_error = _plain_reference_error(case, device)
+        if ref_error is not None:
+            return {"status": "invalid", "reason": f"reference raises too: {ref_error['text']}", "error": error}
+        return {"status": "finding", "oracle": "error_parity", "error": error}
+    if not reporter:
+        return None
+    verdict = check_parity(case, obs, device)
+    timings["reference"] = time.perf_counter() - t0 - t1
+    return verdict
+
+
+def _plain_setup(case: Case, device: str):
+    model = build_model(case.model, case.seed, device, torch_dtype(case))
+    for n in case.frozen:
+        model.get_parameter(n).requires_grad_(False)
+    return model, build_optimizer(model, case)
+
+
+def _apply_flags(model, step) -> None:
+    for n in step.freeze:
+        model.get_parameter(n).requires_grad_(False)
+    for n in step.unfreeze:
+        model.get_parameter(n).requires_grad_(True)
+
+
+def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool):
+    """(observations, None) or (None, error record). Collectives need every rank
+    to gather in the same order, so all ranks gather and only ``keep`` stores."""
+    dtype = torch_dtype(case)
+    phase = "shard"
+    try:
+        target = target_cls(case, mesh)
+        model = build_model(case.model, case.seed, device, dtype)
+        init = {n: p.detach().clone() for n, p in model.named_parameters()} if keep else None
+        model = target.shard(model)
+        for n in case.frozen:
+            model.get_parameter(n).requires_grad_(False)
+        phase = "optimizer constructor"
+        opt = build_optimizer(model, case)
+        phase = "gather initial optimizer state"
+        init_state = state_by_fqn(opt, model, target.full)  # some optimizers fill state in __init__
+        steps = []
+        for k, step in enumerate(case.schedule):
+            _apply_flags(model, step)
+            phase = f"step {k}: zero_grad"
+            opt.zero_grad(set_to_none=step.set_to_none)
+            phase = f"step {k}: forward/backward"
+            x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
+            loss, full_loss = target.loss(model, x, y)
+            loss.backward()
+            phase = f"step {k}: gather grads"
+            grads = {n: None if p.grad is None else target.full(p.grad).detach().clone() for n, p in model.named_parameters()}
+            phase = f"step {k}: optimizer.step"
+            opt.step()
+            phase = f"step {k}: gather params and state"
+            rec = {
+                "loss": full_loss.detach().clone(),
+                "grads": grads,
+                "params": {n: target.full(p).detach().clone() for n, p in model.named_parameters()},
+                "state": state_by_fqn(opt, model, target.full),
+                "groups": group_hparams(opt),
+            }
+            if keep:
+                steps.append(rec)
+        return ({"init": init, "init_state": init_state, "steps": steps} if keep else None), None
+    except Exception as e:
+        return None, {**_exc(e), "phase": phase}
+
+
+def _plain_reference_error(case: Case, device: str) -> dict | None:
+    """Run the plain reference schedule un-anchored; its exception, if any."""
+    try:
+        model, opt = _plain_setup(case, device)
+        for k, step in enumerate(case.schedule):
+            _apply_flags(model, step)
+            opt.zero_grad(set_to_none=step.set_to_none)
+            x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
+            loss_fn(model(x), y).backward()
+            opt.step()
+    except Exception as e:
+        return _exc(e)
+    return None
+
+
+def reduction_length(case: Case) -> int:
+    """Longest chain of summed terms behind a loss or grad element (see oracles)."""
+    dims, kernel, depth = [case.model.d_in], 1, 1
+
+    def walk(layers, mult):
+        nonlocal kernel, depth
+        for layer in layers:
+            dims.extend([layer.d_in, layer.d_out])
+            kernel = max(kernel, layer.kernel)
+            if layer.kind in ("linear", "embedding", "conv1d", "layernorm"):
+                depth += mult
+            walk(layer.children, mult * (2 if layer.kind == "twice" else 1))
+
+    walk(case.model.layers, 1)
+    return case.batch * case.seq * max(dims) * kernel * (depth + 1)
+
+
+def check_parity(case: Case, obs: dict, device: str) -> dict:
+    dtype = torch_dtype(case)
+    try:
+        model, opt = _plain_setup(case, device)
+    except Exception as e:
+        return {"status": "invalid", "reason": f"reference rejects the config: {_exc(e)['text']}"}
+    red_tol = reduction_tolerance(case.dtype, reduction_length(case))
+    numel = max([p.numel() for p in model.parameters()] or [1])
+    step_tol = step_tolerance(case.dtype, numel * REDUCING_OPTIMIZERS[case.optim.name] if case.optim.name in REDUCING_OPTIMIZERS else 1)
+    params = dict(model.named_parameters())
+    mismatches = _compare_state(-1, obs["init_state"], state_by_fqn(opt, model, lambda t: t), step_tol)
+    prev = {"params": obs["init"], "state": obs["init_state"], "grads": {n: None for n in params}}
+    for k, step in enumerate(case.schedule):
+        rec = obs["steps"][k]
+        try:
+            _anchor(model, opt, case, prev)
+            _apply_flags(model, step)
+            opt.zero_grad(set_to_none=step.set_to_none)
+            x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            mismatches.append(compare("loss", k, "", rec["loss"], loss.detach(), red_tol))
+            for n, p in params.items():
+                mismatches.append(compare("grad", k, n, rec["grads"][n], p.grad, red_tol))
+            with torch.no_grad():  # step from the sharded grads: isolates the optimizer
+                for n, p in params.items():
+                    g = rec["grads"][n]
+                    p.grad = None if g is None else g.to(p.device).clone()
+            opt.step()
+        except Exception as e:
+            ref_error = _plain_reference_error(case, device)
+            if ref_error is not None:
+                return {"status": "invalid", "reason": f"reference raises: {ref_error['text']}"}
+            return _finding([m for m in mismatches if m] + [{"quantity": "reference replay", "step": k, "fqn": "", "detail": f"the reference could not replay the sharded state: {_exc(e)['text']}"}])
+        for n, p in params.items():
+            mismatches.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol))
+        mismatches += _compare_state(k, rec["state"], state_by_fqn(opt, model, lambda t: t), step_tol)
+        mismatches.append(compare_hparams(k, rec["groups"], group_hparams(opt)))
+        prev = rec
+    mismatches = [m for m in mismatches if m]
+    if mismatches:
+        return _finding(mismatches)
+    return {"status": "pass"}
+
+
+def _compare_state(k: int, got_state: dict, want_state: dict, tol: dict) -> list:
+    """Step -1 is the state right after the optimizer constructor."""
+    out = []
+    for n in sorted(set(want_state) | set(got_state)):
+        got, want = got_state.get(n, {}), want_state.get(n, {})
+        for key in sorted(set(got) | set(want)):
+            out.append(compare(f"state.{key}", k, n, got.get(key), want.get(key), tol))
+    return out
+
+
+def _anchor(model, opt, case: Case, rec: dict) -> None:
+    """Make the reference exactly the sharded run's state after the previous step."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(rec["params"][n])
+            p.grad = None if rec["grads"][n] is None else torch.zeros_like(p)
+    load_state_by_fqn(opt, case, rec["state"])
+
+
+def _finding(mismatches: list[dict]) -> dict:
+    return {
+        "status": "finding",
+        "oracle": "parity",
+        "first": mismatches[0],
+        "mismatches": mismatches[:MAX_REPORTED],
+        "count": len(mismatches),
+    }
+
+
+def _exc(e: BaseException) -> dict:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return {
+        "type": type(e).__name__,
+        "message": msg[:500],
+        "text": f"{type(e).__name__}: {msg[:300]}",
+        "traceback": "".join(traceback.format_exception(e))[-4000:],
+    }

@@ -1,0 +1,54 @@
+"""Target ``dtensor``: params as DTensors + a plain torch.optim optimizer.
+
+Every param is replaced by ``distribute_tensor(p, mesh, placements)`` with the
+placements the Case draws per param (Shard(d) / Replicate per mesh dim);
+buffers and inputs are replicated, so the forward and backward run through
+DTensor's sharding propagation and the optimizer steps on local shards.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ...case import Case
+from ..model import loss_fn
+
+
+def parse_placement(text: str):
+    """"R" -> Replicate(), "S1" -> Shard(1)."""
+    return Replicate() if text == "R" else Shard(int(text[1:]))
+
+
+class DTensorTarget:
+    name = "dtensor"
+
+    def __init__(self, case: Case, mesh):
+        self.case = case
+        self.mesh = mesh
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        placements = self.case.target_options.get("placements", {})
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        done: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if id(p) not in done:  # a tied param is distributed once and shared again
+                    spec = placements.get(canonical[id(p)], ["R"] * self.mesh.ndim)
+                    dt = distribute_tensor(p.detach(), self.mesh, [parse_placement(s) for s in spec])
+                    done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                module.register_parameter(name, done[id(p)])
+            for name, b in list(module.named_buffers(recurse=False)):
+                module.register_buffer(name, self._replicate(b))
+        return model
+
+    def _replicate(self, t: torch.Tensor) -> DTensor:
+        return distribute_tensor(t, self.mesh, [Replicate()] * self.mesh.ndim)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+        """Every rank sees the whole global batch, replicated."""
+        loss = loss_fn(model(self._replicate(x)), self._replicate(y))
+        return loss, loss.full_tensor()
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t

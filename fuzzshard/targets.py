@@ -1,0 +1,38 @@
+"""The registry of targets: name -> the class that shards a model for it.
+
+Built-in targets are imported lazily (importing FSDP costs time). Users add
+their own from a ``--worker-setup`` file::
+
+    from fuzzshard.targets import register_target
+    register_target("mine", MyTarget)   # same interface as kernel/targets/dtensor.py
+"""
+from __future__ import annotations
+
+import importlib
+
+_BUILTIN = {
+    "dtensor": "fuzzshard.kernel.targets.dtensor:DTensorTarget",
+}
+_USER: dict[str, type] = {}
+
+
+def register_target(name: str, cls: type) -> None:
+    _USER[name] = cls
+
+
+def names() -> list[str]:
+    return sorted(set(_BUILTIN) | set(_USER))
+
+
+def get(name: str) -> type:
+    if name in _USER:
+        return _USER[name]
+    if name not in _BUILTIN:
+        raise KeyError(f"unknown target {name!r} (known: {', '.join(names())})")
+    module, _, attr = _BUILTIN[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def module_of(name: str) -> str:
+    """Import path of a built-in target's module (the repro script inlines it)."""
+    return _BUILTIN[name].partition(":")[0]
