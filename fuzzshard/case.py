@@ -107,6 +107,11 @@ class Case:
         return cls.from_dict(data)
 
 
+def mesh_shapes(world: int) -> list[tuple[int, ...]]:
+    """Meshes a world size can take: 1-D, then each 2-D factorisation with both sides > 1."""
+    return [(world,)] + [(a, world // a) for a in range(2, world) if world % a == 0]
+
+
 class CaseError(ValueError):
     """A case that cannot be read: bad JSON, a missing field, a wrong type."""
 

@@ -18,6 +18,8 @@ import time
 import traceback
 from multiprocessing.connection import Client
 
+from .case import mesh_shapes
+
 
 def main() -> None:
     """Started by ``runner.Pool`` as ``python -m fuzzshard.worker`` with its
@@ -79,11 +81,6 @@ def run_setup_file(path: str) -> None:
     with open(path) as f:
         code = compile(f.read(), path, "exec")
     exec(code, {"__name__": "__fuzzshard_setup__", "__file__": path})
-
-
-def mesh_shapes(world: int) -> list[tuple[int, ...]]:
-    """1-D, and every 2-D factorisation with both sides > 1."""
-    return [(world,)] + [(a, world // a) for a in range(2, world) if world % a == 0]
 
 
 def _slices(shape: tuple[int, ...]) -> list[list[list[int]]]:

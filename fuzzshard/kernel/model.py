@@ -104,6 +104,8 @@ def build_model(spec: Model, seed: int, device: str, dtype: torch.dtype) -> Net:
 
 
 def out_dim(spec: Model) -> int:
+    if spec.tie_head:
+        return spec.d_in  # the head maps back to the vocabulary
     d = spec.d_in
     for layer in spec.layers:
         d = _out(layer, d)
@@ -162,8 +164,7 @@ def make_batch(spec: Model, seed: int, step: int, batch: int, seq: int, device: 
         x = torch.randint(0, spec.d_in, (batch, seq), generator=g)
     else:
         x = torch.randn(batch, seq, spec.d_in, generator=g).to(dtype)
-    d_out = spec.d_in if spec.tie_head else out_dim(spec)
-    y = torch.randn(batch, seq, d_out, generator=g).to(dtype)
+    y = torch.randn(batch, seq, out_dim(spec), generator=g).to(dtype)
     return x.to(device), y.to(device)
 
 

@@ -70,9 +70,12 @@ def group_hparams(opt: torch.optim.Optimizer) -> list[dict]:
     return out
 
 
-def load_state_by_fqn(opt: torch.optim.Optimizer, case: Case, state: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Replace ``opt``'s per-param state with ``state`` (plain full tensors)."""
-    sd = opt.state_dict()
-    index = {n: i for i, n in enumerate(param_order(case))}
-    sd["state"] = {index[n]: {k: v.clone() for k, v in st.items()} for n, st in state.items()}
-    opt.load_state_dict(sd)
+def load_state_by_fqn(opt: torch.optim.Optimizer, model: torch.nn.Module, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Replace ``opt``'s per-param state with copies of ``state`` (plain full
+    tensors), dtypes kept: ``load_state_dict`` would cast float state such as
+    NAdam's float32 ``mu_product`` to the param dtype and change the numerics."""
+    params = dict(model.named_parameters())
+    opt.state.clear()
+    for n, st in state.items():
+        p = params[n]
+        opt.state[p] = {k: v.to(p.device).clone() for k, v in st.items()}

@@ -8,11 +8,14 @@ Tolerances are derived, never tuned. ``u`` is the unit roundoff of the dtype.
   the reduction length for optimizers that reduce over a param (Adafactor).
 - *reduction*: loss and grads come from the same params and data but a
   different reduction order (sharded matmuls, collectives). Summing n terms
-  in any order errs by at most ``n * u * sum|terms|`` (Higham); we bound
-  ``sum|terms|`` by the tensor's largest magnitude and take n as the longest
-  reduction in the model times its depth, counted for both runs.
+  in any order errs by at most ``n * u * sum|terms|`` (Higham); n is the
+  longest reduction in the model times its depth, counted for both runs.
+  ``sum|terms|`` is not visible in a result that cancels (a bias feeding a
+  LayerNorm has an analytic grad of 0), so the bound also carries the
+  tensor's *measured sensitivity*: how far it moves when every param and
+  input is nudged by one ulp. Rounding inside a run acts like such nudges.
 An element fails when ``|got - want| > atol + rtol * |want|`` with
-``rtol = k*u`` and ``atol = k*u*max|want|``.
+``rtol = k*u`` and ``atol = k*u*max|want| + k*sensitivity``.
 """
 from __future__ import annotations
 
@@ -43,8 +46,10 @@ def reduction_tolerance(dtype: str, n: int) -> dict:
     }
 
 
-def compare(quantity: str, step: int, fqn: str, got, want, tol: dict) -> dict | None:
-    """None when ``got`` matches ``want`` within ``tol``, else a mismatch record."""
+def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: float = 0.0) -> dict | None:
+    """None when ``got`` matches ``want`` within ``tol``, else a mismatch record.
+    ``atol = k*u*max|want| + k*sens``, ``sens`` being the measured change of
+    this tensor under one-ulp nudges of every input (0 for the step oracle)."""
     if got is None or want is None:
         if got is None and want is None:
             return None
@@ -65,9 +70,8 @@ def compare(quantity: str, step: int, fqn: str, got, want, tol: dict) -> dict | 
     if inf.any() and not torch.equal(g[inf], w[inf]):
         return _mismatch(quantity, step, fqn, tol, detail="inf in one run only")
     g, w = g.masked_fill(inf, 0), w.masked_fill(inf, 0)
-    scale = w.abs().max().item()
     k_u = tol["k_ulps"] * tol["u"]
-    atol = k_u * scale
+    atol = k_u * w.abs().max().item() + tol["k_ulps"] * sens
     err = (g - w).abs()
     bound = atol + k_u * w.abs()
     bad = err > bound

@@ -1,0 +1,6 @@
+"""fuzzshard: property-based fuzzing of PyTorch's sharded training stacks.
+
+Data flows one way: strategies (Hypothesis) -> Case -> runner (worker pool)
+-> kernel (sharded run + anchored reference) -> oracles -> findings.
+"""
+__version__ = "0.1.0"

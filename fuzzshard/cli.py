@@ -1,0 +1,288 @@
+"""fuzzshard's command line. Exit codes: 0 nothing new found / passes now,
+1 findings / still fails, 2 bad usage or input (one clear line on stderr)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+
+EXAMPLES = """
+examples:
+  fuzzshard fuzz --target dtensor --max-examples 50 --world-sizes 1,2,3 --out findings
+  fuzzshard fuzz --target all --duration 10m --seed 7 --out findings
+  fuzzshard fuzz --target dtensor --worker-setup my_patch.py   # patch torch / register a target
+  fuzzshard replay findings/dtensor.parity.Adam.param.json    # 0 passes now, 1 still fails
+  torchrun --nproc-per-node 2 findings/dtensor.parity.Adam.param.py   # no fuzzshard needed
+  fuzzshard show findings/dtensor.parity.Adam.param.json
+  fuzzshard known --check                                       # do known torch bugs still reproduce?
+  fuzzshard bench                                               # warm pool vs fresh process groups
+"""
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise UsageError(f"cannot read duration {text!r}: use e.g. 90s, 10m, 8h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def parse_world_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"--world-sizes takes comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise UsageError(f"world sizes must be >= 1, got {text!r}")
+    if sizes[-1] > 64:
+        raise UsageError(f"world size {sizes[-1]} is more ranks than one machine's pool can hold (max 64)")
+    return sizes
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="fuzzshard",
+        description="Property-based fuzzing of PyTorch's sharded training stacks: random training setups run "
+        "sharded and unsharded on real process groups; divergences shrink to standalone repro scripts.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    f = sub.add_parser("fuzz", help="run a fuzz session", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Draw cases, run each sharded and as an anchored reference, shrink every "
+                       "divergence and write OUT/<signature>.json + .py.\nExit 0: no new finding; 1: new findings; 2: usage error.")
+    f.add_argument("--target", default="dtensor", help="target name(s), comma-separated, or 'all' (default: dtensor)")
+    g = f.add_mutually_exclusive_group()
+    g.add_argument("--max-examples", type=int, default=None, help="cases to draw per target (default 100)")
+    g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
+    f.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
+    f.add_argument("--out", default="fuzzshard-out", help="findings and the example database go here")
+    f.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes to draw from (default 1,2,3,4)")
+    f.add_argument("--optimizers", default=None, help="restrict to these torch.optim classes, comma-separated")
+    _pool_args(f)
+
+    r = sub.add_parser("replay", help="re-run a finding or case file: exit 0 passes now, 1 still fails, 2 bad file")
+    r.add_argument("file")
+    _pool_args(r)
+
+    s = sub.add_parser("show", help="print a finding or case file readably")
+    s.add_argument("file")
+
+    k = sub.add_parser("known", help="list the known findings in torch; --check replays them")
+    k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
+    _pool_args(k)
+
+    b = sub.add_parser("bench", help="warm pool vs a fresh process group per case, same cases, one run")
+    b.add_argument("--cases", type=int, default=12, help="cases per mode (default 12)")
+    b.add_argument("--world-size", type=int, default=2)
+    b.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def _pool_args(p) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--backend", default=None, help="process group backend (default: gloo on cpu, nccl on cuda)")
+    p.add_argument("--worker-setup", default=None, metavar="FILE.py",
+                   help="Python file run in every worker before any case: patch torch, register_target(...)")
+    p.add_argument("--case-timeout", type=float, default=120.0, metavar="SEC",
+                   help="a case still running after this is a hang finding (default 120)")
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"fuzz": cmd_fuzz, "replay": cmd_replay, "show": cmd_show, "known": cmd_known, "bench": cmd_bench}[
+            args.command
+        ](args)
+    except UsageError as e:
+        print(f"fuzzshard: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fuzzshard: interrupted", file=sys.stderr)
+        return 130
+
+
+def _check_pool_args(args) -> None:
+    if args.worker_setup and not os.path.isfile(args.worker_setup):
+        raise UsageError(f"--worker-setup: no such file {args.worker_setup!r}")
+    if args.case_timeout <= 0:
+        raise UsageError("--case-timeout must be positive")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available here")
+    if args.worker_setup:  # the same file runs here, so its register_target calls are seen
+        from .worker import run_setup_file
+
+        try:
+            run_setup_file(args.worker_setup)
+        except Exception as e:
+            raise UsageError(f"--worker-setup {args.worker_setup} failed: {type(e).__name__}: {e}") from None
+
+
+def _pool(args, size: int, log_dir=None):
+    from .runner import Pool, PoolError
+
+    try:
+        return Pool(size, device=args.device, backend=args.backend, worker_setup=args.worker_setup,
+                    case_timeout=args.case_timeout, log_dir=log_dir).start()
+    except PoolError as e:
+        raise UsageError(f"could not start {size} workers: {e}") from None
+
+
+def _resolve_targets(text: str) -> list[str]:
+    from . import targets
+
+    names = targets.names() if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in targets.names()]
+    if unknown or not names:
+        raise UsageError(f"unknown target {', '.join(unknown) or text!r} (known: {', '.join(targets.names())}, all)")
+    return names
+
+
+def cmd_fuzz(args) -> int:
+    from .engine import Session
+
+    sizes = parse_world_sizes(args.world_sizes)
+    duration = parse_duration(args.duration) if args.duration else None
+    if args.max_examples is not None and args.max_examples < 1:
+        raise UsageError("--max-examples must be >= 1")
+    _check_pool_args(args)
+    names = _resolve_targets(args.target)
+    strategy_kwargs = {}
+    if args.optimizers:
+        from fuzzshard.strategies.optimizers import available
+
+        opts = [o.strip() for o in args.optimizers.split(",")]
+        bad = [o for o in opts if o not in available()]
+        if bad:
+            raise UsageError(f"unknown optimizer(s) {bad} (known: {', '.join(available())})")
+        strategy_kwargs["optimizer_names"] = opts
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    os.makedirs(args.out, exist_ok=True)
+    print(f"fuzzshard: targets {','.join(names)} · world sizes {sizes} · seed {seed} · out {args.out}", file=sys.stderr)
+    pool = _pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"))
+    try:
+        session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
+                          duration=duration, seed=seed, device=args.device, strategy_kwargs=strategy_kwargs)
+        findings = session.run()
+    finally:
+        pool.close()
+    _print_session_report(session, findings, args.out)
+    return 1 if findings else 0
+
+
+def _print_session_report(session, findings, out) -> None:
+    from .findings import summary
+
+    st = session.stats
+    print(f"\n{st.cases} cases · {st.valid} valid · {st.invalid} invalid · {st.rate():.2f} cases/s", file=sys.stderr)
+    if st.internal_errors:
+        print(f"{st.internal_errors} fuzzshard-internal errors (see above)", file=sys.stderr)
+    for sig, n in sorted(st.known.items()):
+        print(f"known   {sig} ×{n}: {session.known[sig].diagnosis}", file=sys.stderr)
+    for f in findings:
+        flag = "" if f.deterministic else " (FLAKY: a second run gave another verdict)"
+        print(f"FINDING {f.signature}{flag}\n        {summary(f.verdict)}\n        -> {out}/{f.signature}.json, "
+              f"{out}/{f.signature}.py (torchrun --nproc-per-node {f.case.world_size})", file=sys.stderr)
+    if not findings:
+        print("no new findings", file=sys.stderr)
+
+
+def _load(path):
+    from .case import CaseError
+    from .findings import load_finding
+
+    try:
+        finding = load_finding(path)
+    except CaseError as e:
+        raise UsageError(f"{path}: {e}") from None
+    from . import targets
+
+    if finding.case.target not in targets.names():
+        raise UsageError(f"{path}: unknown target {finding.case.target!r} (known: {', '.join(targets.names())})")
+    if finding.case.world_size < 1 or len(finding.case.mesh_shape) < 1:
+        raise UsageError(f"{path}: world size {finding.case.world_size} is impossible")
+    import math
+
+    if math.prod(finding.case.mesh_shape) != finding.case.world_size:
+        raise UsageError(f"{path}: mesh {finding.case.mesh_shape} does not hold {finding.case.world_size} ranks")
+    return finding
+
+
+def cmd_replay(args) -> int:
+    from .findings import signature, summary
+
+    _check_pool_args(args)
+    finding = _load(args.file)
+    case = finding.case
+    pool = _pool(args, case.world_size)
+    try:
+        v = pool.run(case).verdict
+    finally:
+        pool.close()
+    if v["status"] == "invalid":
+        raise UsageError(f"{args.file}: the case is invalid: {v['reason']}")
+    if v["status"] == "error":
+        raise UsageError(f"{args.file}: fuzzshard could not run the case: {v['error']}")
+    if v["status"] == "pass":
+        print(f"PASS: {args.file} no longer fails" + (f" ({finding.signature})" if finding.signature else ""))
+        return 0
+    sig = signature(case, v)
+    same = "" if not finding.signature or sig == finding.signature else f" (recorded as {finding.signature})"
+    print(f"FAIL: {sig}{same}\n{summary(v)}")
+    for m in v.get("mismatches", [])[1:]:
+        print(f"  also: {m['quantity']} {m['fqn']} step {m['step']}: {m['detail']}")
+    return 1
+
+
+def cmd_show(args) -> int:
+    from .show import render
+
+    print(render(_load(args.file)))
+    return 0
+
+
+def cmd_known(args) -> int:
+    from .findings import load_known, signature
+
+    known = load_known()
+    if not known:
+        print("no known findings")
+        return 0
+    if args.check:
+        _check_pool_args(args)
+    pool = _pool(args, max(f.case.world_size for f in known.values())) if args.check else None
+    try:
+        for sig, f in known.items():
+            status = ""
+            if pool is not None:
+                v = pool.run(f.case).verdict
+                still = v["status"] == "finding" and signature(f.case, v) == sig
+                status = "still reproduces  " if still else "NO LONGER REPRODUCES  "
+            print(f"{status}{sig}\n    {f.diagnosis}")
+    finally:
+        if pool is not None:
+            pool.close()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    if args.world_size < 1 or args.cases < 1:
+        raise UsageError("--world-size and --cases must be >= 1")
+    run_bench(args.cases, args.world_size, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

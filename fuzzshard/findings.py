@@ -1,0 +1,180 @@
+"""Findings: their stable signatures, their files, and the known-findings list.
+
+A signature names a bug, not a case: target + oracle + the failing quantity
+(or the exception type and normalised message), so the same bug found twice,
+in any model, is one file. Files are written atomically (temp + rename).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .case import Case, CaseError
+
+KNOWN_DIR = Path(__file__).parent / "known"
+
+
+def signature(case: Case, verdict: dict) -> str:
+    oracle = verdict.get("oracle", "unknown")
+    if oracle == "parity":
+        first = verdict["first"]
+        quantity = first["quantity"].replace("param_groups.", "group.")
+        return f"{case.target}.parity.{case.optim.name}.{quantity}"
+    err = verdict.get("error") or {}
+    if oracle == "error_parity":
+        # the root cause is the message template, not which optimizer or op surfaced it
+        phase = _phase_kind(err.get("phase", ""))
+        return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{_digest(err.get('message', ''))}"
+    if oracle == "crash":
+        return f"{case.target}.crash.{_slug(err.get('type', 'Crash'))}"
+    return f"{case.target}.{oracle}"
+
+
+def _phase_kind(phase: str) -> str:
+    for key, kind in (("optimizer.step", "step"), ("constructor", "ctor"), ("forward", "fwdbwd"), ("shard", "shard")):
+        if key in phase:
+            return kind
+    return "other"
+
+
+def _digest(message: str) -> str:
+    """Same message template -> same digest: op names, numbers and placements vary per case."""
+    template = re.sub(r"aten\.[\w.]+", "OP", message)
+    template = re.sub(r"\([^()]*(\([^()]*\)[^()]*)*\)", "()", template)
+    template = re.sub(r"\d+", "N", template)[:160]
+    return hashlib.sha1(template.encode()).hexdigest()[:8]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+
+
+def summary(verdict: dict) -> str:
+    """One line: what diverged, where, by how much, against which tolerance."""
+    oracle = verdict.get("oracle")
+    if oracle == "parity":
+        m = verdict["first"]
+        where = f"{m['quantity']} of {m['fqn'] or 'the model'} after step {m['step']}" if m["step"] >= 0 else f"{m['quantity']} of {m['fqn']} after the constructor"
+        extra = f" (max abs err {m['max_abs']:.3g}, {m['bad']}/{m['numel']} elements; tolerance: {m['tolerance']})" if "max_abs" in m else ""
+        return f"parity: {where} differs: {m['detail']}{extra}; {verdict['count']} mismatches in all"
+    err = verdict.get("error") or {}
+    if oracle == "error_parity":
+        return f"error parity: only the sharded run raises, in {err.get('phase')}: {err.get('type')}: {err.get('message')}"
+    if oracle == "hang":
+        return f"hang: {err.get('message')}"
+    if oracle == "crash":
+        return f"crash: {err.get('type')}: ranks {verdict.get('dead_ranks')} died"
+    return json.dumps(verdict)[:300]
+
+
+def environment(pool_info: dict | None, backend: str) -> dict:
+    import hypothesis
+
+    info = pool_info or {}
+    return {
+        "torch": info.get("torch"),
+        "hypothesis": hypothesis.__version__,
+        "python": platform.python_version(),
+        "backend": backend,
+        "platform": platform.platform(),
+    }
+
+
+@dataclass
+class Finding:
+    signature: str
+    case: Case
+    verdict: dict
+    deterministic: bool = True
+    count: int = 1
+    environment: dict = field(default_factory=dict)
+    diagnosis: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "signature": self.signature,
+            "summary": summary(self.verdict),
+            "deterministic": self.deterministic,
+            "diagnosis": self.diagnosis,
+            "verdict": _jsonable(self.verdict),
+            "environment": self.environment,
+            "case": self.case.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Finding:
+        if not isinstance(data, dict) or "case" not in data:
+            raise CaseError("not a fuzzshard finding: no 'case' field")
+        return cls(
+            signature=data.get("signature", ""),
+            case=Case.from_dict(data["case"]),
+            verdict=data.get("verdict", {}),
+            deterministic=data.get("deterministic", True),
+            environment=data.get("environment", {}),
+            diagnosis=data.get("diagnosis", ""),
+        )
+
+
+def load_finding(path: str | os.PathLike) -> Finding:
+    """A repro file: a finding JSON, or a bare case JSON. CaseError if unreadable."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise CaseError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CaseError(f"{path} is not valid JSON ({e})") from None
+    if isinstance(data, dict) and "case" not in data and "target" in data:
+        return Finding(signature="", case=Case.from_dict(data), verdict={})
+    return Finding.from_dict(data)
+
+
+def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str) -> tuple[Path, Path]:
+    """OUT/<signature>.json and .py. An existing file of the same signature is
+    kept unless the new case is smaller (the same bug, a simpler repro)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath, ppath = out / f"{finding.signature}.json", out / f"{finding.signature}.py"
+    if jpath.exists():
+        try:
+            old = load_finding(jpath)
+            if len(old.case.to_json()) <= len(finding.case.to_json()):
+                return jpath, ppath
+        except CaseError:
+            pass  # a broken old file is replaced
+    atomic_write(jpath, json.dumps(finding.to_dict(), indent=2, sort_keys=True) + "\n")
+    atomic_write(ppath, script)
+    return jpath, ppath
+
+
+def atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def load_known(directory: str | os.PathLike = KNOWN_DIR) -> dict[str, Finding]:
+    """The known-findings list: signature -> finding (with its diagnosis)."""
+    known = {}
+    for p in sorted(Path(directory).glob("*.json")):
+        f = load_finding(p)
+        known[f.signature] = f
+    return known
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return repr(v)
+    return v

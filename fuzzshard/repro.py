@@ -1,0 +1,114 @@
+"""Standalone repro scripts: the case inlined, plus the very kernel code that
+ran it, flattened into one file that needs only torch and torchrun.
+
+Kernel modules import only stdlib, torch and each other through single-line
+``from .x import name`` statements; flattening drops those lines and
+concatenates the modules in dependency order, so the names resolve globally.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+from . import targets
+from .case import Case
+
+_MODULES = ["fuzzshard.case", "fuzzshard.kernel.model", "fuzzshard.kernel.optim", "fuzzshard.kernel.oracles"]
+_TAIL = ["fuzzshard.kernel.run"]
+_RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
+
+
+def flatten(modules: list[str]) -> str:
+    parts = []
+    for name in modules:
+        src = inspect.getsource(importlib.import_module(name))
+        lines = [ln for ln in src.splitlines() if not _RELATIVE_IMPORT.match(ln) and ln != "from __future__ import annotations"]
+        parts.append(f"# ---- {name} " + "-" * max(0, 70 - len(name)) + "\n" + "\n".join(lines).strip() + "\n")
+    return "\n\n".join(parts)
+
+
+def script(case: Case, headline: str = "", environment: dict | None = None) -> str:
+    module = targets.module_of(case.target)
+    cls = targets.get(case.target).__name__
+    env = environment or {}
+    body = flatten(_MODULES + [module] + _TAIL)
+    return _TEMPLATE.format(
+        headline=headline or "a fuzzshard case",
+        world=case.world_size,
+        torch=env.get("torch", "?"),
+        backend=env.get("backend", "gloo"),
+        body=body,
+        case_json=case.to_json(indent=1),
+        target_cls=cls,
+    )
+
+
+_TEMPLATE = '''#!/usr/bin/env python
+"""fuzzshard repro: {headline}
+
+Run:   torchrun --nproc-per-node {world} THIS_FILE.py
+Found with torch {torch}, backend {backend}. Needs only torch.
+Exit code 0: no divergence now; 1: the divergence reproduces (printed below).
+The code below is fuzzshard's own kernel, flattened: it builds the model from
+CASE, trains it sharded, then replays an unsharded reference anchored on the
+sharded state before every step and compares (see the oracles section).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+{body}
+
+# ---- the case -------------------------------------------------------------
+CASE_JSON = r"""
+{case_json}
+"""
+TARGET = {target_cls}
+
+
+def _main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--setup", help="a Python file run before the case (a patch of torch, e.g. a planted bug)")
+    args = ap.parse_args()
+    if args.setup:
+        exec(compile(open(args.setup).read(), args.setup, "exec"), {{"__name__": "__fuzzshard_setup__"}})
+    torch.set_num_threads(1)
+    case = Case.from_json(CASE_JSON)
+    if int(os.environ.get("WORLD_SIZE", "0")) != case.world_size:
+        print(f"run me with: torchrun --nproc-per-node {{case.world_size}} {{sys.argv[0]}}", file=sys.stderr)
+        return 2
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cpu"
+    if case.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = f"cuda:{{torch.cuda.current_device()}}"
+    dist.init_process_group("nccl" if case.device == "cuda" else "gloo", timeout=timedelta(seconds=120))
+    names = tuple(f"d{{i}}" for i in range(len(case.mesh_shape)))
+    mesh = init_device_mesh(case.device, case.mesh_shape, mesh_dim_names=names)
+    rank = dist.get_rank()
+    verdict = run_case(case, mesh, TARGET, device, reporter=rank == 0)
+    if verdict is None or verdict["status"] == "pass":
+        if rank == 0:
+            print("PASS: the sharded run matches the reference")
+        dist.destroy_process_group()
+        return 0
+    shown = {{k: v for k, v in verdict.items() if k not in ("mismatches",)}}
+    print(f"rank {{rank}}: {{verdict['status'].upper()}}:", json.dumps(shown, indent=1, default=str))
+    if verdict["status"] == "invalid":
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
+'''

@@ -1,0 +1,64 @@
+"""``fuzzshard show``: a finding or case, readable by a person."""
+from __future__ import annotations
+
+import json
+
+from .case import Layer
+from .findings import Finding, summary
+
+
+def render(finding: Finding) -> str:
+    c = finding.case
+    lines = []
+    if finding.signature:
+        lines += [f"finding   {finding.signature}", f"          {summary(finding.verdict)}"]
+        if finding.diagnosis:
+            lines.append(f"diagnosis {finding.diagnosis}")
+        if finding.environment:
+            lines.append("found on  " + ", ".join(f"{k} {v}" for k, v in finding.environment.items() if v))
+        lines.append("")
+    lines += [
+        f"target    {c.target} on {c.world_size} rank(s), mesh {c.mesh_shape}, {c.device}, {c.dtype}, seed {c.seed}",
+        f"model     input {c.model.input}[{c.model.d_in}]"
+        + (", tied head" if c.model.tie_head else "") + (", unused submodule" if c.model.unused else "")
+        + (", buffer" if c.model.buffer else ""),
+    ]
+    for i, layer in enumerate(c.model.layers):
+        lines += _layer(layer, f"layers.{i}", 1)
+    opt = c.optim
+    lr = f" (lr as a {opt.tensor_lr} tensor)" if opt.tensor_lr else ""
+    lines.append(f"optimizer {opt.name}{lr}{' with named params' if opt.named else ''}: {json.dumps(opt.kwargs, sort_keys=True)}")
+    for i, g in enumerate(c.groups):
+        over = f" overrides {json.dumps(g.overrides, sort_keys=True)}" if g.overrides else ""
+        lines.append(f"  group {i}: {', '.join(g.params) or '(empty)'}{over}")
+    if c.frozen:
+        lines.append(f"frozen    {', '.join(c.frozen)}")
+    lines.append(f"schedule  {len(c.schedule)} step(s), global batch {c.batch} x seq {c.seq}")
+    for k, s in enumerate(c.schedule):
+        extra = "".join([f", freeze {', '.join(s.freeze)}" if s.freeze else "", f", unfreeze {', '.join(s.unfreeze)}" if s.unfreeze else ""])
+        lines.append(f"  step {k}: zero_grad(set_to_none={s.set_to_none}){extra}")
+    if c.target_options:
+        lines.append("target options")
+        for k, v in c.target_options.items():
+            if isinstance(v, dict):
+                lines += [f"  {k}:"] + [f"    {n}: {p}" for n, p in v.items()]
+            else:
+                lines.append(f"  {k}: {v}")
+    return "\n".join(lines)
+
+
+def _layer(layer: Layer, name: str, depth: int) -> list[str]:
+    pad = "  " * depth
+    k = layer.kind
+    if k == "act":
+        return [f"{pad}{name}: {layer.act}"]
+    if k in ("seq", "residual", "twice"):
+        out = [f"{pad}{name}: {k} ({'x + f(x)' if k == 'residual' else 'f(f(x))' if k == 'twice' else 'sequence'})"]
+        for j, child in enumerate(layer.children):
+            out += _layer(child, f"{name}.{'inner.' if k != 'seq' else ''}{j}", depth + 1)
+        return out
+    desc = {"linear": f"Linear({layer.d_in}, {layer.d_out}, bias={layer.bias})",
+            "embedding": f"Embedding({layer.d_in}, {layer.d_out})",
+            "layernorm": f"LayerNorm({layer.d_in}, bias={layer.bias})",
+            "conv1d": f"Conv1d({layer.d_in}, {layer.d_out}, kernel={layer.kernel}, bias={layer.bias})"}[k]
+    return [f"{pad}{name}: {desc}"]

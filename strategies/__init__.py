@@ -1,0 +1,118 @@
+"""Hypothesis strategies that draw fuzzshard Cases.
+
+    from hypothesis import given
+    import fuzzshard.strategies as fst
+
+    @given(fst.cases(target="dtensor", world_sizes=[2, 3]))
+    def test_my_property(fuzz_pool, case):
+        ...
+
+Draw order is shrink order: world size, depth, group count and step count
+come first, so a shrunk case has few ranks, layers, groups and steps.
+"""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+
+from fuzzshard.case import Case, Group, Optim, Step, mesh_shapes
+from fuzzshard.kernel.model import param_shapes
+
+from .models import models
+from .optimizers import ONLY_2D, default_optimizers, group_overrides, optimizer_kwargs
+
+__all__ = ["cases", "models", "optimizers", "param_groups", "schedules", "placements", "TARGET_OPTIONS"]
+
+DTYPES = ["float32", "float64"]
+
+
+@st.composite
+def optimizers(draw, names=None, device: str = "cpu") -> Optim:
+    name = draw(st.sampled_from(names or default_optimizers()))
+    kwargs = draw(optimizer_kwargs(name, device))
+    tensor_lr = draw(st.sampled_from(["", "", "", "0d", "1d"]))
+    return Optim(name=name, kwargs=kwargs, tensor_lr=tensor_lr, named=draw(st.booleans()))
+
+
+@st.composite
+def param_groups(draw, names: list[str], n_groups: int, optim: Optim) -> tuple[Group, ...]:
+    """A shuffled split of ``names`` into ``n_groups`` groups (some may end up
+    empty, which torch allows), each overriding a few hyperparameters."""
+    order = draw(st.permutations(names)) if len(names) > 1 else list(names)
+    owner = [draw(st.integers(0, n_groups - 1)) for _ in order]
+    groups = []
+    for g in range(n_groups):
+        overrides = draw(group_overrides(optim.name)) if g else {}
+        groups.append(Group(tuple(n for n, o in zip(order, owner) if o == g), overrides))
+    return tuple(groups)
+
+
+@st.composite
+def schedules(draw, n_steps: int, names: list[str]) -> tuple[Step, ...]:
+    """zero_grad(set_to_none) per step; now and then a param frozen or unfrozen mid-run."""
+    steps = []
+    for _ in range(n_steps):
+        flip = draw(st.sampled_from(["", "", "", "freeze", "unfreeze"])) if names else ""
+        target = (draw(st.sampled_from(names)),) if flip else ()
+        steps.append(Step(set_to_none=draw(st.booleans()), freeze=target if flip == "freeze" else (),
+                          unfreeze=target if flip == "unfreeze" else ()))
+    return tuple(steps)
+
+
+@st.composite
+def placements(draw, shapes: dict, mesh_shape: tuple) -> dict:
+    """dtensor: per param, per mesh dim, Replicate or Shard(d) on any of its dims."""
+    out = {}
+    for name, shape in shapes.items():
+        choices = ["R"] + [f"S{d}" for d in range(len(shape))]
+        out[name] = [draw(st.sampled_from(choices)) for _ in mesh_shape]
+    return {"placements": out}
+
+
+def _no_options(shapes, mesh_shape):
+    return st.just({})
+
+
+# target -> (param shapes, mesh shape) -> strategy of its target_options
+TARGET_OPTIONS = {"dtensor": placements}
+
+
+@st.composite
+def cases(
+    draw,
+    target: str = "dtensor",
+    world_sizes=(1, 2, 3, 4),
+    device: str = "cpu",
+    max_depth: int = 4,
+    max_groups: int = 3,
+    max_steps: int = 3,
+    optimizer_names=None,
+    dtypes=DTYPES,
+) -> Case:
+    world = draw(st.sampled_from(sorted(world_sizes)))
+    depth = draw(st.integers(1, max_depth))
+    n_groups = draw(st.integers(1, max_groups))
+    n_steps = draw(st.integers(1, max_steps))
+    mesh_shape = draw(st.sampled_from(mesh_shapes(world)))
+    model = draw(models(depth))
+    shapes = param_shapes(model)
+    optim = draw(optimizers(optimizer_names, device))
+    names = [n for n, s in shapes.items() if len(s) == 2] if optim.name in ONLY_2D else list(shapes)
+    groups = draw(param_groups(names, n_groups, optim))
+    frozen = tuple(n for n in shapes if draw(st.sampled_from([False] * 5 + [True])))
+    options = draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape))
+    return Case(
+        target=target,
+        world_size=world,
+        mesh_shape=mesh_shape,
+        model=model,
+        optim=optim,
+        groups=groups,
+        schedule=draw(schedules(n_steps, list(shapes))),
+        frozen=frozen,
+        batch=draw(st.integers(1, 4)),
+        seq=draw(st.integers(1, 3)),
+        dtype=draw(st.sampled_from(list(dtypes))),
+        device=device,
+        target_options=options,
+        seed=draw(st.integers(0, 2**16 - 1)),
+    )

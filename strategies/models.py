@@ -1,0 +1,76 @@
+"""Random model topologies: nested trees of Linear, Embedding, LayerNorm,
+Conv1d and activations, with residual blocks, a block called twice, tied
+weights, an unused submodule and a buffer.
+
+Dims come from a small range so that many are not divisible by the world
+size and some are smaller than it (empty shards). Smaller dims, fewer layers
+and plain Linear shrink first.
+"""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+
+from fuzzshard.case import Layer, Model
+
+ACTS = ["relu", "tanh", "gelu", "silu"]
+KINDS = ["linear", "act", "layernorm", "conv1d", "residual", "twice"]
+
+
+def dims(max_dim: int = 9):
+    return st.integers(1, max_dim)
+
+
+@st.composite
+def blocks(draw, d: int, max_dim: int) -> tuple[Layer, ...]:
+    """A d -> d body for residual/twice: Linear(d, h) [act] [Linear(h, d)]."""
+    h = draw(dims(max_dim))
+    body = [Layer("linear", d, h, bias=draw(st.booleans()))]
+    if draw(st.booleans()):
+        body.append(Layer("act", act=draw(st.sampled_from(ACTS))))
+    body.append(Layer("linear", h, d, bias=draw(st.booleans())))
+    return tuple(body)
+
+
+@st.composite
+def layers(draw, d: int, max_dim: int) -> tuple[Layer, int]:
+    kind = draw(st.sampled_from(KINDS))
+    if kind == "linear":
+        out = draw(dims(max_dim))
+        return Layer("linear", d, out, bias=draw(st.booleans())), out
+    if kind == "act":
+        return Layer("act", act=draw(st.sampled_from(ACTS))), d
+    if kind == "layernorm":
+        if d < 2:
+            # LayerNorm over one feature outputs its bias whatever the input: grads through
+            # it are pure rounding noise amplified by 1/sqrt(eps), not comparable numbers
+            return Layer("act", act="tanh"), d
+        return Layer("layernorm", d, d, bias=draw(st.booleans())), d
+    if kind == "conv1d":
+        out = draw(dims(max_dim))
+        return Layer("conv1d", d, out, bias=draw(st.booleans()), kernel=draw(st.sampled_from([1, 3]))), out
+    return Layer(kind, d, d, children=draw(blocks(d, max_dim))), d
+
+
+@st.composite
+def models(draw, depth: int, max_dim: int = 9) -> Model:
+    tokens = draw(st.booleans())
+    d_in = draw(dims(max_dim))
+    body: list[Layer] = []
+    d = d_in
+    if tokens:
+        d = draw(dims(max_dim))
+        body.append(Layer("embedding", d_in, d))
+    for _ in range(depth):
+        layer, d = draw(layers(d, max_dim))
+        body.append(layer)
+    tie = tokens and draw(st.booleans())
+    if tie and d != body[0].d_out:  # the tied head maps the embedding dim back to the vocab
+        body.append(Layer("linear", d, body[0].d_out, bias=False))
+    return Model(
+        input="tokens" if tokens else "features",
+        d_in=d_in,
+        layers=tuple(body),
+        tie_head=tie,
+        unused=draw(st.booleans()),
+        buffer=draw(st.booleans()),
+    )
