@@ -78,7 +78,7 @@ def _main() -> int:
     ap.add_argument("--setup", help="a Python file run before the case (a patch of torch, e.g. a planted bug)")
     args = ap.parse_args()
     if args.setup:
-        exec(compile(open(args.setup).read(), args.setup, "exec"), {{"__name__": "__fuzzshard_setup__"}})
+        exec(compile(open(args.setup).read(), args.setup, "exec"), {{"__name__": "__fuzzshard_setup__", "__file__": args.setup}})
     torch.set_num_threads(1)
     case = Case.from_json(CASE_JSON)
     if int(os.environ.get("WORLD_SIZE", "0")) != case.world_size:

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from .case import Case
 
 START_TIMEOUT = 300.0
+# Once one rank has raised, the others are usually stuck in a collective
+# waiting for it: give them this long to report, not the whole case timeout.
+GRACE_AFTER_ERROR = 3.0
 
 
 class PoolError(RuntimeError):
@@ -184,6 +187,8 @@ class Pool:
                 try:
                     _, verdict, timings = conn.recv()
                     answers[r] = (verdict, timings)
+                    if verdict is not None and (verdict.get("oracle") == "error_parity" or verdict["status"] == "invalid"):
+                        deadline = min(deadline, time.monotonic() + GRACE_AFTER_ERROR)
                 except (EOFError, OSError):  # the worker's socket closed: it died
                     try:
                         dead[r] = self.procs[r].wait(timeout=5)
@@ -210,6 +215,9 @@ class Pool:
         for r in sorted(verdicts):  # any fuzzshard-internal error surfaces as such
             if verdicts[r]["status"] == "error":
                 return {**verdicts[r], "rank": r}
+        for r in sorted(verdicts):  # the reference raising too makes the case invalid, stuck ranks or not
+            if verdicts[r]["status"] == "invalid":
+                return verdicts[r]
         for r in sorted(verdicts):  # an exception on some ranks explains the others waiting
             if verdicts[r].get("oracle") == "error_parity":
                 out = {**verdicts[r], "rank": r}
@@ -224,9 +232,6 @@ class Pool:
                 "stuck_ranks": stuck,
                 "error": {"type": "Hang", "message": f"ranks {stuck} still running after {seconds:.0f}s"},
             }
-        for r in sorted(verdicts):
-            if verdicts[r]["status"] == "invalid":
-                return verdicts[r]
         return verdicts.get(0, {"status": "error", "error": "rank 0 returned no verdict"})
 
     def _log_tail(self, rank: int, lines: int = 15) -> str:

@@ -1,0 +1,74 @@
+"""``fuzzshard bench``: the warm pool against a fresh process group per case
+(what PyTorch's MultiProcessTestCase does), on the same cases, in one run.
+The last line ends with the speed-up ratio."""
+from __future__ import annotations
+
+import collections
+import time
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hseed
+
+from .runner import Pool
+
+
+def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor") -> list:
+    """The same n cases for a given seed, drawn by the fuzzer's own strategy."""
+    import fuzzshard.strategies as fst
+
+    out = []
+
+    @hseed(seed)
+    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(fst.cases(target=target, world_sizes=[world]))
+    def collect(case):
+        if len(out) < n:
+            out.append(case)
+
+    collect()
+    return out
+
+
+def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print) -> dict:
+    cases = fixed_cases(n, world, seed, target)
+    echo(f"bench: {len(cases)} {target} cases at world size {world} (seed {seed}), each run both ways")
+
+    t0 = time.perf_counter()
+    pool = Pool(world).start()
+    start_s = time.perf_counter() - t0
+    split = collections.Counter()
+    statuses = collections.Counter()
+    t0 = time.perf_counter()
+    try:
+        for case in cases:
+            r = pool.run(case)
+            statuses[r.verdict["status"]] += 1
+            split["total"] += r.seconds
+            for k, v in r.timings.items():
+                split[k] += v
+    finally:
+        pool.close()
+    warm_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    for case in cases:  # a fresh process group per case: spawn, init, run, tear down
+        fresh = Pool(world).start()
+        try:
+            fresh.run(case)
+        finally:
+            fresh.close()
+    fresh_s = time.perf_counter() - t0
+
+    k = len(cases)
+    per = {key: 1000 * v / k for key, v in split.items()}
+    overhead = per["total"] - per.get("mesh", 0) - per.get("sharded", 0) - per.get("reference", 0)
+    echo(f"verdicts: {dict(statuses)}")
+    echo(f"warm pool start (once per session): {start_s:.2f}s")
+    echo(f"warm per case: {per['total']:.0f} ms = mesh {per.get('mesh', 0):.0f} + sharded run {per.get('sharded', 0):.0f}"
+         f" + reference & compare {per.get('reference', 0):.0f} + dispatch {overhead:.0f}")
+    echo(f"fresh per case: {1000 * fresh_s / k:.0f} ms (process spawn + torch import + init_process_group each time)")
+    warm_rate, fresh_rate = k / warm_s, k / fresh_s
+    ratio = warm_rate / fresh_rate
+    echo(f"warm pool {warm_rate:.2f} cases/s vs fresh process group {fresh_rate:.2f} cases/s: {ratio:.1f}x")
+    return {"warm_rate": warm_rate, "fresh_rate": fresh_rate, "ratio": ratio, "start_s": start_s, "per_case_ms": per}

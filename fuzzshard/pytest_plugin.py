@@ -1,0 +1,44 @@
+"""pytest plugin: the worker pool as a session fixture, and Hypothesis profiles.
+
+    from hypothesis import given
+    import fuzzshard.strategies as fst
+    from fuzzshard.testing import check
+
+    @given(fst.cases(target="dtensor", world_sizes=[1, 2]))
+    def test_dtensor_parity(fuzz_pool, case):
+        check(fuzz_pool, case)
+
+Run with ``pytest --hypothesis-profile ci`` (or ``soak``) and
+``--hypothesis-seed N`` as usual; ``--fuzzshard-worker-setup FILE`` patches torch
+in every worker, ``--fuzzshard-world-size N`` sizes the pool (default 4).
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+_RELAXED = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
+            HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", max_examples=20, deadline=None, suppress_health_check=_RELAXED, print_blob=True)
+settings.register_profile("soak", max_examples=100_000, deadline=None, suppress_health_check=_RELAXED, print_blob=True)
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("fuzzshard")
+    group.addoption("--fuzzshard-world-size", type=int, default=4, help="ranks in the session's worker pool")
+    group.addoption("--fuzzshard-worker-setup", default=None, help="Python file run in every worker first")
+    group.addoption("--fuzzshard-device", default="cpu", choices=["cpu", "cuda"])
+    group.addoption("--fuzzshard-case-timeout", type=float, default=120.0)
+
+
+@pytest.fixture(scope="session")
+def fuzz_pool(request):
+    """One pool of workers for the whole test session (spawned once)."""
+    from .runner import Pool
+
+    opt = request.config.getoption
+    pool = Pool(opt("--fuzzshard-world-size"), device=opt("--fuzzshard-device"),
+                worker_setup=opt("--fuzzshard-worker-setup"), case_timeout=opt("--fuzzshard-case-timeout"))
+    pool.start()
+    yield pool
+    pool.close()

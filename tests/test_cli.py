@@ -1,0 +1,55 @@
+"""Bad input gets one clear line and exit code 2; show and --help teach."""
+import json
+
+from conftest import run_cli
+from cases import simple_case
+
+
+def _one_line_error(r, *words):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("fuzzshard: error:"), r.stderr
+    assert all(w in lines[-1] for w in words), lines[-1]
+
+
+def test_corrupt_repro_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"case": {"target": "dtensor", "world_size": ')
+    _one_line_error(run_cli("replay", bad), "not valid JSON")
+    _one_line_error(run_cli("show", bad), "not valid JSON")
+    _one_line_error(run_cli("replay", tmp_path / "missing.json"), "cannot read")
+
+
+def test_unknown_target():
+    _one_line_error(run_cli("fuzz", "--target", "nope", "--max-examples", 1), "unknown target", "nope")
+
+
+def test_impossible_world_sizes(tmp_path):
+    _one_line_error(run_cli("fuzz", "--world-sizes", "0", "--max-examples", 1), "world sizes must be >= 1")
+    _one_line_error(run_cli("fuzz", "--world-sizes", "two", "--max-examples", 1), "comma-separated integers")
+    case = json.loads(simple_case(2).to_json())
+    case["world_size"] = 0
+    f = tmp_path / "zero.json"
+    f.write_text(json.dumps({"case": case}))
+    _one_line_error(run_cli("replay", f), "impossible")
+
+
+def test_bad_duration_and_missing_setup_file():
+    _one_line_error(run_cli("fuzz", "--duration", "ten minutes"), "cannot read duration")
+    _one_line_error(run_cli("fuzz", "--max-examples", 1, "--worker-setup", "/no/such/file.py"), "no such file")
+
+
+def test_show_prints_the_case_readably(tmp_path):
+    f = tmp_path / "case.json"
+    f.write_text(simple_case(3).to_json())
+    r = run_cli("show", f)
+    assert r.returncode == 0, r.stderr
+    assert "dtensor on 3 rank(s)" in r.stdout and "Linear(5, 7, bias=True)" in r.stdout
+    assert "group 1: layers.2.weight, layers.2.bias" in r.stdout
+
+
+def test_help_teaches_the_commands():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for word in ("fuzz", "replay", "show", "known", "bench", "torchrun"):
+        assert word in r.stdout

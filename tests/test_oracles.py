@@ -1,0 +1,60 @@
+"""The comparison, tolerance and signature logic on its own (no processes)."""
+import torch
+
+from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
+from fuzzshard.findings import _digest, signature
+from fuzzshard.kernel.oracles import UNIT_ROUNDOFF, compare, compare_hparams, reduction_tolerance, step_tolerance
+
+
+def test_step_tolerance_allows_rounding_and_rejects_real_differences():
+    tol = step_tolerance("float32")
+    want = torch.randn(100)
+    assert compare("param", 0, "w", want.clone(), want, tol) is None
+    nudged = torch.nextafter(want, torch.full_like(want, float("inf")))  # one ulp everywhere
+    assert compare("param", 0, "w", nudged, want, tol) is None
+    bad = want.clone()
+    bad[7] += 1e-3
+    m = compare("param", 0, "w", bad, want, tol)
+    assert m is not None and m["at"] == (7,) and m["bad"] == 1 and "16 ulps of float32" in m["tolerance"]
+
+
+def test_tolerance_follows_the_dtype():
+    want = torch.ones(4, dtype=torch.float64)
+    got = want + 1e-9  # far above float64 rounding, far below float32's
+    assert compare("p", 0, "", got, want, step_tolerance("float64")) is not None
+    assert compare("p", 0, "", got.float(), want.float(), step_tolerance("float32")) is None
+    assert UNIT_ROUNDOFF["bfloat16"] > UNIT_ROUNDOFF["float16"] > UNIT_ROUNDOFF["float32"]
+
+
+def test_measured_sensitivity_widens_the_bound_for_cancelling_results():
+    tol = reduction_tolerance("float32", 10)
+    want = torch.tensor([1e-9])  # an analytic zero computed with rounding noise
+    got = torch.tensor([4e-8])
+    assert compare("grad", 0, "b", got, want, tol) is not None
+    assert compare("grad", 0, "b", got, want, tol, sens=1e-8) is None
+
+
+def test_presence_shape_nan_and_hparams_mismatches():
+    t = torch.zeros(2)
+    assert "none" in compare("grad", 0, "w", None, t, step_tolerance("float32"))["detail"]
+    assert "shape" in compare("grad", 0, "w", torch.zeros(3), t, step_tolerance("float32"))["detail"]
+    assert "NaN" in compare("p", 0, "w", torch.tensor([float("nan")]), torch.tensor([0.0]), step_tolerance("float32"))["detail"]
+    assert compare("p", 0, "w", torch.tensor([float("nan")]), torch.tensor([float("nan")]), step_tolerance("float32")) is None
+    assert compare_hparams(0, [{"lr": 0.1}], [{"lr": 0.1}]) is None
+    assert compare_hparams(0, [{"lr": 0.1}, {"lr": 0.2}], [{"lr": 0.1}, {"lr": 0.1}])["fqn"] == "group 1"
+
+
+def _case(optim="Adam"):
+    model = Model("features", 2, (Layer("linear", 2, 2),))
+    return Case("dtensor", 2, (2,), model, Optim(optim), (Group(("layers.0.weight",)),), (Step(),))
+
+
+def test_signatures_name_the_bug_not_the_case():
+    parity = {"status": "finding", "oracle": "parity", "first": {"quantity": "state.exp_avg", "step": 0, "fqn": "x"}}
+    assert signature(_case(), parity) == "dtensor.parity.Adam.state.exp_avg"
+    e1 = {"oracle": "error_parity", "error": {"type": "RuntimeError", "phase": "step 0: optimizer.step",
+          "message": "aten.add_.Tensor: in-place operations that require placement changes are not supported. The input has placement (Shard(dim=1),)"}}
+    e2 = {"oracle": "error_parity", "error": {"type": "RuntimeError", "phase": "step 2: optimizer.step",
+          "message": "aten.lerp.Scalar: in-place operations that require placement changes are not supported. The input has placement (_NormPartial(2),)"}}
+    assert signature(_case("Adam"), e1) == signature(_case("SGD"), e2)
+    assert _digest("shape [3, 4] bad") == _digest("shape [7, 1] bad") != _digest("another message")

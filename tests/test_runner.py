@@ -1,0 +1,45 @@
+"""The persistent pool: cases at every world size on one pool; a planted hang
+and a planted crash become results and the session goes on."""
+import time
+
+import pytest
+
+from cases import simple_case
+from conftest import PLANTED
+from fuzzshard.runner import Pool
+
+
+@pytest.fixture(scope="module")
+def planted_pool():
+    with Pool(3, worker_setup=str(PLANTED / "hang_or_crash.py"), case_timeout=20) as pool:
+        yield pool
+
+
+def test_one_pool_runs_every_world_size_and_mesh(fuzz_pool):
+    for world in (1, 2, 3, 4, 2):
+        assert fuzz_pool.run(simple_case(world)).verdict == {"status": "pass"}
+    mesh_2x2 = simple_case(4, placements={"layers.0.weight": ["S0", "R"], "layers.2.weight": ["R", "R"]})
+    mesh_2x2 = mesh_2x2.__class__(**{**mesh_2x2.__dict__, "mesh_shape": (2, 2)})
+    assert fuzz_pool.run(mesh_2x2).verdict == {"status": "pass"}
+    assert fuzz_pool.restarts == 0
+
+
+def test_invalid_config_is_rejected_not_reported(fuzz_pool):
+    v = fuzz_pool.run(simple_case(2, optim="SGD", nesterov=True, momentum=0.0)).verdict
+    assert v["status"] == "invalid" and "Nesterov" in v["reason"]
+
+
+def test_planted_hang_becomes_a_hang_result_and_the_session_goes_on(planted_pool):
+    t0 = time.monotonic()
+    v = planted_pool.run(simple_case(2, lr=0.123)).verdict
+    assert v["oracle"] == "hang" and 1 in v["stuck_ranks"], v  # rank 0 waits on rank 1 too
+    assert time.monotonic() - t0 < 20 + 15
+    assert planted_pool.run(simple_case(2)).verdict == {"status": "pass"}
+    assert planted_pool.restarts == 1
+
+
+def test_planted_crash_becomes_a_crash_result_and_the_session_goes_on(planted_pool):
+    v = planted_pool.run(simple_case(3, lr=0.321)).verdict
+    assert v["oracle"] == "crash" and 1 in v["dead_ranks"], v
+    assert "SIGABRT" in v["error"]["type"]
+    assert planted_pool.run(simple_case(3)).verdict == {"status": "pass"}
