@@ -77,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("known", help="list the known findings in torch; --check replays them")
     k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
+    k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
     _pool_args(k)
 
     b = sub.add_parser("bench", help="warm pool vs a fresh process group per case, same cases, one run")
@@ -185,6 +186,9 @@ def _print_session_report(session, findings, out) -> None:
 
     st = session.stats
     print(f"\n{st.cases} cases · {st.valid} valid · {st.invalid} invalid · {st.rate():.2f} cases/s", file=sys.stderr)
+    if st.passed_by_optimizer:
+        cover = ", ".join(f"{k} {v}" for k, v in sorted(st.passed_by_optimizer.items()))
+        print(f"passing cases by optimizer: {cover}", file=sys.stderr)
     if st.internal_errors:
         print(f"{st.internal_errors} fuzzshard-internal errors (see above)", file=sys.stderr)
     for sig, n in sorted(st.known.items()):
@@ -224,9 +228,11 @@ def cmd_replay(args) -> int:
     _check_pool_args(args)
     finding = _load(args.file)
     case = finding.case
+    from .engine import localized
+
     pool = _pool(args, case.world_size)
     try:
-        v = pool.run(case).verdict
+        v = localized(pool, case, pool.run(case).verdict)
     finally:
         pool.close()
     if v["status"] == "invalid":
@@ -258,6 +264,9 @@ def cmd_known(args) -> int:
     if not known:
         print("no known findings")
         return 0
+    if args.markdown:
+        print(known_markdown(known))
+        return 0
     if args.check:
         _check_pool_args(args)
     pool = _pool(args, max(f.case.world_size for f in known.values())) if args.check else None
@@ -265,7 +274,9 @@ def cmd_known(args) -> int:
         for sig, f in known.items():
             status = ""
             if pool is not None:
-                v = pool.run(f.case).verdict
+                from .engine import localized
+
+                v = localized(pool, f.case, pool.run(f.case).verdict)
                 still = v["status"] == "finding" and signature(f.case, v) == sig
                 status = "still reproduces  " if still else "NO LONGER REPRODUCES  "
             print(f"{status}{sig}\n    {f.diagnosis}")
@@ -273,6 +284,19 @@ def cmd_known(args) -> int:
         if pool is not None:
             pool.close()
     return 0
+
+
+def known_markdown(known: dict) -> str:
+    rows = ["# Known findings in PyTorch", "",
+            "Divergences fuzzshard found in torch itself. Each row: the signature, a one-line diagnosis, the "
+            "shrunk repro (`fuzzshard replay X.json`, or `torchrun --nproc-per-node W X.py` with torch alone). "
+            "Regenerate this table with `fuzzshard known --markdown`; check them with `fuzzshard known --check`.", "",
+            "| signature | kind | torch | W | diagnosis |", "|---|---|---|---|---|"]
+    for sig, f in sorted(known.items()):
+        kind = {"parity": "**silent**", "error_parity": "raises", "hang": "hang", "crash": "crash"}.get(f.verdict.get("oracle"), "?")
+        rows.append(f"| [`{sig}`]({sig}.json) ([py]({sig}.py)) | {kind} | {f.environment.get('torch', '?')} "
+                    f"| {f.case.world_size} | {f.diagnosis} |")
+    return "\n".join(rows)
 
 
 def cmd_bench(args) -> int:

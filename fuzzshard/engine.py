@@ -46,6 +46,7 @@ class Stats:
     internal_errors: int = 0
     known: collections.Counter = field(default_factory=collections.Counter)
     per_target: collections.Counter = field(default_factory=collections.Counter)
+    passed_by_optimizer: collections.Counter = field(default_factory=collections.Counter)  # coverage
     started: float = field(default_factory=time.monotonic)
     seconds_in_cases: float = 0.0
     timings: collections.Counter = field(default_factory=collections.Counter)
@@ -170,7 +171,9 @@ class Session:
             print(f"\nfuzzshard internal error (not a finding): {v.get('error')}\n{v.get('traceback', '')}", file=self.progress)
             return None, v
         if v["status"] != "finding":
+            st.passed_by_optimizer[case.optim.name] += 1
             return None, v
+        v = localized(self.pool, case, v)
         sig = signature(case, v)
         if sig in self.known:
             st.known[sig] += 1
@@ -182,7 +185,7 @@ class Session:
         env = environment(self.pool.info, self.pool.options["backend"])
         for sig in sorted(self._seen):
             case, verdict = self._minimal.get(sig, self._seen[sig])
-            again = self.pool.run(case).verdict  # determinism: the same verdict twice
+            again = localized(self.pool, case, self.pool.run(case).verdict)  # determinism: the same verdict twice
             deterministic = again.get("status") == "finding" and signature(case, again) == sig
             if not deterministic:
                 self.flaky.append(sig)
@@ -205,6 +208,16 @@ class Session:
         if self.pool.restarts:
             line += f" · pool restarts {self.pool.restarts}"
         print(line, file=self.progress, flush=True)
+
+
+def localized(pool, case, verdict: dict) -> dict:
+    """A loss or grad divergence is re-run recording per-module activations, so
+    its signature names the first diverging module, not a whole model."""
+    if verdict.get("oracle") == "parity" and verdict["first"]["quantity"] in ("loss", "grad"):
+        again = pool.run(case, localize=True).verdict
+        if again.get("oracle") == "parity":
+            return again
+    return verdict
 
 
 def _only_findings(e: BaseException) -> bool:

@@ -25,7 +25,13 @@ def signature(case: Case, verdict: dict) -> str:
     if oracle == "parity":
         first = verdict["first"]
         quantity = first["quantity"].replace("param_groups.", "group.")
-        return f"{case.target}.parity.{case.optim.name}.{quantity}"
+        if quantity in ("forward", "backward"):  # localised: the module is the bug's address
+            return f"{case.target}.parity.{quantity}.{first.get('module', 'unknown')}"
+        if quantity in ("loss", "grad"):  # a forward/backward bug: the optimizer is irrelevant
+            return f"{case.target}.parity.{quantity}"
+        kw = case.optim.kwargs  # the implementation is half a step bug's address
+        impl = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "forloop"
+        return f"{case.target}.parity.{case.optim.name}.{impl}.{quantity}"
     err = verdict.get("error") or {}
     if oracle == "error_parity":
         # the root cause is the message template, not which optimizer or op surfaced it
@@ -60,7 +66,12 @@ def summary(verdict: dict) -> str:
     oracle = verdict.get("oracle")
     if oracle == "parity":
         m = verdict["first"]
-        where = f"{m['quantity']} of {m['fqn'] or 'the model'} after step {m['step']}" if m["step"] >= 0 else f"{m['quantity']} of {m['fqn']} after the constructor"
+        if m["quantity"] in ("forward", "backward"):
+            where = f"{m['quantity']} of step {m['step']}"
+        elif m["step"] >= 0:
+            where = f"{m['quantity']} of {m['fqn'] or 'the model'} after step {m['step']}"
+        else:
+            where = f"{m['quantity']} of {m['fqn']} after the constructor"
         extra = f" (max abs err {m['max_abs']:.3g}, {m['bad']}/{m['numel']} elements; tolerance: {m['tolerance']})" if "max_abs" in m else ""
         return f"parity: {where} differs: {m['detail']}{extra}; {verdict['count']} mismatches in all"
     err = verdict.get("error") or {}

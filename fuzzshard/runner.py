@@ -166,14 +166,16 @@ class Pool:
         self.close()
 
     # -- running ---------------------------------------------------------
-    def run(self, case: Case) -> Result:
+    def run(self, case: Case, localize: bool = False) -> Result:
+        """Run one case; ``localize`` also records per-module activations to
+        name the first diverging module (slower; used after a divergence)."""
         w = case.world_size
         if not 1 <= w <= self.size:
             raise ValueError(f"case needs world size {w}, the pool has {self.size} workers")
         t0 = time.monotonic()
         text = case.to_json()
         for conn in self.conns[:w]:
-            conn.send(("case", text))
+            conn.send(("case", text, localize))
         answers: dict[int, tuple] = {}
         dead: dict[int, int] = {}
         waiting = {self.conns[r]: r for r in range(w)}

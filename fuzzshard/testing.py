@@ -15,11 +15,15 @@ def check(pool, case, known: dict | None = None) -> dict:
     if known is None:
         _KNOWN = load_known() if _KNOWN is None else _KNOWN
         known = _KNOWN
+    from .engine import localized
+
     verdict = pool.run(case).verdict
     if verdict["status"] == "invalid":
         reject()
     if verdict["status"] == "error":
         raise RuntimeError(f"fuzzshard could not run the case: {verdict.get('error')}")
+    if verdict["status"] == "finding":
+        verdict = localized(pool, case, verdict)
     if verdict["status"] == "finding" and signature(case, verdict) not in known:
         raise AssertionError(f"{signature(case, verdict)}: {summary(verdict)}")
     return verdict

@@ -60,14 +60,15 @@ def main() -> None:
         if msg[0] == "exit":
             dist.destroy_process_group()
             return
-        _, case_json = msg
+        _, case_json, localize = msg
         t0 = time.perf_counter()
         try:
             case = Case.from_json(case_json)
             mesh = build_mesh(case, groups, options["mesh_device"])
             t1 = time.perf_counter()
             timings: dict = {}
-            verdict = run_case(case, mesh, targets.get(case.target), device, reporter=rank == 0, timings=timings)
+            verdict = run_case(case, mesh, targets.get(case.target), device, reporter=rank == 0, timings=timings,
+                               localize=localize)
         except Exception as e:  # a bug in fuzzshard or the setup file, not in the case
             verdict = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             t1, timings = time.perf_counter(), {}

@@ -51,7 +51,9 @@ def _case(optim="Adam"):
 
 def test_signatures_name_the_bug_not_the_case():
     parity = {"status": "finding", "oracle": "parity", "first": {"quantity": "state.exp_avg", "step": 0, "fqn": "x"}}
-    assert signature(_case(), parity) == "dtensor.parity.Adam.state.exp_avg"
+    assert signature(_case(), parity) == "dtensor.parity.Adam.forloop.state.exp_avg"
+    localized = {"status": "finding", "oracle": "parity", "first": {"quantity": "forward", "module": "Conv1d", "step": 0}}
+    assert signature(_case("SGD"), localized) == "dtensor.parity.forward.Conv1d"
     e1 = {"oracle": "error_parity", "error": {"type": "RuntimeError", "phase": "step 0: optimizer.step",
           "message": "aten.add_.Tensor: in-place operations that require placement changes are not supported. The input has placement (Shard(dim=1),)"}}
     e2 = {"oracle": "error_parity", "error": {"type": "RuntimeError", "phase": "step 2: optimizer.step",

@@ -21,7 +21,7 @@ def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, bug, optimiz
     r = run_cli("fuzz", "--target", "dtensor", "--max-examples", 60, "--seed", 0, "--world-sizes", "1,2,3",
                 "--optimizers", optimizers, "--case-timeout", 60, "--out", out, setup=bug)
     assert r.returncode == 1, r.stderr[-3000:]
-    found = sorted(out.glob("dtensor.parity.*.param.json"))
+    found = sorted(out.glob("dtensor.parity.*.*.param.json"))
     assert found, f"no param-parity finding; stderr:\n{r.stderr[-3000:]}"
     path = found[0]
     finding = json.loads(path.read_text())

@@ -39,7 +39,8 @@ def torch_dtype(case: Case) -> torch.dtype:
     return getattr(torch, case.dtype)
 
 
-def run_case(case: Case, mesh, target_cls, device: str, reporter: bool, timings: dict | None = None) -> dict | None:
+def run_case(case: Case, mesh, target_cls, device: str, reporter: bool, timings: dict | None = None,
+             localize: bool = False) -> dict | None:
     """Every rank of the case's mesh calls this; only the reporter returns a verdict
     unless the sharded run raised here (then this rank returns the error verdict)."""
     timings = {} if timings is None else timings
@@ -48,7 +49,7 @@ def run_case(case: Case, mesh, target_cls, device: str, reporter: bool, timings:
         _plain_setup(case, device)
     except Exception as e:  # the reference itself rejects the config
         return {"status": "invalid", "reason": f"reference rejects the config: {_exc(e)['text']}"}
-    obs, error = _run_sharded(case, mesh, target_cls, device, keep=reporter)
+    obs, error = _run_sharded(case, mesh, target_cls, device, keep=reporter, localize=localize)
     t1 = timings["sharded"] = time.perf_counter() - t0
     if error is not None:
         ref_error = _plain_reference_error(case, device)
@@ -57,7 +58,7 @@ def run_case(case: Case, mesh, target_cls, device: str, reporter: bool, timings:
         return {"status": "finding", "oracle": "error_parity", "error": error}
     if not reporter:
         return None
-    verdict = check_parity(case, obs, device)
+    verdict = check_parity(case, obs, device, localize=localize)
     timings["reference"] = time.perf_counter() - t0 - t1
     return verdict
 
@@ -76,7 +77,7 @@ def _apply_flags(model, step) -> None:
         model.get_parameter(n).requires_grad_(True)
 
 
-def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool):
+def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool, localize: bool = False):
     """(observations, None) or (None, error record). Collectives need every rank
     to gather in the same order, so all ranks gather and only ``keep`` stores."""
     dtype = torch_dtype(case)
@@ -86,6 +87,7 @@ def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool):
         model = build_model(case.model, case.seed, device, dtype)
         init = {n: p.detach().clone() for n, p in model.named_parameters()} if keep else None
         model = target.shard(model)
+        trace = Trace(model, target.full) if localize else None
         for n in case.frozen:
             model.get_parameter(n).requires_grad_(False)
         phase = "optimizer constructor"
@@ -101,6 +103,7 @@ def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool):
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
             loss, full_loss = target.loss(model, x, y)
             loss.backward()
+            traced = trace.take() if trace else None
             phase = f"step {k}: gather grads"
             grads = {n: None if p.grad is None else target.full(p.grad).detach().clone() for n, p in model.named_parameters()}
             phase = f"step {k}: optimizer.step"
@@ -112,6 +115,7 @@ def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool):
                 "params": {n: target.full(p).detach().clone() for n, p in model.named_parameters()},
                 "state": state_by_fqn(opt, model, target.full),
                 "groups": group_hparams(opt),
+                "trace": traced,
             }
             if keep:
                 steps.append(rec)
@@ -152,7 +156,7 @@ def reduction_length(case: Case) -> int:
     return case.batch * case.seq * max(dims) * kernel * (depth + 1)
 
 
-def check_parity(case: Case, obs: dict, device: str) -> dict:
+def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> dict:
     dtype = torch_dtype(case)
     try:
         model, opt = _plain_setup(case, device)
@@ -172,11 +176,19 @@ def check_parity(case: Case, obs: dict, device: str) -> dict:
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
             sens = _sensitivity(model, params, x, y)
+            trace = Trace(model, lambda t: t) if localize and rec["trace"] else None
             loss = loss_fn(model(x), y)
             loss.backward()
-            mismatches.append(compare("loss", k, "", rec["loss"], loss.detach(), red_tol, sens=sens["loss"]))
-            for n, p in params.items():
-                mismatches.append(compare("grad", k, n, rec["grads"][n], p.grad, red_tol, sens=sens.get(n, 0.0)))
+            here = [compare("loss", k, "", rec["loss"], loss.detach(), red_tol, sens=sens["loss"])]
+            here += [compare("grad", k, n, rec["grads"][n], p.grad, red_tol, sens=sens.get(n, 0.0)) for n, p in params.items()]
+            here = [m for m in here if m]
+            if trace:  # name the module behind this step's divergence, if it has one
+                culprit = localize_divergence(rec["trace"], trace.take(), red_tol) if here else None
+                trace.remove()
+                if culprit:
+                    culprit["step"] = k
+                    return _finding([m for m in mismatches if m] + [culprit] + here)
+            mismatches += here
             with torch.no_grad():  # step from the sharded grads: isolates the optimizer
                 for n, p in params.items():
                     g = rec["grads"][n]
@@ -196,6 +208,52 @@ def check_parity(case: Case, obs: dict, device: str) -> dict:
     if mismatches:
         return _finding(mismatches)
     return {"status": "pass"}
+
+
+class Trace:
+    """Records each leaf module's output (forward order) and the grad of that
+    output (backward order), as full tensors. Used only to name the first
+    diverging module once a loss or grad divergence is known: it decides no
+    verdict, so its tolerance cannot cause a false positive."""
+
+    def __init__(self, model, full):
+        self.full, self.fwd, self.bwd, self.handles = full, [], [], []
+        for name, mod in model.named_modules():
+            if not list(mod.children()) and name:
+                self.handles.append(mod.register_forward_hook(self._hook(name, type(mod).__name__)))
+
+    def _hook(self, name, kind):
+        def hook(mod, args, out):
+            if isinstance(out, torch.Tensor):
+                self.fwd.append((name, kind, self.full(out).detach().clone()))
+                if out.requires_grad:
+                    out.register_hook(lambda g: self.bwd.append((name, kind, self.full(g).detach().clone())))
+
+        return hook
+
+    def take(self):
+        out, self.fwd, self.bwd = {"fwd": self.fwd, "bwd": self.bwd}, [], []
+        return out
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def localize_divergence(got: dict, want: dict, tol: dict) -> dict | None:
+    """The first module whose output diverges (forward order), else the first
+    whose output grad diverges (backward order): the module that consumed it
+    computed a wrong input grad."""
+    for phase in ("fwd", "bwd"):
+        for (name, kind, g), (wname, _, w) in zip(got[phase], want[phase]):
+            if name != wname:
+                break  # the call orders differ: cannot localise further
+            m = compare("forward" if phase == "fwd" else "backward", -1, name, g, w, tol)
+            if m:
+                m["module"] = kind
+                m["detail"] = f"{'output' if phase == 'fwd' else 'output grad'} of {name} ({kind}): {m['detail']}"
+                return m
+    return None
 
 
 def _sensitivity(model, params: dict, x, y) -> dict[str, float]:
