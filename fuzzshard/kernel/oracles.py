@@ -14,6 +14,11 @@ Tolerances are derived, never tuned. ``u`` is the unit roundoff of the dtype.
   LayerNorm has an analytic grad of 0), so the bound also carries the
   tensor's *measured sensitivity*: how far it moves when every param and
   input is nudged by one ulp. Rounding inside a run acts like such nudges.
+- *Partial grads*: a grad left Partial (unreduced) is reduced again by each
+  optimizer op that reads it, in its own order; where its partials cancel
+  the step is legitimately undetermined. The step bound of such a param
+  grows by ``4 * r * |update|`` per element (state: ``4 * r * |state|``),
+  r being the relative reduction error ``(2(n-1)+1) u sum|partials| / |g|``.
 An element fails when ``|got - want| > atol + rtol * |want|`` with
 ``rtol = k*u`` and ``atol = k*u*max|want| + k*sensitivity``.
 """
@@ -46,10 +51,11 @@ def reduction_tolerance(dtype: str, n: int) -> dict:
     }
 
 
-def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: float = 0.0) -> dict | None:
+def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: float = 0.0, extra=None) -> dict | None:
     """None when ``got`` matches ``want`` within ``tol``, else a mismatch record.
     ``atol = k*u*max|want| + k*sens``, ``sens`` being the measured change of
-    this tensor under one-ulp nudges of every input (0 for the step oracle)."""
+    this tensor under one-ulp nudges of every input (0 for the step oracle);
+    ``extra`` is an elementwise allowance (a Partial grad's reduction error)."""
     if got is None or want is None:
         if got is None and want is None:
             return None
@@ -74,6 +80,8 @@ def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: floa
     atol = k_u * w.abs().max().item() + tol["k_ulps"] * sens
     err = (g - w).abs()
     bound = atol + k_u * w.abs()
+    if extra is not None:
+        bound = bound + extra.detach().to("cpu", torch.float64).nan_to_num(posinf=float("inf"))
     bad = err > bound
     if not bad.any():
         return None

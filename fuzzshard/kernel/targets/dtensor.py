@@ -52,3 +52,17 @@ class DTensorTarget:
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def grad_spread(self, g: torch.Tensor):
+        """(sum of |partials|, number of partials) for a grad that is Partial on
+        some mesh dims, else None. The optimizer's ops may each reduce such a
+        grad in their own order, not the order full_tensor() used."""
+        if not isinstance(g, DTensor) or not any(pl.is_partial() for pl in g.placements):
+            return None
+        n = 1
+        for dim, pl in enumerate(g.placements):
+            if pl.is_partial():
+                n *= g.device_mesh.size(dim)
+        abs_partials = DTensor.from_local(g.to_local().abs(), g.device_mesh, g.placements, shape=g.shape,
+                                          stride=g.stride(), run_check=False)
+        return abs_partials.full_tensor(), n
