@@ -25,7 +25,7 @@ from .case import Case
 START_TIMEOUT = 300.0
 # Once one rank has raised, the others are usually stuck in a collective
 # waiting for it: give them this long to report, not the whole case timeout.
-GRACE_AFTER_ERROR = 3.0
+GRACE_AFTER_ERROR = 1.0
 
 
 class PoolError(RuntimeError):
