@@ -47,13 +47,14 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
             split["total"] += r.seconds
             for k, v in r.timings.items():
                 split[k] += v
+        warm_s = time.perf_counter() - t0
+        restarts, restart_s = pool.restarts, pool.restart_seconds
     finally:
         pool.close()
-    warm_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     for case in cases:  # a fresh process group per case: spawn, init, run, tear down
-        fresh = Pool(world).start()
+        fresh = Pool(world, spare=False).start()
         try:
             fresh.run(case)
         finally:
@@ -67,6 +68,7 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
     echo(f"warm pool start (once per session): {start_s:.2f}s")
     echo(f"warm per case: {per['total']:.0f} ms = mesh {per.get('mesh', 0):.0f} + sharded run {per.get('sharded', 0):.0f}"
          f" + reference & compare {per.get('reference', 0):.0f} + dispatch {overhead:.0f}")
+    echo(f"pool restarts after hangs/crashes/stuck ranks: {restarts}, {restart_s:.1f}s in all")
     echo(f"fresh per case: {1000 * fresh_s / k:.0f} ms (process spawn + torch import + init_process_group each time)")
     warm_rate, fresh_rate = k / warm_s, k / fresh_s
     ratio = warm_rate / fresh_rate

@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     _pool_args(k)
 
     b = sub.add_parser("bench", help="warm pool vs a fresh process group per case, same cases, one run")
-    b.add_argument("--cases", type=int, default=12, help="cases per mode (default 12)")
+    b.add_argument("--cases", type=int, default=30, help="cases per mode (default 30)")
     b.add_argument("--world-size", type=int, default=2)
     b.add_argument("--seed", type=int, default=0)
     return ap
@@ -129,12 +129,13 @@ def _check_pool_args(args) -> None:
             raise UsageError(f"--worker-setup {args.worker_setup} failed: {type(e).__name__}: {e}") from None
 
 
-def _pool(args, size: int, log_dir=None):
+def _pool(args, size: int, log_dir=None, spare: bool = False):
+    """``spare``: keep a warm second set of workers for instant restarts (long sessions)."""
     from .runner import Pool, PoolError
 
     try:
         return Pool(size, device=args.device, backend=args.backend, worker_setup=args.worker_setup,
-                    case_timeout=args.case_timeout, log_dir=log_dir).start()
+                    case_timeout=args.case_timeout, log_dir=log_dir, spare=spare).start()
     except PoolError as e:
         raise UsageError(f"could not start {size} workers: {e}") from None
 
@@ -170,7 +171,7 @@ def cmd_fuzz(args) -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     os.makedirs(args.out, exist_ok=True)
     print(f"fuzzshard: targets {','.join(names)} · world sizes {sizes} · seed {seed} · out {args.out}", file=sys.stderr)
-    pool = _pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"))
+    pool = _pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"), spare=True)
     try:
         session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
                           duration=duration, seed=seed, device=args.device, strategy_kwargs=strategy_kwargs)

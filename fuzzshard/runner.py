@@ -48,6 +48,7 @@ class Pool:
         worker_setup: str | None = None,
         case_timeout: float = 120.0,
         log_dir: str | None = None,
+        spare: bool = True,
     ):
         if size < 1:
             raise ValueError("a pool needs at least one worker")
@@ -65,105 +66,64 @@ class Pool:
             # a collective stuck past this raises inside the worker; the driver gives up sooner
             "collective_timeout": max(60.0, 2 * case_timeout),
         }
-        self.procs: list = []
-        self.conns: list = []
+        self.spare_enabled = spare
+        self.gen: _Generation | None = None
+        self.spare: _Generation | None = None
         self.info: dict = {}
         self.restarts = 0
-        self._store_dir = None
+        self.restart_seconds = 0.0
+        self._gens = 0
 
     # -- lifecycle -------------------------------------------------------
+    def _launch(self) -> _Generation:
+        self._gens += 1
+        return _Generation(self._gens, self.size, self.options, self.log_dir)
+
     def start(self) -> Pool:
-        # Workers are plain ``python -m fuzzshard.worker`` processes (not
-        # multiprocessing spawn, which re-imports the caller's __main__).
-        self._store_dir = tempfile.mkdtemp(prefix="fuzzshard-store-")
-        authkey = secrets.token_bytes(16)
-        listener = mpc.Listener(("127.0.0.1", 0), authkey=authkey)
-        env = {**os.environ, "FUZZSHARD_AUTHKEY": authkey.hex(), "OMP_NUM_THREADS": "1"}
-        try:
-            for rank in range(self.size):
-                opts = {**self.options, "rank": rank, "size": self.size, "address": listener.address,
-                        "store": os.path.join(self._store_dir, "store")}
-                log = open(os.path.join(self.log_dir, f"worker-{rank}.log"), "ab")
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "fuzzshard.worker"],
-                    env={**env, "FUZZSHARD_WORKER": json.dumps(opts)},
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                ))
-                log.close()
-            self.conns = [None] * self.size
-            for _ in range(self.size):
-                conn = self._accept(listener)
-                _, rank = conn.recv()
-                self.conns[rank] = conn
-        except (OSError, EOFError, PoolError) as e:
-            self.stop()
-            raise PoolError(f"workers did not start: {e}\n{self._first_log_tail()}") from None
-        finally:
-            listener.close()
-        deadline = time.monotonic() + START_TIMEOUT
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(max(deadline - time.monotonic(), 0)):
-                self.stop()
-                raise PoolError(f"worker {rank} did not start within {START_TIMEOUT:.0f}s: {self._log_tail(rank)}")
-            try:
-                _, self.info = conn.recv()
-            except EOFError:
-                tail = self._log_tail(rank)
-                self.stop()
-                raise PoolError(f"worker {rank} died while starting:\n{tail}") from None
+        self.gen = self._launch()
+        self.info = self.gen.connect()
         return self
 
-    def _accept(self, listener):
-        """accept(), but give up when a worker exits first or time runs out."""
-        sock = listener._listener._socket  # the stdlib exposes no timeout on accept()
-        deadline = time.monotonic() + START_TIMEOUT
-        while not select.select([sock], [], [], 0.5)[0]:
-            if any(p.poll() is not None for p in self.procs):
-                raise PoolError("a worker exited before connecting")
-            if time.monotonic() > deadline:
-                raise PoolError(f"no worker connected within {START_TIMEOUT:.0f}s")
-        return listener.accept()
+    def restart(self) -> None:
+        """Replace the workers (after a hang or a crash). From the first restart
+        on, a spare set warms up in the background, so the next costs ~nothing
+        (not before: on a small machine its start-up slows the cases)."""
+        t0 = time.monotonic()
+        self.gen.stop(kill=True)
+        self.restarts += 1
+        self.gen, self.spare = (self.spare or self._launch()), None
+        self.info = self.gen.connect()
+        if self.spare_enabled:
+            self.spare = self._launch()
+        self.restart_seconds += time.monotonic() - t0
 
     def stop(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send(("exit",))
-            except (OSError, AttributeError):
-                pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-        for conn in self.conns:
-            if conn is not None:
-                conn.close()
-        self.procs, self.conns = [], []
-        if self._store_dir:
-            shutil.rmtree(self._store_dir, ignore_errors=True)
-
-    def _first_log_tail(self) -> str:
-        return next((t for t in (self._log_tail(r) for r in range(self.size)) if t), "")
+        for g in (self.gen, self.spare):
+            if g is not None:
+                g.stop()
+        self.gen = self.spare = None
 
     def close(self) -> None:
         self.stop()
         if self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
-    def restart(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        self.stop()
-        self.restarts += 1
-        self.start()
+    @property
+    def procs(self) -> list:
+        return self.gen.procs
+
+    @property
+    def conns(self) -> list:
+        return self.gen.conns
 
     def __enter__(self) -> Pool:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _log_tail(self, rank: int, lines: int = 15) -> str:
+        return self.gen.log_tail(rank, lines) if self.gen else ""
 
     # -- running ---------------------------------------------------------
     def run(self, case: Case, localize: bool = False) -> Result:
@@ -236,9 +196,91 @@ class Pool:
             }
         return verdicts.get(0, {"status": "error", "error": "rank 0 returned no verdict"})
 
-    def _log_tail(self, rank: int, lines: int = 15) -> str:
+
+
+class _Generation:
+    """One set of worker processes forming one process group. Workers are
+    plain ``python -m fuzzshard.worker`` processes (multiprocessing's spawn
+    would re-import the caller's __main__); they join their process group,
+    then connect back over an authenticated local socket."""
+
+    def __init__(self, index: int, size: int, options: dict, log_dir: str):
+        self.index, self.size, self.log_dir = index, size, log_dir
+        self.store_dir = tempfile.mkdtemp(prefix="fuzzshard-store-")
+        authkey = secrets.token_bytes(16)
+        self.listener = mpc.Listener(("127.0.0.1", 0), authkey=authkey)
+        env = {**os.environ, "FUZZSHARD_AUTHKEY": authkey.hex(), "OMP_NUM_THREADS": "1"}
+        self.procs, self.conns = [], [None] * size
+        for rank in range(size):
+            opts = {**options, "rank": rank, "size": size, "address": self.listener.address,
+                    "store": os.path.join(self.store_dir, "store")}
+            with open(self.log_path(rank), "ab") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "fuzzshard.worker"],
+                    env={**env, "FUZZSHARD_WORKER": json.dumps(opts)},
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                ))
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.log_dir, f"gen{self.index}-rank{rank}.log")
+
+    def connect(self) -> dict:
+        """Wait until every worker is ready; PoolError with its log if one is not."""
+        info = {}
         try:
-            with open(os.path.join(self.log_dir, f"worker-{rank}.log")) as f:
+            for _ in range(self.size):
+                conn = self._accept()
+                _, rank, info = conn.recv()
+                self.conns[rank] = conn
+        except (OSError, EOFError, PoolError) as e:
+            tail = next((t for t in (self.log_tail(r) for r in range(self.size)) if t), "")
+            self.stop(kill=True)
+            raise PoolError(f"workers did not start: {e}\n{tail}") from None
+        finally:
+            self.listener.close()
+        return info
+
+    def _accept(self):
+        """accept(), but give up when a worker exits first or time runs out."""
+        sock = self.listener._listener._socket  # the stdlib exposes no timeout on accept()
+        deadline = time.monotonic() + START_TIMEOUT
+        while not select.select([sock], [], [], 0.5)[0]:
+            if any(p.poll() is not None for p in self.procs):
+                raise PoolError("a worker exited before it was ready")
+            if time.monotonic() > deadline:
+                raise PoolError(f"workers not ready within {START_TIMEOUT:.0f}s")
+        return self.listener.accept()
+
+    def stop(self, kill: bool = False) -> None:
+        kill = kill or any(c is None for c in self.conns)  # not connected: it cannot hear "exit"
+        for conn in self.conns:
+            if conn is not None and not kill:
+                try:
+                    conn.send(("exit",))
+                except OSError:
+                    pass
+        for p in self.procs:
+            if kill and p.poll() is None:
+                p.kill()
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        self.listener.close()
+        shutil.rmtree(self.store_dir, ignore_errors=True)
+        for rank in range(self.size):
+            try:
+                os.remove(self.log_path(rank))
+            except OSError:
+                pass
+
+    def log_tail(self, rank: int, lines: int = 15) -> str:
+        try:
+            with open(self.log_path(rank)) as f:
                 return "".join(f.readlines()[-lines:])
         except OSError:
             return ""

@@ -26,8 +26,6 @@ def main() -> None:
     options in the environment; stdout/stderr already go to its log file."""
     options = json.loads(os.environ["FUZZSHARD_WORKER"])
     rank, size = options["rank"], options["size"]
-    conn = Client(tuple(options["address"]), authkey=bytes.fromhex(os.environ["FUZZSHARD_AUTHKEY"]))
-    conn.send(("hello", rank))
 
     import torch
     import torch.distributed as dist
@@ -51,7 +49,9 @@ def main() -> None:
         timeout=datetime.timedelta(seconds=options["collective_timeout"]),
     )
     groups = {ranks: dist.new_group(list(ranks)) for ranks in rank_sets(size)}
-    conn.send(("ready", {"rank": rank, "torch": torch.__version__, "targets": targets.names()}))
+    # Connect last: a spare generation gets fully ready before the driver needs it.
+    conn = Client(tuple(options["address"]), authkey=bytes.fromhex(os.environ["FUZZSHARD_AUTHKEY"]))
+    conn.send(("ready", rank, {"rank": rank, "torch": torch.__version__, "targets": targets.names()}))
     while True:
         try:
             msg = conn.recv()
