@@ -16,12 +16,13 @@ def planted_pool():
 
 
 def test_one_pool_runs_every_world_size_and_mesh(fuzz_pool):
+    restarts = fuzz_pool.restarts  # the pool is shared with other tests of the session
     for world in (1, 2, 3, 4, 2):
         assert fuzz_pool.run(simple_case(world)).verdict == {"status": "pass"}
     mesh_2x2 = simple_case(4, placements={"layers.0.weight": ["S0", "R"], "layers.2.weight": ["R", "R"]})
     mesh_2x2 = mesh_2x2.__class__(**{**mesh_2x2.__dict__, "mesh_shape": (2, 2)})
     assert fuzz_pool.run(mesh_2x2).verdict == {"status": "pass"}
-    assert fuzz_pool.restarts == 0
+    assert fuzz_pool.restarts == restarts
 
 
 def test_invalid_config_is_rejected_not_reported(fuzz_pool):
