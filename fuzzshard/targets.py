@@ -12,6 +12,7 @@ import importlib
 
 _BUILTIN = {
     "dtensor": "fuzzshard.kernel.targets.dtensor:DTensorTarget",
+    "fsdp2": "fuzzshard.kernel.targets.fsdp2:FSDP2Target",
 }
 _USER: dict[str, type] = {}
 

@@ -59,7 +59,7 @@ def schedules(draw, n_steps: int, names: list[str]) -> tuple[Step, ...]:
 
 
 @st.composite
-def placements(draw, shapes: dict, mesh_shape: tuple) -> dict:
+def placements(draw, shapes: dict, mesh_shape: tuple, tied: tuple = ()) -> dict:
     """dtensor: per param, per mesh dim, Replicate or Shard(d) on any of its dims."""
     out = {}
     for name, shape in shapes.items():
@@ -68,12 +68,27 @@ def placements(draw, shapes: dict, mesh_shape: tuple) -> dict:
     return {"placements": out}
 
 
-def _no_options(shapes, mesh_shape):
+@st.composite
+def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = ()) -> dict:
+    """fsdp2: which submodules get their own fully_shard (the root always does),
+    and reshard_after_forward (True, False, or an int dividing the shard group).
+    A module holding a tied param stays in the root's group, as FSDP2 documents
+    (wrapping it alone is rejected with a clear error: an invalid config)."""
+    modules = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)} - set(tied))
+    wrap = [m for m in modules if draw(st.booleans())]
+    shard = mesh_shape[-1]
+    raf = draw(st.sampled_from([True, False] + [d for d in range(2, shard) if shard % d == 0]))
+    return {"wrap": wrap, "reshard_after_forward": raf}
+
+
+def _no_options(shapes, mesh_shape, tied=()):
     return st.just({})
 
 
 # target -> (param shapes, mesh shape) -> strategy of its target_options
-TARGET_OPTIONS = {"dtensor": placements}
+TARGET_OPTIONS = {"dtensor": placements, "fsdp2": fsdp2_options}
+# targets where each rank trains on its slice of the global batch
+DATA_PARALLEL = {"fsdp2"}
 
 
 @st.composite
@@ -99,7 +114,8 @@ def cases(
     names = [n for n, s in shapes.items() if len(s) == 2] if optim.name in ONLY_2D else list(shapes)
     groups = draw(param_groups(names, n_groups, optim))
     frozen = tuple(n for n in shapes if draw(st.sampled_from([False] * 5 + [True])))
-    options = draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape))
+    tied = ("layers.0",) if model.tie_head else ()  # modules that own a tied param
+    options = draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied))
     return Case(
         target=target,
         world_size=world,
@@ -109,7 +125,7 @@ def cases(
         groups=groups,
         schedule=draw(schedules(n_steps, list(shapes))),
         frozen=frozen,
-        batch=draw(st.integers(1, 4)),
+        batch=draw(st.integers(1, 2)) * world if target in DATA_PARALLEL else draw(st.integers(1, 4)),
         seq=draw(st.integers(1, 3)),
         dtype=draw(st.sampled_from(list(dtypes))),
         device=device,

@@ -59,3 +59,16 @@ def test_same_seed_builds_bitwise_the_same_model():
 def test_unreadable_cases_raise_a_clear_case_error(text, message):
     with pytest.raises(CaseError, match=message):
         Case.from_json(text)
+
+
+@FAST
+@given(fst.cases(target="fsdp2", world_sizes=[1, 2, 3, 4]))
+def test_fsdp2_cases_split_the_batch_and_wrap_real_modules(case):
+    assert case.batch % case.world_size == 0  # every rank trains on an equal slice
+    model = build_model(case.model, case.seed, "cpu", torch.float32)
+    opts = case.target_options
+    for fqn in opts["wrap"]:
+        model.get_submodule(fqn)  # raises if the strategy named a module that does not exist
+    if case.model.tie_head:  # FSDP2 requires tied params in one group: the root's
+        assert "layers.0" not in opts["wrap"]
+    assert opts["reshard_after_forward"] in (True, False) or case.mesh_shape[-1] % opts["reshard_after_forward"] == 0

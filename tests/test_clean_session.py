@@ -7,12 +7,19 @@ from fuzzshard.engine import Session
 from fuzzshard.strategies.optimizers import default_optimizers
 
 
+# On FSDP2 every param is Shard(0): Rprop always raises there, and Adafactor
+# either raises or diverges silently on the 1-D params (see fuzzshard/known/).
+EVERY_CASE_HITS_A_KNOWN_BUG = {("fsdp2", "Rprop"), ("fsdp2", "Adafactor")}
+
+
 @pytest.mark.parametrize("optimizer", default_optimizers())
-def test_clean_session_finds_nothing_new(fuzz_pool, tmp_path, optimizer):
-    session = Session(fuzz_pool, ["dtensor"], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=25, seed=2024,
+@pytest.mark.parametrize("target", ["dtensor", "fsdp2"])
+def test_clean_session_finds_nothing_new(fuzz_pool, tmp_path, target, optimizer):
+    session = Session(fuzz_pool, [target], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=25, seed=2024,
                       strategy_kwargs={"optimizer_names": [optimizer]})
     findings = session.run()
     assert not findings, "\n".join(f"{f.signature}: {f.verdict.get('first') or f.verdict.get('error')}" for f in findings)
     st = session.stats
     assert st.internal_errors == 0
-    assert st.passed_by_optimizer[optimizer] >= 1, st  # Rprop foreach always raises on DTensors (known)
+    if (target, optimizer) not in EVERY_CASE_HITS_A_KNOWN_BUG:
+        assert st.passed_by_optimizer[optimizer] >= 1, st

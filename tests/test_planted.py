@@ -9,25 +9,26 @@ import pytest
 from conftest import PLANTED, run_cli, torchrun
 
 BUGS = [
-    # bug file, optimizers to draw, smallest world size that shows it
-    ("skip_weight_decay.py", "SGD,AdamW", 1),
-    ("last_shard_untouched.py", "Adam,SGD", 2),
+    # target, bug file, optimizers to draw, the finding's file pattern, smallest world size that shows it
+    ("dtensor", "skip_weight_decay.py", "SGD,AdamW", "dtensor.parity.*.*.param.json", 1),
+    ("dtensor", "last_shard_untouched.py", "Adam,SGD", "dtensor.parity.*.*.param.json", 2),
+    ("fsdp2", "fsdp2_skip_average.py", "SGD,Adam", "fsdp2.parity.grad.json", 2),
 ]
 
 
-@pytest.mark.parametrize("bug, optimizers, smallest_world", BUGS, ids=[b[0][:-3] for b in BUGS])
-def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, bug, optimizers, smallest_world):
+@pytest.mark.parametrize("target, bug, optimizers, pattern, smallest_world", BUGS, ids=[b[1][:-3] for b in BUGS])
+def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, target, bug, optimizers, pattern, smallest_world):
     out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", "dtensor", "--max-examples", 60, "--seed", 0, "--world-sizes", "1,2,3",
+    r = run_cli("fuzz", "--target", target, "--max-examples", 60, "--seed", 0, "--world-sizes", "1,2,3",
                 "--optimizers", optimizers, "--case-timeout", 60, "--out", out, setup=bug)
     assert r.returncode == 1, r.stderr[-3000:]
-    found = sorted(out.glob("dtensor.parity.*.*.param.json"))
+    found = sorted(out.glob(pattern))
     assert found, f"no param-parity finding; stderr:\n{r.stderr[-3000:]}"
     path = found[0]
     finding = json.loads(path.read_text())
     case = finding["case"]
     assert finding["deterministic"] is True
-    assert finding["verdict"]["first"]["quantity"] == "param"
+    assert finding["verdict"]["oracle"] == "parity"
     # shrunk: the smallest world size that shows the bug, a tiny model, one step
     assert case["world_size"] == smallest_world
     assert len(case["model"]["layers"]) <= 2

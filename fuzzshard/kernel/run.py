@@ -87,7 +87,8 @@ def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool, localize
         model = build_model(case.model, case.seed, device, dtype)
         init = {n: p.detach().clone() for n, p in model.named_parameters()} if keep else None
         model = target.shard(model)
-        trace = Trace(model, target.full) if localize else None
+        trace = Trace(model, getattr(target, "full_activation", target.full),
+                      getattr(target, "full_activation_grad", target.full)) if localize else None
         for n in case.frozen:
             model.get_parameter(n).requires_grad_(False)
         phase = "optimizer constructor"
@@ -182,7 +183,7 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
             sens = _sensitivity(model, params, x, y)
-            trace = Trace(model, lambda t: t) if localize and rec["trace"] else None
+            trace = Trace(model, lambda t: t, lambda t: t) if localize and rec["trace"] else None
             loss = loss_fn(model(x), y)
             loss.backward()
             here = [compare("loss", k, "", rec["loss"], loss.detach(), red_tol, sens=sens["loss"])]
@@ -224,18 +225,20 @@ class Trace:
     diverging module once a loss or grad divergence is known: it decides no
     verdict, so its tolerance cannot cause a false positive."""
 
-    def __init__(self, model, full):
-        self.full, self.fwd, self.bwd, self.handles = full, [], [], []
+    def __init__(self, model, full, full_grad):
+        self.full, self.full_grad, self.fwd, self.bwd, self.handles = full, full_grad, [], [], []
         for name, mod in model.named_modules():
             if not list(mod.children()) and name:
-                self.handles.append(mod.register_forward_hook(self._hook(name, type(mod).__name__)))
+                kind = type(mod).__name__
+                kind = kind[4:] if kind.startswith("FSDP") else kind  # fully_shard renames the class
+                self.handles.append(mod.register_forward_hook(self._hook(name, kind)))
 
     def _hook(self, name, kind):
         def hook(mod, args, out):
             if isinstance(out, torch.Tensor):
                 self.fwd.append((name, kind, self.full(out).detach().clone()))
                 if out.requires_grad:
-                    out.register_hook(lambda g: self.bwd.append((name, kind, self.full(g).detach().clone())))
+                    out.register_hook(lambda g: self.bwd.append((name, kind, self.full_grad(g).detach().clone())))
 
         return hook
 

@@ -457,6 +457,11 @@ Tolerances are derived, never tuned. ``u`` is the unit roundoff of the dtype.
   LayerNorm has an analytic grad of 0), so the bound also carries the
   tensor's *measured sensitivity*: how far it moves when every param and
   input is nudged by one ulp. Rounding inside a run acts like such nudges.
+- *Partial grads*: a grad left Partial (unreduced) is reduced again by each
+  optimizer op that reads it, in its own order; where its partials cancel
+  the step is legitimately undetermined. The step bound of such a param
+  grows by ``4 * r * |update|`` per element (state: ``4 * r * |state|``),
+  r being the relative reduction error ``(2(n-1)+1) u sum|partials| / |g|``.
 An element fails when ``|got - want| > atol + rtol * |want|`` with
 ``rtol = k*u`` and ``atol = k*u*max|want| + k*sensitivity``.
 """
@@ -488,10 +493,11 @@ def reduction_tolerance(dtype: str, n: int) -> dict:
     }
 
 
-def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: float = 0.0) -> dict | None:
+def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: float = 0.0, extra=None) -> dict | None:
     """None when ``got`` matches ``want`` within ``tol``, else a mismatch record.
     ``atol = k*u*max|want| + k*sens``, ``sens`` being the measured change of
-    this tensor under one-ulp nudges of every input (0 for the step oracle)."""
+    this tensor under one-ulp nudges of every input (0 for the step oracle);
+    ``extra`` is an elementwise allowance (a Partial grad's reduction error)."""
     if got is None or want is None:
         if got is None and want is None:
             return None
@@ -516,6 +522,8 @@ def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: floa
     atol = k_u * w.abs().max().item() + tol["k_ulps"] * sens
     err = (g - w).abs()
     bound = atol + k_u * w.abs()
+    if extra is not None:
+        bound = bound + extra.detach().to("cpu", torch.float64).nan_to_num(posinf=float("inf"))
     bad = err > bound
     if not bad.any():
         return None
@@ -626,6 +634,20 @@ class DTensorTarget:
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
+    def grad_spread(self, g: torch.Tensor):
+        """(sum of |partials|, number of partials) for a grad that is Partial on
+        some mesh dims, else None. The optimizer's ops may each reduce such a
+        grad in their own order, not the order full_tensor() used."""
+        if not isinstance(g, DTensor) or not any(pl.is_partial() for pl in g.placements):
+            return None
+        n = 1
+        for dim, pl in enumerate(g.placements):
+            if pl.is_partial():
+                n *= g.device_mesh.size(dim)
+        abs_partials = DTensor.from_local(g.to_local().abs(), g.device_mesh, g.placements, shape=g.shape,
+                                          stride=g.stride(), run_check=False)
+        return abs_partials.full_tensor(), n
+
 
 # ---- fuzzshard.kernel.run --------------------------------------------------
 """Run one Case: the sharded training on every rank, then the reference check.
@@ -712,7 +734,8 @@ def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool, localize
         model = build_model(case.model, case.seed, device, dtype)
         init = {n: p.detach().clone() for n, p in model.named_parameters()} if keep else None
         model = target.shard(model)
-        trace = Trace(model, target.full) if localize else None
+        trace = Trace(model, getattr(target, "full_activation", target.full),
+                      getattr(target, "full_activation_grad", target.full)) if localize else None
         for n in case.frozen:
             model.get_parameter(n).requires_grad_(False)
         phase = "optimizer constructor"
@@ -731,12 +754,18 @@ def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool, localize
             traced = trace.take() if trace else None
             phase = f"step {k}: gather grads"
             grads = {n: None if p.grad is None else target.full(p.grad).detach().clone() for n, p in model.named_parameters()}
+            spread = {}
+            for n, p in model.named_parameters():
+                s = target.grad_spread(p.grad) if p.grad is not None and hasattr(target, "grad_spread") else None
+                if s is not None:
+                    spread[n] = s
             phase = f"step {k}: optimizer.step"
             opt.step()
             phase = f"step {k}: gather params and state"
             rec = {
                 "loss": full_loss.detach().clone(),
                 "grads": grads,
+                "grad_spread": spread,
                 "params": {n: target.full(p).detach().clone() for n, p in model.named_parameters()},
                 "state": state_by_fqn(opt, model, target.full),
                 "groups": group_hparams(opt),
@@ -801,7 +830,7 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
             sens = _sensitivity(model, params, x, y)
-            trace = Trace(model, lambda t: t) if localize and rec["trace"] else None
+            trace = Trace(model, lambda t: t, lambda t: t) if localize and rec["trace"] else None
             loss = loss_fn(model(x), y)
             loss.backward()
             here = [compare("loss", k, "", rec["loss"], loss.detach(), red_tol, sens=sens["loss"])]
@@ -824,9 +853,11 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
             if ref_error is not None:
                 return {"status": "invalid", "reason": f"reference raises: {ref_error['text']}"}
             return _finding([m for m in mismatches if m] + [{"quantity": "reference replay", "step": k, "fqn": "", "detail": f"the reference could not replay the sharded state: {_exc(e)['text']}"}])
+        rel = _grad_uncertainty(case, rec)
         for n, p in params.items():
-            mismatches.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol))
-        mismatches += _compare_state(k, rec["state"], state_by_fqn(opt, model, lambda t: t), step_tol)
+            extra = None if n not in rel else PARTIAL_GRAD_READS * rel[n] * (p.detach() - prev["params"][n].to(p.device)).abs()
+            mismatches.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol, extra=extra))
+        mismatches += _compare_state(k, rec["state"], state_by_fqn(opt, model, lambda t: t), step_tol, rel)
         mismatches.append(compare_hparams(k, rec["groups"], group_hparams(opt)))
         prev = rec
     mismatches = [m for m in mismatches if m]
@@ -841,18 +872,20 @@ class Trace:
     diverging module once a loss or grad divergence is known: it decides no
     verdict, so its tolerance cannot cause a false positive."""
 
-    def __init__(self, model, full):
-        self.full, self.fwd, self.bwd, self.handles = full, [], [], []
+    def __init__(self, model, full, full_grad):
+        self.full, self.full_grad, self.fwd, self.bwd, self.handles = full, full_grad, [], [], []
         for name, mod in model.named_modules():
             if not list(mod.children()) and name:
-                self.handles.append(mod.register_forward_hook(self._hook(name, type(mod).__name__)))
+                kind = type(mod).__name__
+                kind = kind[4:] if kind.startswith("FSDP") else kind  # fully_shard renames the class
+                self.handles.append(mod.register_forward_hook(self._hook(name, kind)))
 
     def _hook(self, name, kind):
         def hook(mod, args, out):
             if isinstance(out, torch.Tensor):
                 self.fwd.append((name, kind, self.full(out).detach().clone()))
                 if out.requires_grad:
-                    out.register_hook(lambda g: self.bwd.append((name, kind, self.full(g).detach().clone())))
+                    out.register_hook(lambda g: self.bwd.append((name, kind, self.full_grad(g).detach().clone())))
 
         return hook
 
@@ -881,6 +914,9 @@ def localize_divergence(got: dict, want: dict, tol: dict) -> dict | None:
     return None
 
 
+SENSITIVITY_DRAWS = 4
+
+
 def _sensitivity(model, params: dict, x, y) -> dict[str, float]:
     """How far one ulp moves each result: rerun forward/backward with every
     param and float input nudged by one ulp (random direction, fixed seed),
@@ -889,7 +925,7 @@ def _sensitivity(model, params: dict, x, y) -> dict[str, float]:
     cancels to ~0 (e.g. through a LayerNorm over a near-constant row)."""
     saved = {n: p.detach().clone() for n, p in params.items()}
     grads_before = {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator().manual_seed(1234)  # fixed: a replay measures the same bound
 
     def nudge(t):
         up = torch.rand(t.shape, generator=g) < 0.5
@@ -907,25 +943,50 @@ def _sensitivity(model, params: dict, x, y) -> dict[str, float]:
         return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
 
     la, ga = run(False)
-    lb, gb = run(True)
+    out = {"loss": 0.0}
+    for _ in range(SENSITIVITY_DRAWS):  # one draw can read 0 by chance (a flat rounding step)
+        lb, gb = run(True)
+        out["loss"] = max(out["loss"], float((la - lb).abs().max()))
+        for n in params:
+            if ga[n] is not None and gb[n] is not None and ga[n].numel():
+                out[n] = max(out.get(n, 0.0), float((ga[n] - gb[n]).abs().max()))
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(saved[n])
             p.grad = grads_before[n]
-    out = {"loss": float((la - lb).abs().max())}
-    for n in params:
-        if ga[n] is not None and gb[n] is not None and ga[n].numel():
-            out[n] = float((ga[n] - gb[n]).abs().max())
     return out
 
 
-def _compare_state(k: int, got_state: dict, want_state: dict, tol: dict) -> list:
+def _compare_state(k: int, got_state: dict, want_state: dict, tol: dict, rel: dict | None = None) -> list:
     """Step -1 is the state right after the optimizer constructor."""
     out = []
     for n in sorted(set(want_state) | set(got_state)):
         got, want = got_state.get(n, {}), want_state.get(n, {})
         for key in sorted(set(got) | set(want)):
-            out.append(compare(f"state.{key}", k, n, got.get(key), want.get(key), tol))
+            w = want.get(key)
+            extra = None
+            if rel and n in rel and w is not None and w.shape == rel[n].shape:
+                extra = PARTIAL_GRAD_READS * rel[n] * w.abs()
+            out.append(compare(f"state.{key}", k, n, got.get(key), w, tol, extra=extra))
+    return out
+
+
+# An elementwise optimizer reads the grad at most twice in one formula (g / |g|
+# in Adagrad's first step); each read may carry its own reduction error.
+PARTIAL_GRAD_READS = 4
+
+
+def _grad_uncertainty(case: Case, rec: dict) -> dict:
+    """Per param whose grad was Partial: the relative error, per element, of any
+    one reduction of it. Summing n partials in two orders differs by at most
+    2(n-1) u sum|partials|, plus u|g| for the final rounding; where the partials
+    cancel (|g| << sum|partials|) the step is legitimately undetermined."""
+    u = UNIT_ROUNDOFF[case.dtype]
+    out = {}
+    for n, (abs_sum, parts) in rec.get("grad_spread", {}).items():
+        g = rec["grads"][n]
+        delta = (2 * (parts - 1) + 1) * u * abs_sum.to(g.device)
+        out[n] = delta / g.abs().clamp_min(torch.finfo(g.dtype).tiny)
     return out
 
 
