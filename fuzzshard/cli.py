@@ -84,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--cases", type=int, default=30, help="cases per mode (default 30)")
     b.add_argument("--world-size", type=int, default=2)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--target", default="dtensor", help="which target's cases to run (default dtensor)")
     return ap
 
 
@@ -305,7 +306,10 @@ def cmd_bench(args) -> int:
 
     if args.world_size < 1 or args.cases < 1:
         raise UsageError("--world-size and --cases must be >= 1")
-    run_bench(args.cases, args.world_size, args.seed)
+    names = _resolve_targets(args.target)
+    if len(names) != 1:
+        raise UsageError("bench measures one target at a time")
+    run_bench(args.cases, args.world_size, args.seed, names[0])
     return 0
 
 
