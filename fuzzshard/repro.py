@@ -14,7 +14,8 @@ import re
 from . import targets
 from .case import Case
 
-_MODULES = ["fuzzshard.case", "fuzzshard.kernel.model", "fuzzshard.kernel.optim", "fuzzshard.kernel.oracles"]
+_MODULES = ["fuzzshard.case", "fuzzshard.kernel.model", "fuzzshard.kernel.optim", "fuzzshard.kernel.oracles",
+            "fuzzshard.kernel.localize", "fuzzshard.kernel.reference"]
 _TAIL = ["fuzzshard.kernel.run"]
 _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
 

@@ -13,7 +13,6 @@ import datetime
 import json
 import math
 import os
-import sys
 import time
 import traceback
 from multiprocessing.connection import Client

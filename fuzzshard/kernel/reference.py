@@ -1,0 +1,247 @@
+"""The anchored reference: replay the plain model step by step from the
+sharded run's own state and compare (see run.py for the whole picture).
+
+Before step k the reference loads the sharded params and optimizer state
+after step k-1, so float noise never compounds; loss and grads are compared
+with the reduction tolerance (plus measured sensitivity), and the optimizer
+step, taken from the sharded grads, with the step tolerance.
+"""
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from ..case import Case
+from .localize import Trace, localize_divergence
+from .model import build_model, loss_fn, make_batch
+from .optim import build_optimizer, group_hparams, load_state_by_fqn, state_by_fqn
+from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, reduction_tolerance, step_tolerance
+
+
+MAX_REPORTED = 8
+
+
+def step_tolerance_for(case: Case, numel: int) -> dict:
+    """Adafactor reduces over a param (row/column means); Muon's Newton-Schulz
+    runs in bfloat16 whatever the param dtype, one reduction per iteration."""
+    if case.optim.name == "Adafactor":
+        return step_tolerance(case.dtype, 4 * numel)
+    if case.optim.name == "Muon":
+        return step_tolerance("bfloat16", case.optim.kwargs.get("ns_steps", 5))
+    return step_tolerance(case.dtype)
+
+
+def torch_dtype(case: Case) -> torch.dtype:
+    return getattr(torch, case.dtype)
+
+
+def _plain_setup(case: Case, device: str):
+    model = build_model(case.model, case.seed, device, torch_dtype(case))
+    for n in case.frozen:
+        model.get_parameter(n).requires_grad_(False)
+    return model, build_optimizer(model, case)
+
+
+def _apply_flags(model, step) -> None:
+    for n in step.freeze:
+        model.get_parameter(n).requires_grad_(False)
+    for n in step.unfreeze:
+        model.get_parameter(n).requires_grad_(True)
+
+
+def _plain_reference_error(case: Case, device: str) -> dict | None:
+    """Run the plain reference schedule un-anchored; its exception, if any."""
+    try:
+        model, opt = _plain_setup(case, device)
+        for k, step in enumerate(case.schedule):
+            _apply_flags(model, step)
+            opt.zero_grad(set_to_none=step.set_to_none)
+            x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
+            loss_fn(model(x), y).backward()
+            opt.step()
+    except Exception as e:
+        return _exc(e)
+    return None
+
+
+def reduction_length(case: Case) -> int:
+    """Longest chain of summed terms behind a loss or grad element (see oracles)."""
+    dims, kernel, depth = [case.model.d_in], 1, 1
+
+    def walk(layers, mult):
+        nonlocal kernel, depth
+        for layer in layers:
+            dims.extend([layer.d_in, layer.d_out])
+            kernel = max(kernel, layer.kernel)
+            if layer.kind in ("linear", "embedding", "conv1d", "layernorm"):
+                depth += mult
+            walk(layer.children, mult * (2 if layer.kind == "twice" else 1))
+
+    walk(case.model.layers, 1)
+    return case.batch * case.seq * max(dims) * kernel * (depth + 1)
+
+
+def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> dict:
+    dtype = torch_dtype(case)
+    try:
+        model, opt = _plain_setup(case, device)
+    except Exception as e:
+        return {"status": "invalid", "reason": f"reference rejects the config: {_exc(e)['text']}"}
+    red_tol = reduction_tolerance(case.dtype, reduction_length(case))
+    numel = max([p.numel() for p in model.parameters()] or [1])
+    step_tol = step_tolerance_for(case, numel)
+    params = dict(model.named_parameters())
+    mismatches = _compare_state(-1, obs["init_state"], state_by_fqn(opt, model, lambda t: t), step_tol)
+    prev = {"params": obs["init"], "state": obs["init_state"], "grads": {n: None for n in params}}
+    for k, step in enumerate(case.schedule):
+        rec = obs["steps"][k]
+        try:
+            _anchor(model, opt, case, prev)
+            _apply_flags(model, step)
+            opt.zero_grad(set_to_none=step.set_to_none)
+            x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
+            sens = _sensitivity(model, params, x, y)
+            trace = Trace(model, lambda t: t, lambda t: t) if localize and rec["trace"] else None
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            here = [compare("loss", k, "", rec["loss"], loss.detach(), red_tol, sens=sens["loss"])]
+            here += [compare("grad", k, n, rec["grads"][n], p.grad, red_tol, sens=sens.get(n, 0.0)) for n, p in params.items()]
+            here = [m for m in here if m]
+            if trace:  # name the module behind this step's divergence, if it has one
+                culprit = localize_divergence(rec["trace"], trace.take(), red_tol) if here else None
+                trace.remove()
+                if culprit:
+                    culprit["step"] = k
+                    return _finding([m for m in mismatches if m] + [culprit] + here)
+            mismatches += here
+            with torch.no_grad():  # step from the sharded grads: isolates the optimizer
+                for n, p in params.items():
+                    g = rec["grads"][n]
+                    p.grad = None if g is None else g.to(p.device).clone()
+            opt.step()
+        except Exception as e:
+            ref_error = _plain_reference_error(case, device)
+            if ref_error is not None:
+                return {"status": "invalid", "reason": f"reference raises: {ref_error['text']}"}
+            return _finding([m for m in mismatches if m] + [{"quantity": "reference replay", "step": k, "fqn": "", "detail": f"the reference could not replay the sharded state: {_exc(e)['text']}"}])
+        rel = _grad_uncertainty(case, rec)
+        for n, p in params.items():
+            extra = None if n not in rel else PARTIAL_GRAD_READS * rel[n] * (p.detach() - prev["params"][n].to(p.device)).abs()
+            mismatches.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol, extra=extra))
+        mismatches += _compare_state(k, rec["state"], state_by_fqn(opt, model, lambda t: t), step_tol, rel)
+        mismatches.append(compare_hparams(k, rec["groups"], group_hparams(opt)))
+        prev = rec
+    mismatches = [m for m in mismatches if m]
+    if mismatches:
+        return _finding(mismatches)
+    return {"status": "pass"}
+
+
+SENSITIVITY_DRAWS = 4
+
+
+def _sensitivity(model, params: dict, x, y) -> dict[str, float]:
+    """How far one ulp moves each result: rerun forward/backward with every
+    param and float input nudged by one ulp (random direction, fixed seed),
+    and take the largest change per tensor. Rounding anywhere in a legitimate
+    run acts like such nudges, so k times this bounds it even where a result
+    cancels to ~0 (e.g. through a LayerNorm over a near-constant row)."""
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    grads_before = {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
+    g = torch.Generator().manual_seed(1234)  # fixed: a replay measures the same bound
+
+    def nudge(t):
+        up = torch.rand(t.shape, generator=g) < 0.5
+        return torch.nextafter(t, torch.where(up.to(t.device), torch.tensor(float("inf"), dtype=t.dtype, device=t.device),
+                                              torch.tensor(float("-inf"), dtype=t.dtype, device=t.device)))
+
+    def run(perturb: bool):
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(nudge(saved[n]) if perturb else saved[n])
+                p.grad = None
+        xin = nudge(x) if perturb and x.is_floating_point() else x
+        loss = loss_fn(model(xin), y)
+        loss.backward()
+        return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
+
+    la, ga = run(False)
+    out = {"loss": 0.0}
+    for _ in range(SENSITIVITY_DRAWS):  # one draw can read 0 by chance (a flat rounding step)
+        lb, gb = run(True)
+        out["loss"] = max(out["loss"], float((la - lb).abs().max()))
+        for n in params:
+            if ga[n] is not None and gb[n] is not None and ga[n].numel():
+                out[n] = max(out.get(n, 0.0), float((ga[n] - gb[n]).abs().max()))
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
+            p.grad = grads_before[n]
+    return out
+
+
+def _compare_state(k: int, got_state: dict, want_state: dict, tol: dict, rel: dict | None = None) -> list:
+    """Step -1 is the state right after the optimizer constructor."""
+    out = []
+    for n in sorted(set(want_state) | set(got_state)):
+        got, want = got_state.get(n, {}), want_state.get(n, {})
+        for key in sorted(set(got) | set(want)):
+            w = want.get(key)
+            extra = None
+            if rel and n in rel and w is not None and w.shape == rel[n].shape:
+                extra = PARTIAL_GRAD_READS * rel[n] * w.abs()
+            out.append(compare(f"state.{key}", k, n, got.get(key), w, tol, extra=extra))
+    return out
+
+
+# An elementwise optimizer reads the grad at most twice in one formula (g / |g|
+# in Adagrad's first step); each read may carry its own reduction error.
+
+
+# An elementwise optimizer reads the grad at most twice in one formula (g / |g|
+# in Adagrad's first step); each read may carry its own reduction error.
+PARTIAL_GRAD_READS = 4
+
+
+def _grad_uncertainty(case: Case, rec: dict) -> dict:
+    """Per param whose grad was Partial: the relative error, per element, of any
+    one reduction of it. Summing n partials in two orders differs by at most
+    2(n-1) u sum|partials|, plus u|g| for the final rounding; where the partials
+    cancel (|g| << sum|partials|) the step is legitimately undetermined."""
+    u = UNIT_ROUNDOFF[case.dtype]
+    out = {}
+    for n, (abs_sum, parts) in rec.get("grad_spread", {}).items():
+        g = rec["grads"][n]
+        delta = (2 * (parts - 1) + 1) * u * abs_sum.to(g.device)
+        out[n] = delta / g.abs().clamp_min(torch.finfo(g.dtype).tiny)
+    return out
+
+
+def _anchor(model, opt, case: Case, rec: dict) -> None:
+    """Make the reference exactly the sharded run's state after the previous step."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(rec["params"][n])
+            p.grad = None if rec["grads"][n] is None else torch.zeros_like(p)
+    load_state_by_fqn(opt, model, rec["state"])
+
+
+def _finding(mismatches: list[dict]) -> dict:
+    return {
+        "status": "finding",
+        "oracle": "parity",
+        "first": mismatches[0],
+        "mismatches": mismatches[:MAX_REPORTED],
+        "count": len(mismatches),
+    }
+
+
+def _exc(e: BaseException) -> dict:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return {
+        "type": type(e).__name__,
+        "message": msg[:500],
+        "text": f"{type(e).__name__}: {msg[:300]}",
+        "traceback": "".join(traceback.format_exception(e))[-4000:],
+    }
