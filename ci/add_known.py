@@ -2,16 +2,16 @@
 
     python ci/add_known.py FINDING.json "one-line diagnosis" [...pairs]
 
-Re-runs each case once (localized) so the stored verdict, signature and
-standalone script come from the current kernel, then rewrites known/README.md.
+Re-runs each case once (localized) so the stored verdict and signature come
+from the current kernel, then rewrites known/README.md. Only the JSON is kept:
+`fuzzshard script X.json` writes the standalone script from the current kernel.
 """
 import sys
 from pathlib import Path
 
-from fuzzshard import repro
 from fuzzshard.cli import known_markdown
 from fuzzshard.engine import localized
-from fuzzshard.findings import KNOWN_DIR, Finding, environment, load_finding, load_known, signature, summary, write_finding
+from fuzzshard.findings import KNOWN_DIR, Finding, environment, load_finding, load_known, signature, write_finding
 from fuzzshard.runner import Pool
 
 
@@ -28,7 +28,7 @@ def main(pairs):
             new = Finding(sig, f.case, v, environment=env, diagnosis=diagnosis)
             for old in KNOWN_DIR.glob(f"{sig}.*"):
                 old.unlink()  # replace, even with a larger case: the diagnosis is new
-            write_finding(KNOWN_DIR, new, repro.script(f.case, summary(v), env))
+            write_finding(KNOWN_DIR, new, None)
             print(f"known: {sig}")
     (KNOWN_DIR / "README.md").write_text(known_markdown(load_known()) + "\n")
 

@@ -16,6 +16,7 @@ examples:
   fuzzshard replay findings/dtensor.parity.Adam.param.json    # 0 passes now, 1 still fails
   torchrun --nproc-per-node 2 findings/dtensor.parity.Adam.param.py   # no fuzzshard needed
   fuzzshard show findings/dtensor.parity.Adam.param.json
+  fuzzshard script fuzzshard/known/dtensor.parity.forward.Conv1d.json -o conv.py   # a repro to paste upstream
   fuzzshard known --check                                       # do known torch bugs still reproduce?
   fuzzshard bench                                               # warm pool vs fresh process groups
 """
@@ -74,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="print a finding or case file readably")
     s.add_argument("file")
 
+    sc = sub.add_parser("script", help="write the standalone torchrun repro script of a finding or case file")
+    sc.add_argument("file")
+    sc.add_argument("-o", "--output", help="write here instead of standard output")
+
     k = sub.add_parser("known", help="list the known findings in torch; --check replays them")
     k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
@@ -99,7 +104,7 @@ def _pool_args(p) -> None:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"fuzz": cmd_fuzz, "replay": cmd_replay, "show": cmd_show, "known": cmd_known, "bench": cmd_bench}[
+        return {"fuzz": cmd_fuzz, "replay": cmd_replay, "show": cmd_show, "script": cmd_script, "known": cmd_known, "bench": cmd_bench}[
             args.command
         ](args)
     except UsageError as e:
@@ -108,6 +113,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("fuzzshard: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `fuzzshard known | head`
+        sys.stderr.close()
+        return 0
 
 
 def _check_pool_args(args) -> None:
@@ -258,6 +266,20 @@ def cmd_show(args) -> int:
     return 0
 
 
+def cmd_script(args) -> int:
+    from . import repro
+    from .findings import summary
+
+    finding = _load(args.file)
+    text = repro.script(finding.case, summary(finding.verdict) if finding.verdict else "", finding.environment)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_known(args) -> int:
     from .findings import load_known, signature
 
@@ -290,12 +312,13 @@ def cmd_known(args) -> int:
 def known_markdown(known: dict) -> str:
     rows = ["# Known findings in PyTorch", "",
             "Divergences fuzzshard found in torch itself. Each row: the signature, a one-line diagnosis, the "
-            "shrunk repro (`fuzzshard replay X.json`, or `torchrun --nproc-per-node W X.py` with torch alone). "
+            "shrunk repro (`fuzzshard replay X.json`; `fuzzshard script X.json -o x.py` writes a standalone "
+            "script for `torchrun --nproc-per-node W x.py`, torch alone). "
             "Regenerate this table with `fuzzshard known --markdown`; check them with `fuzzshard known --check`.", "",
             "| signature | kind | torch | W | diagnosis |", "|---|---|---|---|---|"]
     for sig, f in sorted(known.items()):
         kind = {"parity": "**silent**", "error_parity": "raises", "hang": "hang", "crash": "crash"}.get(f.verdict.get("oracle"), "?")
-        rows.append(f"| [`{sig}`]({sig}.json) ([py]({sig}.py)) | {kind} | {f.environment.get('torch', '?')} "
+        rows.append(f"| [`{sig}`]({sig}.json) | {kind} | {f.environment.get('torch', '?')} "
                     f"| {f.case.world_size} | {f.diagnosis} |")
     return "\n".join(rows)
 

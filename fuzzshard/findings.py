@@ -147,9 +147,9 @@ def load_finding(path: str | os.PathLike) -> Finding:
     return Finding.from_dict(data)
 
 
-def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str) -> tuple[Path, Path]:
-    """OUT/<signature>.json and .py. An existing file of the same signature is
-    kept unless the new case is smaller (the same bug, a simpler repro)."""
+def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str | None) -> tuple[Path, Path]:
+    """OUT/<signature>.json and, given a script, .py. An existing file of the
+    same signature is kept unless the new case is smaller (a simpler repro)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jpath, ppath = out / f"{finding.signature}.json", out / f"{finding.signature}.py"
@@ -161,7 +161,8 @@ def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str) -> 
         except CaseError:
             pass  # a broken old file is replaced
     atomic_write(jpath, json.dumps(finding.to_dict(), indent=2, sort_keys=True) + "\n")
-    atomic_write(ppath, script)
+    if script is not None:
+        atomic_write(ppath, script)
     return jpath, ppath
 
 

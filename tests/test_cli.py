@@ -53,3 +53,15 @@ def test_help_teaches_the_commands():
     assert r.returncode == 0
     for word in ("fuzz", "replay", "show", "known", "bench", "torchrun"):
         assert word in r.stdout
+
+
+def test_script_writes_a_standalone_repro(tmp_path):
+    f = tmp_path / "case.json"
+    f.write_text(simple_case(2).to_json())
+    out = tmp_path / "repro.py"
+    r = run_cli("script", f, "-o", out)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    compile(text, str(out), "exec")
+    assert "import fuzzshard" not in text and "from fuzzshard" not in text
+    assert "CASE_JSON" in text and "torchrun --nproc-per-node 2" in text

@@ -45,3 +45,16 @@ def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, target, bug,
     assert buggy.returncode != 0 and "FINDING" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
     ok = torchrun(script, case["world_size"], cwd=elsewhere)
     assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+
+
+def test_known_silent_torch_bug_reproduces_standalone(tmp_path):
+    """A recorded torch bug, as a user would paste it upstream: the script that
+    `fuzzshard script` writes fails under torchrun on unmodified torch."""
+    from fuzzshard.findings import KNOWN_DIR
+
+    known = KNOWN_DIR / "dtensor.parity.forward.Conv1d.json"
+    world = json.loads(known.read_text())["case"]["world_size"]
+    script = tmp_path / "conv.py"
+    assert run_cli("script", known, "-o", script).returncode == 0
+    r = torchrun(script, world, cwd=tmp_path)
+    assert r.returncode != 0 and "FINDING" in r.stdout, r.stdout + r.stderr[-2000:]
