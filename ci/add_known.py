@@ -7,7 +7,6 @@ from the current kernel, then rewrites known/README.md. Only the JSON is kept:
 `fuzzshard script X.json` writes the standalone script from the current kernel.
 """
 import sys
-from pathlib import Path
 
 from fuzzshard.cli import known_markdown
 from fuzzshard.engine import localized
