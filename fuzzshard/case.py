@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +68,26 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """Save after step ``after``, load into a fresh model + optimizer on
+    ``world_size`` ranks (mesh and target options of the loading side), go on.
+
+    kind: "full" (get_state_dict full + cpu_offload, torch.save on rank 0,
+    torch.load on every loading rank), "broadcast" (the same file read by
+    rank 0 only, set_state_dict(broadcast_from_rank0=True)) or "dcp"
+    (sharded state dict through torch.distributed.checkpoint on disk).
+    """
+
+    after: int
+    kind: str
+    world_size: int
+    mesh_shape: tuple[int, ...]
+    target_options: dict[str, Any] = field(default_factory=dict)
+    split: bool = False  # set_model_state_dict + set_optimizer_state_dict instead of set_state_dict
+    strict: bool = True
+
+
+@dataclass(frozen=True)
 class Case:
     target: str
     world_size: int
@@ -81,6 +103,25 @@ class Case:
     device: str = "cpu"
     target_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    checkpoint: Checkpoint | None = None
+
+    @property
+    def ranks(self) -> int:
+        """Processes the case needs: the larger of the saving and loading world."""
+        return max(self.world_size, self.checkpoint.world_size if self.checkpoint else 0)
+
+    def check_world(self) -> None:
+        """CaseError unless every world size and mesh in the case is possible."""
+        sides = [("", self.world_size, self.mesh_shape)]
+        if self.checkpoint:
+            sides.append(("checkpoint ", self.checkpoint.world_size, self.checkpoint.mesh_shape))
+        for what, world, mesh in sides:
+            if world < 1 or not mesh:
+                raise CaseError(f"{what}world size {world} is impossible")
+            if math.prod(mesh) != world:
+                raise CaseError(f"{what}mesh {mesh} does not hold {world} ranks")
+        if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):
+            raise CaseError(f"checkpoint after step {self.checkpoint.after}: the schedule has {len(self.schedule)} steps")
 
     def to_dict(self) -> dict:
         return {"format": FORMAT_VERSION, **_to_jsonable(self)}
@@ -129,6 +170,11 @@ def _to_jsonable(value: Any) -> Any:
 def _from_jsonable(tp: Any, value: Any, where: str) -> Any:
     """Rebuild a value of type ``tp`` from JSON data, with a clear error path."""
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        if value is None:
+            return None
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _from_jsonable(tp, value, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise CaseError(f"{where}: expected an object, got {type(value).__name__}")

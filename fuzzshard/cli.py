@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--out", default="fuzzshard-out", help="findings and the example database go here")
     f.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes to draw from (default 1,2,3,4)")
     f.add_argument("--optimizers", default=None, help="restrict to these torch.optim classes, comma-separated")
+    f.add_argument("--checkpoints", choices=["some", "all", "none"], default="some",
+                   help="save mid-schedule and resume from a fresh model (full state dict, broadcast from rank 0, or "
+                        "DCP files, at any of the world sizes) in some cases (default), every case, or none")
     _pool_args(f)
 
     r = sub.add_parser("replay", help="re-run a finding or case file: exit 0 passes now, 1 still fails, 2 bad file")
@@ -176,6 +179,7 @@ def cmd_fuzz(args) -> int:
         if bad:
             raise UsageError(f"unknown optimizer(s) {bad} (known: {', '.join(available())})")
         strategy_kwargs["optimizer_names"] = opts
+    strategy_kwargs["checkpoint"] = {"some": None, "all": True, "none": False}[args.checkpoints]
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     os.makedirs(args.out, exist_ok=True)
     print(f"fuzzshard: targets {','.join(names)} · world sizes {sizes} · seed {seed} · out {args.out}", file=sys.stderr)
@@ -205,7 +209,7 @@ def _print_session_report(session, findings, out) -> None:
     for f in findings:
         flag = "" if f.deterministic else " (FLAKY: a second run gave another verdict)"
         print(f"FINDING {f.signature}{flag}\n        {summary(f.verdict)}\n        -> {out}/{f.signature}.json, "
-              f"{out}/{f.signature}.py (torchrun --nproc-per-node {f.case.world_size})", file=sys.stderr)
+              f"{out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})", file=sys.stderr)
     if not findings:
         print("no new findings", file=sys.stderr)
 
@@ -222,12 +226,10 @@ def _load(path):
 
     if finding.case.target not in targets.names():
         raise UsageError(f"{path}: unknown target {finding.case.target!r} (known: {', '.join(targets.names())})")
-    if finding.case.world_size < 1 or len(finding.case.mesh_shape) < 1:
-        raise UsageError(f"{path}: world size {finding.case.world_size} is impossible")
-    import math
-
-    if math.prod(finding.case.mesh_shape) != finding.case.world_size:
-        raise UsageError(f"{path}: mesh {finding.case.mesh_shape} does not hold {finding.case.world_size} ranks")
+    try:
+        finding.case.check_world()
+    except CaseError as e:
+        raise UsageError(f"{path}: {e}") from None
     return finding
 
 
@@ -239,7 +241,7 @@ def cmd_replay(args) -> int:
     case = finding.case
     from .engine import localized
 
-    pool = _pool(args, case.world_size)
+    pool = _pool(args, case.ranks)
     try:
         v = localized(pool, case, pool.run(case).verdict)
     finally:
@@ -292,7 +294,7 @@ def cmd_known(args) -> int:
         return 0
     if args.check:
         _check_pool_args(args)
-    pool = _pool(args, max(f.case.world_size for f in known.values())) if args.check else None
+    pool = _pool(args, max(f.case.ranks for f in known.values())) if args.check else None
     try:
         for sig, f in known.items():
             status = ""

@@ -32,26 +32,38 @@ def signature(case: Case, verdict: dict) -> str:
         kw = case.optim.kwargs  # the implementation is half a step bug's address
         impl = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "forloop"
         return f"{case.target}.parity.{case.optim.name}.{impl}.{quantity}"
+    if oracle == "checkpoint":  # what did not survive which kind of round trip
+        quantity = verdict["first"]["quantity"].replace("param_groups.", "group.")
+        return f"{case.target}.checkpoint.{case.checkpoint.kind}.{quantity}"
     err = verdict.get("error") or {}
     if oracle == "error_parity":
         # the root cause is the message template, not which optimizer or op surfaced it
         phase = _phase_kind(err.get("phase", ""))
-        return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{_digest(err.get('message', ''))}"
+        digest = _digest(err.get("message", ""), names=phase in ("save", "load"))
+        return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{digest}"
     if oracle == "crash":
         return f"{case.target}.crash.{_slug(err.get('type', 'Crash'))}"
+    if oracle == "hang":  # where the lowest stuck rank waits names the hang
+        where = verdict.get("where", {})
+        first = where.get(min(where), "") if where else ""
+        return f"{case.target}.hang" + (f".{_slug(first.replace(':', '.'))}" if first else "")
     return f"{case.target}.{oracle}"
 
 
 def _phase_kind(phase: str) -> str:
-    for key, kind in (("optimizer.step", "step"), ("constructor", "ctor"), ("forward", "fwdbwd"), ("shard", "shard")):
+    for key, kind in (("checkpoint save", "save"), ("checkpoint load", "load"), ("optimizer.step", "step"), ("constructor", "ctor"), ("forward", "fwdbwd"), ("shard", "shard")):
         if key in phase:
             return kind
     return "other"
 
 
-def _digest(message: str) -> str:
-    """Same message template -> same digest: op names, numbers and placements vary per case."""
+def _digest(message: str, names: bool = False) -> str:
+    """Same message template -> same digest: op names, numbers and placements
+    vary per case; ``names``: so do quoted strings and dotted keys
+    (``optim.state.layers.0.bias.step``), as in state-dict messages."""
     template = re.sub(r"aten\.[\w.]+", "OP", message)
+    if names:
+        template = re.sub(r"'[^']*'|\b\w+(\.\w+)+", "NAME", template)
     template = re.sub(r"\([^()]*(\([^()]*\)[^()]*)*\)", "()", template)
     template = re.sub(r"\d+", "N", template)[:160]
     return hashlib.sha1(template.encode()).hexdigest()[:8]
@@ -74,6 +86,10 @@ def summary(verdict: dict) -> str:
             where = f"{m['quantity']} of {m['fqn']} after the constructor"
         extra = f" (max abs err {m['max_abs']:.3g}, {m['bad']}/{m['numel']} elements; tolerance: {m['tolerance']})" if "max_abs" in m else ""
         return f"parity: {where} differs: {m['detail']}{extra}; {verdict['count']} mismatches in all"
+    if oracle == "checkpoint":
+        m = verdict["first"]
+        return (f"checkpoint round trip: {m['quantity']} of {m['fqn'] or 'the optimizer'} (saved after step {m['step']}) "
+                f"differs: {m['detail']}; {verdict['count']} mismatches in all")
     err = verdict.get("error") or {}
     if oracle == "error_parity":
         return f"error parity: only the sharded run raises, in {err.get('phase')}: {err.get('type')}: {err.get('message')}"
@@ -106,6 +122,9 @@ class Finding:
     count: int = 1
     environment: dict = field(default_factory=dict)
     diagnosis: str = ""
+    # known hangs only: case fields that always hit it ({"checkpoint.kind": "broadcast", "world_size": [2, 3]});
+    # a matching case is counted as a hit of this finding without being run (it would cost the case timeout)
+    trigger: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -116,6 +135,7 @@ class Finding:
             "verdict": _jsonable(self.verdict),
             "environment": self.environment,
             "case": self.case.to_dict(),
+            **({"trigger": self.trigger} if self.trigger else {}),
         }
 
     @classmethod
@@ -129,6 +149,7 @@ class Finding:
             deterministic=data.get("deterministic", True),
             environment=data.get("environment", {}),
             diagnosis=data.get("diagnosis", ""),
+            trigger=data.get("trigger", {}),
         )
 
 
@@ -171,6 +192,25 @@ def atomic_write(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def triggered(case: Case, known: dict[str, Finding]) -> str | None:
+    """The signature of a known hang whose recorded trigger this case matches."""
+    data = case.to_dict()
+    for sig, f in known.items():
+        if f.trigger and all(_matches(_field(data, k), v) for k, v in f.trigger.items()):
+            return sig
+    return None
+
+
+def _field(data: dict, path: str):
+    for part in path.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _matches(value, want) -> bool:
+    return value in want if isinstance(want, list) else value == want
 
 
 def load_known(directory: str | os.PathLike = KNOWN_DIR) -> dict[str, Finding]:

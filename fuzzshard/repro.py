@@ -14,8 +14,9 @@ import re
 from . import targets
 from .case import Case
 
-_MODULES = ["fuzzshard.case", "fuzzshard.kernel.model", "fuzzshard.kernel.optim", "fuzzshard.kernel.oracles",
-            "fuzzshard.kernel.localize", "fuzzshard.kernel.reference"]
+_MODULES = ["fuzzshard.case", "fuzzshard.kernel.mesh", "fuzzshard.kernel.model", "fuzzshard.kernel.optim",
+            "fuzzshard.kernel.oracles", "fuzzshard.kernel.localize", "fuzzshard.kernel.reference",
+            "fuzzshard.kernel.checkpoint"]
 _TAIL = ["fuzzshard.kernel.run"]
 _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
 
@@ -36,7 +37,7 @@ def script(case: Case, headline: str = "", environment: dict | None = None) -> s
     body = flatten(_MODULES + [module] + _TAIL)
     return _TEMPLATE.format(
         headline=headline or "a fuzzshard case",
-        world=case.world_size,
+        world=case.ranks,
         torch=env.get("torch", "?"),
         backend=env.get("backend", "gloo"),
         body=body,
@@ -82,22 +83,27 @@ def _main() -> int:
         exec(compile(open(args.setup).read(), args.setup, "exec"), {{"__name__": "__fuzzshard_setup__", "__file__": args.setup}})
     torch.set_num_threads(1)
     case = Case.from_json(CASE_JSON)
-    if int(os.environ.get("WORLD_SIZE", "0")) != case.world_size:
-        print(f"run me with: torchrun --nproc-per-node {{case.world_size}} {{sys.argv[0]}}", file=sys.stderr)
+    if int(os.environ.get("WORLD_SIZE", "0")) != case.ranks:
+        print(f"run me with: torchrun --nproc-per-node {{case.ranks}} {{sys.argv[0]}}", file=sys.stderr)
         return 2
+    import shutil
+    import tempfile
     from datetime import timedelta
-
-    from torch.distributed.device_mesh import init_device_mesh
 
     device = "cpu"
     if case.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device = f"cuda:{{torch.cuda.current_device()}}"
     dist.init_process_group("nccl" if case.device == "cuda" else "gloo", timeout=timedelta(seconds=120))
-    names = tuple(f"d{{i}}" for i in range(len(case.mesh_shape)))
-    mesh = init_device_mesh(case.device, case.mesh_shape, mesh_dim_names=names)
+    meshes = Meshes(case.ranks, case.device)
     rank = dist.get_rank()
-    verdict = run_case(case, mesh, TARGET, device, reporter=rank == 0)
+    ckpt = [tempfile.mkdtemp(prefix="fuzzshard-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(ckpt, src=0)  # one directory every rank sees (one machine)
+    try:
+        verdict = run_case(case, meshes, TARGET, device, reporter=rank == 0, ckpt_dir=ckpt[0])
+    finally:  # rank 0 returns last from the loading side's collectives
+        if rank == 0:
+            shutil.rmtree(ckpt[0], ignore_errors=True)
     if verdict is None or verdict["status"] == "pass":
         if rank == 0:
             print("PASS: the sharded run matches the reference")

@@ -2,7 +2,7 @@
 
 Workers are spawned once per session and form one real process group
 (gloo on CPU, NCCL on GPUs). ``Pool.run(case)`` sends the case to ranks
-0..W-1 and waits at most ``case_timeout`` seconds. A rank that never answers
+0..W-1 (W: the larger of a checkpoint's saving and loading world) and waits at most ``case_timeout`` seconds. A rank that never answers
 makes a ``hang`` verdict, a rank that dies a ``crash`` verdict; either way the
 pool is torn down and rebuilt, and the session goes on.
 """
@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import multiprocessing.connection as mpc
 import os
+import re
 import secrets
 import select
+import signal
 import shutil
 import subprocess
 import sys
@@ -122,6 +124,24 @@ class Pool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _where_stuck(self, rank: int) -> str:
+        """Where a stuck worker waits, as "kernel function:innermost torch
+        function", read from the stack faulthandler dumps on SIGUSR1."""
+        path = self.gen.log_path(rank)
+        try:
+            start = os.path.getsize(path)
+            os.kill(self.procs[rank].pid, signal.SIGUSR1)
+            time.sleep(0.5)
+            with open(path, errors="replace") as f:
+                f.seek(start)
+                frames = re.findall(r'File "([^"]+)", line \d+ in (\S+)', f.read())  # innermost first
+        except OSError:
+            return ""
+        kernel = f"{os.sep}fuzzshard{os.sep}kernel{os.sep}"
+        ours = next((f"{os.path.basename(p)[:-3]}.{fn}" for p, fn in frames if kernel in p), "")
+        theirs = next((fn for p, fn in frames if f"{os.sep}torch{os.sep}" in p), "")
+        return f"{ours}:{theirs}" if ours or theirs else ""
+
     def _log_tail(self, rank: int, lines: int = 15) -> str:
         return self.gen.log_tail(rank, lines) if self.gen else ""
 
@@ -129,13 +149,22 @@ class Pool:
     def run(self, case: Case, localize: bool = False) -> Result:
         """Run one case; ``localize`` also records per-module activations to
         name the first diverging module (slower; used after a divergence)."""
-        w = case.world_size
+        w = case.ranks
         if not 1 <= w <= self.size:
             raise ValueError(f"case needs world size {w}, the pool has {self.size} workers")
+        # checkpoint files live in a per-case directory, removed whatever happens
+        ckpt_dir = tempfile.mkdtemp(prefix="fuzzshard-ckpt-") if case.checkpoint else None
+        try:
+            return self._run(case, w, localize, ckpt_dir)
+        finally:
+            if ckpt_dir:
+                shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+    def _run(self, case: Case, w: int, localize: bool, ckpt_dir: str | None) -> Result:
         t0 = time.monotonic()
         text = case.to_json()
         for conn in self.conns[:w]:
-            conn.send(("case", text, localize))
+            conn.send(("case", text, localize, ckpt_dir))
         answers: dict[int, tuple] = {}
         dead: dict[int, int] = {}
         waiting = {self.conns[r]: r for r in range(w)}
@@ -188,11 +217,14 @@ class Pool:
                 return out
         if len(answers) < w:
             stuck = sorted(set(range(w)) - set(answers))
+            where = {r: self._where_stuck(r) for r in stuck}
             return {
                 "status": "finding",
                 "oracle": "hang",
                 "stuck_ranks": stuck,
-                "error": {"type": "Hang", "message": f"ranks {stuck} still running after {seconds:.0f}s"},
+                "where": where,
+                "error": {"type": "Hang", "message": f"ranks {stuck} still running after {seconds:.0f}s, in "
+                          + "; ".join(f"rank {r}: {where[r] or '?'}" for r in stuck)},
             }
         return verdicts.get(0, {"status": "error", "error": "rank 0 returned no verdict"})
 

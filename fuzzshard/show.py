@@ -37,14 +37,29 @@ def render(finding: Finding) -> str:
     for k, s in enumerate(c.schedule):
         extra = "".join([f", freeze {', '.join(s.freeze)}" if s.freeze else "", f", unfreeze {', '.join(s.unfreeze)}" if s.unfreeze else ""])
         lines.append(f"  step {k}: zero_grad(set_to_none={s.set_to_none}){extra}")
-    if c.target_options:
-        lines.append("target options")
-        for k, v in c.target_options.items():
-            if isinstance(v, dict):
-                lines += [f"  {k}:"] + [f"    {n}: {p}" for n, p in v.items()]
-            else:
-                lines.append(f"  {k}: {v}")
+    lines += _options("target options", c.target_options)
+    ck = c.checkpoint
+    if ck:
+        how = {"full": "full state dict, torch.save on rank 0, torch.load on every rank",
+               "broadcast": "full state dict, read by rank 0, set_state_dict(broadcast_from_rank0=True)",
+               "dcp": "sharded state dict through torch.distributed.checkpoint"}.get(ck.kind, ck.kind)
+        api = "set_model_state_dict + set_optimizer_state_dict" if ck.split else "set_state_dict"
+        lines += [f"checkpoint after step {ck.after}: {how}",
+                  f"  load on {ck.world_size} rank(s), mesh {ck.mesh_shape}, with {api}, strict={ck.strict}"]
+        lines += _options("  loading side's target options", ck.target_options, "  ")
     return "\n".join(lines)
+
+
+def _options(title: str, options: dict, pad: str = "") -> list[str]:
+    if not options:
+        return []
+    out = [title]
+    for k, v in options.items():
+        if isinstance(v, dict):
+            out += [f"{pad}  {k}:"] + [f"{pad}    {n}: {p}" for n, p in v.items()]
+        else:
+            out.append(f"{pad}  {k}: {v}")
+    return out
 
 
 def _layer(layer: Layer, name: str, depth: int) -> list[str]:

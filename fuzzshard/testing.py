@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import reject
 
-from .findings import load_known, signature, summary
+from .findings import load_known, signature, summary, triggered
 
 _KNOWN = None
 
@@ -17,6 +17,8 @@ def check(pool, case, known: dict | None = None) -> dict:
         known = _KNOWN
     from .engine import localized
 
+    if triggered(case, known):  # a known hang: do not wait out the timeout
+        return {"status": "finding", "oracle": "hang", "known_trigger": triggered(case, known)}
     verdict = pool.run(case).verdict
     if verdict["status"] == "invalid":
         reject()

@@ -1,23 +1,22 @@
 """One rank of the persistent pool: joins the process group once, then runs
 the cases the driver sends until told to stop.
 
-A case of world size W runs on ranks 0..W-1 on a DeviceMesh built for that
-case from subgroups of exactly those ranks (``init_device_mesh`` would take
-the whole world). Subgroups are created once per rank set and reused: gloo
-groups hold no state between collectives, and a case that leaves one in a
-bad state (a hang, a crash) gets the whole pool rebuilt anyway.
+A case of world size W runs on ranks 0..W-1 on DeviceMeshes built for that
+case from subgroups of exactly those ranks (kernel/mesh.py). Subgroups are
+created once per rank set and reused: gloo groups hold no state between
+collectives, and a case that leaves one in a bad state (a hang, a crash)
+gets the whole pool rebuilt anyway.
 """
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
-import math
 import os
+import signal
 import time
 import traceback
 from multiprocessing.connection import Client
-
-from .case import mesh_shapes
 
 
 def main() -> None:
@@ -30,8 +29,10 @@ def main() -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=False)  # the driver asks a stuck rank where it waits
     from . import targets
     from .case import Case
+    from .kernel.mesh import Meshes
     from .kernel.run import run_case
 
     if options.get("setup"):
@@ -47,7 +48,7 @@ def main() -> None:
         world_size=size,
         timeout=datetime.timedelta(seconds=options["collective_timeout"]),
     )
-    groups = {ranks: dist.new_group(list(ranks)) for ranks in rank_sets(size)}
+    meshes = Meshes(size, options["mesh_device"])
     # Connect last: a spare generation gets fully ready before the driver needs it.
     conn = Client(tuple(options["address"]), authkey=bytes.fromhex(os.environ["FUZZSHARD_AUTHKEY"]))
     conn.send(("ready", rank, {"rank": rank, "torch": torch.__version__, "targets": targets.names()}))
@@ -59,15 +60,15 @@ def main() -> None:
         if msg[0] == "exit":
             dist.destroy_process_group()
             return
-        _, case_json, localize = msg
+        _, case_json, localize, ckpt_dir = msg
         t0 = time.perf_counter()
         try:
             case = Case.from_json(case_json)
-            mesh = build_mesh(case, groups, options["mesh_device"])
+            target_cls = targets.get(case.target)
             t1 = time.perf_counter()
             timings: dict = {}
-            verdict = run_case(case, mesh, targets.get(case.target), device, reporter=rank == 0, timings=timings,
-                               localize=localize)
+            verdict = run_case(case, meshes, target_cls, device, reporter=rank == 0, timings=timings,
+                               localize=localize, ckpt_dir=ckpt_dir)
         except Exception as e:  # a bug in fuzzshard or the setup file, not in the case
             verdict = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             t1, timings = time.perf_counter(), {}
@@ -82,42 +83,6 @@ def run_setup_file(path: str) -> None:
         code = compile(f.read(), path, "exec")
     exec(code, {"__name__": "__fuzzshard_setup__", "__file__": path})
 
-
-def _slices(shape: tuple[int, ...]) -> list[list[list[int]]]:
-    """Per mesh dim, the rank lists of the 1-D slices along it."""
-    import torch
-
-    ranks = torch.arange(math.prod(shape)).view(*shape)
-    return [ranks.movedim(d, -1).reshape(-1, shape[d]).tolist() for d in range(len(shape))]
-
-
-def rank_sets(size: int) -> list[tuple[int, ...]]:
-    """Every rank set a case on a pool of ``size`` can need as a mesh dim. The
-    groups are created by all ranks together, once, in this order: creating
-    them per case with local synchronisation deadlocks once ranks have made
-    different numbers of groups."""
-    out = set()
-    for w in range(1, size + 1):
-        for shape in mesh_shapes(w):
-            for dim in _slices(shape):
-                out.update(tuple(s) for s in dim)
-    return sorted(out, key=lambda s: (len(s), s))
-
-
-def build_mesh(case, groups: dict, device_type: str):
-    """A fresh DeviceMesh over ranks 0..W-1 (never init_device_mesh, which
-    would take the whole pool's world)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    me = dist.get_rank()
-    dim_groups = [groups[tuple(next(s for s in dim if me in s))] for dim in _slices(case.mesh_shape)]
-    ranks = torch.arange(case.world_size).view(*case.mesh_shape)
-    if len(dim_groups) == 1:
-        return DeviceMesh.from_group(dim_groups[0], device_type, mesh=ranks)
-    names = tuple(f"d{i}" for i in range(len(dim_groups)))
-    return DeviceMesh.from_group(dim_groups, device_type, mesh=ranks, mesh_dim_names=names)
 
 if __name__ == "__main__":
     main()

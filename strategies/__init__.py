@@ -12,15 +12,18 @@ come first, so a shrunk case has few ranks, layers, groups and steps.
 """
 from __future__ import annotations
 
+import math
+
 import hypothesis.strategies as st
 
-from fuzzshard.case import Case, Group, Optim, Step, mesh_shapes
+from fuzzshard.case import Case, Checkpoint, Group, Optim, Step, mesh_shapes
 from fuzzshard.kernel.model import param_shapes
 
 from .models import models
 from .optimizers import ONLY_2D, default_optimizers, group_overrides, optimizer_kwargs
 
-__all__ = ["cases", "models", "optimizers", "param_groups", "schedules", "placements", "TARGET_OPTIONS"]
+__all__ = ["cases", "checkpoints", "models", "optimizers", "param_groups", "schedules", "placements",
+           "TARGET_OPTIONS"]
 
 DTYPES = ["float32", "float64"]
 
@@ -89,6 +92,27 @@ def _no_options(shapes, mesh_shape, tied=()):
 TARGET_OPTIONS = {"dtensor": placements, "fsdp2": fsdp2_options}
 # targets where each rank trains on its slice of the global batch
 DATA_PARALLEL = {"fsdp2"}
+# targets whose state goes through torch.distributed.checkpoint's get_/set_state_dict
+CHECKPOINTS = {"dtensor", "fsdp2"}
+CHECKPOINT_KINDS = ["full", "dcp", "broadcast"]
+
+
+@st.composite
+def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied: tuple = ()) -> Checkpoint:
+    """A save point in the schedule, how the state is saved, and the loading
+    side: any world size of the session (resharding), its own mesh and its
+    own target options (another wrapping or placement)."""
+    world = draw(st.sampled_from(sorted(world_sizes)))
+    mesh_shape = draw(st.sampled_from(mesh_shapes(world)))
+    return Checkpoint(
+        after=draw(st.integers(0, n_steps - 1)),
+        kind=draw(st.sampled_from(CHECKPOINT_KINDS)),
+        world_size=world,
+        mesh_shape=mesh_shape,
+        target_options=draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied)),
+        split=draw(st.booleans()),
+        strict=not draw(st.booleans()),
+    )
 
 
 @st.composite
@@ -102,7 +126,10 @@ def cases(
     max_steps: int = 3,
     optimizer_names=None,
     dtypes=DTYPES,
+    checkpoint: bool | None = None,
 ) -> Case:
+    """``checkpoint``: None draws a save/load round trip into some cases, True
+    into every case, False into none (targets in CHECKPOINTS; add yours)."""
     world = draw(st.sampled_from(sorted(world_sizes)))
     depth = draw(st.integers(1, max_depth))
     n_groups = draw(st.integers(1, max_groups))
@@ -116,6 +143,10 @@ def cases(
     frozen = tuple(n for n in shapes if draw(st.sampled_from([False] * 5 + [True])))
     tied = ("layers.0",) if model.tie_head else ()  # modules that own a tied param
     options = draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied))
+    ck = None
+    if target in CHECKPOINTS and (checkpoint or (checkpoint is None and draw(st.booleans()))):
+        ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied))
+    ranks_per_sample = math.lcm(world, ck.world_size if ck else 1)
     return Case(
         target=target,
         world_size=world,
@@ -125,10 +156,11 @@ def cases(
         groups=groups,
         schedule=draw(schedules(n_steps, list(shapes))),
         frozen=frozen,
-        batch=draw(st.integers(1, 2)) * world if target in DATA_PARALLEL else draw(st.integers(1, 4)),
+        batch=draw(st.integers(1, 2)) * ranks_per_sample if target in DATA_PARALLEL else draw(st.integers(1, 4)),
         seq=draw(st.integers(1, 3)),
         dtype=draw(st.sampled_from(list(dtypes))),
         device=device,
         target_options=options,
         seed=draw(st.integers(0, 2**16 - 1)),
+        checkpoint=ck,
     )

@@ -72,3 +72,33 @@ def test_fsdp2_cases_split_the_batch_and_wrap_real_modules(case):
     if case.model.tie_head:  # FSDP2 requires tied params in one group: the root's
         assert "layers.0" not in opts["wrap"]
     assert opts["reshard_after_forward"] in (True, False) or case.mesh_shape[-1] % opts["reshard_after_forward"] == 0
+    if case.checkpoint:  # the loading world splits the same global batch evenly too
+        assert case.batch % case.checkpoint.world_size == 0
+
+
+@FAST
+@given(fst.cases(target="fsdp2", world_sizes=[1, 2, 3, 4], checkpoint=True))
+def test_checkpoint_cases_save_inside_the_schedule_and_load_on_a_real_world(case):
+    ck = case.checkpoint
+    case.check_world()
+    assert 0 <= ck.after < len(case.schedule)
+    assert case.ranks == max(case.world_size, ck.world_size)
+    assert Case.from_json(case.to_json()) == case
+    model = build_model(case.model, case.seed, "cpu", torch.float32)
+    for fqn in ck.target_options["wrap"]:
+        model.get_submodule(fqn)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"world_size": 0, "mesh_shape": [0]}, "checkpoint world size 0 is impossible"),
+    ({"mesh_shape": [3]}, r"checkpoint mesh \(3,\) does not hold 2 ranks"),
+    ({"after": 5}, "the schedule has 2 steps"),
+])
+def test_impossible_checkpoints_raise_a_clear_case_error(change, message):
+    from cases import simple_case
+
+    data = simple_case(2).to_dict()
+    data["checkpoint"] = {"after": 0, "kind": "dcp", "world_size": 2, "mesh_shape": [2], **change}
+    case = Case.from_dict(data)
+    with pytest.raises(CaseError, match=message):
+        case.check_world()

@@ -9,11 +9,13 @@ from ..case import Case
 _TUPLE_KWARGS = ("betas", "etas", "step_sizes", "eps", "ns_coefficients")
 
 
-def optimizer_kwargs(kwargs: dict, tensor_lr: str, device) -> dict:
+def optimizer_kwargs(kwargs: dict, tensor_lr: str, device, lr_scale: float = 1.0) -> dict:
     out = {}
     for k, v in kwargs.items():
         if k in _TUPLE_KWARGS and isinstance(v, list):
             v = tuple(v)
+        if k == "lr":
+            v = v * lr_scale
         if k == "lr" and tensor_lr:
             # a tensor lr stays on the CPU unless the optimizer is capturable/fused on an accelerator
             v = torch.tensor(v) if tensor_lr == "0d" else torch.tensor([v])
@@ -21,16 +23,17 @@ def optimizer_kwargs(kwargs: dict, tensor_lr: str, device) -> dict:
     return out
 
 
-def build_optimizer(model: torch.nn.Module, case: Case) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, case: Case, lr_scale: float = 1.0) -> torch.optim.Optimizer:
     """The optimizer over the Case's param groups, in the Case's order; frozen
-    params stay in their groups (torch.optim skips params without a grad)."""
+    params stay in their groups (torch.optim skips params without a grad).
+    ``lr_scale``: the loading side of a checkpoint starts from other lrs."""
     params = dict(model.named_parameters())
     cls = getattr(torch.optim, case.optim.name)
     groups = []
     for g in case.groups:
         ps = [(n, params[n]) if case.optim.named else params[n] for n in g.params]
-        groups.append({"params": ps, **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device)})
-    return cls(groups, **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device))
+        groups.append({"params": ps, **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device, lr_scale)})
+    return cls(groups, **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device, lr_scale))
 
 
 def param_order(case: Case) -> list[str]:

@@ -238,6 +238,13 @@ def _finding(mismatches: list[dict]) -> dict:
 
 
 def _exc(e: BaseException) -> dict:
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        inner = failures[min(failures)][0]
+        if isinstance(inner, BaseException):
+            out = _exc(inner)
+            out["traceback"] = (out["traceback"] + "".join(traceback.format_exception(e)))[-4000:]
+            return out
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return {
         "type": type(e).__name__,

@@ -9,32 +9,44 @@ steps and every divergence is caught at the step that made it:
     params and data (reduction tolerance);
   - params, state and hyperparameters after step k vs the reference
     optimizer stepping from the same params, state *and grads* (step tolerance).
+With a checkpoint in the case, the run stops after the save step, saves,
+and a fresh model + optimizer on the loading world (another size, mesh or
+wrapping) loads and runs the remaining steps; checkpoint.py says what the
+round trip must preserve, and the continued steps get the same parity check.
 A verdict is a plain dict: status pass | invalid | finding.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
+import torch.distributed as dist
+
 from ..case import Case
+from .checkpoint import check_loaded, check_saved, load, save
 from .localize import Trace
 from .model import build_model, make_batch
 from .optim import build_optimizer, group_hparams, state_by_fqn
 from .reference import _apply_flags, _exc, _plain_reference_error, _plain_setup, check_parity, torch_dtype
 
 
-def run_case(case: Case, mesh, target_cls, device: str, reporter: bool, timings: dict | None = None,
-             localize: bool = False) -> dict | None:
-    """Every rank of the case's mesh calls this; only the reporter returns a verdict
-    unless the sharded run raised here (then this rank returns the error verdict)."""
+def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timings: dict | None = None,
+             localize: bool = False, ckpt_dir: str | None = None) -> dict | None:
+    """Ranks 0..case.ranks-1 call this (``meshes``: kernel/mesh.py); only the
+    reporter returns a verdict unless the sharded run raised here (then this
+    rank returns the error verdict). ``ckpt_dir``: an empty directory that
+    every rank sees, for a case with a checkpoint."""
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     try:
         _plain_setup(case, device)
     except Exception as e:  # the reference itself rejects the config
         return {"status": "invalid", "reason": f"reference rejects the config: {_exc(e)['text']}"}
-    obs, error = _run_sharded(case, mesh, target_cls, device, keep=reporter, localize=localize)
+    obs, error = _run_sharded(case, meshes, target_cls, device, keep=reporter, localize=localize, ckpt_dir=ckpt_dir)
     t1 = timings["sharded"] = time.perf_counter() - t0
     if error is not None:
+        if _documented_refusal(case, error):
+            return {"status": "invalid", "reason": f"documented: {error['text']}"}
         ref_error = _plain_reference_error(case, device)
         if ref_error is not None:
             return {"status": "invalid", "reason": f"reference raises too: {ref_error['text']}", "error": error}
@@ -42,59 +54,132 @@ def run_case(case: Case, mesh, target_cls, device: str, reporter: bool, timings:
     if not reporter:
         return None
     verdict = check_parity(case, obs, device, localize=localize)
+    if case.checkpoint and not _fails_before_save(case, verdict):
+        # a round trip that changed something explains any divergence after it
+        mismatches = check_saved(case, obs["saved"], obs["steps"][case.checkpoint.after], device) if obs["saved"] else []
+        mismatches += check_loaded(case, obs["loaded"], obs["steps"][case.checkpoint.after])
+        if mismatches:
+            verdict = {"status": "finding", "oracle": "checkpoint", "first": mismatches[0],
+                       "mismatches": mismatches[:8], "count": len(mismatches)}
     timings["reference"] = time.perf_counter() - t0 - t1
     return verdict
 
 
-def _run_sharded(case: Case, mesh, target_cls, device: str, keep: bool, localize: bool = False):
+def _documented_refusal(case: Case, error: dict) -> bool:
+    """A strict load of a checkpoint without state for a trainable param is
+    refused by design (the message names StateDictOptions(strict=False))."""
+    return (case.checkpoint is not None and case.checkpoint.strict and error["phase"] == "checkpoint load"
+            and error["message"].startswith("Missing optimizer state for parameter"))
+
+
+def _fails_before_save(case: Case, verdict: dict) -> bool:
+    return verdict["status"] == "finding" and verdict["first"].get("step", -1) <= case.checkpoint.after
+
+
+class _Phase:
+    """The name of what is running, for the error record."""
+    name = "shard"
+
+
+def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool = False,
+                 ckpt_dir: str | None = None):
     """(observations, None) or (None, error record). Collectives need every rank
     to gather in the same order, so all ranks gather and only ``keep`` stores."""
-    dtype = torch_dtype(case)
-    phase = "shard"
+    ck = case.checkpoint
+    rank = dist.get_rank()
+    phase = _Phase()
+    obs = {"steps": [], "saved": None, "loaded": None}
     try:
-        target = target_cls(case, mesh)
-        model = build_model(case.model, case.seed, device, dtype)
-        init = {n: p.detach().clone() for n, p in model.named_parameters()} if keep else None
-        model = target.shard(model)
-        trace = Trace(model, getattr(target, "full_activation", target.full),
-                      getattr(target, "full_activation_grad", target.full)) if localize else None
-        for n in case.frozen:
-            model.get_parameter(n).requires_grad_(False)
-        phase = "optimizer constructor"
-        opt = build_optimizer(model, case)
-        phase = "gather initial optimizer state"
-        init_state = state_by_fqn(opt, model, target.full)  # some optimizers fill state in __init__
-        steps = []
-        for k, step in enumerate(case.schedule):
-            _apply_flags(model, step)
-            phase = f"step {k}: zero_grad"
-            opt.zero_grad(set_to_none=step.set_to_none)
-            phase = f"step {k}: forward/backward"
-            x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
-            loss, full_loss = target.loss(model, x, y)
-            loss.backward()
-            traced = trace.take() if trace else None
-            phase = f"step {k}: gather grads"
-            grads = {n: None if p.grad is None else target.full(p.grad).detach().clone() for n, p in model.named_parameters()}
-            spread = {}
-            for n, p in model.named_parameters():
-                s = target.grad_spread(p.grad) if p.grad is not None and hasattr(target, "grad_spread") else None
-                if s is not None:
-                    spread[n] = s
-            phase = f"step {k}: optimizer.step"
-            opt.step()
-            phase = f"step {k}: gather params and state"
-            rec = {
-                "loss": full_loss.detach().clone(),
-                "grads": grads,
-                "grad_spread": spread,
-                "params": {n: target.full(p).detach().clone() for n, p in model.named_parameters()},
-                "state": state_by_fqn(opt, model, target.full),
-                "groups": group_hparams(opt),
-                "trace": traced,
-            }
-            if keep:
-                steps.append(rec)
-        return ({"init": init, "init_state": init_state, "steps": steps} if keep else None), None
-    except Exception as e:
-        return None, {**_exc(e), "phase": phase}
+        if rank < case.world_size:
+            with meshes.job(case.world_size):
+                target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
+                model = build_model(case.model, case.seed, device, torch_dtype(case))
+                obs["init"] = {n: p.detach().clone() for n, p in model.named_parameters()} if keep else None
+                model = target.shard(model)
+                for n in case.frozen:
+                    model.get_parameter(n).requires_grad_(False)
+                phase.name = "optimizer constructor"
+                opt = build_optimizer(model, case)
+                phase.name = "gather initial optimizer state"
+                obs["init_state"] = state_by_fqn(opt, model, target.full)  # some optimizers fill state in __init__
+                last = ck.after if ck else len(case.schedule) - 1
+                obs["steps"] += _train(case, target, model, opt, range(last + 1), device, keep, localize, phase)
+                if ck:
+                    phase.name = "checkpoint save"
+                    obs["saved"] = save(case, model, opt, ckpt_dir, meshes.group(case.world_size))
+        if ck:
+            phase.name = "checkpoint barrier"
+            dist.barrier(group=meshes.group(case.ranks))  # the files are complete
+            if rank < ck.world_size:
+                with meshes.job(ck.world_size):
+                    obs["loaded"], steps = _resume(case, meshes, target_cls, device, keep, localize, ckpt_dir, phase)
+                    obs["steps"] += steps
+        return (obs if keep else None), None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        return None, {**_exc(e), "phase": phase.name}
+
+
+def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool, ckpt_dir: str, phase):
+    """The loading side: a fresh model (another init) and optimizer (every lr
+    halved) on the loading world, the load, then the remaining steps."""
+    ck = case.checkpoint
+    phase.name = "checkpoint load: shard"
+    lcase = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=ck.mesh_shape,
+                                target_options=ck.target_options)
+    target = target_cls(lcase, meshes.mesh(ck.world_size, ck.mesh_shape))
+    model = target.shard(build_model(case.model, case.seed + 1, device, torch_dtype(case)))
+    for n in case.frozen:  # requires_grad as it was at the save
+        model.get_parameter(n).requires_grad_(False)
+    for step in case.schedule[:ck.after + 1]:
+        _apply_flags(model, step)
+    opt = build_optimizer(model, case, lr_scale=0.5)
+    phase.name = "checkpoint load"
+    load(case, model, opt, ckpt_dir, meshes.group(ck.world_size))
+    phase.name = "checkpoint load: gather"
+    loaded = {"params": {n: target.full(p).detach().clone() for n, p in model.named_parameters()},
+              "state": state_by_fqn(opt, model, target.full), "groups": group_hparams(opt)}
+    steps = _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize, phase)
+    return (loaded if keep else None), steps
+
+
+def _train(case: Case, target, model, opt, steps, device: str, keep: bool, localize: bool, phase) -> list[dict]:
+    """Run schedule steps ``steps``; the record of each when ``keep``."""
+    trace = Trace(model, getattr(target, "full_activation", target.full),
+                  getattr(target, "full_activation_grad", target.full)) if localize else None
+    out = []
+    for k in steps:
+        step = case.schedule[k]
+        _apply_flags(model, step)
+        phase.name = f"step {k}: zero_grad"
+        opt.zero_grad(set_to_none=step.set_to_none)
+        phase.name = f"step {k}: forward/backward"
+        x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
+        loss, full_loss = target.loss(model, x, y)
+        loss.backward()
+        traced = trace.take() if trace else None
+        phase.name = f"step {k}: gather grads"
+        grads = {n: None if p.grad is None else target.full(p.grad).detach().clone() for n, p in model.named_parameters()}
+        spread = {}
+        for n, p in model.named_parameters():
+            s = target.grad_spread(p.grad) if p.grad is not None and hasattr(target, "grad_spread") else None
+            if s is not None:
+                spread[n] = s
+        phase.name = f"step {k}: optimizer.step"
+        opt.step()
+        phase.name = f"step {k}: gather params and state"
+        rec = {
+            "loss": full_loss.detach().clone(),
+            "grads": grads,
+            "grad_spread": spread,
+            "params": {n: target.full(p).detach().clone() for n, p in model.named_parameters()},
+            "state": state_by_fqn(opt, model, target.full),
+            "groups": group_hparams(opt),
+            "trace": traced,
+        }
+        if keep:
+            out.append(rec)
+    if trace:
+        trace.remove()
+    return out

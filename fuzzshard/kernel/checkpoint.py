@@ -1,0 +1,150 @@
+"""The checkpoint round trip: save mid-schedule, load into a fresh model and
+optimizer (possibly on another world size, mesh or wrapping), and what must
+survive it.
+
+Saving and loading go through torch's own APIs (``get_state_dict`` /
+``set_state_dict``, ``torch.save`` of the full dict, ``dcp.save`` /
+``dcp.load`` with the file-system writer and reader) into a real directory.
+The loading side starts from a different init and every lr halved, so a load
+that silently does nothing, for a param, a state tensor or a hyperparameter,
+shows. The oracles, in the order they run (training parity is run.py's):
+  - *saved*: the full state dict saved on rank 0 equals what the plain model's
+    ``state_dict()`` and the plain optimizer's ``state_dict()`` hold for the
+    same state, keys by FQN: every tensor, ``step``, every group's params and
+    hyperparameters, frozen and never-stepped params included;
+  - *loaded*: right after the load the params, optimizer state and every
+    group's hyperparameters equal the saved ones exactly (a copy, not math);
+  - training then continues, and the anchored parity check of the continued
+    steps against the reference is the usual one.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..case import Case
+from .optim import build_optimizer, load_state_by_fqn
+from .oracles import compare, compare_hparams
+
+FULL_FILE = "full.pt"
+EXACT = {"k_ulps": 0, "u": 0.0, "why": "a checkpoint copies values: exact"}
+
+
+def save(case: Case, model, opt, path: str, group) -> dict | None:
+    """Collective over the saving job; rank 0 returns what it saved (full kinds)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    if case.checkpoint.kind == "dcp":
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(os.path.join(path, "dcp")),
+                 process_group=group)
+        return None
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    torch.save({"model": msd, "optim": osd}, os.path.join(path, FULL_FILE))
+    return {"model": msd, "optim": osd}
+
+
+def load(case: Case, model, opt, path: str, group) -> None:
+    """Collective over the loading job: the checkpoint into a fresh model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict, set_state_dict)
+
+    ck = case.checkpoint
+    if ck.kind == "dcp":
+        msd, osd = get_state_dict(model, opt)  # the sharded layout to load into
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(path, "dcp")), process_group=group)
+        msd, osd = sd["model"], sd["optim"]
+        options = StateDictOptions(strict=ck.strict)
+    else:
+        broadcast = ck.kind == "broadcast"
+        msd, osd = {}, {}
+        if not broadcast or dist.get_rank() == 0:
+            saved = torch.load(os.path.join(path, FULL_FILE))
+            msd, osd = saved["model"], saved["optim"]
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=ck.strict)
+    if ck.split:
+        set_model_state_dict(model, msd, options=options)
+        set_optimizer_state_dict(model, opt, osd, options=options)
+    else:
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+
+
+def check_saved(case: Case, saved: dict, rec: dict, device: str) -> list[dict]:
+    """The full state dict on rank 0 vs the plain model's and optimizer's
+    ``state_dict()`` holding the same params and state (``rec``: the sharded
+    run's record of the step it saved after)."""
+    from .model import build_model
+    from .reference import torch_dtype
+
+    step = case.checkpoint.after
+    model = build_model(case.model, case.seed, device, torch_dtype(case))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(rec["params"][n])
+    opt = build_optimizer(model, case)
+    load_state_by_fqn(opt, model, rec["state"])
+    out = []
+    want_model = model.state_dict()
+    got_model = saved["model"]
+    for key in sorted(set(want_model) | set(got_model)):
+        out.append(compare("saved.model", step, key, got_model.get(key), want_model.get(key), EXACT))
+    want = opt.state_dict()
+    order = [n for n, _ in model.named_parameters()]
+    index = {id(p): n for n, p in model.named_parameters()}
+    by_index = [index[id(p)] for g in opt.param_groups for p in g["params"]]
+    want_state = {by_index[i]: st for i, st in want["state"].items()}
+    got_state = saved["optim"].get("state", {})
+    for fqn in sorted(set(want_state) | set(got_state), key=lambda n: order.index(n) if n in order else len(order)):
+        w, g = want_state.get(fqn, {}), got_state.get(fqn, {})
+        if fqn not in want_state or fqn not in got_state:
+            out.append({"quantity": f"saved.optim.state.{'extra' if fqn in got_state else 'missing'}", "step": step,
+                        "fqn": fqn, "detail": f"reference state {sorted(w)}, saved {sorted(g)}"})
+            continue
+        for key in sorted(set(w) | set(g)):
+            out.append(compare(f"saved.optim.state.{key}", step, fqn, _tensor(g.get(key)), _tensor(w.get(key)), EXACT))
+    want_groups = [{**grp, "params": [by_index[i] for i in grp["params"]]} for grp in want["param_groups"]]
+    got_groups = saved["optim"].get("param_groups", [])
+    for i, (g, w) in enumerate(zip(got_groups, want_groups)):
+        if sorted(g.get("params", [])) != sorted(w["params"]):
+            out.append({"quantity": "saved.optim.param_groups.params", "step": step, "fqn": f"group {i}",
+                        "detail": f"{g.get('params')} vs reference {w['params']}"})
+    m = compare_hparams(step, [_hparams(g) for g in got_groups], [_hparams(w) for w in want_groups])
+    if m:
+        m["quantity"] = "saved.optim." + m["quantity"]
+    out.append(m)
+    return [m for m in out if m]
+
+
+def check_loaded(case: Case, loaded: dict, rec: dict) -> list[dict]:
+    """Params, state and hyperparameters right after the load vs what was saved."""
+    step = case.checkpoint.after
+    out = [compare("loaded.param", step, n, loaded["params"][n], rec["params"][n], EXACT) for n in rec["params"]]
+    for n in sorted(set(rec["state"]) | set(loaded["state"])):
+        got, want = loaded["state"].get(n, {}), rec["state"].get(n, {})
+        if not got or not want:  # a whole param's state appeared or vanished
+            out.append({"quantity": f"loaded.state.{'missing' if want else 'extra'}", "step": step, "fqn": n,
+                        "detail": f"saved state {sorted(want)}, after the load {sorted(got)}"})
+            continue
+        for key in sorted(set(got) | set(want)):
+            out.append(compare(f"loaded.state.{key}", step, n, got.get(key), want.get(key), EXACT))
+    m = compare_hparams(step, loaded["groups"], rec["groups"])
+    if m:
+        m["quantity"] = "loaded." + m["quantity"]
+    out.append(m)
+    return [m for m in out if m]
+
+
+def _tensor(v):
+    return v if v is None or isinstance(v, torch.Tensor) else torch.tensor(v)
+
+
+def _hparams(group: dict) -> dict:
+    return {k: v.detach().cpu().tolist() if isinstance(v, torch.Tensor) else v
+            for k, v in sorted(group.items()) if k != "params"}
