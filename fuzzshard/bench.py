@@ -1,9 +1,12 @@
 """``fuzzshard bench``: the warm pool against a fresh process group per case
-(what PyTorch's MultiProcessTestCase does), on the same cases, in one run.
-The last line ends with the speed-up ratio."""
+(what PyTorch's MultiProcessTestCase does), on the same cases, in one run;
+and what a checkpoint round trip adds to a case (the same cases again, each
+saved after its first step and resumed, per kind). The last line ends with
+the speed-up ratio."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 
 from hypothesis import HealthCheck, Phase, given, settings
@@ -21,7 +24,7 @@ def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor") -> list:
     @hseed(seed)
     @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(fst.cases(target=target, world_sizes=[world]))
+    @given(fst.cases(target=target, world_sizes=[world], checkpoint=False))
     def collect(case):
         if len(out) < n:
             out.append(case)
@@ -49,6 +52,7 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
                 split[k] += v
         warm_s = time.perf_counter() - t0
         restarts, restart_s = pool.restarts, pool.restart_seconds
+        ckpt_ms = _checkpoint_cost(pool, cases) if target in fst_checkpoints() else {}
     finally:
         pool.close()
 
@@ -69,8 +73,38 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
     echo(f"warm per case: {per['total']:.0f} ms = mesh {per.get('mesh', 0):.0f} + sharded run {per.get('sharded', 0):.0f}"
          f" + reference & compare {per.get('reference', 0):.0f} + dispatch {overhead:.0f}")
     echo(f"pool restarts after hangs/crashes/stuck ranks: {restarts}, {restart_s:.1f}s in all")
+    for kind, (ms, n) in ckpt_ms.items():
+        echo(f"checkpoint round trip ({kind}): +{ms:.0f} ms per case (save after step 0, fresh model + optimizer, "
+             f"load, same world; mean over {n} passing cases)")
     echo(f"fresh per case: {1000 * fresh_s / k:.0f} ms (process spawn + torch import + init_process_group each time)")
     warm_rate, fresh_rate = k / warm_s, k / fresh_s
     ratio = warm_rate / fresh_rate
     echo(f"warm pool {warm_rate:.2f} cases/s vs fresh process group {fresh_rate:.2f} cases/s: {ratio:.1f}x")
-    return {"warm_rate": warm_rate, "fresh_rate": fresh_rate, "ratio": ratio, "start_s": start_s, "per_case_ms": per}
+    return {"warm_rate": warm_rate, "fresh_rate": fresh_rate, "ratio": ratio, "start_s": start_s, "per_case_ms": per,
+            "checkpoint_ms": {kind: ms for kind, (ms, _) in ckpt_ms.items()}}
+
+
+def fst_checkpoints() -> set:
+    from fuzzshard.strategies import CHECKPOINTS
+
+    return CHECKPOINTS
+
+
+def _checkpoint_cost(pool, cases) -> dict:
+    """kind -> (mean extra ms, cases): each passing case again with a round
+    trip after its first step, against its own time without one."""
+    from .case import Checkpoint
+
+    out = {}
+    for kind in ("full", "dcp"):
+        extra = []
+        for case in cases:
+            ck = Checkpoint(after=0, kind=kind, world_size=case.world_size, mesh_shape=case.mesh_shape,
+                            target_options=case.target_options, split=True, strict=False)
+            plain = pool.run(case)
+            with_ck = pool.run(dataclasses.replace(case, checkpoint=ck))
+            if plain.verdict["status"] == with_ck.verdict["status"] == "pass":
+                extra.append(with_ck.seconds - plain.seconds)
+        if extra:
+            out[kind] = (1000 * sum(extra) / len(extra), len(extra))
+    return out

@@ -77,11 +77,21 @@ def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = ()) -> di
     and reshard_after_forward (True, False, or an int dividing the shard group).
     A module holding a tied param stays in the root's group, as FSDP2 documents
     (wrapping it alone is rejected with a clear error: an invalid config)."""
-    modules = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)} - set(tied))
-    wrap = [m for m in modules if draw(st.booleans())]
+    owners = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
+    wrap = [m for m in owners if m not in tied and draw(st.booleans())]
     shard = mesh_shape[-1]
     raf = draw(st.sampled_from([True, False] + [d for d in range(2, shard) if shard % d == 0]))
-    return {"wrap": wrap, "reshard_after_forward": raf}
+    out = {"wrap": wrap, "reshard_after_forward": raf}
+    # extras, drawn off first so a shrunk case drops them
+    if draw(st.booleans()):
+        out["offload"] = True  # CPUOffloadPolicy(pin_memory=False)
+    ac = [m for m in owners if draw(st.sampled_from([False, False, True]))]
+    if ac:
+        out["ac"] = ac  # composable activation checkpointing, applied before fully_shard
+    microbatches = draw(st.sampled_from([1, 1, 2]))
+    if microbatches > 1:
+        out["microbatches"] = microbatches  # grad accumulation, no sync on all but the last
+    return out
 
 
 def _no_options(shapes, mesh_shape, tied=()):
@@ -146,7 +156,9 @@ def cases(
     ck = None
     if target in CHECKPOINTS and (checkpoint or (checkpoint is None and draw(st.booleans()))):
         ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied))
-    ranks_per_sample = math.lcm(world, ck.world_size if ck else 1)
+    # data parallel: every rank of either side gets an equal slice, in equal microbatches
+    microbatches = max(options.get("microbatches", 1), ck.target_options.get("microbatches", 1) if ck else 1)
+    ranks_per_sample = math.lcm(world, ck.world_size if ck else 1) * microbatches
     return Case(
         target=target,
         world_size=world,

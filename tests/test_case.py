@@ -64,7 +64,7 @@ def test_unreadable_cases_raise_a_clear_case_error(text, message):
 @FAST
 @given(fst.cases(target="fsdp2", world_sizes=[1, 2, 3, 4]))
 def test_fsdp2_cases_split_the_batch_and_wrap_real_modules(case):
-    assert case.batch % case.world_size == 0  # every rank trains on an equal slice
+    assert case.batch % (case.world_size * case.target_options.get("microbatches", 1)) == 0  # equal slices
     model = build_model(case.model, case.seed, "cpu", torch.float32)
     opts = case.target_options
     for fqn in opts["wrap"]:

@@ -147,7 +147,8 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
 def _train(case: Case, target, model, opt, steps, device: str, keep: bool, localize: bool, phase) -> list[dict]:
     """Run schedule steps ``steps``; the record of each when ``keep``."""
     trace = Trace(model, getattr(target, "full_activation", target.full),
-                  getattr(target, "full_activation_grad", target.full)) if localize else None
+                  getattr(target, "full_activation_grad", target.full)) \
+        if localize and getattr(target, "localizable", True) else None
     out = []
     for k in steps:
         step = case.schedule[k]
@@ -156,8 +157,11 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
         opt.zero_grad(set_to_none=step.set_to_none)
         phase.name = f"step {k}: forward/backward"
         x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
-        loss, full_loss = target.loss(model, x, y)
-        loss.backward()
+        if hasattr(target, "forward_backward"):  # a target that runs its own backward(s)
+            full_loss = target.forward_backward(model, x, y)
+        else:
+            loss, full_loss = target.loss(model, x, y)
+            loss.backward()
         traced = trace.take() if trace else None
         phase.name = f"step {k}: gather grads"
         grads = {n: None if p.grad is None else target.full(p.grad).detach().clone() for n, p in model.named_parameters()}

@@ -1,17 +1,20 @@
 """Target ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` + a plain torch.optim optimizer.
 
 The Case's ``target_options`` name the submodules that get their own
-``fully_shard`` (applied deepest first, then the root) and
-``reshard_after_forward``. A 2-D mesh means HSDP (replicate x shard). Each rank
-trains on its slice of the global batch; FSDP averages the grads, which equals
-the grad of the global mean loss the reference computes on the whole batch.
+``fully_shard`` (applied deepest first, then the root), ``reshard_after_forward``,
+``offload`` (CPUOffloadPolicy), ``ac`` (submodules under composable activation
+checkpointing) and ``microbatches`` (gradient accumulation: every microbatch
+but the last runs with ``set_requires_gradient_sync(False)``). A 2-D mesh
+means HSDP (replicate x shard). Each rank trains on its slice of the global
+batch; FSDP averages the grads, which equals the grad of the global mean loss
+the reference computes on the whole batch.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ...case import Case
@@ -25,12 +28,27 @@ class FSDP2Target:
         self.case = case
         self.mesh = mesh
 
+    @property
+    def microbatches(self) -> int:
+        return self.case.target_options.get("microbatches", 1)
+
+    @property
+    def localizable(self) -> bool:
+        """Per-module traces line up with the reference's only with one forward per step."""
+        return self.microbatches == 1
+
     def shard(self, model: nn.Module) -> nn.Module:
         opts = self.case.target_options
-        raf = opts.get("reshard_after_forward", True)
+        if opts.get("ac"):
+            from torch.distributed._composable import checkpoint
+
+            for fqn in opts["ac"]:
+                checkpoint(model.get_submodule(fqn))
+        kw = {"mesh": self.mesh, "reshard_after_forward": opts.get("reshard_after_forward", True),
+              "offload_policy": CPUOffloadPolicy(pin_memory=False) if opts.get("offload") else OffloadPolicy()}
         for fqn in sorted(opts.get("wrap", []), key=lambda n: (-n.count("."), n)):  # children before parents
-            fully_shard(model.get_submodule(fqn), mesh=self.mesh, reshard_after_forward=raf)
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=raf)
+            fully_shard(model.get_submodule(fqn), **kw)
+        fully_shard(model, **kw)
         return model
 
     def _dp_rank(self) -> int:
@@ -40,15 +58,25 @@ class FSDP2Target:
             rank = rank * self.mesh.size(dim) + c
         return rank
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-        world = self.mesh.size()
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This rank's slice, in ``microbatches`` equal parts, each loss scaled
+        by 1/microbatches; the grads sync on the last one only. Returns the
+        global mean loss."""
+        world, k = self.mesh.size(), self.microbatches
         per = x.shape[0] // world
         r = self._dp_rank()
-        loss = loss_fn(model(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per])
-        full = loss.detach().clone()
+        xs, ys = x[r * per:(r + 1) * per].chunk(k), y[r * per:(r + 1) * per].chunk(k)
+        losses = []
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            if k > 1:
+                model.set_requires_gradient_sync(i == k - 1)
+            loss = loss_fn(model(xm), ym) / k
+            loss.backward()
+            losses.append(loss.detach())
+        full = torch.stack(losses).sum()
         for dim in range(self.mesh.ndim):
             dist.all_reduce(full, group=self.mesh.get_group(dim))
-        return loss, full / world
+        return full / world
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if isinstance(t, DTensor) else t
