@@ -33,7 +33,12 @@ def signature(case: Case, verdict: dict) -> str:
         impl = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "forloop"
         return f"{case.target}.parity.{case.optim.name}.{impl}.{quantity}"
     if oracle == "checkpoint":  # what did not survive which kind of round trip
-        quantity = verdict["first"]["quantity"].replace("param_groups.", "group.")
+        quantity = verdict["first"]["quantity"]
+        if ".param_groups" in quantity:
+            # which hyperparameter shows first is incidental; an empty group is part of the address
+            quantity = quantity.split(".param_groups")[0] + ".group"
+            if any(not g.params for g in case.groups):
+                quantity += ".empty_group"
         return f"{case.target}.checkpoint.{case.checkpoint.kind}.{quantity}"
     err = verdict.get("error") or {}
     if oracle == "error_parity":

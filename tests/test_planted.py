@@ -62,7 +62,7 @@ def test_known_silent_torch_bug_reproduces_standalone(tmp_path):
 
 CHECKPOINT_BUGS = [
     # target, bug file, optimizers, the finding's file pattern, what the shrunk case must still hold
-    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "fsdp2.checkpoint.*.loaded.group.lr.json",
+    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "fsdp2.checkpoint.*.loaded.group.json",
      lambda c: len(c["groups"]) >= 2),
     ("dtensor", "ckpt_drop_frozen_state.py", "Adam", "dtensor.checkpoint.*.json",
      lambda c: any(s["freeze"] for s in c["schedule"][:c["checkpoint"]["after"] + 1])),
