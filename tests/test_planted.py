@@ -62,28 +62,28 @@ def test_known_silent_torch_bug_reproduces_standalone(tmp_path):
 
 CHECKPOINT_BUGS = [
     # target, bug file, optimizers, the finding's file pattern, what the shrunk case must still hold
-    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "fsdp2.checkpoint.*.loaded.group.json",
+    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "1", "fsdp2.checkpoint.*.loaded.group.json",
      lambda c: len(c["groups"]) >= 2),
-    ("dtensor", "ckpt_drop_frozen_state.py", "Adam", "dtensor.checkpoint.*.json",
+    ("fsdp2", "ckpt_drop_frozen_state.py", "Adam", "1", "fsdp2.checkpoint.*.state.missing.json",
      lambda c: any(s["freeze"] for s in c["schedule"][:c["checkpoint"]["after"] + 1])),
-    ("fsdp2", "ckpt_reshard_swap.py", "Adam,AdamW", "fsdp2.checkpoint.dcp.loaded.state.exp_avg*.json",
+    ("fsdp2", "ckpt_reshard_swap.py", "Adam,AdamW", "1,2", "fsdp2.checkpoint.dcp.loaded.state.exp_avg*.json",
      lambda c: c["checkpoint"]["world_size"] != c["world_size"]),
 ]
 
 
-@pytest.mark.parametrize("target, bug, optimizers, pattern, holds", CHECKPOINT_BUGS,
+@pytest.mark.parametrize("target, bug, optimizers, worlds, pattern, holds", CHECKPOINT_BUGS,
                          ids=[b[1][:-3] for b in CHECKPOINT_BUGS])
-def test_planted_checkpoint_bug_is_found_shrunk_and_replays(tmp_path, target, bug, optimizers, pattern, holds):
+def test_planted_checkpoint_bug_is_found_shrunk_and_replays(tmp_path, target, bug, optimizers, worlds, pattern, holds):
     out = tmp_path / "out"
     r = run_cli("fuzz", "--target", target, "--checkpoints", "all", "--max-examples", 80, "--seed", 0,
-                "--world-sizes", "1,2", "--optimizers", optimizers, "--case-timeout", 60, "--out", out, setup=bug)
+                "--world-sizes", worlds, "--optimizers", optimizers, "--case-timeout", 60, "--out", out, setup=bug)
     found = sorted(out.glob(pattern))
     assert found, f"no checkpoint finding; stderr:\n{r.stderr[-3000:]}"
     finding = json.loads(found[0].read_text())
     case = finding["case"]
     assert finding["verdict"]["oracle"] == "checkpoint" and finding["deterministic"] is True
     assert holds(case), case
-    assert len(case["model"]["layers"]) <= 2  # shrunk
+    assert len(case["model"]["layers"]) <= 4 and len(case["schedule"]) <= 2  # shrunk
     assert run_cli("replay", found[0], setup=bug).returncode == 1
     assert run_cli("replay", found[0]).returncode == 0
     if bug == "ckpt_reshard_swap.py":  # the standalone script reshards on its own, under torchrun

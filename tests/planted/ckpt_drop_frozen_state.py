@@ -9,7 +9,7 @@ def _get_optim_state_dict(model, optimizers, info):
     osd = _orig(model, optimizers, info)
     for fqn, p in model.named_parameters():
         if not p.requires_grad:
-            osd["state"].pop(fqn, None)
+            osd.get("state", {}).pop(fqn, None)  # a full dict lives on rank 0 only
     return osd
 
 
