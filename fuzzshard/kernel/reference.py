@@ -96,6 +96,8 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
     prev = {"params": obs["init"], "state": obs["init_state"], "grads": {n: None for n in params}}
     for k, step in enumerate(case.schedule):
         rec = obs["steps"][k]
+        if case.checkpoint and k == case.checkpoint.after + 1:  # grads are not checkpointed:
+            prev = {**prev, "grads": {n: None for n in params}}  # a resumed run starts without any
         try:
             _anchor(model, opt, case, prev)
             _apply_flags(model, step)
