@@ -17,8 +17,9 @@ def check(pool, case, known: dict | None = None) -> dict:
         known = _KNOWN
     from .engine import localized
 
-    if triggered(case, known):  # a known hang: do not wait out the timeout
-        return {"status": "finding", "oracle": "hang", "known_trigger": triggered(case, known)}
+    hang = triggered(case, known)
+    if hang:  # a known hang: do not wait out the timeout
+        return {"status": "finding", "oracle": "hang", "known_trigger": hang}
     verdict = pool.run(case).verdict
     if verdict["status"] == "invalid":
         reject()

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from ..case import Case
-from .optim import build_optimizer, load_state_by_fqn
+from .optim import group_values
 from .oracles import compare, compare_hparams
+from .reference import _anchor, _plain_setup
 
 FULL_FILE = "full.pt"
 EXACT = {"k_ulps": 0, "u": 0.0, "why": "a checkpoint copies values: exact"}
@@ -80,45 +81,26 @@ def check_saved(case: Case, saved: dict, rec: dict, device: str) -> list[dict]:
     """The full state dict on rank 0 vs the plain model's and optimizer's
     ``state_dict()`` holding the same params and state (``rec``: the sharded
     run's record of the step it saved after)."""
-    from .model import build_model
-    from .reference import torch_dtype
-
     step = case.checkpoint.after
-    model = build_model(case.model, case.seed, device, torch_dtype(case))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(rec["params"][n])
-    opt = build_optimizer(model, case)
-    load_state_by_fqn(opt, model, rec["state"])
-    out = []
-    want_model = model.state_dict()
-    got_model = saved["model"]
-    for key in sorted(set(want_model) | set(got_model)):
-        out.append(compare("saved.model", step, key, got_model.get(key), want_model.get(key), EXACT))
+    model, opt = _plain_setup(case, device)
+    _anchor(model, opt, case, rec)
+    want_model, got_model = model.state_dict(), saved["model"]
+    out = [compare("saved.model", step, key, got_model.get(key), want_model.get(key), EXACT)
+           for key in sorted(set(want_model) | set(got_model))]
     want = opt.state_dict()
-    order = [n for n, _ in model.named_parameters()]
     index = {id(p): n for n, p in model.named_parameters()}
     by_index = [index[id(p)] for g in opt.param_groups for p in g["params"]]
-    want_state = {by_index[i]: st for i, st in want["state"].items()}
-    got_state = saved["optim"].get("state", {})
-    for fqn in sorted(set(want_state) | set(got_state), key=lambda n: order.index(n) if n in order else len(order)):
-        w, g = want_state.get(fqn, {}), got_state.get(fqn, {})
-        if fqn not in want_state or fqn not in got_state:
-            out.append({"quantity": f"saved.optim.state.{'extra' if fqn in got_state else 'missing'}", "step": step,
-                        "fqn": fqn, "detail": f"reference state {sorted(w)}, saved {sorted(g)}"})
-            continue
-        for key in sorted(set(w) | set(g)):
-            out.append(compare(f"saved.optim.state.{key}", step, fqn, _tensor(g.get(key)), _tensor(w.get(key)), EXACT))
+    want_state = {by_index[i]: {k: _tensor(v) for k, v in st.items()} for i, st in want["state"].items()}
+    got_state = {n: {k: _tensor(v) for k, v in st.items()} for n, st in saved["optim"].get("state", {}).items()}
+    out += _compare_states("saved.optim.state", step, got_state, want_state)
     want_groups = [{**grp, "params": [by_index[i] for i in grp["params"]]} for grp in want["param_groups"]]
     got_groups = saved["optim"].get("param_groups", [])
     for i, (g, w) in enumerate(zip(got_groups, want_groups)):
         if sorted(g.get("params", [])) != sorted(w["params"]):
             out.append({"quantity": "saved.optim.param_groups.params", "step": step, "fqn": f"group {i}",
                         "detail": f"{g.get('params')} vs reference {w['params']}"})
-    m = compare_hparams(step, [_hparams(g) for g in got_groups], [_hparams(w) for w in want_groups])
-    if m:
-        m["quantity"] = "saved.optim." + m["quantity"]
-    out.append(m)
+    out.append(_prefixed("saved.optim.", compare_hparams(step, [group_values(g, skip=("params",)) for g in got_groups],
+                                                         [group_values(w, skip=("params",)) for w in want_groups])))
     return [m for m in out if m]
 
 
@@ -126,25 +108,30 @@ def check_loaded(case: Case, loaded: dict, rec: dict) -> list[dict]:
     """Params, state and hyperparameters right after the load vs what was saved."""
     step = case.checkpoint.after
     out = [compare("loaded.param", step, n, loaded["params"][n], rec["params"][n], EXACT) for n in rec["params"]]
-    for n in sorted(set(rec["state"]) | set(loaded["state"])):
-        got, want = loaded["state"].get(n, {}), rec["state"].get(n, {})
-        if not got or not want:  # a whole param's state appeared or vanished
-            out.append({"quantity": f"loaded.state.{'missing' if want else 'extra'}", "step": step, "fqn": n,
-                        "detail": f"saved state {sorted(want)}, after the load {sorted(got)}"})
-            continue
-        for key in sorted(set(got) | set(want)):
-            out.append(compare(f"loaded.state.{key}", step, n, got.get(key), want.get(key), EXACT))
-    m = compare_hparams(step, loaded["groups"], rec["groups"])
-    if m:
-        m["quantity"] = "loaded." + m["quantity"]
-    out.append(m)
+    out += _compare_states("loaded.state", step, loaded["state"], rec["state"])
+    out.append(_prefixed("loaded.", compare_hparams(step, loaded["groups"], rec["groups"])))
     return [m for m in out if m]
+
+
+def _compare_states(what: str, step: int, got: dict, want: dict) -> list[dict]:
+    """{fqn: {name: tensor}} both sides, exactly; a param whose whole state
+    appeared or vanished is one ``.extra`` / ``.missing`` mismatch."""
+    out = []
+    for n in sorted(set(got) | set(want)):
+        g, w = got.get(n, {}), want.get(n, {})
+        if not g or not w:
+            out.append({"quantity": f"{what}.{'missing' if w else 'extra'}", "step": step, "fqn": n,
+                        "detail": f"expected state {sorted(w)}, got {sorted(g)}"})
+            continue
+        out += [compare(f"{what}.{key}", step, n, g.get(key), w.get(key), EXACT) for key in sorted(set(g) | set(w))]
+    return out
+
+
+def _prefixed(prefix: str, m: dict | None) -> dict | None:
+    if m:
+        m["quantity"] = prefix + m["quantity"]
+    return m
 
 
 def _tensor(v):
     return v if v is None or isinstance(v, torch.Tensor) else torch.tensor(v)
-
-
-def _hparams(group: dict) -> dict:
-    return {k: v.detach().cpu().tolist() if isinstance(v, torch.Tensor) else v
-            for k, v in sorted(group.items()) if k != "params"}

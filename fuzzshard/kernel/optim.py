@@ -62,15 +62,13 @@ def _full_value(v, full):
 
 def group_hparams(opt: torch.optim.Optimizer) -> list[dict]:
     """Every group's hyperparameters (params excluded), as comparable values."""
-    out = []
-    for group in opt.param_groups:
-        h = {}
-        for k, v in sorted(group.items()):
-            if k in ("params", "param_names"):
-                continue
-            h[k] = v.detach().cpu().tolist() if isinstance(v, torch.Tensor) else v
-        out.append(h)
-    return out
+    return [group_values(group) for group in opt.param_groups]
+
+
+def group_values(group: dict, skip=("params", "param_names")) -> dict:
+    """One param group (a live one or a state dict's) as comparable values: tensors as lists."""
+    return {k: v.detach().cpu().tolist() if isinstance(v, torch.Tensor) else v
+            for k, v in sorted(group.items()) if k not in skip}
 
 
 def load_state_by_fqn(opt: torch.optim.Optimizer, model: torch.nn.Module, state: dict[str, dict[str, torch.Tensor]]) -> None:

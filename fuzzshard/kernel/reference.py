@@ -229,10 +229,10 @@ def _anchor(model, opt, case: Case, rec: dict) -> None:
     load_state_by_fqn(opt, model, rec["state"])
 
 
-def _finding(mismatches: list[dict]) -> dict:
+def _finding(mismatches: list[dict], oracle: str = "parity") -> dict:
     return {
         "status": "finding",
-        "oracle": "parity",
+        "oracle": oracle,
         "first": mismatches[0],
         "mismatches": mismatches[:MAX_REPORTED],
         "count": len(mismatches),

@@ -27,7 +27,7 @@ from .checkpoint import check_loaded, check_saved, load, save
 from .localize import Trace
 from .model import build_model, make_batch
 from .optim import build_optimizer, group_hparams, state_by_fqn
-from .reference import _apply_flags, _exc, _plain_reference_error, _plain_setup, check_parity, torch_dtype
+from .reference import _apply_flags, _exc, _finding, _plain_reference_error, _plain_setup, check_parity, torch_dtype
 
 
 def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timings: dict | None = None,
@@ -59,8 +59,7 @@ def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timing
         mismatches = check_saved(case, obs["saved"], obs["steps"][case.checkpoint.after], device) if obs["saved"] else []
         mismatches += check_loaded(case, obs["loaded"], obs["steps"][case.checkpoint.after])
         if mismatches:
-            verdict = {"status": "finding", "oracle": "checkpoint", "first": mismatches[0],
-                       "mismatches": mismatches[:8], "count": len(mismatches)}
+            verdict = _finding(mismatches, oracle="checkpoint")
     timings["reference"] = time.perf_counter() - t0 - t1
     return verdict
 
