@@ -52,6 +52,7 @@ class Optim:
     kwargs: dict[str, Any] = field(default_factory=dict)
     tensor_lr: str = ""  # "", "0d" (lr as a 0-d tensor) or "1d" (1-element tensor)
     named: bool = False  # pass (name, param) pairs, the named-params API
+    added_groups: int = 0  # the last N groups go in through add_param_group after the constructor
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class Checkpoint:
     kind: "full" (get_state_dict full + cpu_offload, torch.save on rank 0,
     torch.load on every loading rank), "broadcast" (the same file read by
     rank 0 only, set_state_dict(broadcast_from_rank0=True)) or "dcp"
-    (sharded state dict through torch.distributed.checkpoint on disk).
+    (sharded state dict through torch.distributed.checkpoint on disk), or a
+    target's own: "consolidate" (zero: consolidate_state_dict + state_dict()).
     """
 
     after: int
@@ -120,6 +122,8 @@ class Case:
                 raise CaseError(f"{what}world size {world} is impossible")
             if math.prod(mesh) != world:
                 raise CaseError(f"{what}mesh {mesh} does not hold {world} ranks")
+        if not 0 <= self.optim.added_groups < max(len(self.groups), 1):
+            raise CaseError(f"{self.optim.added_groups} added param groups: the case has {len(self.groups)}")
         if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):
             raise CaseError(f"checkpoint after step {self.checkpoint.after}: the schedule has {len(self.schedule)} steps")
 

@@ -16,7 +16,7 @@ from .case import Case
 
 _MODULES = ["fuzzshard.case", "fuzzshard.kernel.mesh", "fuzzshard.kernel.model", "fuzzshard.kernel.optim",
             "fuzzshard.kernel.oracles", "fuzzshard.kernel.localize", "fuzzshard.kernel.reference",
-            "fuzzshard.kernel.checkpoint"]
+            "fuzzshard.kernel.checkpoint", "fuzzshard.kernel.targets.base"]
 _TAIL = ["fuzzshard.kernel.run"]
 _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
 

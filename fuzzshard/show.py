@@ -27,7 +27,7 @@ def render(finding: Finding) -> str:
         lines += _layer(layer, f"layers.{i}", 1)
     opt = c.optim
     lr = f" (lr as a {opt.tensor_lr} tensor)" if opt.tensor_lr else ""
-    lines.append(f"optimizer {opt.name}{lr}{' with named params' if opt.named else ''}: {json.dumps(opt.kwargs, sort_keys=True)}")
+    lines.append(f"optimizer {opt.name}{lr}{' with named params' if opt.named else ''}{f', the last {opt.added_groups} group(s) through add_param_group' if opt.added_groups else ''}: {json.dumps(opt.kwargs, sort_keys=True)}")
     for i, g in enumerate(c.groups):
         over = f" overrides {json.dumps(g.overrides, sort_keys=True)}" if g.overrides else ""
         lines.append(f"  group {i}: {', '.join(g.params) or '(empty)'}{over}")
@@ -42,10 +42,13 @@ def render(finding: Finding) -> str:
     if ck:
         how = {"full": "full state dict, torch.save on rank 0, torch.load on every rank",
                "broadcast": "full state dict, read by rank 0, set_state_dict(broadcast_from_rank0=True)",
-               "dcp": "sharded state dict through torch.distributed.checkpoint"}.get(ck.kind, ck.kind)
+               "dcp": "sharded state dict through torch.distributed.checkpoint",
+               "consolidate": "consolidate_state_dict + state_dict(), torch.save; load_state_dict on every rank",
+               }.get(ck.kind, ck.kind)
         api = "set_model_state_dict + set_optimizer_state_dict" if ck.split else "set_state_dict"
+        api = f", with {api}, strict={ck.strict}" if ck.kind in ("full", "broadcast", "dcp") else ""
         lines += [f"checkpoint after step {ck.after}: {how}",
-                  f"  load on {ck.world_size} rank(s), mesh {ck.mesh_shape}, with {api}, strict={ck.strict}"]
+                  f"  load on {ck.world_size} rank(s), mesh {ck.mesh_shape}{api}"]
         lines += _options("  loading side's target options", ck.target_options, "  ")
     return "\n".join(lines)
 

@@ -12,9 +12,11 @@ come first, so a shrunk case has few ranks, layers, groups and steps.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import hypothesis.strategies as st
+from hypothesis import assume
 
 from fuzzshard.case import Case, Checkpoint, Group, Optim, Step, mesh_shapes
 from fuzzshard.kernel.model import param_shapes
@@ -62,7 +64,7 @@ def schedules(draw, n_steps: int, names: list[str]) -> tuple[Step, ...]:
 
 
 @st.composite
-def placements(draw, shapes: dict, mesh_shape: tuple, tied: tuple = ()) -> dict:
+def placements(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) -> dict:
     """dtensor: per param, per mesh dim, Replicate or Shard(d) on any of its dims."""
     out = {}
     for name, shape in shapes.items():
@@ -72,7 +74,7 @@ def placements(draw, shapes: dict, mesh_shape: tuple, tied: tuple = ()) -> dict:
 
 
 @st.composite
-def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = ()) -> dict:
+def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) -> dict:
     """fsdp2: which submodules get their own fully_shard (the root always does),
     and reshard_after_forward (True, False, or an int dividing the shard group).
     A module holding a tied param stays in the root's group, as FSDP2 documents
@@ -94,34 +96,95 @@ def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = ()) -> di
     return out
 
 
-def _no_options(shapes, mesh_shape, tied=()):
-    return st.just({})
-
-
-# target -> (param shapes, mesh shape) -> strategy of its target_options
-TARGET_OPTIONS = {"dtensor": placements, "fsdp2": fsdp2_options}
-# targets where each rank trains on its slice of the global batch
-DATA_PARALLEL = {"fsdp2"}
-# targets whose state goes through torch.distributed.checkpoint's get_/set_state_dict
-CHECKPOINTS = {"dtensor", "fsdp2"}
-CHECKPOINT_KINDS = ["full", "dcp", "broadcast"]
+@st.composite
+def zero_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), model=None, loading: bool = False,
+                 **_) -> dict:
+    """zero: grads averaged by hand or by DDP (with its flags), the bucket
+    view, the rank the state is consolidated to; a loading side may resume
+    with the local optimizer."""
+    out = {}
+    if draw(st.booleans()):
+        # an unused submodule needs find_unused_parameters (DDP documents the error otherwise)
+        out["ddp"] = {"broadcast_buffers": draw(st.booleans()),
+                      "find_unused_parameters": True if model is not None and model.unused else draw(st.booleans()),
+                      "gradient_as_bucket_view": draw(st.booleans()), "static_graph": draw(st.booleans())}
+    if loading and draw(st.booleans()):
+        out["local"] = True
+        return out
+    out["bucket_view"] = draw(st.booleans())
+    to = draw(st.integers(0, mesh_shape[0] - 1))
+    if to:
+        out["consolidate_to"] = to
+    return out
 
 
 @st.composite
-def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied: tuple = ()) -> Checkpoint:
+def sharded_optim_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) -> dict:
+    """sharded_optim: which params become ShardedTensors, on which dim, and
+    the ranks that hold the chunks, in chunk order: mostly one chunk per rank
+    in any order (ChunkShardingSpec.shard scatters one chunk to each rank),
+    now and then any list (a rank with two chunks or none: known errors).
+    A tied param stays dense: shard_parameter re-registers it on one module only."""
+    world = mesh_shape[0]
+    out = {}
+    for name, shape in shapes.items():
+        if not shape or any(name.startswith(t + ".") for t in tied) or not draw(st.booleans()):
+            continue
+        if draw(st.integers(0, 7)):
+            ranks = draw(st.permutations(range(world)))
+        else:
+            ranks = draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world + 1))
+        out[name] = {"dim": draw(st.integers(0, len(shape) - 1)), "ranks": ranks}
+    return {"shard": out}
+
+
+def _no_options(shapes, mesh_shape, tied=(), **_):
+    return st.just({})
+
+
+# target -> (param shapes, mesh shape, tied, **context) -> strategy of its target_options
+TARGET_OPTIONS = {"dtensor": placements, "fsdp2": fsdp2_options, "zero": zero_options,
+                  "sharded_optim": sharded_optim_options}
+# targets where each rank trains on its slice of the global batch
+DATA_PARALLEL = {"fsdp2", "zero"}
+# targets with a checkpoint round trip, and how each saves
+CHECKPOINT_KINDS = {"dtensor": ["full", "dcp", "broadcast"], "fsdp2": ["full", "dcp", "broadcast"],
+                    "zero": ["consolidate"]}
+CHECKPOINTS = set(CHECKPOINT_KINDS)
+# targets whose optimizer takes (name, param) pairs (torch.optim's named-params API)
+NAMED_PARAMS = {"dtensor", "fsdp2"}
+# targets whose optimizer takes one flat set of params (no param groups)
+SINGLE_GROUP = {"sharded_optim"}
+# targets that step each shard on its own: only elementwise optimizers give the
+# same math as the whole param (Adafactor and Muon reduce over a whole param)
+ELEMENTWISE_ONLY = {"sharded_optim"}
+NOT_ELEMENTWISE = {"Adafactor", "Muon"}
+# kinds that go through torch.distributed.checkpoint's set_state_dict (split / strict apply)
+STATE_DICT_KINDS = {"full", "dcp", "broadcast"}
+
+
+def _flips_allowed(options: dict, ck) -> bool:
+    """DDP registers the params that require grad when it is built; flipping
+    requires_grad later is outside what it supports."""
+    return "ddp" not in options and not (ck and "ddp" in ck.target_options)
+
+
+@st.composite
+def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied: tuple = (), **context) -> Checkpoint:
     """A save point in the schedule, how the state is saved, and the loading
     side: any world size of the session (resharding), its own mesh and its
     own target options (another wrapping or placement)."""
     world = draw(st.sampled_from(sorted(world_sizes)))
     mesh_shape = draw(st.sampled_from(mesh_shapes(world)))
+    kind = draw(st.sampled_from(CHECKPOINT_KINDS[target]))
     return Checkpoint(
         after=draw(st.integers(0, n_steps - 1)),
-        kind=draw(st.sampled_from(CHECKPOINT_KINDS)),
+        kind=kind,
         world_size=world,
         mesh_shape=mesh_shape,
-        target_options=draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied)),
-        split=draw(st.booleans()),
-        strict=not draw(st.booleans()),
+        target_options=draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied, loading=True, **context)),
+        split=draw(st.booleans()) if kind in STATE_DICT_KINDS else False,
+        strict=not draw(st.booleans()) if kind in STATE_DICT_KINDS else True,
     )
 
 
@@ -142,20 +205,28 @@ def cases(
     into every case, False into none (targets in CHECKPOINTS; add yours)."""
     world = draw(st.sampled_from(sorted(world_sizes)))
     depth = draw(st.integers(1, max_depth))
-    n_groups = draw(st.integers(1, max_groups))
+    n_groups = draw(st.integers(1, 1 if target in SINGLE_GROUP else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from(mesh_shapes(world)))
     model = draw(models(depth))
     shapes = param_shapes(model)
+    if target in ELEMENTWISE_ONLY:
+        optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]
     optim = draw(optimizers(optimizer_names, device))
+    if target not in NAMED_PARAMS:
+        optim = dataclasses.replace(optim, named=False)
     names = [n for n, s in shapes.items() if len(s) == 2] if optim.name in ONLY_2D else list(shapes)
     groups = draw(param_groups(names, n_groups, optim))
+    optim = dataclasses.replace(optim, added_groups=draw(st.integers(0, n_groups - 1)))
+    if target in SINGLE_GROUP:
+        assume(groups[0].params)  # an empty flat param list is refused by the plain optimizer too
     frozen = tuple(n for n in shapes if draw(st.sampled_from([False] * 5 + [True])))
     tied = ("layers.0",) if model.tie_head else ()  # modules that own a tied param
-    options = draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied))
+    context = {"model": model, "n_groups": n_groups}
+    options = draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied, **context))
     ck = None
     if target in CHECKPOINTS and (checkpoint or (checkpoint is None and draw(st.booleans()))):
-        ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied))
+        ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied, **context))
     # data parallel: every rank of either side gets an equal slice, in equal microbatches
     microbatches = max(options.get("microbatches", 1), ck.target_options.get("microbatches", 1) if ck else 1)
     ranks_per_sample = math.lcm(world, ck.world_size if ck else 1) * microbatches
@@ -166,7 +237,7 @@ def cases(
         model=model,
         optim=optim,
         groups=groups,
-        schedule=draw(schedules(n_steps, list(shapes))),
+        schedule=draw(schedules(n_steps, list(shapes) if _flips_allowed(options, ck) else [])),
         frozen=frozen,
         batch=draw(st.integers(1, 2)) * ranks_per_sample if target in DATA_PARALLEL else draw(st.integers(1, 4)),
         seq=draw(st.integers(1, 3)),

@@ -20,7 +20,7 @@ BUGS = [
 def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, target, bug, optimizers, pattern, smallest_world):
     out = tmp_path / "out"
     r = run_cli("fuzz", "--target", target, "--max-examples", 60, "--seed", 0, "--world-sizes", "1,2,3",
-                "--optimizers", optimizers, "--case-timeout", 60, "--out", out, setup=bug)
+                "--optimizers", optimizers, "--checkpoints", "none", "--case-timeout", 60, "--out", out, setup=bug)
     assert r.returncode == 1, r.stderr[-3000:]
     found = sorted(out.glob(pattern))
     assert found, f"no param-parity finding; stderr:\n{r.stderr[-3000:]}"
@@ -93,3 +93,39 @@ def test_planted_checkpoint_bug_is_found_shrunk_and_replays(tmp_path, target, bu
         assert buggy.returncode != 0 and "FINDING" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
         ok = torchrun(script, ranks, cwd=tmp_path)
         assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+
+
+TARGET_BUGS = [
+    # target, bug file, optimizers, world sizes, --checkpoints, the finding's file pattern, its oracle,
+    # what the shrunk case must still hold
+    ("zero", "zero_drop_last_group_param.py", "SGD,Adam", "1,2,3", "none", "zero.error.ctor.PartitionBroken.*.json",
+     "error_parity", lambda c: c["world_size"] == 1),
+    ("zero", "zero_consolidate_rank0_only.py", "SGD,Adam", "1,2", "all",
+     "zero.checkpoint.consolidate.saved.optim.state.missing.json", "checkpoint", lambda c: c["world_size"] == 2),
+    ("sharded_optim", "sharded_optim_skip_dense.py", "SGD", "1,2", "none", "sharded_optim.parity.*.param.json",
+     "parity", lambda c: c["world_size"] == 1 and c["target_options"]["shard"]),
+]
+
+
+@pytest.mark.parametrize("target, bug, optimizers, worlds, checkpoints, pattern, oracle, holds", TARGET_BUGS,
+                         ids=[b[1][:-3] for b in TARGET_BUGS])
+def test_planted_target_bug_is_found_shrunk_and_replays(tmp_path, target, bug, optimizers, worlds, checkpoints,
+                                                        pattern, oracle, holds):
+    out = tmp_path / "out"
+    r = run_cli("fuzz", "--target", target, "--checkpoints", checkpoints, "--max-examples", 40, "--seed", 0,
+                "--world-sizes", worlds, "--optimizers", optimizers, "--case-timeout", 60, "--out", out, setup=bug)
+    found = sorted(out.glob(pattern))
+    assert found, f"no finding like {pattern}; stderr:\n{r.stderr[-3000:]}"
+    finding = json.loads(found[0].read_text())
+    case = finding["case"]
+    assert finding["verdict"]["oracle"] == oracle and finding["deterministic"] is True
+    assert holds(case), case
+    assert len(case["model"]["layers"]) <= 3 and len(case["schedule"]) == 1  # shrunk
+    assert run_cli("replay", found[0], setup=bug).returncode == 1
+    assert run_cli("replay", found[0]).returncode == 0
+    script = found[0].with_suffix(".py")  # standalone: the target's module and the base class flattened in
+    ranks = max(case["world_size"], (case["checkpoint"] or {}).get("world_size", 0))
+    buggy = torchrun(script, ranks, "--setup", PLANTED / bug, cwd=tmp_path)
+    assert buggy.returncode != 0 and "FINDING" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(script, ranks, cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]

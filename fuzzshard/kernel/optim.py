@@ -33,7 +33,17 @@ def build_optimizer(model: torch.nn.Module, case: Case, lr_scale: float = 1.0) -
     for g in case.groups:
         ps = [(n, params[n]) if case.optim.named else params[n] for n in g.params]
         groups.append({"params": ps, **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device, lr_scale)})
-    return cls(groups, **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device, lr_scale))
+    first, added = split_groups(case, groups)
+    opt = cls(first, **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device, lr_scale))
+    for g in added:
+        opt.add_param_group(g)
+    return opt
+
+
+def split_groups(case: Case, groups: list) -> tuple[list, list]:
+    """(the groups the constructor takes, the ones add_param_group adds after it)."""
+    n = len(groups) - case.optim.added_groups
+    return groups[:n], groups[n:]
 
 
 def param_order(case: Case) -> list[str]:

@@ -199,10 +199,6 @@ def _compare_state(k: int, got_state: dict, want_state: dict, tol: dict, rel: di
 
 # An elementwise optimizer reads the grad at most twice in one formula (g / |g|
 # in Adagrad's first step); each read may carry its own reduction error.
-
-
-# An elementwise optimizer reads the grad at most twice in one formula (g / |g|
-# in Adagrad's first step); each read may carry its own reduction error.
 PARTIAL_GRAD_READS = 4
 
 

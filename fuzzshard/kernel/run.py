@@ -23,11 +23,10 @@ import time
 import torch.distributed as dist
 
 from ..case import Case
-from .checkpoint import check_loaded, check_saved, load, save
+from .checkpoint import check_loaded, check_saved
 from .localize import Trace
 from .model import build_model, make_batch
-from .optim import build_optimizer, group_hparams, state_by_fqn
-from .reference import _apply_flags, _exc, _finding, _plain_reference_error, _plain_setup, check_parity, torch_dtype
+from .reference import _exc, _finding, _plain_reference_error, _plain_setup, check_parity, torch_dtype
 
 
 def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timings: dict | None = None,
@@ -92,20 +91,16 @@ def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, locali
         if rank < case.world_size:
             with meshes.job(case.world_size):
                 target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
-                model = build_model(case.model, case.seed, device, torch_dtype(case))
-                obs["init"] = {n: p.detach().clone() for n, p in model.named_parameters()} if keep else None
-                model = target.shard(model)
-                for n in case.frozen:
-                    model.get_parameter(n).requires_grad_(False)
+                model, obs["init"] = _sharded_model(target, case, case.seed, device, flags=())
                 phase.name = "optimizer constructor"
-                opt = build_optimizer(model, case)
+                opt = target.optimizer(model)
                 phase.name = "gather initial optimizer state"
-                obs["init_state"] = state_by_fqn(opt, model, target.full)  # some optimizers fill state in __init__
+                obs["init_state"] = target.optimizer_state(opt, model)  # some optimizers fill state in __init__
                 last = ck.after if ck else len(case.schedule) - 1
                 obs["steps"] += _train(case, target, model, opt, range(last + 1), device, keep, localize, phase)
                 if ck:
                     phase.name = "checkpoint save"
-                    obs["saved"] = save(case, model, opt, ckpt_dir, meshes.group(case.world_size))
+                    obs["saved"] = target.save(model, opt, ckpt_dir, meshes.group(case.world_size))
         if ck:
             phase.name = "checkpoint barrier"
             dist.barrier(group=meshes.group(case.ranks))  # the files are complete
@@ -128,47 +123,55 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
     lcase = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=ck.mesh_shape,
                                 target_options=ck.target_options)
     target = target_cls(lcase, meshes.mesh(ck.world_size, ck.mesh_shape))
-    model = target.shard(build_model(case.model, case.seed + 1, device, torch_dtype(case)))
-    for n in case.frozen:  # requires_grad as it was at the save
-        model.get_parameter(n).requires_grad_(False)
-    for step in case.schedule[:ck.after + 1]:
-        _apply_flags(model, step)
-    opt = build_optimizer(model, case, lr_scale=0.5)
+    model, _ = _sharded_model(target, case, case.seed + 1, device, flags=case.schedule[:ck.after + 1])
+    opt = target.optimizer(model, lr_scale=0.5)
     phase.name = "checkpoint load"
-    load(case, model, opt, ckpt_dir, meshes.group(ck.world_size))
+    target.load(model, opt, ckpt_dir, meshes.group(ck.world_size))
     phase.name = "checkpoint load: gather"
-    loaded = {"params": {n: target.full(p).detach().clone() for n, p in model.named_parameters()},
-              "state": state_by_fqn(opt, model, target.full), "groups": group_hparams(opt)}
+    loaded = {"params": target.params(model),
+              "state": target.optimizer_state(opt, model), "groups": target.group_hparams(opt)}
     steps = _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize, phase)
     return (loaded if keep else None), steps
+
+
+def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
+    """(the sharded model, its initial params): requires_grad as ``case.frozen``
+    and then the ``flags`` steps leave it, set after sharding, or before it
+    for a target that registers the trainable params when it wraps (DDP)."""
+    model = build_model(case.model, seed, device, torch_dtype(case))
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def set_flags(m):
+        target.set_requires_grad(m, case.frozen, False)
+        for step in flags:
+            target.apply_flags(m, step)
+
+    if target.freeze_before_shard:
+        set_flags(model)
+    model = target.shard(model)
+    if not target.freeze_before_shard:
+        set_flags(model)
+    return model, init
 
 
 def _train(case: Case, target, model, opt, steps, device: str, keep: bool, localize: bool, phase) -> list[dict]:
     """Run schedule steps ``steps``; the record of each when ``keep``."""
     trace = Trace(model, getattr(target, "full_activation", target.full),
                   getattr(target, "full_activation_grad", target.full)) \
-        if localize and getattr(target, "localizable", True) else None
+        if localize and target.localizable else None
     out = []
     for k in steps:
         step = case.schedule[k]
-        _apply_flags(model, step)
+        target.apply_flags(model, step)
         phase.name = f"step {k}: zero_grad"
         opt.zero_grad(set_to_none=step.set_to_none)
         phase.name = f"step {k}: forward/backward"
         x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
-        if hasattr(target, "forward_backward"):  # a target that runs its own backward(s)
-            full_loss = target.forward_backward(model, x, y)
-        else:
-            loss, full_loss = target.loss(model, x, y)
-            loss.backward()
+        full_loss = target.forward_backward(model, x, y)
         traced = trace.take() if trace else None
         phase.name = f"step {k}: gather grads"
-        grads = {n: None if p.grad is None else target.full(p.grad).detach().clone() for n, p in model.named_parameters()}
-        spread = {}
-        for n, p in model.named_parameters():
-            s = target.grad_spread(p.grad) if p.grad is not None and hasattr(target, "grad_spread") else None
-            if s is not None:
-                spread[n] = s
+        grads = target.grads(model)
+        spread = target.grad_spreads(model)
         phase.name = f"step {k}: optimizer.step"
         opt.step()
         phase.name = f"step {k}: gather params and state"
@@ -176,9 +179,9 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
             "loss": full_loss.detach().clone(),
             "grads": grads,
             "grad_spread": spread,
-            "params": {n: target.full(p).detach().clone() for n, p in model.named_parameters()},
-            "state": state_by_fqn(opt, model, target.full),
-            "groups": group_hparams(opt),
+            "params": target.params(model),
+            "state": target.optimizer_state(opt, model),
+            "groups": target.group_hparams(opt),
             "trace": traced,
         }
         if keep:

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ...case import Case
 from ..model import loss_fn
+from .base import Target
 
 
 def parse_placement(text: str):
@@ -20,12 +20,8 @@ def parse_placement(text: str):
     return Replicate() if text == "R" else Shard(int(text[1:]))
 
 
-class DTensorTarget:
+class DTensorTarget(Target):
     name = "dtensor"
-
-    def __init__(self, case: Case, mesh):
-        self.case = case
-        self.mesh = mesh
 
     def shard(self, model: nn.Module) -> nn.Module:
         placements = self.case.target_options.get("placements", {})
@@ -53,7 +49,15 @@ class DTensorTarget:
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
-    def grad_spread(self, g: torch.Tensor):
+    def grad_spreads(self, model: nn.Module) -> dict:
+        out = {}
+        for n, p in model.named_parameters():
+            s = self._grad_spread(p.grad) if p.grad is not None else None
+            if s is not None:
+                out[n] = s
+        return out
+
+    def _grad_spread(self, g: torch.Tensor):
         """(sum of |partials|, number of partials) for a grad that is Partial on
         some mesh dims, else None. The optimizer's ops may each reduce such a
         grad in their own order, not the order full_tensor() used."""

@@ -17,16 +17,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ...case import Case
 from ..model import loss_fn
+from .base import Target
 
 
-class FSDP2Target:
+class FSDP2Target(Target):
     name = "fsdp2"
-
-    def __init__(self, case: Case, mesh):
-        self.case = case
-        self.mesh = mesh
 
     @property
     def microbatches(self) -> int:

@@ -1,0 +1,95 @@
+"""The target interface, with the defaults most targets keep.
+
+A target turns a plain model into its sharded form, builds the optimizer
+under test, runs a forward/backward, and turns whatever it shards back into
+full plain tensors for the oracles. Everything a target does not override
+falls back to the plain torch.optim optimizer over ``model.named_parameters()``
+and the state-dict round trip of ``torch.distributed.checkpoint``.
+Every method that gathers is a collective: all ranks of the job call it in
+the same order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ...case import Case
+from ..checkpoint import load, save
+from ..model import loss_fn
+from ..optim import build_optimizer, group_hparams, state_by_fqn
+
+
+class Target:
+    name = ""
+    localizable = True  # per-module traces line up with the reference's (kernel/localize.py)
+    freeze_before_shard = False  # set requires_grad before shard(), for wrappers that register trainable params
+
+    def __init__(self, case: Case, mesh):
+        self.case = case
+        self.mesh = mesh
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """The model to train; its named_parameters() keep the plain FQNs."""
+        return model
+
+    def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
+        return build_optimizer(model, self.case, lr_scale)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+        """(this rank's loss to backward, the global mean loss as a plain tensor)."""
+        loss = loss_fn(model(x), y)
+        return loss, loss
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Fill the grads for the global batch ``x``; return the global mean loss."""
+        loss, full_loss = self.loss(model, x, y)
+        loss.backward()
+        return full_loss
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """A full plain copy of a param, grad or state tensor."""
+        return t
+
+    def full_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        return None if p.grad is None else self.full(p.grad)
+
+    def params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """{fqn: full copy} of every param."""
+        return {n: self.full(p).detach().clone() for n, p in model.named_parameters()}
+
+    def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+        """{fqn: full copy of the grad, or None} of every param."""
+        out = {}
+        for n, p in model.named_parameters():
+            g = self.full_grad(p)
+            out[n] = None if g is None else g.detach().clone()
+        return out
+
+    def grad_spreads(self, model: nn.Module) -> dict:
+        """{fqn: (sum of |partial grads|, number of partials)} for grads the
+        optimizer may reduce in another order than the gather did (dtensor)."""
+        return {}
+
+    def set_requires_grad(self, model: nn.Module, fqns, flag: bool) -> None:
+        for n in fqns:
+            model.get_parameter(n).requires_grad_(flag)
+
+    def apply_flags(self, model: nn.Module, step) -> None:
+        """A schedule step's freezes and unfreezes."""
+        self.set_requires_grad(model, step.freeze, False)
+        self.set_requires_grad(model, step.unfreeze, True)
+
+    def optimizer_state(self, opt, model: nn.Module) -> dict:
+        """{fqn: {state name: full tensor}} for every param that has state."""
+        return state_by_fqn(opt, model, self.full)
+
+    def group_hparams(self, opt) -> list[dict]:
+        return group_hparams(opt)
+
+    def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
+        """Collective over the saving job; the reporting rank returns the full
+        state dict it saved, keyed by FQN (None for a sharded save)."""
+        return save(self.case, model, opt, path, group)
+
+    def load(self, model: nn.Module, opt, path: str, group) -> None:
+        load(self.case, model, opt, path, group)

@@ -1,0 +1,171 @@
+"""Target ``sharded_optim``: ``ShardedOptimizer`` over ``ShardedTensor`` params.
+
+``shard_parameter`` turns the params the Case names into ShardedTensors
+(``ChunkShardingSpec`` on a drawn dim, over a drawn list of ranks: chunks may
+be uneven, and ranks may hold no chunk); the rest stay dense beside them.
+``ShardedOptimizer`` over ``named_params_with_sharded_tensor(model)`` then
+steps every rank's local shards and the dense params with the inner
+torch.optim optimizer. ShardedTensor has no autograd of its own, so the
+forward runs on full copies gathered with ``ShardedTensor.gather`` and each
+rank takes its shards' slices of the full grads: what is under test is the
+sharding, the gather and the optimizer step on local shards.
+``target_options``: ``shard``: {fqn: {"dim": d, "ranks": [r, ...]}} (the
+ranks that hold the chunks, in chunk order).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..model import loss_fn
+from ..optim import optimizer_kwargs
+from .base import Target
+
+
+class ShardedParamsListed(AssertionError):
+    """named_params_with_sharded_tensor lists other params than the module has."""
+
+
+class GatherMismatch(AssertionError):
+    """ShardedTensor.gather returns other values than the local shards hold."""
+
+
+def _is_sharded(t) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(t, ShardedTensor)
+
+
+def _shard_slices(md) -> tuple:
+    return tuple(slice(o, o + s) for o, s in zip(md.shard_offsets, md.shard_sizes))
+
+
+class ShardedOptimTarget(Target):
+    name = "sharded_optim"
+    localizable = False  # the forward runs on gathered copies, not on the module's params
+
+    def __init__(self, case, mesh):
+        super().__init__(case, mesh)
+        self.group = mesh.get_group()
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        from torch.distributed._shard.api import shard_parameter
+        from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+        device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+        for fqn, spec in sorted(self.case.target_options.get("shard", {}).items()):
+            module_name, _, attr = fqn.rpartition(".")
+            placements = [f"rank:{r}/{device}" for r in spec["ranks"]]
+            shard_parameter(model.get_submodule(module_name), attr, ChunkShardingSpec(spec["dim"], placements),
+                            process_group=self.group)
+        return model
+
+    def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
+        from torch.distributed._shard.sharded_optim import ShardedOptimizer, named_params_with_sharded_tensor
+
+        listed = list(named_params_with_sharded_tensor(model))
+        names = [n for n, _ in listed]
+        plain = [n for n, _ in model.named_parameters()]
+        if sorted(names) != sorted(plain):
+            raise ShardedParamsListed(f"named_params_with_sharded_tensor lists {names}, the module has {plain}")
+        params = dict(listed)
+        (group,) = self.case.groups  # ShardedOptimizer takes one flat set of params
+        kwargs = {**self.case.optim.kwargs, **group.overrides}
+        return ShardedOptimizer({n: params[n] for n in group.params}, getattr(torch.optim, self.case.optim.name),
+                                **optimizer_kwargs(kwargs, self.case.optim.tensor_lr, self.case.device, lr_scale))
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Every rank runs the whole batch on full copies of the sharded params;
+        each local shard then gets its slice of the full grad."""
+        sharded = {n: p for n, p in model.named_parameters() if _is_sharded(p)}
+        copies = {n: self.full(p).detach().requires_grad_(p.requires_grad) for n, p in sharded.items()}
+        loss = loss_fn(torch.func.functional_call(model, copies, (x,)), y)
+        loss.backward()
+        for n, p in sharded.items():
+            g = copies[n].grad
+            if g is None:
+                continue
+            for shard in p.local_shards():
+                part = g[_shard_slices(shard.metadata)].clone()
+                t = shard.tensor
+                t.grad = part if t.grad is None else t.grad.add_(part)
+        return loss.detach()
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """ShardedTensor.gather to rank 0, checked against the shards every
+        rank holds (assembled by their metadata), then broadcast: every rank
+        needs the copy."""
+        if not _is_sharded(t):
+            return t
+        out = torch.empty(t.size(), dtype=t.dtype, device=self._device(t)) if dist.get_rank(self.group) == 0 else None
+        t.gather(dst=0, out=out)
+        if out is None:
+            out = torch.empty(t.size(), dtype=t.dtype, device=self._device(t))
+        dist.broadcast(out, src=dist.get_global_rank(self.group, 0), group=self.group)
+        shards = self._assemble(t, {tuple(s.metadata.shard_offsets): s.tensor.detach().cpu() for s in t.local_shards()}, t)
+        if shards is not None and not torch.allclose(out, shards, rtol=0.0, atol=0.0, equal_nan=True):
+            raise GatherMismatch(f"ShardedTensor.gather(dst=0, out=<{t.dtype} tensor>) returns other values than the "
+                                 f"shards hold (max abs diff {(out - shards).abs().max().item():.3g})")
+        return out
+
+    def _device(self, st) -> torch.device:
+        return torch.device(st.metadata().shards_metadata[0].placement.device())
+
+    def _assemble(self, st, per_shard: dict, like) -> torch.Tensor | None:
+        """A full tensor from every rank's {shard offsets: tensor} (None where no rank has one)."""
+        parts = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, per_shard, group=self.group)
+        pieces = [(offsets, v) for part in parts for offsets, v in part.items()]
+        if not pieces:
+            return None
+        out = torch.zeros(st.size(), dtype=like.dtype, device=self._device(st))
+        for offsets, v in pieces:
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, v.shape))] = v.to(out.device)
+        return out
+
+    def full_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        if not _is_sharded(p):
+            return super().full_grad(p)
+        mine = {tuple(s.metadata.shard_offsets): s.tensor.grad.detach().cpu()
+                for s in p.local_shards() if s.tensor.grad is not None}
+        return self._assemble(p, mine, p)
+
+    def optimizer_state(self, opt, model: nn.Module) -> dict:
+        """Dense params' state as it is; a sharded param's state assembled from
+        its shards' (tensors shaped like the shard are placed at its offsets,
+        scalars such as ``step`` are taken from the shards, which must agree)."""
+        out = {}
+        for n, p in model.named_parameters():
+            if not _is_sharded(p):
+                st = opt.state.get(p)
+                if st:
+                    out[n] = {k: (self.full(v).detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v))
+                              for k, v in sorted(st.items())}
+                continue
+            shards = [(s.metadata, opt.state.get(s.tensor) or {}) for s in p.local_shards()]
+            names = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(names, sorted({k for _, st in shards for k in st}), group=self.group)
+            keys = sorted({k for ks in names for k in ks})
+            full = {}
+            for key in keys:
+                mine, scalars = {}, []
+                for md, st in shards:
+                    v = st.get(key)
+                    v = v if isinstance(v, torch.Tensor) or v is None else torch.tensor(v)
+                    if v is not None and list(v.shape) == list(md.shard_sizes):
+                        mine[tuple(md.shard_offsets)] = v.detach().cpu()
+                    elif v is not None:
+                        scalars.append(v.detach().cpu())
+                gathered = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(gathered, scalars, group=self.group)
+                scalars = [s for part in gathered for s in part]
+                if scalars:
+                    full[key] = scalars[0].to(self._device(p))
+                    if any(not torch.equal(s, scalars[0]) for s in scalars):
+                        full[key] = torch.full_like(full[key], float("nan"))  # shards disagree: never equals the reference
+                else:
+                    full[key] = self._assemble(p, mine, p)
+            if full:
+                out[n] = full
+        return out

@@ -1,0 +1,168 @@
+"""Target ``zero``: ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+
+Every rank holds the whole model and trains on its slice of the global batch.
+Grads are averaged by DDP (``ddp`` in the target options, with its own
+flags) or by hand (an all-reduce per grad). ZeRO partitions the params
+greedily by size; each rank steps its partition with the inner optimizer and
+broadcasts the result. ``target_options``:
+  - ``ddp``: {} for hand-averaged grads, else DDP's kwargs (broadcast_buffers,
+    find_unused_parameters, gradient_as_bucket_view, static_graph);
+  - ``bucket_view``: ``parameters_as_bucket_view``;
+  - ``consolidate_to``: the rank that ``consolidate_state_dict(to=)`` sends the
+    checkpoint to;
+  - ``local`` (loading side only): resume with the plain torch.optim optimizer
+    (cross-loading ZeRO's state into the local optimizer).
+What must hold beyond training parity: every rank's replica of every param
+and grad is the same, and the partitions cover every param exactly once.
+The checkpoint is ``consolidate_state_dict`` + ``state_dict()``, which must
+equal the local optimizer's ``state_dict()``; ``load_state_dict`` of it on
+every rank of another world size must restore it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..model import loss_fn
+from ..optim import build_optimizer, optimizer_kwargs, param_order, split_groups
+from .base import Target
+
+CHECKPOINT_FILE = "zero.pt"
+
+
+class ReplicasDiverged(AssertionError):
+    """Ranks that must hold the same tensor hold different ones."""
+
+
+class PartitionBroken(AssertionError):
+    """ZeRO's partitions do not cover every param exactly once."""
+
+
+class ZeroTarget(Target):
+    name = "zero"
+    freeze_before_shard = True  # DDP registers the params that require grad when it wraps
+
+    def __init__(self, case, mesh):
+        super().__init__(case, mesh)
+        self.group = mesh.get_group()
+        self.ddp = None
+
+    @property
+    def local(self) -> bool:
+        return bool(self.case.target_options.get("local"))
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        ddp = self.case.target_options.get("ddp")
+        if ddp is not None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device = next(model.parameters()).device
+            device_ids = None if device.type == "cpu" else [device]
+            self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=self.group, **ddp)
+        return model  # the plain module: its FQNs; the forward goes through DDP
+
+    def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
+        if self.local:
+            return build_optimizer(model, self.case, lr_scale)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        case, opts = self.case, self.case.target_options
+        params = dict(model.named_parameters())
+        groups = [{"params": [params[n] for n in g.params],
+                   **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device, lr_scale)} for g in case.groups]
+        first, added = split_groups(case, groups)
+        opt = ZeroRedundancyOptimizer(first, optimizer_class=getattr(torch.optim, case.optim.name),
+                                      process_group=self.group, parameters_as_bucket_view=opts.get("bucket_view", False),
+                                      **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device, lr_scale))
+        for g in added:
+            opt.add_param_group(g)
+        self._check_partition(opt, model)
+        return opt
+
+    def _check_partition(self, opt, model: nn.Module) -> None:
+        """Every param of every group in exactly one rank's local optimizer."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        mine = [names[id(p)] for g in opt.optim.param_groups for p in g["params"]]
+        owned = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(owned, mine, group=self.group)
+        count = {n: 0 for n in param_order(self.case)}
+        for rank_names in owned:
+            for n in rank_names:
+                count[n] = count.get(n, 0) + 1
+        wrong = {n: c for n, c in count.items() if c != 1}
+        if wrong:  # the first line is the signature's: no names in it
+            orphans = sum(1 for c in wrong.values() if c == 0)
+            raise PartitionBroken(f"the partitions leave {orphans} param(s) without an owner and give "
+                                  f"{len(wrong) - orphans} param(s) several\nowners per param: {wrong}")
+
+    def _world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the batch; grads averaged over the ranks."""
+        world, rank = self._world(), dist.get_rank(self.group)
+        per = x.shape[0] // world
+        loss = loss_fn((self.ddp or model)(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        loss.backward()
+        if self.ddp is None:
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.group)
+                    p.grad.div_(world)
+        full = loss.detach().clone()
+        dist.all_reduce(full, group=self.group)
+        return full / world
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor, once every rank is seen to hold the same one."""
+        replicas = [torch.empty_like(t) for _ in range(self._world())]
+        dist.all_gather(replicas, t.detach().contiguous(), group=self.group)
+        for r, other in enumerate(replicas):
+            if not torch.allclose(other, replicas[0], rtol=0.0, atol=0.0, equal_nan=True):  # bitwise: all-reduce and broadcast give every rank the same bits
+                diff = (other - replicas[0]).abs().max().item()
+                raise ReplicasDiverged(f"rank {r} holds another value than rank 0 (max abs diff {diff:.3g}) "
+                                       f"for a tensor of shape {list(t.shape)}")
+        return t
+
+    def optimizer_state(self, opt, model: nn.Module) -> dict:
+        """Each rank's local optimizer holds the state of its partition only."""
+        if self.local:
+            return super().optimizer_state(opt, model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        mine = {names[id(p)]: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else torch.tensor(v))
+                               for k, v in sorted(opt.optim.state[p].items())}
+                for g in opt.optim.param_groups for p in g["params"] if opt.optim.state.get(p)}
+        parts = [None] * self._world()
+        dist.all_gather_object(parts, mine, group=self.group)
+        out = {}
+        for part in parts:
+            out.update(part)
+        return dict(sorted(out.items(), key=lambda kv: param_order(self.case).index(kv[0])))
+
+    def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
+        """consolidate_state_dict(to=r), state_dict() on rank r, torch.save;
+        the reporting rank reads it back, keyed by FQN for the oracle."""
+        to = self.case.target_options.get("consolidate_to", 0)
+        opt.consolidate_state_dict(to=to)
+        rank = dist.get_rank(self.group)
+        file = os.path.join(path, CHECKPOINT_FILE)
+        if rank == to:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, file)
+        dist.barrier(group=self.group)
+        if rank != 0:
+            return None
+        saved = torch.load(file)
+        order = param_order(self.case)
+        osd = saved["optim"]
+        by_fqn = {"state": {order[i]: st for i, st in osd["state"].items()},
+                  "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in osd["param_groups"]]}
+        return {"model": saved["model"], "optim": by_fqn}
+
+    def load(self, model: nn.Module, opt, path: str, group) -> None:
+        """Every rank loads the whole consolidated state: ZeRO keeps its partition."""
+        saved = torch.load(os.path.join(path, CHECKPOINT_FILE))
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optim"])
