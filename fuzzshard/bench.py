@@ -90,10 +90,13 @@ def _checkpoint_cost(pool, cases) -> dict:
     """kind -> (mean extra ms, cases): each case run again without and then
     with a round trip after its first step, back to back (the first pass's
     times carry cold-start costs, so they are no fair baseline)."""
+    from fuzzshard.strategies import CHECKPOINT_KINDS
+
     from .case import Checkpoint
 
     out = {}
-    for kind in ("full", "dcp"):
+    kinds = [k for k in CHECKPOINT_KINDS[cases[0].target] if k != "broadcast"]  # broadcast reads what full writes
+    for kind in kinds:
         extra = []
         for case in cases:
             ck = Checkpoint(after=0, kind=kind, world_size=case.world_size, mesh_shape=case.mesh_shape,

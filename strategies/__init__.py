@@ -163,6 +163,14 @@ NOT_ELEMENTWISE = {"Adafactor", "Muon"}
 STATE_DICT_KINDS = {"full", "dcp", "broadcast"}
 
 
+# targets on one flat process group: a 1-D mesh only
+FLAT = {"zero", "sharded_optim"}
+
+
+def _meshes(target: str, world: int) -> list[tuple[int, ...]]:
+    return [(world,)] if target in FLAT else mesh_shapes(world)
+
+
 def _flips_allowed(options: dict, ck) -> bool:
     """DDP registers the params that require grad when it is built; flipping
     requires_grad later is outside what it supports."""
@@ -175,7 +183,7 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
     side: any world size of the session (resharding), its own mesh and its
     own target options (another wrapping or placement)."""
     world = draw(st.sampled_from(sorted(world_sizes)))
-    mesh_shape = draw(st.sampled_from(mesh_shapes(world)))
+    mesh_shape = draw(st.sampled_from(_meshes(target, world)))
     kind = draw(st.sampled_from(CHECKPOINT_KINDS[target]))
     return Checkpoint(
         after=draw(st.integers(0, n_steps - 1)),
@@ -207,7 +215,7 @@ def cases(
     depth = draw(st.integers(1, max_depth))
     n_groups = draw(st.integers(1, 1 if target in SINGLE_GROUP else max_groups))
     n_steps = draw(st.integers(1, max_steps))
-    mesh_shape = draw(st.sampled_from(mesh_shapes(world)))
+    mesh_shape = draw(st.sampled_from(_meshes(target, world)))
     model = draw(models(depth))
     shapes = param_shapes(model)
     if target in ELEMENTWISE_ONLY:

@@ -116,16 +116,24 @@ class ZeroTarget(Target):
         dist.all_reduce(full, group=self.group)
         return full / world
 
-    def full(self, t: torch.Tensor) -> torch.Tensor:
+    def full(self, t: torch.Tensor, what: str = "tensor", fqn: str = "") -> torch.Tensor:
         """This rank's tensor, once every rank is seen to hold the same one."""
         replicas = [torch.empty_like(t) for _ in range(self._world())]
         dist.all_gather(replicas, t.detach().contiguous(), group=self.group)
         for r, other in enumerate(replicas):
-            if not torch.allclose(other, replicas[0], rtol=0.0, atol=0.0, equal_nan=True):  # bitwise: all-reduce and broadcast give every rank the same bits
+            # bitwise: all-reduce and broadcast give every rank the same bits
+            if not torch.allclose(other, replicas[0], rtol=0.0, atol=0.0, equal_nan=True):
                 diff = (other - replicas[0]).abs().max().item()
-                raise ReplicasDiverged(f"rank {r} holds another value than rank 0 (max abs diff {diff:.3g}) "
-                                       f"for a tensor of shape {list(t.shape)}")
+                raise ReplicasDiverged(f"the replicas of a {what} differ: rank {r} vs rank 0, max abs diff {diff:.3g}"
+                                       f"\n{what} {fqn}")  # names off the first line: it makes the signature
         return t
+
+    def params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: self.full(p, "param", n).detach().clone() for n, p in model.named_parameters()}
+
+    def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+        return {n: None if p.grad is None else self.full(p.grad, "grad", n).detach().clone()
+                for n, p in model.named_parameters()}
 
     def optimizer_state(self, opt, model: nn.Module) -> dict:
         """Each rank's local optimizer holds the state of its partition only."""
