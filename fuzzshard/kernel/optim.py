@@ -23,27 +23,23 @@ def optimizer_kwargs(kwargs: dict, tensor_lr: str, device, lr_scale: float = 1.0
     return out
 
 
-def build_optimizer(model: torch.nn.Module, case: Case, lr_scale: float = 1.0) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, case: Case, lr_scale: float = 1.0, construct=None) -> torch.optim.Optimizer:
     """The optimizer over the Case's param groups, in the Case's order; frozen
     params stay in their groups (torch.optim skips params without a grad).
-    ``lr_scale``: the loading side of a checkpoint starts from other lrs."""
+    ``lr_scale``: the loading side of a checkpoint starts from other lrs.
+    ``construct(groups, **defaults)``: another constructor (a wrapper such as
+    ZeroRedundancyOptimizer) in place of the torch.optim class."""
     params = dict(model.named_parameters())
-    cls = getattr(torch.optim, case.optim.name)
+    cls = construct or getattr(torch.optim, case.optim.name)
     groups = []
     for g in case.groups:
         ps = [(n, params[n]) if case.optim.named else params[n] for n in g.params]
         groups.append({"params": ps, **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device, lr_scale)})
-    first, added = split_groups(case, groups)
-    opt = cls(first, **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device, lr_scale))
-    for g in added:
+    n = len(groups) - case.optim.added_groups  # the rest go in through add_param_group
+    opt = cls(groups[:n], **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device, lr_scale))
+    for g in groups[n:]:
         opt.add_param_group(g)
     return opt
-
-
-def split_groups(case: Case, groups: list) -> tuple[list, list]:
-    """(the groups the constructor takes, the ones add_param_group adds after it)."""
-    n = len(groups) - case.optim.added_groups
-    return groups[:n], groups[n:]
 
 
 def param_order(case: Case) -> list[str]:

@@ -156,8 +156,7 @@ def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
 
 def _train(case: Case, target, model, opt, steps, device: str, keep: bool, localize: bool, phase) -> list[dict]:
     """Run schedule steps ``steps``; the record of each when ``keep``."""
-    trace = Trace(model, getattr(target, "full_activation", target.full),
-                  getattr(target, "full_activation_grad", target.full)) \
+    trace = Trace(model, target.full_activation, target.full_activation_grad) \
         if localize and target.localizable else None
     out = []
     for k in steps:

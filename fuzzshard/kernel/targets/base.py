@@ -50,6 +50,13 @@ class Target:
         """A full plain copy of a param, grad or state tensor."""
         return t
 
+    def full_activation(self, t: torch.Tensor) -> torch.Tensor:
+        """A module output as the reference sees it (the whole batch), for localizing."""
+        return self.full(t)
+
+    def full_activation_grad(self, g: torch.Tensor) -> torch.Tensor:
+        return self.full(g)
+
     def full_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         return None if p.grad is None else self.full(p.grad)
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..checkpoint import _tensor
 from ..model import loss_fn
 from ..optim import optimizer_kwargs
 from .base import Target
@@ -53,7 +54,7 @@ class ShardedOptimTarget(Target):
         from torch.distributed._shard.api import shard_parameter
         from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
-        device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for fqn, spec in sorted(self.case.target_options.get("shard", {}).items()):
             module_name, _, attr = fqn.rpartition(".")
             placements = [f"rank:{r}/{device}" for r in spec["ranks"]]
@@ -116,10 +117,13 @@ class ShardedOptimTarget(Target):
         """A full tensor from every rank's {shard offsets: tensor} (None where no rank has one)."""
         parts = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(parts, per_shard, group=self.group)
-        pieces = [(offsets, v) for part in parts for offsets, v in part.items()]
+        return self._place(st, [(offsets, v) for part in parts for offsets, v in part.items()], like.dtype)
+
+    def _place(self, st, pieces: list, dtype) -> torch.Tensor | None:
+        """A full tensor of ``st``'s shape with each (offsets, shard tensor) in place."""
         if not pieces:
             return None
-        out = torch.zeros(st.size(), dtype=like.dtype, device=self._device(st))
+        out = torch.zeros(st.size(), dtype=dtype, device=self._device(st))
         for offsets, v in pieces:
             out[tuple(slice(o, o + s) for o, s in zip(offsets, v.shape))] = v.to(out.device)
         return out
@@ -134,38 +138,34 @@ class ShardedOptimTarget(Target):
     def optimizer_state(self, opt, model: nn.Module) -> dict:
         """Dense params' state as it is; a sharded param's state assembled from
         its shards' (tensors shaped like the shard are placed at its offsets,
-        scalars such as ``step`` are taken from the shards, which must agree)."""
+        scalars such as ``step`` are taken from the shards, which must agree).
+        Every rank's shard states travel in one all_gather_object."""
+        params = dict(model.named_parameters())
+        mine = {n: [(tuple(s.metadata.shard_offsets), list(s.metadata.shard_sizes),
+                     {k: _tensor(v).detach().cpu() for k, v in (opt.state.get(s.tensor) or {}).items()})
+                    for s in p.local_shards()]
+                for n, p in params.items() if _is_sharded(p)}
+        parts = [None] * dist.get_world_size(self.group)
+        if mine:  # every rank shards the same params
+            dist.all_gather_object(parts, mine, group=self.group)
         out = {}
-        for n, p in model.named_parameters():
+        for n, p in params.items():
             if not _is_sharded(p):
-                st = opt.state.get(p)
-                if st:
-                    out[n] = {k: (self.full(v).detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v))
-                              for k, v in sorted(st.items())}
+                if opt.state.get(p):
+                    out[n] = {k: _tensor(v).detach().clone() for k, v in sorted(opt.state[p].items())}
                 continue
-            shards = [(s.metadata, opt.state.get(s.tensor) or {}) for s in p.local_shards()]
-            names = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(names, sorted({k for _, st in shards for k in st}), group=self.group)
-            keys = sorted({k for ks in names for k in ks})
+            shards = [shard for part in parts for shard in part[n]]
             full = {}
-            for key in keys:
-                mine, scalars = {}, []
-                for md, st in shards:
-                    v = st.get(key)
-                    v = v if isinstance(v, torch.Tensor) or v is None else torch.tensor(v)
-                    if v is not None and list(v.shape) == list(md.shard_sizes):
-                        mine[tuple(md.shard_offsets)] = v.detach().cpu()
-                    elif v is not None:
-                        scalars.append(v.detach().cpu())
-                gathered = [None] * dist.get_world_size(self.group)
-                dist.all_gather_object(gathered, scalars, group=self.group)
-                scalars = [s for part in gathered for s in part]
+            for key in sorted({k for _, _, st in shards for k in st}):
+                values = [(offsets, sizes, st[key]) for offsets, sizes, st in shards if key in st]
+                scalars = [v for _, sizes, v in values if list(v.shape) != sizes]
                 if scalars:
                     full[key] = scalars[0].to(self._device(p))
-                    if any(not torch.equal(s, scalars[0]) for s in scalars):
+                    if any(not torch.equal(v, scalars[0]) for v in scalars):
                         full[key] = torch.full_like(full[key], float("nan"))  # shards disagree: never equals the reference
                 else:
-                    full[key] = self._assemble(p, mine, p)
+                    full[key] = self._place(p, [(offsets, v) for offsets, _, v in values], p.dtype)
             if full:
                 out[n] = full
         return out
+

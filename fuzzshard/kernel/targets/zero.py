@@ -20,6 +20,7 @@ every rank of another world size must restore it.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..model import loss_fn
-from ..optim import build_optimizer, optimizer_kwargs, param_order, split_groups
+from ..optim import build_optimizer, param_order
 from .base import Target
 
 CHECKPOINT_FILE = "zero.pt"
@@ -69,16 +70,10 @@ class ZeroTarget(Target):
             return build_optimizer(model, self.case, lr_scale)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        case, opts = self.case, self.case.target_options
-        params = dict(model.named_parameters())
-        groups = [{"params": [params[n] for n in g.params],
-                   **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device, lr_scale)} for g in case.groups]
-        first, added = split_groups(case, groups)
-        opt = ZeroRedundancyOptimizer(first, optimizer_class=getattr(torch.optim, case.optim.name),
-                                      process_group=self.group, parameters_as_bucket_view=opts.get("bucket_view", False),
-                                      **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device, lr_scale))
-        for g in added:
-            opt.add_param_group(g)
+        zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=getattr(torch.optim, self.case.optim.name),
+                                 process_group=self.group,
+                                 parameters_as_bucket_view=self.case.target_options.get("bucket_view", False))
+        opt = build_optimizer(model, self.case, lr_scale, construct=zero)
         self._check_partition(opt, model)
         return opt
 
@@ -145,10 +140,7 @@ class ZeroTarget(Target):
                 for g in opt.optim.param_groups for p in g["params"] if opt.optim.state.get(p)}
         parts = [None] * self._world()
         dist.all_gather_object(parts, mine, group=self.group)
-        out = {}
-        for part in parts:
-            out.update(part)
-        return dict(sorted(out.items(), key=lambda kv: param_order(self.case).index(kv[0])))
+        return {n: st for part in parts for n, st in part.items()}
 
     def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
         """consolidate_state_dict(to=r), state_dict() on rank r, torch.save;
