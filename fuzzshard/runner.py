@@ -94,7 +94,11 @@ class Pool:
         self.gen.stop(kill=True)
         self.restarts += 1
         self.gen, self.spare = (self.spare or self._launch()), None
-        self.info = self.gen.connect()
+        try:
+            self.info = self.gen.connect()
+        except PoolError:  # a spare that died while it waited: a fresh set gets one more try
+            self.gen = self._launch()
+            self.info = self.gen.connect()
         if self.spare_enabled:
             self.spare = self._launch()
         self.restart_seconds += time.monotonic() - t0
@@ -240,7 +244,10 @@ class _Generation:
         self.index, self.size, self.log_dir = index, size, log_dir
         self.store_dir = tempfile.mkdtemp(prefix="fuzzshard-store-")
         authkey = secrets.token_bytes(16)
-        self.listener = mpc.Listener(("127.0.0.1", 0), authkey=authkey)
+        # backlog: every worker's connect completes at once, even while nobody
+        # accepts (a spare set waits for its turn; with the default backlog of 1
+        # the others' SYNs are dropped and their connect() times out after ~2 min)
+        self.listener = mpc.Listener(("127.0.0.1", 0), backlog=size, authkey=authkey)
         env = {**os.environ, "FUZZSHARD_AUTHKEY": authkey.hex(), "OMP_NUM_THREADS": "1"}
         self.procs, self.conns = [], [None] * size
         for rank in range(size):
