@@ -28,7 +28,9 @@ def signature(case: Case, verdict: dict) -> str:
         if quantity in ("forward", "backward"):  # localised: the module is the bug's address
             return f"{case.target}.parity.{quantity}.{first.get('module', 'unknown')}"
         if quantity in ("loss", "grad"):  # a forward/backward bug: the optimizer is irrelevant
-            return f"{case.target}.parity.{quantity}"
+            # a grad where the reference has none (or none where it has one) is its own kind of bug
+            presence = f".{first['presence']}" if "presence" in first else ""
+            return f"{case.target}.parity.{quantity}{presence}"
         kw = case.optim.kwargs  # the implementation is half a step bug's address
         impl = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "forloop"
         return f"{case.target}.parity.{case.optim.name}.{impl}.{quantity}"
@@ -67,6 +69,9 @@ def _digest(message: str, names: bool = False) -> str:
     vary per case; ``names``: so do quoted strings and dotted keys
     (``optim.state.layers.0.bias.step``), as in state-dict messages."""
     template = re.sub(r"aten\.[\w.]+", "OP", message)
+    # a list of FQNs (cut short or not) and an FQN opening the message vary per case
+    template = re.sub(r"\[\s*'[^\]]*(\]\.?|$)", "[NAMES]", template)
+    template = re.sub(r"^\w+(\.\w+)+ (?=is not in)", "NAME ", template)
     if names:
         template = re.sub(r"'[^']*'|\b\w+(\.\w+)+", "NAME", template)
     template = re.sub(r"\([^()]*(\([^()]*\)[^()]*)*\)", "()", template)

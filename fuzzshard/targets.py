@@ -13,6 +13,7 @@ import importlib
 _BUILTIN = {
     "dtensor": "fuzzshard.kernel.targets.dtensor:DTensorTarget",
     "fsdp2": "fuzzshard.kernel.targets.fsdp2:FSDP2Target",
+    "fsdp1": "fuzzshard.kernel.targets.fsdp1:FSDP1Target",
     "zero": "fuzzshard.kernel.targets.zero:ZeroTarget",
     "sharded_optim": "fuzzshard.kernel.targets.sharded_optim:ShardedOptimTarget",
 }

@@ -97,6 +97,29 @@ def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) 
 
 
 @st.composite
+def fsdp1_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), flat: bool = False, loading: bool = False,
+                  kind: str = "", **_) -> dict:
+    """fsdp1: the sharding strategy (hybrid ones on a 2-D mesh), use_orig_params
+    (off only in a ``flat`` case: one group, elementwise, nothing frozen, where
+    the flat params can stand in for the originals), the submodules wrapped in
+    their own unit (a module holding a tied param stays in its parent's unit,
+    as with fsdp2), and for the fsdp1_* checkpoint kinds the state-dict
+    config on the saving side and the legacy load API on the loading side."""
+    if len(mesh_shape) == 2:
+        strategy = draw(st.sampled_from(["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]))
+    else:
+        strategy = draw(st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]))
+    owners = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
+    out = {"strategy": strategy, "orig_params": not flat or draw(st.booleans()),
+           "wrap": [m for m in owners if m not in tied and draw(st.booleans())]}
+    if kind.startswith("fsdp1_") and not loading:
+        out["osd"] = {"offload_to_cpu": draw(st.booleans()), "rank0_only": draw(st.booleans())}
+    if kind == "fsdp1_legacy" and loading:
+        out["legacy_load"] = draw(st.sampled_from(["shard", "scatter"]))
+    return out
+
+
+@st.composite
 def zero_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), model=None, loading: bool = False,
                  **_) -> dict:
     """zero: grads averaged by hand or by DDP (with its flags), the bucket
@@ -143,12 +166,13 @@ def _no_options(shapes, mesh_shape, tied=(), **_):
 
 
 # target -> (param shapes, mesh shape, tied, **context) -> strategy of its target_options
-TARGET_OPTIONS = {"dtensor": placements, "fsdp2": fsdp2_options, "zero": zero_options,
+TARGET_OPTIONS = {"dtensor": placements, "fsdp2": fsdp2_options, "fsdp1": fsdp1_options, "zero": zero_options,
                   "sharded_optim": sharded_optim_options}
 # targets where each rank trains on its slice of the global batch
-DATA_PARALLEL = {"fsdp2", "zero"}
+DATA_PARALLEL = {"fsdp2", "fsdp1", "zero"}
 # targets with a checkpoint round trip, and how each saves
 CHECKPOINT_KINDS = {"dtensor": ["full", "dcp", "broadcast"], "fsdp2": ["full", "dcp", "broadcast"],
+                    "fsdp1": ["full", "dcp", "broadcast", "fsdp1_full", "fsdp1_sharded", "fsdp1_legacy"],
                     "zero": ["consolidate"]}
 CHECKPOINTS = set(CHECKPOINT_KINDS)
 # targets whose optimizer takes (name, param) pairs (torch.optim's named-params API)
@@ -156,8 +180,9 @@ NAMED_PARAMS = {"dtensor", "fsdp2"}
 # targets whose optimizer takes one flat set of params (no param groups)
 SINGLE_GROUP = {"sharded_optim"}
 # targets that step each shard on its own: only elementwise optimizers give the
-# same math as the whole param (Adafactor and Muon reduce over a whole param)
-ELEMENTWISE_ONLY = {"sharded_optim"}
+# same math as the whole param (Adafactor and Muon reduce over a whole param;
+# FSDP1 steps each rank's flat 1-D slice of a param)
+ELEMENTWISE_ONLY = {"sharded_optim", "fsdp1"}
 NOT_ELEMENTWISE = {"Adafactor", "Muon"}
 # kinds that go through torch.distributed.checkpoint's set_state_dict (split / strict apply)
 STATE_DICT_KINDS = {"full", "dcp", "broadcast"}
@@ -168,16 +193,21 @@ STATE_DICT_KINDS = {"full", "dcp", "broadcast"}
 ADD_PARAM_GROUP = {"zero"}
 # targets on one flat process group: a 1-D mesh only
 FLAT = {"zero", "sharded_optim"}
+# targets whose wrapper records requires_grad when it wraps: no freeze or unfreeze mid-run
+FLAGS_FIXED_AT_WRAP = {"fsdp1"}
+# targets that may flatten params (FSDP1 without use_orig_params): whether a case
+# lets them is drawn first, and such a case keeps to what flat params can mirror
+MAY_FLATTEN = {"fsdp1"}
 
 
 def _meshes(target: str, world: int) -> list[tuple[int, ...]]:
     return [(world,)] if target in FLAT else mesh_shapes(world)
 
 
-def _flips_allowed(options: dict, ck) -> bool:
-    """DDP registers the params that require grad when it is built; flipping
-    requires_grad later is outside what it supports."""
-    return "ddp" not in options and not (ck and "ddp" in ck.target_options)
+def _flips_allowed(target: str, options: dict, ck) -> bool:
+    """DDP and FSDP1 record the params that require grad when they wrap;
+    flipping requires_grad later is outside what they support."""
+    return target not in FLAGS_FIXED_AT_WRAP and "ddp" not in options and not (ck and "ddp" in ck.target_options)
 
 
 @st.composite
@@ -193,7 +223,8 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
         kind=kind,
         world_size=world,
         mesh_shape=mesh_shape,
-        target_options=draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied, loading=True, **context)),
+        target_options=draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied, loading=True, kind=kind,
+                                                                  **context)),
         split=draw(st.booleans()) if kind in STATE_DICT_KINDS else False,
         strict=not draw(st.booleans()) if kind in STATE_DICT_KINDS else True,
     )
@@ -215,8 +246,10 @@ def cases(
     """``checkpoint``: None draws a save/load round trip into some cases, True
     into every case, False into none (targets in CHECKPOINTS; add yours)."""
     world = draw(st.sampled_from(sorted(world_sizes)))
+    # flat: the optimizer may see flattened params (one group, nothing frozen)
+    flat = target in MAY_FLATTEN and draw(st.booleans())
     depth = draw(st.integers(1, max_depth))
-    n_groups = draw(st.integers(1, 1 if target in SINGLE_GROUP else max_groups))
+    n_groups = draw(st.integers(1, 1 if target in SINGLE_GROUP or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from(_meshes(target, world)))
     model = draw(models(depth))
@@ -228,11 +261,13 @@ def cases(
         optim = dataclasses.replace(optim, named=False)
     names = [n for n, s in shapes.items() if len(s) == 2] if optim.name in ONLY_2D else list(shapes)
     groups = draw(param_groups(names, n_groups, optim))
-    if target in SINGLE_GROUP:
+    if target in SINGLE_GROUP or flat:
         assume(groups[0].params)  # an empty flat param list is refused by the plain optimizer too
-    frozen = tuple(n for n in shapes if draw(st.sampled_from([False] * 5 + [True])))
+    frozen = () if flat else tuple(n for n in shapes if draw(st.sampled_from([False] * 5 + [True])))
     tied = ("layers.0",) if model.tie_head else ()  # modules that own a tied param
     context = {"model": model, "n_groups": n_groups}
+    if target in MAY_FLATTEN:
+        context["flat"] = flat
     options = draw(TARGET_OPTIONS.get(target, _no_options)(shapes, mesh_shape, tied, **context))
     ck = None
     if target in CHECKPOINTS and (checkpoint or (checkpoint is None and draw(st.booleans()))):
@@ -247,7 +282,7 @@ def cases(
         model=model,
         optim=optim,
         groups=groups,
-        schedule=draw(schedules(n_steps, list(shapes) if _flips_allowed(options, ck) else [])),
+        schedule=draw(schedules(n_steps, list(shapes) if _flips_allowed(target, options, ck) else [])),
         frozen=frozen,
         batch=draw(st.integers(1, 2)) * ranks_per_sample if target in DATA_PARALLEL else draw(st.integers(1, 4)),
         seq=draw(st.integers(1, 3)),

@@ -85,7 +85,7 @@ def _rprop(draw, name):
 
 def _adafactor(draw, name):
     return {"lr": _lr(draw), "beta2_decay": draw(st.sampled_from([-0.8, -0.5])),
-            "eps": [None, draw(st.sampled_from([1e-3, 1e-2]))], "d": draw(st.sampled_from([1.0, 0.5])),
+            "eps": [None, draw(st.sampled_from([1e-3, 1e-2]))], "d": draw(st.sampled_from([1.0, 2.0])),
             "weight_decay": draw(st.sampled_from(WEIGHT_DECAYS))}
 
 

@@ -27,10 +27,12 @@ def test_clean_session_finds_nothing_new(fuzz_pool, tmp_path, target, optimizer)
         assert st.passed_by_optimizer[optimizer] >= 1, st
 
 
-@pytest.mark.parametrize("target, checkpoint", [("zero", None), ("sharded_optim", False)])
+@pytest.mark.parametrize("target, checkpoint", [("zero", None), ("sharded_optim", False), ("fsdp1", False)])
 def test_clean_session_over_every_optimizer_finds_nothing_new(fuzz_pool, tmp_path, target, checkpoint):
-    """zero (with its consolidate/load round trip in some cases) and
-    sharded_optim: one session over all the optimizers each draws."""
+    """zero (with its consolidate/load round trip in some cases), sharded_optim
+    and fsdp1: one session over all the optimizers each draws. fsdp1's
+    checkpoint kinds crash often on CPU (known offload bugs): its round trips
+    run in their own sessions, not in CI's budget."""
     session = Session(fuzz_pool, [target], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=60, seed=2024,
                       strategy_kwargs={"checkpoint": checkpoint})
     findings = session.run()

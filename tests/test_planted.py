@@ -107,6 +107,8 @@ TARGET_BUGS = [
      "zero.checkpoint.consolidate.saved.optim.state.missing.json", "checkpoint", lambda c: c["world_size"] == 2),
     ("sharded_optim", "sharded_optim_skip_dense.py", "SGD", "1,2", "none", "sharded_optim.parity.*.param.json",
      "parity", lambda c: c["world_size"] == 1 and c["target_options"]["shard"]),
+    ("fsdp1", "fsdp1_swap_state.py", "Adam,AdamW", "1,2", "none", "fsdp1.parity.*.state.exp_avg*.json",
+     "parity", lambda c: c["world_size"] == 1),
 ]
 
 

@@ -23,13 +23,15 @@ def optimizer_kwargs(kwargs: dict, tensor_lr: str, device, lr_scale: float = 1.0
     return out
 
 
-def build_optimizer(model: torch.nn.Module, case: Case, lr_scale: float = 1.0, construct=None) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, case: Case, lr_scale: float = 1.0, construct=None,
+                    params: dict | None = None) -> torch.optim.Optimizer:
     """The optimizer over the Case's param groups, in the Case's order; frozen
     params stay in their groups (torch.optim skips params without a grad).
     ``lr_scale``: the loading side of a checkpoint starts from other lrs.
     ``construct(groups, **defaults)``: another constructor (a wrapper such as
-    ZeroRedundancyOptimizer) in place of the torch.optim class."""
-    params = dict(model.named_parameters())
+    ZeroRedundancyOptimizer) in place of the torch.optim class. ``params``:
+    {fqn: param} where the model's own names are not the plain FQNs (FSDP1)."""
+    params = params if params is not None else dict(model.named_parameters())
     cls = construct or getattr(torch.optim, case.optim.name)
     groups = []
     for g in case.groups:

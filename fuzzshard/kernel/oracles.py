@@ -59,7 +59,8 @@ def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: floa
     if got is None or want is None:
         if got is None and want is None:
             return None
-        return _mismatch(quantity, step, fqn, tol, detail=f"sharded has {_desc(got)}, reference has {_desc(want)}")
+        return _mismatch(quantity, step, fqn, tol, detail=f"sharded has {_desc(got)}, reference has {_desc(want)}",
+                         presence="appeared" if want is None else "vanished")
     if tuple(got.shape) != tuple(want.shape):
         return _mismatch(
             quantity, step, fqn, tol, detail=f"shape {tuple(got.shape)} vs reference {tuple(want.shape)}"

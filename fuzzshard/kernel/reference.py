@@ -96,8 +96,13 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
     prev = {"params": obs["init"], "state": obs["init_state"], "grads": {n: None for n in params}}
     for k, step in enumerate(case.schedule):
         rec = obs["steps"][k]
-        if case.checkpoint and k == case.checkpoint.after + 1:  # grads are not checkpointed:
-            prev = {**prev, "grads": {n: None for n in params}}  # a resumed run starts without any
+        if case.checkpoint and k == case.checkpoint.after + 1:
+            # a resumed run starts without grads (they are not checkpointed) and from the
+            # state as loaded: the values were checked equal to the saved ones, and the
+            # dtype is what optimizer.load_state_dict gives (it casts float32 NAdam
+            # mu_product to a float64 param's dtype)
+            loaded = obs.get("loaded") or {}
+            prev = {**prev, "grads": {n: None for n in params}, "state": loaded.get("state", prev["state"])}
         try:
             _anchor(model, opt, case, prev)
             _apply_flags(model, step)
