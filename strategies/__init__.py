@@ -116,6 +116,15 @@ def fsdp1_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), flat:
         out["osd"] = {"offload_to_cpu": draw(st.booleans()), "rank0_only": draw(st.booleans())}
     if kind == "fsdp1_legacy" and loading:
         out["legacy_load"] = draw(st.sampled_from(["shard", "scatter"]))
+    # extras, drawn last so the draws above keep their order: modules FSDP ignores
+    # (not wrapped, not above a wrapped one) and, on a full kind's loading side,
+    # resuming without FSDP through rekey_optim_state_dict
+    free = [m for m in owners if m not in tied and not any(w == m or w.startswith(m + ".") for w in out["wrap"])]
+    ignored = [m for m in free if not draw(st.integers(0, 3))]
+    if ignored:
+        out["ignored"] = ignored
+    if loading and kind in ("fsdp1_full", "fsdp1_legacy") and not draw(st.integers(0, 3)):
+        out["local"] = True
     return out
 
 
@@ -191,6 +200,8 @@ STATE_DICT_KINDS = {"full", "dcp", "broadcast"}
 # targets whose cases also give param groups through add_param_group after the
 # constructor (dtensor and fsdp2 next: their DSD load path needs a look first)
 ADD_PARAM_GROUP = {"zero"}
+# targets whose cases now and then give each group's params as a one-shot iterator
+GENERATOR_GROUPS = {"zero"}
 # targets on one flat process group: a 1-D mesh only
 FLAT = {"zero", "sharded_optim"}
 # targets whose wrapper records requires_grad when it wraps: no freeze or unfreeze mid-run
@@ -296,4 +307,7 @@ def cases(
         return case
     # drawn last, so the draws before it stay as they were
     added = draw(st.integers(0, n_groups - 1))
-    return dataclasses.replace(case, optim=dataclasses.replace(optim, added_groups=added))
+    case = dataclasses.replace(case, optim=dataclasses.replace(optim, added_groups=added))
+    if target in GENERATOR_GROUPS and not draw(st.integers(0, 7)):  # rarely: a known trap
+        case = dataclasses.replace(case, target_options={**options, "generator_groups": True})
+    return case

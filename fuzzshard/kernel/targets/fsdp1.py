@@ -8,6 +8,12 @@
     elementwise optimizer and nothing frozen (strategies/ says why);
   - ``wrap``: submodules that get their own FSDP unit (a ``CustomPolicy``);
     the root is always wrapped;
+  - ``ignored``: submodules passed as ``ignored_states``: FSDP leaves their
+    params whole and their grads unreduced, so this target all-reduces those
+    grads itself, as a user must;
+  - ``local`` (loading side of fsdp1_full / fsdp1_legacy): resume without
+    FSDP, the saved state re-keyed to param IDs with ``rekey_optim_state_dict``
+    and loaded into the plain optimizer (its documented use);
   - ``osd`` (checkpoint kinds fsdp1_*): ``offload_to_cpu`` / ``rank0_only``
     of the state-dict configs on the saving side.
 Each rank trains on its slice of the global batch, FSDP averages the grads.
@@ -49,10 +55,19 @@ def clean_fqn(name: str) -> str:
         "_fsdp_wrapped_module", "")
 
 
+class StateNotPlain(AssertionError):
+    """The optimizer holds a sharded tensor type where torch.optim holds a plain tensor."""
+
+
 class FSDP1Target(Target):
     name = "fsdp1"
     localizable = False  # wrapped module names differ from the reference's
     freeze_before_shard = True  # FSDP records requires_grad per original param when it flattens
+
+    def __init__(self, case, mesh):
+        super().__init__(case, mesh)
+        self.ignored: list[torch.Tensor] = []
+        self.local = bool(case.target_options.get("local"))
 
     @property
     def orig_params(self) -> bool:
@@ -61,18 +76,24 @@ class FSDP1Target(Target):
     def shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp.wrap import CustomPolicy
 
+        if self.local:
+            return model
         opts = self.case.target_options
         chosen = {model.get_submodule(n) for n in opts.get("wrap", [])}
+        ignored = [model.get_submodule(n) for n in opts.get("ignored", [])]
+        self.ignored = list({id(p): p for m in ignored for p in m.parameters()}.values())  # nested: once
         strategy = opts.get("strategy", "FULL_SHARD")
         mesh = {"device_mesh": self.mesh} if strategy in HYBRID else {"process_group": self.mesh.get_group()}
         return FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=self.orig_params,
                     auto_wrap_policy=CustomPolicy(lambda m: m in chosen), device_id=torch.device(self.case.device),
-                    **mesh)
+                    ignored_states=ignored or None, **mesh)
 
     def _named(self, model: nn.Module) -> dict:
         return {clean_fqn(n): p for n, p in model.named_parameters()}
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
+        if self.local:
+            return super().optimizer(model, lr_scale)
         if self.orig_params:
             return build_optimizer(model, self.case, lr_scale, params=self._named(model))
         # the flat params, in the one group the case has
@@ -89,12 +110,19 @@ class FSDP1Target(Target):
         return rank
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the batch; FSDP averages the grads."""
+        """This rank's slice of the batch; FSDP averages the grads (ignored
+        params' grads are averaged here)."""
+        if self.local:
+            return super().forward_backward(model, x, y)
         world = self.mesh.size()
         per = x.shape[0] // world
         r = self._dp_rank()
         loss = loss_fn(model(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per])
         loss.backward()
+        for p in self.ignored:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self._job_group())
+                p.grad.div_(world)
         full = loss.detach().clone()
         dist.all_reduce(full, group=self._job_group())
         return full / world
@@ -103,10 +131,14 @@ class FSDP1Target(Target):
         return dist.group.WORLD  # meshes.job(w) makes ranks 0..w-1 the default group
 
     def params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if self.local:
+            return super().params(model)
         with FSDP.summon_full_params(model, writeback=False):
             return {clean_fqn(n): p.detach().clone() for n, p in model.named_parameters()}
 
     def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+        if self.local:
+            return super().grads(model)
         if self.orig_params:
             # summon shows a frozen param's grad as zeros; the optimizer sees None (a frozen
             # param is never in the flat grad's reduction): read what the optimizer reads
@@ -122,7 +154,8 @@ class FSDP1Target(Target):
 
         prefix = {id(m._handle): clean_fqn(n) for n, m in model.named_modules()
                   if isinstance(m, FSDP) and m._handle is not None}
-        out = {}
+        out = {clean_fqn(n): None if p.grad is None else p.grad.detach().clone()  # ignored params: whole
+               for n, p in model.named_parameters() if any(p is q for q in self.ignored)}
         for handle in _get_fsdp_handles(model):
             fp = handle.flat_param
             pre = prefix[id(handle)]
@@ -144,8 +177,16 @@ class FSDP1Target(Target):
         offload_to_cpu=False: with the default True, on CPU every state of a
         flat param comes back as a view of one reused buffer (a known finding,
         drawn in the fsdp1_full checkpoint, which must not blind every step)."""
+        if self.local:
+            return super().optimizer_state(opt, model)
         with _full(model):
             osd = FSDP.optim_state_dict(model, opt)
+        for n, st in osd["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, nn.Parameter):
+                    # the names off the first line: it makes the signature
+                    raise StateNotPlain(f"a full optimizer state dict holds a {type(v).__name__} where the plain "
+                                        f"optimizer holds a tensor\n{n}.{k}")
         return {n: {k: _plain(v) for k, v in sorted(st.items())} for n, st in osd["state"].items() if st}
 
     def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
@@ -191,6 +232,13 @@ class FSDP1Target(Target):
                 opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, osd))
             return
         saved = torch.load(os.path.join(path, FULL_FILE))
+        if self.local:  # into the plain model: the state re-keyed to the optimizer's param IDs
+            from torch.distributed.fsdp import OptimStateKeyType
+
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(FSDP.rekey_optim_state_dict(saved["optim"], OptimStateKeyType.PARAM_ID, model,
+                                                            optim=opt))
+            return
         with _full(model):
             model.load_state_dict(saved["model"])
             if kind == "fsdp1_legacy":

@@ -11,7 +11,10 @@ broadcasts the result. ``target_options``:
   - ``consolidate_to``: the rank that ``consolidate_state_dict(to=)`` sends the
     checkpoint to;
   - ``local`` (loading side only): resume with the plain torch.optim optimizer
-    (cross-loading ZeRO's state into the local optimizer).
+    (cross-loading ZeRO's state into the local optimizer);
+  - ``generator_groups``: each param group's params given as a one-shot
+    iterator, which torch.optim accepts (a known trap for wrappers that
+    iterate them twice).
 What must hold beyond training parity: every rank's replica of every param
 and grad is the same, and the partitions cover every param exactly once.
 The checkpoint is ``consolidate_state_dict`` + ``state_dict()``, which must
@@ -40,6 +43,10 @@ class ReplicasDiverged(AssertionError):
 
 class PartitionBroken(AssertionError):
     """ZeRO's partitions do not cover every param exactly once."""
+
+
+class GroupsLost(AssertionError):
+    """ZeRO's param_groups lack params it was given (torch.optim keeps them all)."""
 
 
 class ZeroTarget(Target):
@@ -73,9 +80,24 @@ class ZeroTarget(Target):
         zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=getattr(torch.optim, self.case.optim.name),
                                  process_group=self.group,
                                  parameters_as_bucket_view=self.case.target_options.get("bucket_view", False))
-        opt = build_optimizer(model, self.case, lr_scale, construct=zero)
+        def construct(groups, **kw):
+            if self.case.target_options.get("generator_groups"):
+                # each group's params as a one-shot iterator: torch.optim takes any iterable
+                # there (it makes a list), so ZeRO must train the same params
+                groups = [{**g, "params": iter(g["params"])} for g in groups]
+            return zero(groups, **kw)
+
+        opt = build_optimizer(model, self.case, lr_scale, construct=construct)
+        self._check_groups(opt, model)
         self._check_partition(opt, model)
         return opt
+
+    def _check_groups(self, opt, model: nn.Module) -> None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        held = {names[id(p)] for g in opt.param_groups for p in g["params"]}
+        lost = [n for n in param_order(self.case) if n not in held]
+        if lost:  # the first line is the signature's: no names in it
+            raise GroupsLost(f"the param groups lack {len(lost)} of the params given to the constructor\n{lost}")
 
     def _check_partition(self, opt, model: nn.Module) -> None:
         """Every param of every group in exactly one rank's local optimizer."""
