@@ -125,6 +125,8 @@ def fsdp1_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), flat:
         out["ignored"] = ignored
     if loading and kind in ("fsdp1_full", "fsdp1_legacy") and draw(st.integers(0, 3)) == 3:
         out["local"] = True
+    if kind == "fsdp1_sharded" and draw(st.booleans()):  # the legacy sharded APIs
+        out["flatten" if loading else "legacy"] = True
     return out
 
 

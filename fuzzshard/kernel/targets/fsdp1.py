@@ -27,6 +27,9 @@ Checkpoint kinds beyond DSD's full/dcp/broadcast:
     FULL_STATE_DICT, ``torch.save``; load with ``optim_state_dict_to_load``;
   - ``fsdp1_sharded``: the same under SHARDED_STATE_DICT through ``dcp.save``,
     loaded with ``load_sharded_optimizer_state_dict`` (the documented recipe);
+    ``legacy`` in the saving side's options saves ``sharded_optim_state_dict``
+    instead, ``flatten`` in the loading side's loads with
+    ``flatten_sharded_optim_state_dict`` instead of ``optim_state_dict_to_load``;
   - ``fsdp1_legacy``: ``full_optim_state_dict``, loaded with
     ``shard_full_optim_state_dict`` or ``scatter_full_optim_state_dict``.
 """
@@ -199,7 +202,9 @@ class FSDP1Target(Target):
             import torch.distributed.checkpoint as dcp
 
             with _sharded(model):
-                sd = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+                legacy = self.case.target_options.get("legacy")
+                osd = FSDP.sharded_optim_state_dict(model, opt) if legacy else FSDP.optim_state_dict(model, opt)
+                sd = {"model": model.state_dict(), "optim": osd}
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(path, "dcp")), process_group=group)
             return None
         if kind == "fsdp1_legacy":
@@ -229,7 +234,10 @@ class FSDP1Target(Target):
                 model.load_state_dict(sd["model"])
                 osd = load_sharded_optimizer_state_dict(model_state_dict=sd["model"], optimizer_key="optim",
                                                         storage_reader=reader)["optim"]
-                opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, osd))
+                if self.case.checkpoint.target_options.get("flatten"):
+                    opt.load_state_dict(FSDP.flatten_sharded_optim_state_dict(osd, model, opt))
+                else:
+                    opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, osd))
             return
         saved = torch.load(os.path.join(path, FULL_FILE))
         if self.local:  # into the plain model: the state re-keyed to the optimizer's param IDs
