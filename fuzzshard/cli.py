@@ -58,7 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fuzz", help="run a fuzz session", formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Draw cases, run each sharded and as an anchored reference, shrink every "
                        "divergence and write OUT/<signature>.json + .py.\nExit 0: no new finding; 1: new findings; 2: usage error.")
-    f.add_argument("--target", default="dtensor", help="target name(s), comma-separated, or 'all' (default: dtensor)")
+    from .targets import names as target_names  # the registry imports no torch
+
+    f.add_argument("--target", default="dtensor",
+                   help=f"target name(s), comma-separated, or 'all': {', '.join(target_names())} (default: dtensor)")
     g = f.add_mutually_exclusive_group()
     g.add_argument("--max-examples", type=int, default=None, help="cases to draw per target (default 100)")
     g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
