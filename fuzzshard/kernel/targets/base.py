@@ -28,6 +28,14 @@ class Target:
         self.case = case
         self.mesh = mesh
 
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks, for a target where
+        every mesh dim is data parallel (row-major over the mesh)."""
+        rank = 0
+        for dim, c in enumerate(self.mesh.get_coordinate()):
+            rank = rank * self.mesh.size(dim) + c
+        return rank
+
     def shard(self, model: nn.Module) -> nn.Module:
         """The model to train; its named_parameters() keep the plain FQNs."""
         return model

@@ -106,12 +106,6 @@ class FSDP1Target(Target):
         return getattr(torch.optim, o.name)([group], **optimizer_kwargs(o.kwargs, o.tensor_lr, self.case.device,
                                                                          lr_scale))
 
-    def _dp_rank(self) -> int:
-        rank = 0
-        for dim, c in enumerate(self.mesh.get_coordinate()):
-            rank = rank * self.mesh.size(dim) + c
-        return rank
-
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the batch; FSDP averages the grads (ignored
         params' grads are averaged here)."""
@@ -119,7 +113,7 @@ class FSDP1Target(Target):
             return super().forward_backward(model, x, y)
         world = self.mesh.size()
         per = x.shape[0] // world
-        r = self._dp_rank()
+        r = self.dp_rank()
         loss = loss_fn(model(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per])
         loss.backward()
         for p in self.ignored:

@@ -47,20 +47,13 @@ class FSDP2Target(Target):
         fully_shard(model, **kw)
         return model
 
-    def _dp_rank(self) -> int:
-        """This rank's index among all data-parallel ranks (every mesh dim is data parallel)."""
-        rank = 0
-        for dim, c in enumerate(self.mesh.get_coordinate()):
-            rank = rank * self.mesh.size(dim) + c
-        return rank
-
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This rank's slice, in ``microbatches`` equal parts, each loss scaled
         by 1/microbatches; the grads sync on the last one only. Returns the
         global mean loss."""
         world, k = self.mesh.size(), self.microbatches
         per = x.shape[0] // world
-        r = self._dp_rank()
+        r = self.dp_rank()
         xs, ys = x[r * per:(r + 1) * per].chunk(k), y[r * per:(r + 1) * per].chunk(k)
         losses = []
         for i, (xm, ym) in enumerate(zip(xs, ys)):
