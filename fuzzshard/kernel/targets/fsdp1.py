@@ -44,7 +44,7 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
                                     ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,
                                     StateDictType)
 
-from ..checkpoint import FULL_FILE, load, save
+from ..checkpoint import FULL_FILE, _tensor, load, save
 from ..model import loss_fn
 from ..optim import build_optimizer, optimizer_kwargs
 from .base import Target
@@ -151,8 +151,9 @@ class FSDP1Target(Target):
 
         prefix = {id(m._handle): clean_fqn(n) for n, m in model.named_modules()
                   if isinstance(m, FSDP) and m._handle is not None}
+        ignored = {id(q) for q in self.ignored}
         out = {clean_fqn(n): None if p.grad is None else p.grad.detach().clone()  # ignored params: whole
-               for n, p in model.named_parameters() if any(p is q for q in self.ignored)}
+               for n, p in model.named_parameters() if id(p) in ignored}
         for handle in _get_fsdp_handles(model):
             fp = handle.flat_param
             pre = prefix[id(handle)]
@@ -184,7 +185,8 @@ class FSDP1Target(Target):
                     # the names off the first line: it makes the signature
                     raise StateNotPlain(f"a full optimizer state dict holds a {type(v).__name__} where the plain "
                                         f"optimizer holds a tensor\n{n}.{k}")
-        return {n: {k: _plain(v) for k, v in sorted(st.items())} for n, st in osd["state"].items() if st}
+        return {n: {k: _tensor(v).detach().cpu().clone() for k, v in sorted(st.items())}
+                for n, st in osd["state"].items() if st}
 
     def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
         kind = self.case.checkpoint.kind
@@ -265,7 +267,3 @@ def _full(model, offload_to_cpu: bool = False, rank0_only: bool = False):
 def _sharded(model):
     return FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
                                 ShardedOptimStateDictConfig())
-
-
-def _plain(v):
-    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..checkpoint import _tensor
 from ..model import loss_fn
 from ..optim import build_optimizer, param_order
 from .base import Target
@@ -80,6 +81,7 @@ class ZeroTarget(Target):
         zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=getattr(torch.optim, self.case.optim.name),
                                  process_group=self.group,
                                  parameters_as_bucket_view=self.case.target_options.get("bucket_view", False))
+
         def construct(groups, **kw):
             if self.case.target_options.get("generator_groups"):
                 # each group's params as a one-shot iterator: torch.optim takes any iterable
@@ -157,7 +159,7 @@ class ZeroTarget(Target):
         if self.local:
             return super().optimizer_state(opt, model)
         names = {id(p): n for n, p in model.named_parameters()}
-        mine = {names[id(p)]: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else torch.tensor(v))
+        mine = {names[id(p)]: {k: _tensor(v).detach().cpu().clone()
                                for k, v in sorted(opt.optim.state[p].items())}
                 for g in opt.optim.param_groups for p in g["params"] if opt.optim.state.get(p)}
         parts = [None] * self._world()
