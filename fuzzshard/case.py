@@ -53,6 +53,7 @@ class Optim:
     tensor_lr: str = ""  # "", "0d" (lr as a 0-d tensor) or "1d" (1-element tensor)
     named: bool = False  # pass (name, param) pairs, the named-params API
     added_groups: int = 0  # the last N groups go in through add_param_group after the constructor
+    added_at: int = 0  # ... right before this schedule step (0: right after the constructor)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ class Case:
                 raise CaseError(f"{what}mesh {mesh} does not hold {world} ranks")
         if not 0 <= self.optim.added_groups < max(len(self.groups), 1):
             raise CaseError(f"{self.optim.added_groups} added param groups: the case has {len(self.groups)}")
+        if not 0 <= self.optim.added_at < max(len(self.schedule), 1) or (self.optim.added_at and not self.optim.added_groups):
+            raise CaseError(f"param groups added before step {self.optim.added_at}: the schedule has "
+                            f"{len(self.schedule)} steps and {self.optim.added_groups} added groups")
         if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):
             raise CaseError(f"checkpoint after step {self.checkpoint.after}: the schedule has {len(self.schedule)} steps")
 

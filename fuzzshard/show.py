@@ -27,7 +27,7 @@ def render(finding: Finding) -> str:
         lines += _layer(layer, f"layers.{i}", 1)
     opt = c.optim
     lr = f" (lr as a {opt.tensor_lr} tensor)" if opt.tensor_lr else ""
-    lines.append(f"optimizer {opt.name}{lr}{' with named params' if opt.named else ''}{f', the last {opt.added_groups} group(s) through add_param_group' if opt.added_groups else ''}: {json.dumps(opt.kwargs, sort_keys=True)}")
+    lines.append(f"optimizer {opt.name}{lr}{' with named params' if opt.named else ''}{_added(opt)}: {json.dumps(opt.kwargs, sort_keys=True)}")
     for i, g in enumerate(c.groups):
         over = f" overrides {json.dumps(g.overrides, sort_keys=True)}" if g.overrides else ""
         lines.append(f"  group {i}: {', '.join(g.params) or '(empty)'}{over}")
@@ -84,3 +84,10 @@ def _layer(layer: Layer, name: str, depth: int) -> list[str]:
             "layernorm": f"LayerNorm({layer.d_in}, bias={layer.bias})",
             "conv1d": f"Conv1d({layer.d_in}, {layer.d_out}, kernel={layer.kernel}, bias={layer.bias})"}[k]
     return [f"{pad}{name}: {desc}"]
+
+
+def _added(opt) -> str:
+    if not opt.added_groups:
+        return ""
+    when = f"before step {opt.added_at}" if opt.added_at else "after the constructor"
+    return f", the last {opt.added_groups} group(s) through add_param_group {when}"

@@ -309,7 +309,9 @@ def cases(
         return case
     # drawn last, so the draws before it stay as they were
     added = draw(st.integers(0, n_groups - 1))
-    case = dataclasses.replace(case, optim=dataclasses.replace(optim, added_groups=added))
+    # mid-run (before a later step) now and then; right after the constructor when shrunk
+    added_at = draw(st.integers(1, n_steps - 1)) if added and n_steps > 1 and draw(st.booleans()) else 0
+    case = dataclasses.replace(case, optim=dataclasses.replace(optim, added_groups=added, added_at=added_at))
     if target in GENERATOR_GROUPS and draw(st.integers(0, 7)) == 7:  # rarely (and never when shrunk): a known trap
         case = dataclasses.replace(case, target_options={**options, "generator_groups": True})
     return case

@@ -102,3 +102,16 @@ def test_impossible_checkpoints_raise_a_clear_case_error(change, message):
     case = Case.from_dict(data)
     with pytest.raises(CaseError, match=message):
         case.check_world()
+
+
+@pytest.mark.parametrize("optim, message", [
+    ({"added_groups": 1, "added_at": 2}, "added before step 2: the schedule has 2 steps"),
+    ({"added_groups": 0, "added_at": 1}, "0 added groups"),
+])
+def test_impossible_mid_run_param_groups_raise_a_clear_case_error(optim, message):
+    from cases import simple_case
+
+    data = simple_case(2).to_dict()
+    data["optim"].update(optim)
+    with pytest.raises(CaseError, match=message):
+        Case.from_dict(data).check_world()

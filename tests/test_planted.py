@@ -134,3 +134,26 @@ def test_planted_target_bug_is_found_shrunk_and_replays(tmp_path, target, bug, o
     assert buggy.returncode != 0 and "FINDING" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
     ok = torchrun(script, ranks, cwd=tmp_path)
     assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+
+
+def test_zero_param_group_added_mid_run_is_partitioned_and_trained(tmp_path):
+    """add_param_group after some steps (the group's params got grads but no
+    steps before it): the clean run keeps parity, through a checkpoint too;
+    a ZeRO that does not repartition then is caught at that step."""
+    import dataclasses
+
+    from cases import simple_case
+    from fuzzshard.case import Checkpoint, Step
+
+    case = simple_case(2, optim="Adam")
+    case = dataclasses.replace(
+        case, target="zero", batch=4, target_options={"ddp": {}},
+        optim=dataclasses.replace(case.optim, added_groups=1, added_at=2), schedule=(Step(),) * 3,
+        checkpoint=Checkpoint(after=0, kind="consolidate", world_size=2, mesh_shape=(2,)))
+    path = tmp_path / "case.json"
+    path.write_text(case.to_json())
+    clean = run_cli("replay", path)
+    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    buggy = run_cli("replay", path, setup="zero_add_group_unpartitioned.py")
+    assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
+    assert "step 2: add_param_group" in buggy.stdout and "PartitionBroken" in buggy.stdout, buggy.stdout

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..case import Case
-from .optim import group_values
+from .optim import add_late_groups, group_values
 from .oracles import compare, compare_hparams
 from .reference import _anchor, _plain_setup
 
@@ -83,6 +83,8 @@ def check_saved(case: Case, saved: dict, rec: dict, device: str) -> list[dict]:
     run's record of the step it saved after)."""
     step = case.checkpoint.after
     model, opt = _plain_setup(case, device)
+    if 0 < case.optim.added_at <= step:
+        add_late_groups(opt, model, case)
     _anchor(model, opt, case, rec)
     want_model, got_model = model.state_dict(), saved["model"]
     out = [compare("saved.model", step, key, got_model.get(key), want_model.get(key), EXACT)

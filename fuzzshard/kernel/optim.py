@@ -5,6 +5,10 @@ import torch
 
 from ..case import Case
 
+# the loading side of a checkpoint builds its optimizer with every lr scaled by
+# this, so a load that leaves a hyperparameter alone shows
+RESUME_LR_SCALE = 0.5
+
 # kwargs torch documents as tuples; a Case stores them as JSON lists
 _TUPLE_KWARGS = ("betas", "etas", "step_sizes", "eps", "ns_coefficients")
 
@@ -30,18 +34,40 @@ def build_optimizer(model: torch.nn.Module, case: Case, lr_scale: float = 1.0, c
     ``lr_scale``: the loading side of a checkpoint starts from other lrs.
     ``construct(groups, **defaults)``: another constructor (a wrapper such as
     ZeroRedundancyOptimizer) in place of the torch.optim class. ``params``:
-    {fqn: param} where the model's own names are not the plain FQNs (FSDP1)."""
-    params = params if params is not None else dict(model.named_parameters())
+    {fqn: param} where the model's own names are not the plain FQNs (FSDP1).
+    Groups a case adds mid-run are left out (``add_late_groups``)."""
     cls = construct or getattr(torch.optim, case.optim.name)
-    groups = []
-    for g in case.groups:
-        ps = [(n, params[n]) if case.optim.named else params[n] for n in g.params]
-        groups.append({"params": ps, **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device, lr_scale)})
+    groups = _groups(model, case, lr_scale, params)
     n = len(groups) - case.optim.added_groups  # the rest go in through add_param_group
     opt = cls(groups[:n], **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device, lr_scale))
-    for g in groups[n:]:
-        opt.add_param_group(g)
+    if not case.optim.added_at:
+        for g in groups[n:]:
+            opt.add_param_group(g)
     return opt
+
+
+def resume_defaults(opt, case: Case) -> None:
+    """Make a reference optimizer's defaults the loading side's: the
+    constructor's with every lr scaled, plus what ``load_state_dict`` adds to
+    them (``differentiable``); the load restores the groups, not the defaults,
+    and a group added after it inherits them."""
+    opt.load_state_dict(opt.state_dict())
+    if "lr" in case.optim.kwargs:
+        opt.defaults.update(optimizer_kwargs({"lr": case.optim.kwargs["lr"]}, case.optim.tensor_lr, case.device,
+                                             RESUME_LR_SCALE))
+
+
+def add_late_groups(opt, model: torch.nn.Module, case: Case, params: dict | None = None) -> None:
+    """The groups a case adds mid-run (before step ``case.optim.added_at``),
+    at the case's lrs: nothing loaded them, so nothing scales them."""
+    for g in _groups(model, case, 1.0, params)[len(case.groups) - case.optim.added_groups:]:
+        opt.add_param_group(g)
+
+
+def _groups(model: torch.nn.Module, case: Case, lr_scale: float, params: dict | None) -> list[dict]:
+    params = params if params is not None else dict(model.named_parameters())
+    return [{"params": [(n, params[n]) if case.optim.named else params[n] for n in g.params],
+             **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device, lr_scale)} for g in case.groups]
 
 
 def param_order(case: Case) -> list[str]:

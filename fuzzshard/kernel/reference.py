@@ -15,7 +15,7 @@ import torch
 from ..case import Case
 from .localize import Trace, localize_divergence
 from .model import build_model, loss_fn, make_batch
-from .optim import build_optimizer, group_hparams, load_state_by_fqn, state_by_fqn
+from .optim import add_late_groups, build_optimizer, resume_defaults, group_hparams, load_state_by_fqn, state_by_fqn
 from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, reduction_tolerance, step_tolerance
 
 
@@ -43,6 +43,13 @@ def _plain_setup(case: Case, device: str):
     return model, build_optimizer(model, case)
 
 
+def _before_step(model, opt, case: Case, k: int) -> None:
+    """A step's freezes and unfreezes, and the groups the case adds before it."""
+    _apply_flags(model, case.schedule[k])
+    if k and k == case.optim.added_at:
+        add_late_groups(opt, model, case)
+
+
 def _apply_flags(model, step) -> None:
     for n in step.freeze:
         model.get_parameter(n).requires_grad_(False)
@@ -55,7 +62,7 @@ def _plain_reference_error(case: Case, device: str) -> dict | None:
     try:
         model, opt = _plain_setup(case, device)
         for k, step in enumerate(case.schedule):
-            _apply_flags(model, step)
+            _before_step(model, opt, case, k)
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
             loss_fn(model(x), y).backward()
@@ -102,10 +109,11 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
             # dtype is what optimizer.load_state_dict gives (it casts float32 NAdam
             # mu_product to a float64 param's dtype)
             loaded = obs.get("loaded") or {}
+            resume_defaults(opt, case)
             prev = {**prev, "grads": {n: None for n in params}, "state": loaded.get("state", prev["state"])}
         try:
+            _before_step(model, opt, case, k)
             _anchor(model, opt, case, prev)
-            _apply_flags(model, step)
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
             sens = _sensitivity(model, params, x, y)
@@ -222,11 +230,14 @@ def _grad_uncertainty(case: Case, rec: dict) -> dict:
 
 
 def _anchor(model, opt, case: Case, rec: dict) -> None:
-    """Make the reference exactly the sharded run's state after the previous step."""
+    """Make the reference exactly the sharded run's state after the previous
+    step. The grads too: zero_grad clears only the optimizer's params, so the
+    grad of a param in no group yet (added mid-run) accumulates over steps."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(rec["params"][n])
-            p.grad = None if rec["grads"][n] is None else torch.zeros_like(p)
+            g = rec["grads"][n]
+            p.grad = None if g is None else g.to(p.device).clone()
     load_state_by_fqn(opt, model, rec["state"])
 
 

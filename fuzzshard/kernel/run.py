@@ -26,6 +26,7 @@ from ..case import Case
 from .checkpoint import check_loaded, check_saved
 from .localize import Trace
 from .model import build_model, make_batch
+from .optim import RESUME_LR_SCALE
 from .reference import _exc, _finding, _plain_reference_error, _plain_setup, check_parity, torch_dtype
 
 
@@ -120,11 +121,14 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
     halved) on the loading world, the load, then the remaining steps."""
     ck = case.checkpoint
     phase.name = "checkpoint load: shard"
+    # the loading side's optimizer holds the groups the saved one held
+    added_at = case.optim.added_at if case.optim.added_at > ck.after else 0
     lcase = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=ck.mesh_shape,
-                                target_options=ck.target_options)
+                                target_options=ck.target_options,
+                                optim=dataclasses.replace(case.optim, added_at=added_at))
     target = target_cls(lcase, meshes.mesh(ck.world_size, ck.mesh_shape))
     model, _ = _sharded_model(target, case, case.seed + 1, device, flags=case.schedule[:ck.after + 1])
-    opt = target.optimizer(model, lr_scale=0.5)
+    opt = target.optimizer(model, lr_scale=RESUME_LR_SCALE)
     phase.name = "checkpoint load"
     target.load(model, opt, ckpt_dir, meshes.group(ck.world_size))
     phase.name = "checkpoint load: gather"
@@ -162,6 +166,9 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
     for k in steps:
         step = case.schedule[k]
         target.apply_flags(model, step)
+        if k and k == case.optim.added_at:
+            phase.name = f"step {k}: add_param_group"
+            target.add_groups(opt, model)
         phase.name = f"step {k}: zero_grad"
         opt.zero_grad(set_to_none=step.set_to_none)
         phase.name = f"step {k}: forward/backward"

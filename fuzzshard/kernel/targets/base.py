@@ -16,7 +16,7 @@ import torch.nn as nn
 from ...case import Case
 from ..checkpoint import load, save
 from ..model import loss_fn
-from ..optim import build_optimizer, group_hparams, state_by_fqn
+from ..optim import add_late_groups, build_optimizer, group_hparams, state_by_fqn
 
 
 class Target:
@@ -42,6 +42,10 @@ class Target:
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
         return build_optimizer(model, self.case, lr_scale)
+
+    def add_groups(self, opt, model: nn.Module) -> None:
+        """The case's mid-run ``add_param_group`` calls."""
+        add_late_groups(opt, model, self.case)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
         """(this rank's loss to backward, the global mean loss as a plain tensor)."""

@@ -58,6 +58,7 @@ class ZeroTarget(Target):
         super().__init__(case, mesh)
         self.group = mesh.get_group()
         self.ddp = None
+        self.late_added = False  # the case's mid-run add_param_group calls are done
 
     @property
     def local(self) -> bool:
@@ -94,12 +95,28 @@ class ZeroTarget(Target):
         self._check_partition(opt, model)
         return opt
 
+    def add_groups(self, opt, model: nn.Module) -> None:
+        """ZeRO repartitions: the new partitions must still cover every param once."""
+        super().add_groups(opt, model)
+        self.late_added = True
+        if self.local:
+            return
+        self._check_groups(opt, model)
+        self._check_partition(opt, model)
+
     def _check_groups(self, opt, model: nn.Module) -> None:
         names = {id(p): n for n, p in model.named_parameters()}
         held = {names[id(p)] for g in opt.param_groups for p in g["params"]}
-        lost = [n for n in param_order(self.case) if n not in held]
+        lost = [n for n in self._given() if n not in held]
         if lost:  # the first line is the signature's: no names in it
             raise GroupsLost(f"the param groups lack {len(lost)} of the params given to the constructor\n{lost}")
+
+    def _given(self) -> list[str]:
+        """The FQNs given to the optimizer so far (constructor and add_param_group)."""
+        given = self.case.groups
+        if self.case.optim.added_at and not self.late_added:
+            given = given[:len(given) - self.case.optim.added_groups]
+        return [n for g in given for n in g.params]
 
     def _check_partition(self, opt, model: nn.Module) -> None:
         """Every param of every group in exactly one rank's local optimizer."""
@@ -107,7 +124,7 @@ class ZeroTarget(Target):
         mine = [names[id(p)] for g in opt.optim.param_groups for p in g["params"]]
         owned = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(owned, mine, group=self.group)
-        count = {n: 0 for n in param_order(self.case)}
+        count = {n: 0 for n in self._given()}
         for rank_names in owned:
             for n in rank_names:
                 count[n] = count.get(n, 0) + 1
