@@ -19,6 +19,8 @@ examples:
   fuzzshard script fuzzshard/known/dtensor.parity.forward.Conv1d.json -o conv.py   # a repro to paste upstream
   fuzzshard known --check                                       # do known torch bugs still reproduce?
   fuzzshard bench                                               # warm pool vs fresh process groups
+  fuzzshard soak --duration 2h --workers 4 --out soak1          # long run in cells; resumable
+  fuzzshard report soak1                                        # its coverage and findings
 """
 
 
@@ -45,6 +47,16 @@ def parse_world_sizes(text: str) -> list[int]:
     return sizes
 
 
+SOAK_EXAMPLES = """
+examples:
+  fuzzshard soak --duration 2h --workers 4 --out soak1                   # one machine
+  torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+      -m fuzzshard soak --duration 8h --workers 8 --device cuda --out /shared/run1
+  fuzzshard report soak1                                                 # tables + soak1/report.html
+ready-made launchers: ci/torchrun/soak.sh, ci/slurm/soak.sbatch
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="fuzzshard",
@@ -67,12 +79,33 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
     f.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
     f.add_argument("--out", default="fuzzshard-out", help="findings and the example database go here")
-    f.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes to draw from (default 1,2,3,4)")
-    f.add_argument("--optimizers", default=None, help="restrict to these torch.optim classes, comma-separated")
-    f.add_argument("--checkpoints", choices=["some", "all", "none"], default="some",
-                   help="save mid-schedule and resume from a fresh model (full state dict, broadcast from rank 0, or "
-                        "DCP files, at any of the world sizes) in some cases (default), every case, or none")
+    _draw_args(f)
     _pool_args(f)
+
+    so = sub.add_parser("soak", help="a long run in cells of workers, with shared findings and resume (torchrun, SLURM)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SOAK_EXAMPLES,
+                        description="Split --workers ranks into cells (re-drawn every --epoch) that fuzz concurrently, "
+                        "each with its own seed, sharing one example database and one findings folder in --out. "
+                        "Under torchrun every process does this over its own --workers ranks, all sharing --out. "
+                        "SIGTERM or Ctrl-C stops cleanly; the same command resumes.\n"
+                        "Exit 0: --out holds no finding (always 0 under torchrun, which would restart a process that exits 1); "
+                        "1: it holds findings; 2: usage error.")
+    so.add_argument("--duration", required=True, help="how long this invocation runs, e.g. 90s, 10m, 8h")
+    so.add_argument("--out", required=True, help="the run's folder (shared by every node and every restart)")
+    so.add_argument("--targets", default="all", help="target name(s), comma-separated, or 'all' (default)")
+    so.add_argument("--workers", type=int, default=4, help="ranks on this machine, or per torchrun process (default 4)")
+    so.add_argument("--cells", default=None, metavar="SIZES",
+                    help="fixed cell sizes, e.g. 2,1,1 (default: a new random split of --workers every epoch)")
+    so.add_argument("--epoch", default="10m", help="how long one layout of cells lasts (default 10m)")
+    so.add_argument("--seed", type=int, default=0, help="the run's seed; cells, epochs and torchrun ranks derive theirs")
+    so.add_argument("--redis", default=None, metavar="URL",
+                    help="share the example database through redis (redis://host:port/db) instead of OUT/db")
+    _draw_args(so)
+    _pool_args(so)
+
+    rp = sub.add_parser("report", help="coverage tables, findings and rate of a soak's --out; writes report.html")
+    rp.add_argument("dir")
+    rp.add_argument("--html", default=None, help="where to write the HTML page (default DIR/report.html)")
 
     r = sub.add_parser("replay", help="re-run a finding or case file: exit 0 passes now, 1 still fails, 2 bad file")
     r.add_argument("file")
@@ -98,6 +131,14 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _draw_args(p) -> None:
+    p.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes to draw from (default 1,2,3,4)")
+    p.add_argument("--optimizers", default=None, help="restrict to these torch.optim classes, comma-separated")
+    p.add_argument("--checkpoints", choices=["some", "all", "none"], default="some",
+                   help="save mid-schedule and resume from a fresh model (full state dict, broadcast from rank 0, or "
+                        "DCP files, at any of the world sizes) in some cases (default), every case, or none")
+
+
 def _pool_args(p) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", default=None, help="process group backend (default: gloo on cpu, nccl on cuda)")
@@ -110,7 +151,8 @@ def _pool_args(p) -> None:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"fuzz": cmd_fuzz, "replay": cmd_replay, "show": cmd_show, "script": cmd_script, "known": cmd_known, "bench": cmd_bench}[
+        return {"fuzz": cmd_fuzz, "replay": cmd_replay, "show": cmd_show, "script": cmd_script, "known": cmd_known, "bench": cmd_bench,
+         "soak": cmd_soak, "report": cmd_report}[
             args.command
         ](args)
     except UsageError as e:
@@ -173,16 +215,7 @@ def cmd_fuzz(args) -> int:
         raise UsageError("--max-examples must be >= 1")
     _check_pool_args(args)
     names = _resolve_targets(args.target)
-    strategy_kwargs = {}
-    if args.optimizers:
-        from fuzzshard.strategies.optimizers import available
-
-        opts = [o.strip() for o in args.optimizers.split(",")]
-        bad = [o for o in opts if o not in available()]
-        if bad:
-            raise UsageError(f"unknown optimizer(s) {bad} (known: {', '.join(available())})")
-        strategy_kwargs["optimizer_names"] = opts
-    strategy_kwargs["checkpoint"] = {"some": None, "all": True, "none": False}[args.checkpoints]
+    strategy_kwargs = _strategy_kwargs(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     os.makedirs(args.out, exist_ok=True)
     print(f"fuzzshard: targets {','.join(names)} · world sizes {sizes} · seed {seed} · out {args.out}", file=sys.stderr)
@@ -195,6 +228,62 @@ def cmd_fuzz(args) -> int:
         pool.close()
     _print_session_report(session, findings, args.out)
     return 1 if findings else 0
+
+
+def _strategy_kwargs(args) -> dict:
+    out = {"checkpoint": {"some": None, "all": True, "none": False}[args.checkpoints]}
+    if args.optimizers:
+        from fuzzshard.strategies.optimizers import available
+
+        opts = [o.strip() for o in args.optimizers.split(",")]
+        bad = [o for o in opts if o not in available()]
+        if bad:
+            raise UsageError(f"unknown optimizer(s) {bad} (known: {', '.join(available())})")
+        out["optimizer_names"] = opts
+    return out
+
+
+def cmd_soak(args) -> int:
+    from .soak import Soak
+
+    duration, epoch = parse_duration(args.duration), parse_duration(args.epoch)
+    sizes = parse_world_sizes(args.world_sizes)
+    if args.workers < 1:
+        raise UsageError("--workers must be >= 1")
+    cells = None
+    if args.cells:
+        try:
+            cells = [int(x) for x in args.cells.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(f"--cells takes comma-separated sizes, got {args.cells!r}") from None
+        if not cells or min(cells) < 1 or max(cells) > max(sizes):
+            raise UsageError(f"--cells sizes must be 1..{max(sizes)} (the largest --world-sizes), got {args.cells!r}")
+        args.workers = sum(cells)  # the cells say how many ranks
+    _check_pool_args(args)
+    if args.redis:
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            raise UsageError("--redis needs the redis package (pip install redis)") from None
+    options = {"targets": _resolve_targets(args.targets), "world_sizes": sizes, "device": args.device,
+               "backend": args.backend, "worker_setup": os.path.abspath(args.worker_setup) if args.worker_setup else None,
+               "case_timeout": args.case_timeout, "strategy_kwargs": _strategy_kwargs(args), "database": args.redis}
+    return Soak(options, args.workers, duration, epoch, args.out, args.seed, cells=cells).run()
+
+
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from .report import html_page, summarize, text
+
+    if not Path(args.dir, "cells").is_dir():
+        raise UsageError(f"{args.dir} holds no soak run (no cells/ folder)")
+    s = summarize(args.dir)
+    sys.stdout.write(text(s))
+    page = Path(args.html or Path(args.dir) / "report.html")
+    page.write_text(html_page(s, f"fuzzshard soak {args.dir}"))
+    print(f"\nHTML report: {page}")
+    return 0
 
 
 def _print_session_report(session, findings, out) -> None:

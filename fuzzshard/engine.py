@@ -69,6 +69,7 @@ class Session:
         known: dict | None = None,
         progress=sys.stderr,
         strategy_kwargs: dict | None = None,
+        database: str | None = None,
     ):
         self.pool = pool
         self.targets = targets
@@ -81,6 +82,7 @@ class Session:
         self.known = load_known() if known is None else known
         self.progress = progress
         self.strategy_kwargs = strategy_kwargs or {}
+        self.database = database or str(self.out / ".hypothesis")
         self.stats = Stats()
         self.findings: dict[str, Finding] = {}
         self.flaky: list[str] = []
@@ -133,7 +135,7 @@ class Session:
         test = settings(
             max_examples=n,
             deadline=None,
-            database=DirectoryBasedExampleDatabase(str(self.out / ".hypothesis")),
+            database=_database(self.database),
             suppress_health_check=list(HealthCheck),
             phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
             report_multiple_bugs=True,
@@ -152,13 +154,19 @@ class Session:
             if not _only_findings(e):
                 raise
 
+    def on_case(self, case, verdict: dict, sig: str | None) -> None:
+        """Called once per case run (``sig``: its finding's signature, known or
+        new); a soak logs it here."""
+
     def _run_case(self, case) -> tuple[str | None, dict]:
         """(signature of a new finding or None, verdict); rejects invalid cases."""
         hang = triggered(case, self.known)
         if hang:  # a known hang: count it, do not wait out the timeout again
             self.stats.cases += 1
             self.stats.known[hang] += 1
-            return None, {"status": "finding", "oracle": "hang", "known_trigger": hang}
+            v = {"status": "finding", "oracle": "hang", "known_trigger": hang}
+            self.on_case(case, v, hang)
+            return None, v
         result = self.pool.run(case)
         st, v = self.stats, result.verdict
         st.cases += 1
@@ -169,17 +177,21 @@ class Session:
         self._report_progress()
         if v["status"] == "invalid":
             st.invalid += 1
+            self.on_case(case, v, None)
             reject()
         st.valid += 1
         if v["status"] == "error":
             st.internal_errors += 1
             print(f"\nfuzzshard internal error (not a finding): {v.get('error')}\n{v.get('traceback', '')}", file=self.progress)
+            self.on_case(case, v, None)
             return None, v
         if v["status"] != "finding":
             st.passed_by_optimizer[case.optim.name] += 1
+            self.on_case(case, v, None)
             return None, v
         v = localized(self.pool, case, v)
         sig = signature(case, v)
+        self.on_case(case, v, sig)
         if sig in self.known:
             st.known[sig] += 1
             return None, v
@@ -187,16 +199,20 @@ class Session:
 
     # -- after the search --------------------------------------------------
     def _finish(self) -> None:
-        env = environment(self.pool.info, self.pool.options["backend"])
         for sig in sorted(self._seen):
-            case, verdict = self._minimal.get(sig, self._seen[sig])
-            again = localized(self.pool, case, self.pool.run(case).verdict)  # determinism: the same verdict twice
-            deterministic = again.get("status") == "finding" and signature(case, again) == sig
-            if not deterministic:
-                self.flaky.append(sig)
-            f = Finding(sig, case, verdict, deterministic=deterministic, environment=env)
-            write_finding(self.out, f, repro.script(case, summary(verdict), env))
+            f = self._final(sig)
+            write_finding(self.out, f, repro.script(f.case, summary(f.verdict), f.environment))
             self.findings[sig] = f
+
+    def _final(self, sig: str) -> Finding:
+        """The finding of ``sig``: its smallest case, run once more (determinism)."""
+        env = environment(self.pool.info, self.pool.options["backend"])
+        case, verdict = self._minimal.get(sig, self._seen[sig])
+        again = localized(self.pool, case, self.pool.run(case).verdict)  # determinism: the same verdict twice
+        deterministic = again.get("status") == "finding" and signature(case, again) == sig
+        if not deterministic:
+            self.flaky.append(sig)
+        return Finding(sig, case, verdict, deterministic=deterministic, environment=env)
 
     def _report_progress(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -213,6 +229,16 @@ class Session:
         if self.pool.restarts:
             line += f" · pool restarts {self.pool.restarts}"
         print(line, file=self.progress, flush=True)
+
+
+def _database(where: str):
+    """A directory, or a redis:// URL (needs the redis package)."""
+    if where.startswith("redis://"):
+        import redis
+        from hypothesis.extra.redis import RedisExampleDatabase
+
+        return RedisExampleDatabase(redis.Redis.from_url(where))
+    return DirectoryBasedExampleDatabase(where)
 
 
 def localized(pool, case, verdict: dict) -> dict:

@@ -51,6 +51,7 @@ class Pool:
         case_timeout: float = 120.0,
         log_dir: str | None = None,
         spare: bool = True,
+        device_offset: int = 0,
     ):
         if size < 1:
             raise ValueError("a pool needs at least one worker")
@@ -63,6 +64,7 @@ class Pool:
             "device": device,
             "backend": backend or ("nccl" if device == "cuda" else "gloo"),
             "mesh_device": device,
+            "device_offset": device_offset,  # rank r uses accelerator (offset + r) % count
             "setup": os.path.abspath(worker_setup) if worker_setup else None,
             "log_dir": self.log_dir,
             # a collective stuck past this raises inside the worker; the driver gives up sooner

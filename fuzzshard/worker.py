@@ -39,7 +39,7 @@ def main() -> None:
         run_setup_file(options["setup"])
     device = options["device"]
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device((options.get("device_offset", 0) + rank) % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
     dist.init_process_group(
         options["backend"],

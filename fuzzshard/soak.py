@@ -1,0 +1,272 @@
+"""``fuzzshard soak``: a long fuzz run, split into cells, that a restart resumes.
+
+A soak runs ``--workers`` ranks on this machine. Every epoch it draws a new
+layout: the ranks split into *cells* of 1..4 ranks (the first epoch keeps one
+cell as large as allowed). Each cell is a process with its own worker pool and
+Hypothesis engine (its own seed) that runs cases of every world size it holds;
+cells run concurrently. Under torchrun every launched process is such a soak
+over its own ``--workers`` ranks, all of them sharing ``--out``; torchrun's
+``--max-restarts`` brings a lost process back, and it resumes.
+
+Everything shared lives in OUT, written so that a kill at any moment loses
+nothing already found and never leaves a half-written file:
+  OUT/db/                    the Hypothesis example database of every cell: a
+                             failure found anywhere is replayed everywhere first
+  OUT/findings/<sig>.json    each finding once, made whole under a temporary name
+                             and published with os.link (the first cell wins;
+                             the others count it); its .py is published first
+  OUT/cells/<cell>.jsonl     one line per case a cell ran (append-only, one
+                             writer): what ``fuzzshard report`` counts
+  OUT/logs/<cell>/           the cell's progress lines and worker logs
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STATUS_EVERY = 10.0
+
+
+def layout(workers: int, rnd: random.Random, first: bool, cell_max: int) -> list[int]:
+    """Cell sizes for one epoch: a random split of the workers into cells of at
+    most ``cell_max`` ranks; the first epoch leads with the largest cell, so
+    the largest world size runs from the start."""
+    sizes, left = [], workers
+    while left:
+        biggest = min(left, cell_max)
+        size = biggest if first and not sizes else rnd.randint(1, biggest)
+        sizes.append(size)
+        left -= size
+    return sizes
+
+
+def torchrun_slot() -> dict | None:
+    """This process's place in a torchrun launch, or None outside torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return None
+    env = os.environ
+    return {"rank": int(env.get("RANK", 0)), "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "world": int(env.get("WORLD_SIZE", 1)), "node": int(env.get("GROUP_RANK", 0)),
+            "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", 0))}
+
+
+class Soak:
+    """The supervisor on one machine (or one torchrun process): epochs of cells."""
+
+    def __init__(self, options: dict, workers: int, duration: float, epoch: float, out: str, seed: int,
+                 cells: list[int] | None = None, progress=sys.stderr):
+        self.options, self.workers, self.duration, self.epoch = options, workers, duration, epoch
+        self.out, self.seed, self.progress = Path(out), seed, progress
+        self.fixed = cells
+        self.slot = torchrun_slot()
+        self.prefix = f"r{self.slot['rank']}-" if self.slot else ""
+        self.stopping = False
+        self.cells: list[tuple[str, subprocess.Popen]] = []
+
+    def run(self) -> int:
+        for d in ("db", "findings", "cells", "logs"):
+            (self.out / d).mkdir(parents=True, exist_ok=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._stop)
+        end = time.monotonic() + self.duration
+        epoch = self._next_epoch()
+        first = epoch == 0
+        seen = len(list((self.out / "findings").glob("*.json")))
+        print(f"fuzzshard soak: {self.workers} ranks{self._where()} · out {self.out} · "
+              f"epoch {epoch}{' (resumed)' if not first else ''} · {seen} findings so far", file=self.progress, flush=True)
+        while not self.stopping and time.monotonic() < end - 5:
+            rnd = random.Random(f"{self.seed}/{self.prefix}/{epoch}")
+            sizes = self.fixed or layout(self.workers, rnd, first, max(self.options["world_sizes"]))
+            deadline = time.time() + min(self.epoch, end - time.monotonic())
+            self._sizes = sizes
+            self.cells = [self._spawn(f"{self.prefix}e{epoch}c{j}", size, rnd.randrange(2**31), deadline, j)
+                          for j, size in enumerate(sizes)]
+            self._watch()
+            epoch, first = epoch + 1, False
+        total = len(list((self.out / "findings").glob("*.json")))
+        print(f"fuzzshard soak: done · {total} findings in {self.out / 'findings'} · "
+              f"`fuzzshard report {self.out}` for the tables", file=self.progress, flush=True)
+        # under torchrun an exit of 1 is a failed worker, which --max-restarts would restart
+        return 1 if total and not self.slot else 0
+
+    def _where(self) -> str:
+        s = self.slot
+        return f" · torchrun rank {s['rank']}/{s['world']} on {socket.gethostname()}" if s else ""
+
+    def _next_epoch(self) -> int:
+        """Epochs continue after a restart, so a resumed soak draws new seeds."""
+        done = [int(p.name[len(self.prefix) + 1:].split("c")[0]) for p in (self.out / "cells").glob(f"{self.prefix}e*.jsonl")
+                if p.name[len(self.prefix) + 1:].split("c")[0].isdigit()]
+        return max(done) + 1 if done else 0
+
+    def _spawn(self, name: str, size: int, seed: int, deadline: float, index: int) -> tuple[str, subprocess.Popen]:
+        # GPUs: each torchrun process on a node takes its own block of devices
+        offset = (self.slot["local_rank"] * self.workers if self.slot else 0) + sum(self._sizes[:index])
+        spec = {**self.options, "name": name, "size": size, "seed": seed, "deadline": deadline, "out": str(self.out),
+                "device_offset": offset, "origin": {"host": socket.gethostname(), **(self.slot or {})}}
+        log_dir = self.out / "logs" / name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_dir / "cell.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "fuzzshard.soak", json.dumps(spec)],
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # Ctrl-C reaches the supervisor, which stops cells in order
+        return name, proc
+
+    def _watch(self) -> None:
+        last = time.monotonic()
+        while any(p.poll() is None for _, p in self.cells):
+            time.sleep(0.5)
+            if time.monotonic() - last >= STATUS_EVERY:
+                last = time.monotonic()
+                print(self.status_line(), file=self.progress, flush=True)
+        for name, p in self.cells:
+            if p.returncode:
+                print(f"fuzzshard soak: cell {name} exited with {p.returncode}; see {self.out / 'logs' / name / 'cell.log'}",
+                      file=self.progress, flush=True)
+
+    def status_line(self) -> str:
+        from .report import load_cases
+
+        cases = load_cases(self.out, prefix=self.prefix)
+        if not cases:
+            return "[fuzzshard soak] starting"
+        span = max(1e-9, max(c["t"] for c in cases) - min(c["t"] for c in cases))
+        alive = sum(1 for _, p in self.cells if p.poll() is None)
+        found = len(list((self.out / "findings").glob("*.json")))
+        return (f"[fuzzshard soak{self._where()}] {len(cases)} cases · {len(cases) / span:.2f} cases/s · "
+                f"{alive} cells running · {found} findings")
+
+    def _stop(self, signum, frame) -> None:
+        """SIGTERM (SLURM preemption) or Ctrl-C: each cell finishes its case,
+        publishes what it found and exits; a second signal kills them."""
+        if self.stopping:
+            for _, p in self.cells:
+                if p.poll() is None:
+                    p.kill()
+            return
+        self.stopping = True
+        print(f"fuzzshard soak: {signal.Signals(signum).name}: stopping cells (resume with the same --out)",
+              file=self.progress, flush=True)
+        for _, p in self.cells:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+
+# -- one cell ------------------------------------------------------------------
+def run_cell(spec: dict) -> int:
+    from .engine import Session
+    from .runner import Pool, PoolError
+
+    class SoakSession(Session):
+        stop = False
+
+        def _time_up(self) -> bool:
+            return self.stop or super()._time_up()
+
+        def on_case(self, case, verdict: dict, sig: str | None) -> None:
+            ck = case.checkpoint
+            line = {"t": round(time.time(), 3), "target": case.target, "world": case.world_size,
+                    "mesh": len(case.mesh_shape), "ck": ck.kind if ck else None, "ck_world": ck.world_size if ck else None,
+                    "optim": case.optim.name, "dtype": case.dtype, "steps": len(case.schedule),
+                    "groups": len(case.groups), "frozen": bool(case.frozen), "status": verdict.get("status"),
+                    "oracle": verdict.get("oracle"), "sig": sig, "known": bool(sig and sig in self.known)}
+            with open(self.log, "a") as f:  # one short line per write: O_APPEND keeps lines whole
+                f.write(json.dumps(line) + "\n")
+
+        def _run_round(self, target, n, seed) -> None:
+            super()._run_round(target, n, seed)
+            self._publish_all()
+
+        def _finish(self) -> None:
+            self._publish_all()
+
+        def _publish_all(self) -> None:
+            for sig in sorted(set(self._seen) - set(self.findings)):
+                if not (self.out / "findings" / f"{sig}.json").exists():
+                    f = self._final(sig)
+                    f.environment["origin"] = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"],
+                                               "seed": spec["seed"], "pid": os.getpid(), "time": time.time()}
+                    if publish(self.out / "findings", f):
+                        print(f"new finding {sig}", file=self.progress, flush=True)
+                self.findings[sig] = None
+            self._learn_published()
+
+        def _learn_published(self) -> None:
+            """Findings other cells published count as known here: no second shrink."""
+            from .findings import load_finding
+
+            for p in (self.out / "findings").glob("*.json"):
+                sig = p.stem
+                if sig not in self.known:
+                    try:
+                        self.known[sig] = load_finding(p)
+                    except Exception:
+                        pass
+
+    out = Path(spec["out"])
+    device = spec["device"]
+    try:
+        pool = Pool(spec["size"], device=device, backend=spec["backend"], worker_setup=spec["worker_setup"],
+                    case_timeout=spec["case_timeout"], log_dir=str(out / "logs" / spec["name"]), spare=True,
+                    device_offset=spec.get("device_offset", 0)).start()
+    except PoolError as e:
+        print(f"cell {spec['name']}: workers did not start: {e}", flush=True)
+        return 3
+    sizes = [w for w in spec["world_sizes"] if w <= spec["size"]] or [1]
+    session = SoakSession(pool, spec["targets"], out, world_sizes=sizes, duration=max(1.0, spec["deadline"] - time.time()),
+                          seed=spec["seed"], device=device, strategy_kwargs=spec["strategy_kwargs"],
+                          database=spec["database"] or str(out / "db"), progress=sys.stdout)
+    session.log = out / "cells" / f"{spec['name']}.jsonl"
+    session.log.touch()
+    session._learn_published()
+
+    def stop(signum, frame):
+        session.stop = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        session.run()
+    finally:
+        pool.close()
+    return 0
+
+
+def publish(directory: Path, finding) -> bool:
+    """Write ``finding`` as DIR/<sig>.json + .py unless another cell did first.
+    Each file is made whole under a temporary name and linked into place
+    (os.link fails if the name exists): never half-written, never twice."""
+    from . import repro
+    from .findings import summary
+
+    sig = finding.signature
+    script = repro.script(finding.case, summary(finding.verdict), finding.environment)
+    body = json.dumps(finding.to_dict(), indent=2, sort_keys=True) + "\n"
+    won = False
+    for suffix, text in ((".py", script), (".json", body)):  # the .json last: its presence means both are whole
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{sig}{suffix}.")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private
+        try:
+            os.link(tmp, directory / f"{sig}{suffix}")
+            won = suffix == ".json"
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(tmp)
+    return won
+
+
+if __name__ == "__main__":
+    sys.exit(run_cell(json.loads(sys.argv[1])))
