@@ -111,3 +111,38 @@ def _checkpoint_cost(pool, cases) -> dict:
         if extra:
             out[kind] = (1000 * sum(extra) / len(extra), len(extra))
     return out
+
+
+def run_soak_bench(seconds: float, workers: int, target: str, seed: int = 0, echo=print) -> float:
+    """A ``workers``-rank soak (cells re-drawn three times) against one fuzz
+    session on a pool of ``workers`` ranks, each for ``seconds`` of wall time,
+    start-up included; returns soak cases/s over session cases/s."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from .report import load_cases
+
+    base = [sys.executable, "-m", "fuzzshard"]
+    worlds = ",".join(str(w) for w in range(1, workers + 1))
+    with tempfile.TemporaryDirectory(prefix="fuzzshard-bench-") as tmp:
+        t0 = time.perf_counter()
+        r = subprocess.run(base + ["fuzz", "--target", target, "--duration", f"{seconds}s", "--world-sizes", worlds,
+                                   "--seed", str(seed), "--out", f"{tmp}/fuzz"], capture_output=True, text=True)
+        fuzz_s = time.perf_counter() - t0
+        fuzz_cases = int(next(line for line in r.stderr.splitlines() if " cases · " in line and "valid" in line).split()[0])
+        t0 = time.perf_counter()
+        subprocess.run(base + ["soak", "--targets", target, "--duration", f"{seconds}s", "--epoch", f"{seconds / 3:.0f}s",
+                              "--workers", str(workers), "--world-sizes", worlds, "--seed", str(seed),
+                              "--out", f"{tmp}/soak"], capture_output=True, text=True)
+        soak_s = time.perf_counter() - t0
+        cases = load_cases(Path(tmp, "soak"))
+        mix = collections.Counter(c["world"] for c in cases)
+    fuzz_rate, soak_rate = fuzz_cases / fuzz_s, len(cases) / soak_s
+    echo(f"one fuzz session on {workers} ranks: {fuzz_cases} cases in {fuzz_s:.0f}s = {fuzz_rate:.2f} cases/s")
+    echo(f"soak, {workers} ranks in cells: {len(cases)} cases in {soak_s:.0f}s = {soak_rate:.2f} cases/s "
+         f"(world sizes {dict(sorted(mix.items()))})")
+    ratio = soak_rate / max(fuzz_rate, 1e-9)
+    echo(f"soak vs one session, {target}, {workers} ranks, {seconds:.0f}s each: {ratio:.2f}x")
+    return ratio

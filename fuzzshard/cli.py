@@ -128,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--world-size", type=int, default=2)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--target", default="dtensor", help="which target's cases to run (default dtensor)")
+    b.add_argument("--soak", default=None, metavar="DURATION",
+                   help="instead: a soak in cells vs one fuzz session, both on --workers ranks for DURATION each")
+    b.add_argument("--workers", type=int, default=4, help="ranks for --soak (default 4)")
     return ap
 
 
@@ -425,6 +428,11 @@ def cmd_bench(args) -> int:
     names = _resolve_targets(args.target)
     if len(names) != 1:
         raise UsageError("bench measures one target at a time")
+    if args.soak:
+        from .bench import run_soak_bench
+
+        run_soak_bench(parse_duration(args.soak), args.workers, names[0], args.seed)
+        return 0
     run_bench(args.cases, args.world_size, args.seed, names[0])
     return 0
 
