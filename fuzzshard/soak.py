@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -70,6 +71,7 @@ class Soak:
         self.prefix = f"r{self.slot['rank']}-" if self.slot else ""
         self.stopping = False
         self.cells: list[tuple[str, subprocess.Popen]] = []
+        self._read: dict[str, tuple[int, int]] = {}  # cell log -> (bytes read, lines)
 
     def run(self) -> int:
         for d in ("db", "findings", "cells", "logs"):
@@ -77,6 +79,8 @@ class Soak:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
         end = time.monotonic() + self.duration
+        self._t0 = time.monotonic()
+        self._started_with = self._count()  # a resumed run's rate counts its own cases
         epoch = self._next_epoch()
         first = epoch == 0
         seen = len(list((self.out / "findings").glob("*.json")))
@@ -89,7 +93,12 @@ class Soak:
             self._sizes = sizes
             self.cells = [self._spawn(f"{self.prefix}e{epoch}c{j}", size, rnd.randrange(2**31), deadline, j)
                           for j, size in enumerate(sizes)]
+            started = time.monotonic()
             self._watch()
+            if not self.stopping and all(p.returncode for _, p in self.cells) and time.monotonic() - started < 120:
+                print("fuzzshard soak: every cell failed at once; stopping (see the cell logs above)",
+                      file=self.progress, flush=True)
+                return 2
             epoch, first = epoch + 1, False
         total = len(list((self.out / "findings").glob("*.json")))
         print(f"fuzzshard soak: done · {total} findings in {self.out / 'findings'} · "
@@ -103,8 +112,8 @@ class Soak:
 
     def _next_epoch(self) -> int:
         """Epochs continue after a restart, so a resumed soak draws new seeds."""
-        done = [int(p.name[len(self.prefix) + 1:].split("c")[0]) for p in (self.out / "cells").glob(f"{self.prefix}e*.jsonl")
-                if p.name[len(self.prefix) + 1:].split("c")[0].isdigit()]
+        pattern = re.compile(re.escape(self.prefix) + r"e(\d+)c\d+\.jsonl")
+        done = [int(m.group(1)) for p in (self.out / "cells").iterdir() if (m := pattern.fullmatch(p.name))]
         return max(done) + 1 if done else 0
 
     def _spawn(self, name: str, size: int, seed: int, deadline: float, index: int) -> tuple[str, subprocess.Popen]:
@@ -132,16 +141,23 @@ class Soak:
                 print(f"fuzzshard soak: cell {name} exited with {p.returncode}; see {self.out / 'logs' / name / 'cell.log'}",
                       file=self.progress, flush=True)
 
-    def status_line(self) -> str:
-        from .report import load_cases
+    def _count(self) -> int:
+        """Cases this supervisor's cells logged so far, read incrementally."""
+        for p in (self.out / "cells").glob(f"{self.prefix}e*.jsonl"):
+            offset, n = self._read.get(p.name, (0, 0))
+            with open(p, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            whole = chunk[:chunk.rfind(b"\n") + 1]  # a line being written is counted next time
+            self._read[p.name] = (offset + len(whole), n + whole.count(b"\n"))
+        return sum(n for _, n in self._read.values())
 
-        cases = load_cases(self.out, prefix=self.prefix)
-        if not cases:
-            return "[fuzzshard soak] starting"
-        span = max(1e-9, max(c["t"] for c in cases) - min(c["t"] for c in cases))
+    def status_line(self) -> str:
+        cases = self._count()
+        rate = (cases - self._started_with) / max(time.monotonic() - self._t0, 1e-9)
         alive = sum(1 for _, p in self.cells if p.poll() is None)
         found = len(list((self.out / "findings").glob("*.json")))
-        return (f"[fuzzshard soak{self._where()}] {len(cases)} cases · {len(cases) / span:.2f} cases/s · "
+        return (f"[fuzzshard soak{self._where()}] {cases} cases · {rate:.2f} cases/s · "
                 f"{alive} cells running · {found} findings")
 
     def _stop(self, signum, frame) -> None:
