@@ -154,10 +154,9 @@ def _pool_args(p) -> None:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"fuzz": cmd_fuzz, "replay": cmd_replay, "show": cmd_show, "script": cmd_script, "known": cmd_known, "bench": cmd_bench,
-         "soak": cmd_soak, "report": cmd_report}[
-            args.command
-        ](args)
+        command = {"fuzz": cmd_fuzz, "soak": cmd_soak, "report": cmd_report, "replay": cmd_replay, "show": cmd_show,
+                   "script": cmd_script, "known": cmd_known, "bench": cmd_bench}[args.command]
+        return command(args)
     except UsageError as e:
         print(f"fuzzshard: error: {e}", file=sys.stderr)
         return 2

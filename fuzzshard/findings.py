@@ -197,11 +197,27 @@ def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str | No
     return jpath, ppath
 
 
-def atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str, exclusive: bool = False) -> bool:
+    """Write ``path`` whole under a temporary name, then put it in place: a
+    reader never sees half a file. ``exclusive``: only if ``path`` does not
+    exist yet (os.link refuses an existing name; concurrent writers, one
+    winner); returns whether this call wrote it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    os.replace(tmp, path)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)  # mkstemp makes it private
+    if not exclusive:
+        os.replace(tmp, path)
+        return True
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.remove(tmp)
 
 
 def triggered(case: Case, known: dict[str, Finding]) -> str | None:

@@ -29,7 +29,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -184,6 +183,10 @@ def run_cell(spec: dict) -> int:
     class SoakSession(Session):
         stop = False
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.published: set[str] = set()  # new signatures now in OUT/findings (from this cell or another)
+
         def _time_up(self) -> bool:
             return self.stop or super()._time_up()
 
@@ -205,14 +208,14 @@ def run_cell(spec: dict) -> int:
             self._publish_all()
 
         def _publish_all(self) -> None:
-            for sig in sorted(set(self._seen) - set(self.findings)):
+            for sig in sorted(set(self._seen) - self.published):
                 if not (self.out / "findings" / f"{sig}.json").exists():
                     f = self._final(sig)
                     f.environment["origin"] = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"],
                                                "seed": spec["seed"], "pid": os.getpid(), "time": time.time()}
                     if publish(self.out / "findings", f):
                         print(f"new finding {sig}", file=self.progress, flush=True)
-                self.findings[sig] = None
+                self.published.add(sig)
             self._learn_published()
 
         def _learn_published(self) -> None:
@@ -261,27 +264,14 @@ def publish(directory: Path, finding) -> bool:
     Each file is made whole under a temporary name and linked into place
     (os.link fails if the name exists): never half-written, never twice."""
     from . import repro
-    from .findings import summary
+    from .findings import atomic_write, summary
 
     sig = finding.signature
-    script = repro.script(finding.case, summary(finding.verdict), finding.environment)
-    body = json.dumps(finding.to_dict(), indent=2, sort_keys=True) + "\n"
-    won = False
-    for suffix, text in ((".py", script), (".json", body)):  # the .json last: its presence means both are whole
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{sig}{suffix}.")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private
-        try:
-            os.link(tmp, directory / f"{sig}{suffix}")
-            won = suffix == ".json"
-        except FileExistsError:
-            pass
-        finally:
-            os.remove(tmp)
-    return won
+    # the .py first: a .json in place means both are whole
+    atomic_write(directory / f"{sig}.py", repro.script(finding.case, summary(finding.verdict), finding.environment),
+                 exclusive=True)
+    return atomic_write(directory / f"{sig}.json", json.dumps(finding.to_dict(), indent=2, sort_keys=True) + "\n",
+                        exclusive=True)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,11 @@ def resume_defaults(opt, case: Case) -> None:
                                              RESUME_LR_SCALE))
 
 
+def adds_groups_before(case: Case, k: int) -> bool:
+    """Whether the case adds its late groups right before schedule step ``k``."""
+    return 0 < case.optim.added_at == k
+
+
 def add_late_groups(opt, model: torch.nn.Module, case: Case, params: dict | None = None) -> None:
     """The groups a case adds mid-run (before step ``case.optim.added_at``),
     at the case's lrs: nothing loaded them, so nothing scales them."""

@@ -15,7 +15,7 @@ import torch
 from ..case import Case
 from .localize import Trace, localize_divergence
 from .model import build_model, loss_fn, make_batch
-from .optim import add_late_groups, build_optimizer, resume_defaults, group_hparams, load_state_by_fqn, state_by_fqn
+from .optim import add_late_groups, adds_groups_before, build_optimizer, group_hparams, load_state_by_fqn, resume_defaults, state_by_fqn
 from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, reduction_tolerance, step_tolerance
 
 
@@ -46,7 +46,7 @@ def _plain_setup(case: Case, device: str):
 def _before_step(model, opt, case: Case, k: int) -> None:
     """A step's freezes and unfreezes, and the groups the case adds before it."""
     _apply_flags(model, case.schedule[k])
-    if k and k == case.optim.added_at:
+    if adds_groups_before(case, k):
         add_late_groups(opt, model, case)
 
 

@@ -26,7 +26,7 @@ from ..case import Case
 from .checkpoint import check_loaded, check_saved
 from .localize import Trace
 from .model import build_model, make_batch
-from .optim import RESUME_LR_SCALE
+from .optim import RESUME_LR_SCALE, adds_groups_before
 from .reference import _exc, _finding, _plain_reference_error, _plain_setup, check_parity, torch_dtype
 
 
@@ -166,7 +166,7 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
     for k in steps:
         step = case.schedule[k]
         target.apply_flags(model, step)
-        if k and k == case.optim.added_at:
+        if adds_groups_before(case, k):
             phase.name = f"step {k}: add_param_group"
             target.add_groups(opt, model)
         phase.name = f"step {k}: zero_grad"
