@@ -95,7 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     so.add_argument("--targets", default="all", help="target name(s), comma-separated, or 'all' (default)")
     so.add_argument("--workers", type=int, default=4, help="ranks on this machine, or per torchrun process (default 4)")
     so.add_argument("--cells", default=None, metavar="SIZES",
-                    help="fixed cell sizes, e.g. 2,1,1 (default: a new random split of --workers every epoch)")
+                    help="fixed cell sizes, e.g. 2,1,1 (default: a new random split of --workers every epoch); "
+                         "under torchrun they split all processes' ranks in rank order, so 1,2,1 over two "
+                         "processes of 2 makes a middle cell that spans both")
     so.add_argument("--epoch", default="10m", help="how long one layout of cells lasts (default 10m)")
     so.add_argument("--seed", type=int, default=0, help="the run's seed; cells, epochs and torchrun ranks derive theirs")
     so.add_argument("--redis", default=None, metavar="URL",
@@ -260,7 +262,13 @@ def cmd_soak(args) -> int:
             raise UsageError(f"--cells takes comma-separated sizes, got {args.cells!r}") from None
         if not cells or min(cells) < 1 or max(cells) > max(sizes):
             raise UsageError(f"--cells sizes must be 1..{max(sizes)} (the largest --world-sizes), got {args.cells!r}")
-        args.workers = sum(cells)  # the cells say how many ranks
+        # the cells say how many ranks; under torchrun they split every process's ranks together
+        from .soak import torchrun_slot
+
+        procs = (torchrun_slot() or {"world": 1})["world"]
+        if sum(cells) % procs:
+            raise UsageError(f"--cells sizes must add up to a multiple of the {procs} torchrun processes, got {args.cells!r}")
+        args.workers = sum(cells) // procs
     _check_pool_args(args)
     if args.redis:
         try:

@@ -2,7 +2,7 @@
 
 Reads OUT/cells/*.jsonl (one line per case, see soak.py) and OUT/findings/.
 Prints coverage tables (cases per target, world size, optimizer, dtype,
-checkpoint kind), the findings with first-seen time and hit count, and the
+checkpoint kind, processes a cell spans), the findings with first-seen time and hit count, and the
 rate over time; writes the same as a small HTML page with two plots (a
 target x world-size coverage heat map, findings over time).
 """
@@ -56,10 +56,10 @@ def summarize(out: str | Path) -> dict:
     span = max(t1 - t0, 1e-9)
     tables = {}
     for key, title in (("target", "target"), ("world", "world size"), ("optim", "optimizer"), ("dtype", "dtype"),
-                       ("ck", "checkpoint"), ("mesh", "mesh dims")):
+                       ("ck", "checkpoint"), ("mesh", "mesh dims"), ("procs", "processes in the cell")):
         rows = collections.defaultdict(collections.Counter)
         for c in cases:
-            rows[str(c.get(key))][c.get("status") or "?"] += 1
+            rows[str(c.get(key, 1 if key == "procs" else None))][c.get("status") or "?"] += 1
         tables[title] = dict(sorted(rows.items()))
     hits = collections.Counter(c["sig"] for c in cases if c.get("sig"))
     first = {}

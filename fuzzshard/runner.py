@@ -34,6 +34,11 @@ class PoolError(RuntimeError):
     """The pool could not start (bad setup file, backend unavailable, ...)."""
 
 
+class LostRank(PoolError):
+    """A rank of a cell spanning processes went away with its process or node:
+    the end of that cell, never a finding."""
+
+
 @dataclass
 class Result:
     verdict: dict
@@ -52,6 +57,8 @@ class Pool:
         log_dir: str | None = None,
         spare: bool = True,
         device_offset: int = 0,
+        link=None,
+        scratch: str | None = None,
     ):
         if size < 1:
             raise ValueError("a pool needs at least one worker")
@@ -70,7 +77,13 @@ class Pool:
             # a collective stuck past this raises inside the worker; the driver gives up sooner
             "collective_timeout": max(60.0, 2 * case_timeout),
         }
-        self.spare_enabled = spare
+        # a cell spanning processes (span.Link): ranks from link.local on are
+        # spawned elsewhere; it has no spare set, and its checkpoints go to a
+        # scratch folder every node sees
+        self.link = link
+        self.scratch = scratch
+        self.lost: str | None = None
+        self.spare_enabled = spare and link is None
         self.gen: _Generation | None = None
         self.spare: _Generation | None = None
         self.info: dict = {}
@@ -81,7 +94,7 @@ class Pool:
     # -- lifecycle -------------------------------------------------------
     def _launch(self) -> _Generation:
         self._gens += 1
-        return _Generation(self._gens, self.size, self.options, self.log_dir)
+        return _Generation(self._gens, self.size, self.options, self.log_dir, self.link)
 
     def start(self) -> Pool:
         self.gen = self._launch()
@@ -113,6 +126,8 @@ class Pool:
 
     def close(self) -> None:
         self.stop()
+        if self.link is not None:
+            self.link.close()
         if self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -134,6 +149,8 @@ class Pool:
         """Where a stuck worker waits, as "kernel function:innermost torch
         function", read from the stack faulthandler dumps on SIGUSR1."""
         path = self.gen.log_path(rank)
+        if self.procs[rank].pid is None:  # a rank of another process: no signal reaches it
+            return ""
         try:
             start = os.path.getsize(path)
             os.kill(self.procs[rank].pid, signal.SIGUSR1)
@@ -155,11 +172,13 @@ class Pool:
     def run(self, case: Case, localize: bool = False) -> Result:
         """Run one case; ``localize`` also records per-module activations to
         name the first diverging module (slower; used after a divergence)."""
+        if self.lost:
+            raise LostRank(self.lost)
         w = case.ranks
         if not 1 <= w <= self.size:
             raise ValueError(f"case needs world size {w}, the pool has {self.size} workers")
         # checkpoint files live in a per-case directory, removed whatever happens
-        ckpt_dir = tempfile.mkdtemp(prefix="fuzzshard-ckpt-") if case.checkpoint else None
+        ckpt_dir = tempfile.mkdtemp(prefix="fuzzshard-ckpt-", dir=self.scratch) if case.checkpoint else None
         try:
             return self._run(case, w, localize, ckpt_dir)
         finally:
@@ -169,11 +188,14 @@ class Pool:
     def _run(self, case: Case, w: int, localize: bool, ckpt_dir: str | None) -> Result:
         t0 = time.monotonic()
         text = case.to_json()
-        for conn in self.conns[:w]:
-            conn.send(("case", text, localize, ckpt_dir))
         answers: dict[int, tuple] = {}
         dead: dict[int, int] = {}
-        waiting = {self.conns[r]: r for r in range(w)}
+        for r in range(w):
+            try:
+                self.conns[r].send(("case", text, localize, ckpt_dir))
+            except OSError:  # it died between cases
+                dead[r] = self._exit_code(r)
+        waiting = {self.conns[r]: r for r in range(w) if r not in dead}
         deadline = t0 + self.case_timeout
         while waiting and not dead:
             left = deadline - time.monotonic()
@@ -187,16 +209,26 @@ class Pool:
                     if verdict is not None and (verdict.get("oracle") == "error_parity" or verdict["status"] == "invalid"):
                         deadline = min(deadline, time.monotonic() + GRACE_AFTER_ERROR)
                 except (EOFError, OSError):  # the worker's socket closed: it died
-                    try:
-                        dead[r] = self.procs[r].wait(timeout=5)
-                    except subprocess.TimeoutExpired:
-                        dead[r] = None
+                    dead[r] = self._exit_code(r)
         seconds = time.monotonic() - t0
         verdict = self._combine(w, answers, dead, seconds)
         if dead or waiting:
             self.restart()
         timings = answers.get(0, (None, {}))[1]
         return Result(verdict, seconds, timings)
+
+    def _exit_code(self, r: int) -> int | None:
+        if self.procs[r].pid is None:  # another process spawned it and says how it ended
+            code = self.link.exit_code(self.gen.index, r)
+            if code is None:  # nobody there to say: its process or node is gone
+                self.lost = f"rank {r} of this cell was lost with its process (no exit code came back)"
+                self.gen.stop(kill=True)
+                raise LostRank(self.lost)
+            return code
+        try:
+            return self.procs[r].wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _combine(self, w: int, answers: dict, dead: dict, seconds: float) -> dict:
         if dead:
@@ -237,30 +269,26 @@ class Pool:
 
 
 class _Generation:
-    """One set of worker processes forming one process group. Workers are
-    plain ``python -m fuzzshard.worker`` processes (multiprocessing's spawn
-    would re-import the caller's __main__); they join their process group,
-    then connect back over an authenticated local socket."""
+    """One set of worker processes forming one process group. They join their
+    process group, then connect back over an authenticated socket."""
 
-    def __init__(self, index: int, size: int, options: dict, log_dir: str):
+    def __init__(self, index: int, size: int, options: dict, log_dir: str, link=None):
         self.index, self.size, self.log_dir = index, size, log_dir
         self.store_dir = tempfile.mkdtemp(prefix="fuzzshard-store-")
-        authkey = secrets.token_bytes(16)
+        authkey = secrets.token_bytes(16).hex()
         # backlog: every worker's connect completes at once, even while nobody
         # accepts (a spare set waits for its turn; with the default backlog of 1
         # the others' SYNs are dropped and their connect() times out after ~2 min)
-        self.listener = mpc.Listener(("127.0.0.1", 0), backlog=size, authkey=authkey)
-        env = {**os.environ, "FUZZSHARD_AUTHKEY": authkey.hex(), "OMP_NUM_THREADS": "1"}
-        self.procs, self.conns = [], [None] * size
-        for rank in range(size):
-            opts = {**options, "rank": rank, "size": size, "address": self.listener.address,
-                    "store": os.path.join(self.store_dir, "store")}
-            with open(self.log_path(rank), "ab") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "fuzzshard.worker"],
-                    env={**env, "FUZZSHARD_WORKER": json.dumps(opts)},
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                ))
+        host = link.host if link else "127.0.0.1"
+        self.listener = mpc.Listener((host, 0), backlog=size, authkey=bytes.fromhex(authkey))
+        store = link.worker_store(index) if link else os.path.join(self.store_dir, "store")
+        opts = {**options, "size": size, "address": self.listener.address, "store": store}
+        local = link.local if link else size
+        self.procs = [spawn_worker(opts, rank, authkey, self.log_path(rank)) for rank in range(local)]
+        self.procs += [_Remote() for _ in range(local, size)]
+        self.conns = [None] * size
+        if link:  # the other processes of the cell start their ranks of this generation
+            link.announce(index, opts, authkey)
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"gen{self.index}-rank{rank}.log")
@@ -325,6 +353,31 @@ class _Generation:
                 return "".join(f.readlines()[-lines:])
         except OSError:
             return ""
+
+
+def spawn_worker(options: dict, rank: int, authkey: str, log_path: str) -> subprocess.Popen:
+    """One ``python -m fuzzshard.worker`` (multiprocessing's spawn would
+    re-import the caller's __main__), its output appended to ``log_path``."""
+    env = {**os.environ, "FUZZSHARD_AUTHKEY": authkey, "OMP_NUM_THREADS": "1",
+           "FUZZSHARD_WORKER": json.dumps({**options, "rank": rank})}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "fuzzshard.worker"], env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+
+class _Remote:
+    """A rank of this cell that another process spawns and kills (span.py)."""
+
+    pid = None
+
+    def poll(self):
+        return None
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self, timeout=None):
+        return None
 
 
 def _exit_name(code) -> str:

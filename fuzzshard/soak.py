@@ -4,9 +4,10 @@ A soak runs ``--workers`` ranks on this machine. Every epoch it draws a new
 layout: the ranks split into *cells* of 1..4 ranks (the first epoch keeps one
 cell as large as allowed). Each cell is a process with its own worker pool and
 Hypothesis engine (its own seed) that runs cases of every world size it holds;
-cells run concurrently. Under torchrun every launched process is such a soak
-over its own ``--workers`` ranks, all of them sharing ``--out``; torchrun's
-``--max-restarts`` brings a lost process back, and it resumes.
+cells run concurrently. Under torchrun each launched process brings
+``--workers`` ranks and rank 0 draws the layout over all of them, so cells
+also span processes and nodes (span.py); torchrun's ``--max-restarts``
+brings a lost process back, and the run resumes.
 
 Everything shared lives in OUT, written so that a kill at any moment loses
 nothing already found and never leaves a half-written file:
@@ -18,6 +19,7 @@ nothing already found and never leaves a half-written file:
   OUT/cells/<cell>.jsonl     one line per case a cell ran (append-only, one
                              writer): what ``fuzzshard report`` counts
   OUT/logs/<cell>/           the cell's progress lines and worker logs
+  OUT/scratch/               per-case checkpoint folders, removed after each case
 """
 from __future__ import annotations
 
@@ -67,16 +69,24 @@ class Soak:
         self.out, self.seed, self.progress = Path(out), seed, progress
         self.fixed = cells
         self.slot = torchrun_slot()
-        self.prefix = f"r{self.slot['rank']}-" if self.slot else ""
+        self.coord = None  # span.Coordinator under torchrun
         self.stopping = False
         self.cells: list[tuple[str, subprocess.Popen]] = []
         self._read: dict[str, tuple[int, int]] = {}  # cell log -> (bytes read, lines)
 
+    @property
+    def me(self) -> int:
+        return self.slot["rank"] if self.slot else 0
+
     def run(self) -> int:
-        for d in ("db", "findings", "cells", "logs"):
+        for d in ("db", "findings", "cells", "logs", "scratch"):
             (self.out / d).mkdir(parents=True, exist_ok=True)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
+        if self.slot:
+            from .span import Coordinator
+
+            self.coord = Coordinator(self.me, self.slot["world"])
         end = time.monotonic() + self.duration
         self._t0 = time.monotonic()
         self._started_with = self._count()  # a resumed run's rate counts its own cases
@@ -85,25 +95,49 @@ class Soak:
         seen = len(list((self.out / "findings").glob("*.json")))
         print(f"fuzzshard soak: {self.workers} ranks{self._where()} · out {self.out} · "
               f"epoch {epoch}{' (resumed)' if not first else ''} · {seen} findings so far", file=self.progress, flush=True)
-        while not self.stopping and time.monotonic() < end - 5:
-            rnd = random.Random(f"{self.seed}/{self.prefix}/{epoch}")
-            sizes = self.fixed or layout(self.workers, rnd, first, max(self.options["world_sizes"]))
-            deadline = time.time() + min(self.epoch, end - time.monotonic())
-            self._sizes = sizes
-            self.cells = [self._spawn(f"{self.prefix}e{epoch}c{j}", size, rnd.randrange(2**31), deadline, j)
-                          for j, size in enumerate(sizes)]
-            started = time.monotonic()
-            self._watch()
-            if not self.stopping and all(p.returncode for _, p in self.cells) and time.monotonic() - started < 120:
-                print("fuzzshard soak: every cell failed at once; stopping (see the cell logs above)",
-                      file=self.progress, flush=True)
-                return 2
-            epoch, first = epoch + 1, False
+        i = 0
+        try:
+            while not (plan := self._plan(i, epoch, first, end)).get("stop"):
+                self.cells = [c for c in (self._spawn(cell, plan["deadline"]) for cell in plan["cells"]) if c]
+                started = time.monotonic()
+                self._watch()
+                if self.coord:
+                    self.coord.ready(i)
+                if (not self.stopping and self.cells and all(p.returncode for _, p in self.cells)
+                        and time.monotonic() - started < 120):
+                    print("fuzzshard soak: every cell failed at once; stopping (see the cell logs above)",
+                          file=self.progress, flush=True)
+                    return 2
+                i, epoch, first = i + 1, plan["epoch"] + 1, False
+        finally:
+            if self.coord and self.me == 0:  # the others follow rank 0 out
+                self.coord.publish(i, {"stop": True})
         total = len(list((self.out / "findings").glob("*.json")))
         print(f"fuzzshard soak: done · {total} findings in {self.out / 'findings'} · "
               f"`fuzzshard report {self.out}` for the tables", file=self.progress, flush=True)
         # under torchrun an exit of 1 is a failed worker, which --max-restarts would restart
         return 1 if total and not self.slot else 0
+
+    def _plan(self, i: int, epoch: int, first: bool, end: float) -> dict:
+        """Layout i: {"epoch", "deadline", "cells": [{"name", "seed", "slots": [[process, index], ...]}]}
+        drawn here, or by torchrun rank 0 over every live process's ranks."""
+        if self.coord and self.me != 0:
+            return self.coord.follow(i, lambda: self.stopping)
+        if self.stopping or time.monotonic() >= end - 5:
+            return {"stop": True}
+        procs = self.coord.live(i, lambda: self.stopping) if self.coord else [0]
+        slots = [[p, j] for p in procs for j in range(self.workers)]
+        rnd = random.Random(f"{self.seed}/{epoch}")
+        sizes = (self.fixed if self.fixed and sum(self.fixed) == len(slots)
+                 else layout(len(slots), rnd, first, max(self.options["world_sizes"])))
+        cells, k = [], 0
+        for j, size in enumerate(sizes):
+            cells.append({"name": f"e{epoch}c{j}", "seed": rnd.randrange(2**31), "slots": slots[k:k + size]})
+            k += size
+        plan = {"epoch": epoch, "deadline": time.time() + min(self.epoch, end - time.monotonic()), "cells": cells}
+        if self.coord:
+            self.coord.publish(i, plan)
+        return plan
 
     def _where(self) -> str:
         s = self.slot
@@ -111,20 +145,36 @@ class Soak:
 
     def _next_epoch(self) -> int:
         """Epochs continue after a restart, so a resumed soak draws new seeds."""
-        pattern = re.compile(re.escape(self.prefix) + r"e(\d+)c\d+\.jsonl")
-        done = [int(m.group(1)) for p in (self.out / "cells").iterdir() if (m := pattern.fullmatch(p.name))]
+        done = [int(m.group(1)) for p in (self.out / "cells").iterdir() if (m := re.fullmatch(r"e(\d+)c\d+\.jsonl", p.name))]
         return max(done) + 1 if done else 0
 
-    def _spawn(self, name: str, size: int, seed: int, deadline: float, index: int) -> tuple[str, subprocess.Popen]:
-        # GPUs: each torchrun process on a node takes its own block of devices
-        offset = (self.slot["local_rank"] * self.workers if self.slot else 0) + sum(self._sizes[:index])
-        spec = {**self.options, "name": name, "size": size, "seed": seed, "deadline": deadline, "out": str(self.out),
-                "device_offset": offset, "origin": {"host": socket.gethostname(), **(self.slot or {})}}
+    def _spawn(self, cell: dict, deadline: float) -> tuple[str, subprocess.Popen] | None:
+        """This process's part of ``cell``: the cell itself if it holds the
+        cell's first rank, else a member process that starts its ranks."""
+        slots, name = cell["slots"], cell["name"]
+        mine = [k for k, (p, _) in enumerate(slots) if p == self.me]
+        if not mine:
+            return None
+        # GPUs: each torchrun process on a node takes its own block of --workers devices
+        first_gpu = self.slot["local_rank"] * self.workers if self.slot else 0
+        procs = sorted({p for p, _ in slots})
+        if slots[0][0] == self.me:
+            spec = {**self.options, "name": name, "size": len(slots), "seed": cell["seed"], "deadline": deadline,
+                    "out": str(self.out), "device_offset": first_gpu + slots[0][1], "procs": len(procs),
+                    "origin": {"host": socket.gethostname(), **(self.slot or {})}}
+            if len(procs) > 1:
+                spec["span"] = {"store": self.coord.where, "local": len(mine)}
+            module, log = "fuzzshard.soak", "cell.log"
+        else:
+            spec = {"name": name, "ranks": mine, "gpus": {str(k): first_gpu + slots[k][1] for k in mine},
+                    "leader": slots[0][0], "out": str(self.out), "store": self.coord.where, "deadline": deadline,
+                    "case_timeout": self.options["case_timeout"]}
+            module, log = "fuzzshard.span", f"member-r{self.me}.log"
         log_dir = self.out / "logs" / name
         log_dir.mkdir(parents=True, exist_ok=True)
-        with open(log_dir / "cell.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "fuzzshard.soak", json.dumps(spec)],
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        with open(log_dir / log, "ab") as f:
+            proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(spec)],
+                                    stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # Ctrl-C reaches the supervisor, which stops cells in order
         return name, proc
 
@@ -132,17 +182,20 @@ class Soak:
         last = time.monotonic()
         while any(p.poll() is None for _, p in self.cells):
             time.sleep(0.5)
+            if self.coord:
+                self.coord.beat()
             if time.monotonic() - last >= STATUS_EVERY:
                 last = time.monotonic()
-                print(self.status_line(), file=self.progress, flush=True)
+                if not self.slot or self.slot["local_rank"] == 0:  # one status line per node
+                    print(self.status_line(), file=self.progress, flush=True)
         for name, p in self.cells:
             if p.returncode:
-                print(f"fuzzshard soak: cell {name} exited with {p.returncode}; see {self.out / 'logs' / name / 'cell.log'}",
+                print(f"fuzzshard soak: cell {name} exited with {p.returncode}; see {self.out / 'logs' / name}",
                       file=self.progress, flush=True)
 
     def _count(self) -> int:
-        """Cases this supervisor's cells logged so far, read incrementally."""
-        for p in (self.out / "cells").glob(f"{self.prefix}e*.jsonl"):
+        """Cases logged so far by every cell of the run, read incrementally."""
+        for p in (self.out / "cells").glob("e*.jsonl"):
             offset, n = self._read.get(p.name, (0, 0))
             with open(p, "rb") as f:
                 f.seek(offset)
@@ -178,7 +231,7 @@ class Soak:
 # -- one cell ------------------------------------------------------------------
 def run_cell(spec: dict) -> int:
     from .engine import Session
-    from .runner import Pool, PoolError
+    from .runner import LostRank, Pool, PoolError
 
     class SoakSession(Session):
         stop = False
@@ -195,7 +248,7 @@ def run_cell(spec: dict) -> int:
             line = {"t": round(time.time(), 3), "target": case.target, "world": case.world_size,
                     "mesh": len(case.mesh_shape), "ck": ck.kind if ck else None, "ck_world": ck.world_size if ck else None,
                     "optim": case.optim.name, "dtype": case.dtype, "steps": len(case.schedule),
-                    "groups": len(case.groups), "frozen": bool(case.frozen), "status": verdict.get("status"),
+                    "groups": len(case.groups), "frozen": bool(case.frozen), "procs": spec.get("procs", 1), "status": verdict.get("status"),
                     "oracle": verdict.get("oracle"), "sig": sig, "known": bool(sig and sig in self.known)}
             with open(self.log, "a") as f:  # one short line per write: O_APPEND keeps lines whole
                 f.write(json.dumps(line) + "\n")
@@ -232,12 +285,19 @@ def run_cell(spec: dict) -> int:
 
     out = Path(spec["out"])
     device = spec["device"]
+    link = None
+    if "span" in spec:  # ranks on other torchrun processes too
+        from .span import Link
+
+        link = Link(spec["span"]["store"], spec["name"], spec["span"]["local"])
+    pool = Pool(spec["size"], device=device, backend=spec["backend"], worker_setup=spec["worker_setup"],
+                case_timeout=spec["case_timeout"], log_dir=str(out / "logs" / spec["name"]), spare=True,
+                device_offset=spec.get("device_offset", 0), link=link, scratch=str(out / "scratch"))
     try:
-        pool = Pool(spec["size"], device=device, backend=spec["backend"], worker_setup=spec["worker_setup"],
-                    case_timeout=spec["case_timeout"], log_dir=str(out / "logs" / spec["name"]), spare=True,
-                    device_offset=spec.get("device_offset", 0)).start()
+        pool.start()
     except PoolError as e:
         print(f"cell {spec['name']}: workers did not start: {e}", flush=True)
+        pool.close()
         return 3
     sizes = [w for w in spec["world_sizes"] if w <= spec["size"]] or [1]
     session = SoakSession(pool, spec["targets"], out, world_sizes=sizes, duration=max(1.0, spec["deadline"] - time.time()),
@@ -254,9 +314,23 @@ def run_cell(spec: dict) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         session.run()
+    except Exception as e:  # Hypothesis may wrap it in an ExceptionGroup
+        lost = _find(e, LostRank)
+        if lost is None:
+            raise
+        # its other process or node went away: the cell ends, nothing to report
+        print(f"cell {spec['name']}: {lost}; cell closed", flush=True)
+        return 4
     finally:
         pool.close()
     return 0
+
+
+def _find(e: BaseException, kind: type) -> BaseException | None:
+    """``e`` or the first ``kind`` inside it (exception groups nest)."""
+    if isinstance(e, kind):
+        return e
+    return next((x for sub in getattr(e, "exceptions", ()) if (x := _find(sub, kind))), None)
 
 
 def publish(directory: Path, finding) -> bool:

@@ -41,13 +41,14 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.set_device((options.get("device_offset", 0) + rank) % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
-    dist.init_process_group(
-        options["backend"],
-        init_method=f"file://{options['store']}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=options["collective_timeout"]),
-    )
+    timeout = datetime.timedelta(seconds=options["collective_timeout"])
+    store = options["store"]
+    if isinstance(store, dict):  # a cell spanning processes meets in torchrun's store (span.py)
+        where = {"store": dist.PrefixStore(store["prefix"], dist.TCPStore(
+            store["host"], store["port"], is_master=False, timeout=timeout))}
+    else:  # a cell of this machine: a file store in the driver's temp folder
+        where = {"init_method": f"file://{store}"}
+    dist.init_process_group(options["backend"], rank=rank, world_size=size, timeout=timeout, **where)
     meshes = Meshes(size, options["mesh_device"])
     # Connect last: a spare generation gets fully ready before the driver needs it.
     conn = Client(tuple(options["address"]), authkey=bytes.fromhex(os.environ["FUZZSHARD_AUTHKEY"]))
