@@ -128,6 +128,10 @@ class Case:
         if not 0 <= self.optim.added_at < max(len(self.schedule), 1) or (self.optim.added_at and not self.optim.added_groups):
             raise CaseError(f"param groups added before step {self.optim.added_at}: the schedule has "
                             f"{len(self.schedule)} steps and {self.optim.added_groups} added groups")
+        uneven = self.target_options.get("uneven")
+        if uneven is not None and (len(uneven) != self.world_size or max(uneven) != len(self.schedule) or min(uneven) < 1):
+            raise CaseError(f"uneven inputs {uneven}: want one step count in 1..{len(self.schedule)} per rank of "
+                            f"{self.world_size}, one of them {len(self.schedule)}")
         if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):
             raise CaseError(f"checkpoint after step {self.checkpoint.after}: the schedule has {len(self.schedule)} steps")
 

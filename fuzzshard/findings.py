@@ -236,6 +236,9 @@ def _field(data: dict, path: str):
 
 
 def _matches(value, want) -> bool:
+    """A list: any of these; "*": any value at all; else this value."""
+    if want == "*":
+        return value is not None
     return value in want if isinstance(want, list) else value == want
 
 

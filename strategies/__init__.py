@@ -93,7 +93,20 @@ def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) 
     microbatches = draw(st.sampled_from([1, 1, 2]))
     if microbatches > 1:
         out["microbatches"] = microbatches  # grad accumulation, no sync on all but the last
+    elif draw(st.sampled_from([False, False, True])):  # (accumulating in reduce_dtype is not replayed yet)
+        out["mp"] = draw(mp_policies())
     return out
+
+
+@st.composite
+def mp_policies(draw) -> dict:
+    """fsdp2's MixedPrecisionPolicy, one for every unit: compute (param) dtype,
+    reduce dtype, output dtype and cast_forward_inputs."""
+    return {"param_dtype": draw(st.sampled_from([None, "bfloat16", "float16"])),
+            "reduce_dtype": draw(st.sampled_from([None, "float32", "bfloat16", "float16"])),
+            "output_dtype": draw(st.sampled_from([None, "float32"])),
+            # off, float inputs meet low-precision params: a dtype error on both sides (invalid)
+            "cast_forward_inputs": draw(st.sampled_from([True, True, True, False]))}
 
 
 @st.composite
@@ -179,6 +192,8 @@ def _no_options(shapes, mesh_shape, tied=(), **_):
 # target -> (param shapes, mesh shape, tied, **context) -> strategy of its target_options
 TARGET_OPTIONS = {"dtensor": placements, "fsdp2": fsdp2_options, "fsdp1": fsdp1_options, "zero": zero_options,
                   "sharded_optim": sharded_optim_options}
+# targets that train on uneven inputs under torch.distributed.algorithms.Join
+JOIN = {"zero"}
 # targets where each rank trains on its slice of the global batch
 DATA_PARALLEL = {"fsdp2", "fsdp1", "zero"}
 # targets with a checkpoint round trip, and how each saves
@@ -314,4 +329,20 @@ def cases(
     case = dataclasses.replace(case, optim=dataclasses.replace(optim, added_groups=added, added_at=added_at))
     if target in GENERATOR_GROUPS and draw(st.integers(0, 7)) == 7:  # rarely (and never when shrunk): a known trap
         case = dataclasses.replace(case, target_options={**options, "generator_groups": True})
+    if target in JOIN and _joinable(case) and draw(st.integers(0, 3)) == 3:
+        # uneven inputs under Join: rank r runs the first counts[r] steps, one rank all of them
+        counts = [draw(st.integers(1, n_steps)) for _ in range(world)]
+        counts[draw(st.integers(0, world - 1))] = n_steps
+        case = dataclasses.replace(case, target_options={**case.target_options, "uneven": counts})
     return case
+
+
+def _joinable(case: Case) -> bool:
+    """Join applies with DDP averaging the grads (its join hook shadows the
+    all-reduce), every trainable param used (a joined rank cannot tell an
+    unused param's zero grad from a real one), no checkpoint, no param groups
+    added and nothing frozen mid-run (a joined rank runs no schedule)."""
+    return ("ddp" in case.target_options and case.world_size > 1 and len(case.schedule) > 1
+            and case.checkpoint is None and not case.model.unused and not case.optim.added_groups
+            and not any(s.freeze or s.unfreeze for s in case.schedule)
+            and not case.target_options.get("generator_groups"))

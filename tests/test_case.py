@@ -115,3 +115,13 @@ def test_impossible_mid_run_param_groups_raise_a_clear_case_error(optim, message
     data["optim"].update(optim)
     with pytest.raises(CaseError, match=message):
         Case.from_dict(data).check_world()
+
+
+@pytest.mark.parametrize("counts", [[2], [1, 1], [2, 3], [0, 2]])
+def test_impossible_uneven_inputs_raise_a_clear_case_error(counts):
+    from cases import simple_case
+
+    data = simple_case(2).to_dict()  # 2 ranks, 2 steps
+    data["target_options"]["uneven"] = counts
+    with pytest.raises(CaseError, match="uneven inputs"):
+        Case.from_dict(data).check_world()

@@ -9,17 +9,20 @@ import pytest
 from conftest import PLANTED, run_cli, torchrun
 
 BUGS = [
-    # target, bug file, optimizers to draw, the finding's file pattern, smallest world size that shows it
-    ("dtensor", "skip_weight_decay.py", "SGD,AdamW", "dtensor.parity.*.*.param.json", 1),
-    ("dtensor", "last_shard_untouched.py", "Adam,SGD", "dtensor.parity.*.*.param.json", 2),
-    ("fsdp2", "fsdp2_skip_average.py", "SGD,Adam", "fsdp2.parity.grad.json", 2),
+    # target, bug file, optimizers to draw, world sizes, the finding's file pattern, smallest world size that shows it
+    ("dtensor", "skip_weight_decay.py", "SGD,AdamW", "1,2,3", "dtensor.parity.*.*.param.json", 1),
+    ("dtensor", "last_shard_untouched.py", "Adam,SGD", "1,2,3", "dtensor.parity.*.*.param.json", 2),
+    ("fsdp2", "fsdp2_skip_average.py", "SGD,Adam", "1,2,3", "fsdp2.parity.grad.json", 2),
+    # mixed precision: the reference replays MixedPrecisionPolicy's casts (only a float16 reduce shows this bug)
+    ("fsdp2", "fsdp2_fp16_no_postdivide.py", "SGD", "4", "fsdp2.parity.grad.json", 4),
 ]
 
 
-@pytest.mark.parametrize("target, bug, optimizers, pattern, smallest_world", BUGS, ids=[b[1][:-3] for b in BUGS])
-def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, target, bug, optimizers, pattern, smallest_world):
+@pytest.mark.parametrize("target, bug, optimizers, worlds, pattern, smallest_world", BUGS, ids=[b[1][:-3] for b in BUGS])
+def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, target, bug, optimizers, worlds, pattern,
+                                                         smallest_world):
     out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", target, "--max-examples", 60, "--seed", 0, "--world-sizes", "1,2,3",
+    r = run_cli("fuzz", "--target", target, "--max-examples", 60, "--seed", 0, "--world-sizes", worlds,
                 "--optimizers", optimizers, "--checkpoints", "none", "--case-timeout", 60, "--out", out, setup=bug)
     assert r.returncode == 1, r.stderr[-3000:]
     found = sorted(out.glob(pattern))
@@ -31,6 +34,8 @@ def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, target, bug,
     assert finding["verdict"]["oracle"] == "parity"
     # shrunk: the smallest world size that shows the bug, a tiny model, one step
     assert case["world_size"] == smallest_world
+    if bug == "fsdp2_fp16_no_postdivide.py":
+        assert "float16" in (case["target_options"]["mp"]["param_dtype"], case["target_options"]["mp"]["reduce_dtype"])
     assert len([layer for layer in case["model"]["layers"] if layer["kind"] != "act"]) <= 2  # acts hold no params
     assert len(case["schedule"]) == 1
     # the repro replays through fuzzshard ...
@@ -61,13 +66,13 @@ def test_known_silent_torch_bug_reproduces_standalone(tmp_path):
 
 
 CHECKPOINT_BUGS = [
-    # target, bug file, optimizers, world sizes, examples, the finding's file pattern, what the shrunk case must hold
-    # (the first group's lr shows only with 2+ groups of different lr through a load: seed 0 gets there in ~150)
-    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "1", 150, "fsdp2.checkpoint.*.loaded.group.json",
+    # target, bug file, optimizers, world sizes, (examples, seed), the finding's file pattern, what the shrunk case must hold
+    # (the first group's lr shows only with 2+ groups of different lr through a load: seed 1 gets there in 100)
+    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "1", (100, 1), "fsdp2.checkpoint.*.loaded.group.json",
      lambda c: len(c["groups"]) >= 2),
     # ckpt_drop_frozen_state.py (a param frozen after it got state, saved full) is too rare a draw for
     # 80 examples now that its DCP twin is a known torch bug; run it by hand with more examples
-    ("fsdp2", "ckpt_reshard_swap.py", "Adam,AdamW", "1,2", 80, "fsdp2.checkpoint.dcp.loaded.state.exp_avg*.json",
+    ("fsdp2", "ckpt_reshard_swap.py", "Adam,AdamW", "1,2", (80, 0), "fsdp2.checkpoint.dcp.loaded.state.exp_avg*.json",
      lambda c: c["checkpoint"]["world_size"] != c["world_size"]),
 ]
 
@@ -77,7 +82,7 @@ CHECKPOINT_BUGS = [
 def test_planted_checkpoint_bug_is_found_shrunk_and_replays(tmp_path, target, bug, optimizers, worlds, examples,
                                                             pattern, holds):
     out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", target, "--checkpoints", "all", "--max-examples", examples, "--seed", 0,
+    r = run_cli("fuzz", "--target", target, "--checkpoints", "all", "--max-examples", examples[0], "--seed", examples[1],
                 "--world-sizes", worlds, "--optimizers", optimizers, "--case-timeout", 60, "--out", out, setup=bug)
     found = sorted(out.glob(pattern))
     assert found, f"no checkpoint finding; stderr:\n{r.stderr[-3000:]}"
@@ -85,7 +90,7 @@ def test_planted_checkpoint_bug_is_found_shrunk_and_replays(tmp_path, target, bu
     case = finding["case"]
     assert finding["verdict"]["oracle"] == "checkpoint" and finding["deterministic"] is True
     assert holds(case), case
-    assert len(case["model"]["layers"]) <= 4 and len(case["schedule"]) <= 2  # shrunk
+    assert len([x for x in case["model"]["layers"] if x["kind"] != "act"]) <= 3 and len(case["schedule"]) <= 2  # shrunk
     assert run_cli("replay", found[0], setup=bug).returncode == 1
     assert run_cli("replay", found[0]).returncode == 0
     if bug == "ckpt_reshard_swap.py":  # the standalone script reshards on its own, under torchrun
@@ -156,3 +161,26 @@ def test_zero_param_group_added_mid_run_is_partitioned_and_trained(tmp_path):
     buggy = run_cli("replay", path, setup="zero_add_group_unpartitioned.py")
     assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
     assert "step 2: add_param_group" in buggy.stdout and "PartitionBroken" in buggy.stdout, buggy.stdout
+
+
+def test_zero_uneven_inputs_under_join_train_the_joined_ranks_partition(tmp_path):
+    """Uneven inputs under Join([ddp, zero]): rank 1 runs out after one step;
+    DDP's join hook shadows the all-reduce (whose result fuzzshard's comm hook
+    makes rank 1's grads) and ZeRO's join hook steps rank 1's partition. The
+    clean run keeps parity with the reference that averages the active ranks'
+    grads over the whole world; a join hook that drops those grads is caught."""
+    import dataclasses
+
+    from cases import simple_case
+    from fuzzshard.case import Step
+
+    case = simple_case(2, optim="Adam")
+    case = dataclasses.replace(case, target="zero", batch=4, schedule=(Step(),) * 3,
+                               target_options={"ddp": {}, "uneven": [3, 1]})
+    path = tmp_path / "case.json"
+    path.write_text(case.to_json())
+    clean = run_cli("replay", path)
+    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    buggy = run_cli("replay", path, setup="zero_join_stale_grads.py")
+    assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
+    assert "zero.parity." in buggy.stdout and "step 1" in buggy.stdout, buggy.stdout

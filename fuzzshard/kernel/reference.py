@@ -8,9 +8,11 @@ step, taken from the sharded grads, with the step tolerance.
 """
 from __future__ import annotations
 
+import copy
 import traceback
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ..case import Case
 from .localize import Trace, localize_divergence
@@ -65,7 +67,14 @@ def _plain_reference_error(case: Case, device: str) -> dict | None:
             _before_step(model, opt, case, k)
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
-            loss_fn(model(x), y).backward()
+            options, world = _options_at(case, k)
+            if options.get("mp"):  # the same casts, or the same dtype errors
+                grads = _mixed_precision(case, model, options, world, x, y)[1]
+                for n, p in model.named_parameters():
+                    p.grad = grads[n]
+            else:
+                x, y, scale = _active(case, k, x, y)
+                (loss_fn(model(x), y) * scale).backward()
             opt.step()
     except Exception as e:
         return _exc(e)
@@ -116,12 +125,20 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
             _anchor(model, opt, case, prev)
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
-            sens = _sensitivity(model, params, x, y)
-            trace = Trace(model, lambda t: t, lambda t: t) if localize and rec["trace"] else None
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            here = [compare("loss", k, "", rec["loss"], loss.detach(), red_tol, sens=sens["loss"])]
-            here += [compare("grad", k, n, rec["grads"][n], p.grad, red_tol, sens=sens.get(n, 0.0)) for n, p in params.items()]
+            options, world = _options_at(case, k)
+            trace, extra = None, {}
+            if options.get("mp"):
+                loss, grads, tol, sens, extra = _mixed_precision(case, model, options, world, x, y)
+            else:
+                x, y, scale = _active(case, k, x, y)
+                sens = _sensitivity(model, params, x, y, scale)
+                trace = Trace(model, lambda t: t, lambda t: t) if localize and rec["trace"] else None
+                loss = loss_fn(model(x), y) * scale
+                loss.backward()
+                grads, tol = {n: p.grad for n, p in params.items()}, red_tol
+            here = [compare("loss", k, "", rec["loss"], loss.detach(), tol, sens=sens["loss"])]
+            here += [compare("grad", k, n, rec["grads"][n], grads[n], tol, sens=sens.get(n, 0.0), extra=extra.get(n))
+                     for n in params]
             here = [m for m in here if m]
             if trace:  # name the module behind this step's divergence, if it has one
                 culprit = localize_divergence(rec["trace"], trace.take(), red_tol) if here else None
@@ -153,10 +170,88 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
     return {"status": "pass"}
 
 
+def _active(case: Case, k: int, x, y) -> tuple:
+    """(inputs, targets, loss scale) of step k: with uneven inputs only the
+    ranks that still run it contribute their slices, and DDP averages over
+    the whole world: the grad of sum over active ranks of their mean loss / W."""
+    counts = case.target_options.get("uneven")
+    if not counts:
+        return x, y, 1.0
+    per = x.shape[0] // len(counts)
+    active = [r for r, n in enumerate(counts) if n > k]
+    pick = torch.cat([torch.arange(r * per, (r + 1) * per) for r in active]).to(x.device)
+    return x[pick], y[pick], len(active) / len(counts)
+
+
+def _options_at(case: Case, k: int) -> tuple[dict, int]:
+    """The target options and world size step k ran with (the loading side's after a checkpoint)."""
+    ck = case.checkpoint
+    return (ck.target_options, ck.world_size) if ck and k > ck.after else (case.target_options, case.world_size)
+
+
+def _mixed_precision(case: Case, model, options: dict, world: int, x, y) -> tuple:
+    """fsdp2's MixedPrecisionPolicy, replayed with the same casts: each
+    data-parallel rank's slice runs forward/backward on a copy of the model
+    whose params are in param_dtype, with FSDP2's casts at every unit (float
+    inputs to param_dtype when cast_forward_inputs, outputs to output_dtype;
+    buffers keep their dtype). Each rank's grads are cast to reduce_dtype and
+    averaged exactly. The sharded run reduces the same W values in
+    reduce_dtype (W-1 sums, a pre- and a post-divide, the cast back): 2(W+1)
+    ulps of reduce_dtype of sum|rank grads|/W. Per-rank compute is the same
+    code on the same values, up to kernel rounding, which the sensitivity
+    (one-ulp nudges in param_dtype) bounds.
+    Returns (loss, grads, tolerance, sensitivity, elementwise allowance)."""
+    mp, orig = options["mp"], torch_dtype(case)
+    compute = getattr(torch, mp["param_dtype"]) if mp["param_dtype"] else orig
+    reduce = getattr(torch, mp["reduce_dtype"]) if mp["reduce_dtype"] else compute
+    out_dtype = getattr(torch, mp["output_dtype"]) if mp["output_dtype"] else None
+    low = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in low.parameters():
+            p.grad = None
+            p.data = p.data.to(compute)
+    for fqn in ["", *options.get("wrap", [])]:
+        unit = low.get_submodule(fqn)
+        if mp["cast_forward_inputs"] and mp["param_dtype"]:
+            unit.register_forward_pre_hook(lambda m, a, kw: (_cast(a, compute), _cast(kw, compute)), with_kwargs=True)
+        if out_dtype is not None:
+            unit.register_forward_hook(lambda m, a, out: _cast(out, out_dtype))
+    params = dict(low.named_parameters())
+    per = x.shape[0] // world
+    loss, total, spread, sens = 0.0, {}, {}, {}
+    for r in range(world):
+        xr, yr = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
+        for key, v in _sensitivity(low, params, xr, yr).items():
+            sens[key] = sens.get(key, 0.0) + v / world
+        for p in params.values():
+            p.grad = None
+        local = loss_fn(low(xr), yr)
+        local.backward()
+        loss += local.detach().double() / world
+        for n, p in params.items():
+            if p.grad is not None:
+                g = p.grad.to(reduce).double()
+                total[n], spread[n] = total.get(n, 0) + g, spread.get(n, 0) + g.abs()
+    k, low_name, reduce_name = 2 * (world + 1), str(compute)[6:], str(reduce)[6:]  # "torch.bfloat16" -> "bfloat16"
+    tol = {"k_ulps": k, "u": UNIT_ROUNDOFF[reduce_name],
+           "why": f"mixed precision: per-rank grads in {low_name}, averaged over {world} ranks in {reduce_name}: "
+                  f"{k} ulps of {reduce_name} of sum|rank grads|/W, plus {k} x the one-ulp sensitivity in {low_name}"}
+    grads = {}
+    for n, p in model.named_parameters():  # FSDP2 adds to a grad the param still holds (frozen, or zeroed not None)
+        new = (total[n] / world).to(orig) if n in total else None
+        grads[n] = p.grad if new is None else new if p.grad is None else p.grad + new
+    extra = {n: k * tol["u"] * spread[n] / world for n in spread}
+    return loss.to(orig), grads, tol, sens, extra
+
+
+def _cast(tree, dtype):
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
+
+
 SENSITIVITY_DRAWS = 4
 
 
-def _sensitivity(model, params: dict, x, y) -> dict[str, float]:
+def _sensitivity(model, params: dict, x, y, scale: float = 1.0) -> dict[str, float]:
     """How far one ulp moves each result: rerun forward/backward with every
     param and float input nudged by one ulp (random direction, fixed seed),
     and take the largest change per tensor. Rounding anywhere in a legitimate
@@ -177,7 +272,7 @@ def _sensitivity(model, params: dict, x, y) -> dict[str, float]:
                 p.copy_(nudge(saved[n]) if perturb else saved[n])
                 p.grad = None
         xin = nudge(x) if perturb and x.is_floating_point() else x
-        loss = loss_fn(model(xin), y)
+        loss = loss_fn(model(xin), y) * scale
         loss.backward()
         return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
 

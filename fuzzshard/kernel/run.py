@@ -163,6 +163,24 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
     trace = Trace(model, target.full_activation, target.full_activation_grad) \
         if localize and target.localizable else None
     out = []
+
+    def observe_grads() -> dict:  # collectives over the job, after backward
+        return {"grads": target.grads(model), "grad_spread": target.grad_spreads(model)}
+
+    def observe_step() -> dict:  # collectives over the job, after the step
+        return {"params": target.params(model), "state": target.optimizer_state(opt, model),
+                "groups": target.group_hparams(opt)}
+
+    with target.uneven(model, opt, observe_grads, observe_step, out.append if keep else lambda rec: None) as runs:
+        _steps(case, target, model, opt, [k for k in steps if runs(k)], device, keep, trace, phase, out,
+               observe_grads, observe_step)
+    if trace:
+        trace.remove()
+    return out
+
+
+def _steps(case: Case, target, model, opt, steps, device: str, keep: bool, trace, phase, out: list,
+           observe_grads, observe_step) -> None:
     for k in steps:
         step = case.schedule[k]
         target.apply_flags(model, step)
@@ -176,22 +194,12 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
         full_loss = target.forward_backward(model, x, y)
         traced = trace.take() if trace else None
         phase.name = f"step {k}: gather grads"
-        grads = target.grads(model)
-        spread = target.grad_spreads(model)
+        grads = observe_grads()
         phase.name = f"step {k}: optimizer.step"
         opt.step()
         phase.name = f"step {k}: gather params and state"
-        rec = {
-            "loss": full_loss.detach().clone(),
-            "grads": grads,
-            "grad_spread": spread,
-            "params": target.params(model),
-            "state": target.optimizer_state(opt, model),
-            "groups": target.group_hparams(opt),
-            "trace": traced,
-        }
+        rec = {"loss": full_loss.detach().clone(), **grads, **observe_step(), "trace": traced}
         if keep:
             out.append(rec)
-    if trace:
-        trace.remove()
-    return out
+    if case.target_options.get("uneven"):
+        phase.name = "joined: shadowing the other ranks' steps (uneven inputs)"

@@ -10,6 +10,8 @@ the same order.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -46,6 +48,15 @@ class Target:
     def add_groups(self, opt, model: nn.Module) -> None:
         """The case's mid-run ``add_param_group`` calls."""
         add_late_groups(opt, model, self.case)
+
+    @contextlib.contextmanager
+    def uneven(self, model: nn.Module, opt, observe_grads, observe_step, record):
+        """Around the training loop: yields ``runs(k)``, whether this rank runs
+        step k itself. A target that trains on uneven inputs (zero under Join)
+        yields fewer steps and shadows the rest: ``observe_grads`` and
+        ``observe_step`` are the loop's collectives, ``record`` takes each
+        shadowed step's record."""
+        yield lambda k: True
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
         """(this rank's loss to backward, the global mean loss as a plain tensor)."""

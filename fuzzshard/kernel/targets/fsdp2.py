@@ -2,7 +2,8 @@
 
 The Case's ``target_options`` name the submodules that get their own
 ``fully_shard`` (applied deepest first, then the root), ``reshard_after_forward``,
-``offload`` (CPUOffloadPolicy), ``ac`` (submodules under composable activation
+``offload`` (CPUOffloadPolicy), ``mp`` (a MixedPrecisionPolicy for every
+unit, see reference.py for how it is replayed), ``ac`` (submodules under composable activation
 checkpointing) and ``microbatches`` (gradient accumulation: every microbatch
 but the last runs with ``set_requires_gradient_sync(False)``). A 2-D mesh
 means HSDP (replicate x shard). Each rank trains on its slice of the global
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..model import loss_fn
@@ -30,8 +31,9 @@ class FSDP2Target(Target):
 
     @property
     def localizable(self) -> bool:
-        """Per-module traces line up with the reference's only with one forward per step."""
-        return self.microbatches == 1
+        """Per-module traces line up with the reference's only with one forward
+        per step, and in the same dtype."""
+        return self.microbatches == 1 and not self.case.target_options.get("mp")
 
     def shard(self, model: nn.Module) -> nn.Module:
         opts = self.case.target_options
@@ -42,6 +44,11 @@ class FSDP2Target(Target):
                 checkpoint(model.get_submodule(fqn))
         kw = {"mesh": self.mesh, "reshard_after_forward": opts.get("reshard_after_forward", True),
               "offload_policy": CPUOffloadPolicy(pin_memory=False) if opts.get("offload") else OffloadPolicy()}
+        if opts.get("mp"):
+            mp = opts["mp"]
+            kw["mp_policy"] = MixedPrecisionPolicy(
+                **{k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "output_dtype")},
+                cast_forward_inputs=mp["cast_forward_inputs"])
         for fqn in sorted(opts.get("wrap", []), key=lambda n: (-n.count("."), n)):  # children before parents
             fully_shard(model.get_submodule(fqn), **kw)
         fully_shard(model, **kw)

@@ -12,6 +12,8 @@ broadcasts the result. ``target_options``:
     checkpoint to;
   - ``local`` (loading side only): resume with the plain torch.optim optimizer
     (cross-loading ZeRO's state into the local optimizer);
+  - ``uneven``: per rank, how many schedule steps it runs; the loop runs
+    under ``Join`` and a rank out of steps shadows the others' (DDP only);
   - ``generator_groups``: each param group's params given as a one-shot
     iterator, which torch.optim accepts (a known trap for wrappers that
     iterate them twice).
@@ -23,12 +25,14 @@ every rank of another world size must restore it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..checkpoint import _tensor
 from ..model import loss_fn
@@ -50,6 +54,28 @@ class GroupsLost(AssertionError):
     """ZeRO's param_groups lack params it was given (torch.optim keeps them all)."""
 
 
+class _Shadow(Joinable):
+    """A Joinable whose join hook runs ``fn``: a joined rank's part in
+    collectives the training loop runs between DDP's and ZeRO's."""
+
+    def __init__(self, fn, group, model: nn.Module):
+        super().__init__()
+        self.fn, self.group, self.device = fn, group, next(model.parameters()).device
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        hook = JoinHook()
+        hook.main_hook = self.fn
+        return hook
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.group
+
+
 class ZeroTarget(Target):
     name = "zero"
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
@@ -59,6 +85,61 @@ class ZeroTarget(Target):
         self.group = mesh.get_group()
         self.ddp = None
         self.late_added = False  # the case's mid-run add_param_group calls are done
+        self.joined = False  # out of uneven inputs: inside Join's shadowing loop
+
+    @property
+    def localizable(self) -> bool:
+        """Traces gather activations across ranks: a joined rank has none to give."""
+        return not self.counts
+
+    @property
+    def counts(self) -> list[int] | None:
+        """Uneven inputs: the number of steps each rank runs (the rest under Join)."""
+        return self.case.target_options.get("uneven")
+
+    @contextlib.contextmanager
+    def uneven(self, model: nn.Module, opt, observe_grads, observe_step, record):
+        """Uneven inputs, as documented for DDP and ZeRO: the training loop runs
+        inside ``Join([ddp, ..., zero, ...])``. A rank out of inputs joins: DDP's
+        join hook shadows the grad all-reduce (the comm hook below makes its
+        result this rank's grads, which ZeRO's join hook requires to be "properly
+        set"), ZeRO's join hook steps this rank's partition and broadcasts it,
+        and fuzzshard's own hooks shadow the loop's loss all-reduce and its
+        observation gathers, in the loop's order, recording each step."""
+        if not self.counts:
+            yield lambda k: True
+            return
+        pending = {}
+
+        def after_backward():  # the loop's loss all-reduce (a joined rank adds 0), then its grad gathers
+            loss = torch.zeros((), dtype=next(model.parameters()).dtype, device=next(model.parameters()).device)
+            dist.all_reduce(loss, group=self.group)
+            pending.update({"loss": loss / self._world(), **observe_grads()})
+
+        def after_step():
+            record({**pending, **observe_step(), "trace": None})
+
+        mine = self.counts[dist.get_rank(self.group)]
+        with Join([self.ddp, _Shadow(after_backward, self.group, model), opt, _Shadow(after_step, self.group, model)]):
+            yield lambda k: k < mine
+            self.joined = True
+
+    def _allreduce_setting_joined_grads(self, state, bucket):
+        """DDP's averaging as a comm hook (divide by the world size, all-reduce).
+        On a joined rank DDP runs it on zeros and drops the result; here the
+        result, bitwise the active ranks' grads, becomes this rank's grads."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        fut = allreduce_hook(self.group, bucket)
+        if not self.joined:
+            return fut
+
+        def set_grads(done):
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                p.grad = g.detach().clone()
+            return done.value()
+
+        return fut.then(set_grads)
 
     @property
     def local(self) -> bool:
@@ -72,6 +153,8 @@ class ZeroTarget(Target):
             device = next(model.parameters()).device
             device_ids = None if device.type == "cpu" else [device]
             self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=self.group, **ddp)
+            if self.counts:
+                self.ddp.register_comm_hook(None, self._allreduce_setting_joined_grads)
         return model  # the plain module: its FQNs; the forward goes through DDP
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
