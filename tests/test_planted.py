@@ -154,13 +154,8 @@ def test_zero_param_group_added_mid_run_is_partitioned_and_trained(tmp_path):
         case, target="zero", batch=4, target_options={"ddp": {}},
         optim=dataclasses.replace(case.optim, added_groups=1, added_at=2), schedule=(Step(),) * 3,
         checkpoint=Checkpoint(after=0, kind="consolidate", world_size=2, mesh_shape=(2,)))
-    path = tmp_path / "case.json"
-    path.write_text(case.to_json())
-    clean = run_cli("replay", path)
-    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
-    buggy = run_cli("replay", path, setup="zero_add_group_unpartitioned.py")
-    assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
-    assert "step 2: add_param_group" in buggy.stdout and "PartitionBroken" in buggy.stdout, buggy.stdout
+    buggy = _replay_clean_then_buggy(tmp_path, case, "zero_add_group_unpartitioned.py")
+    assert "step 2: add_param_group" in buggy and "PartitionBroken" in buggy, buggy
 
 
 def test_zero_uneven_inputs_under_join_train_the_joined_ranks_partition(tmp_path):
@@ -177,10 +172,16 @@ def test_zero_uneven_inputs_under_join_train_the_joined_ranks_partition(tmp_path
     case = simple_case(2, optim="Adam")
     case = dataclasses.replace(case, target="zero", batch=4, schedule=(Step(),) * 3,
                                target_options={"ddp": {}, "uneven": [3, 1]})
+    buggy = _replay_clean_then_buggy(tmp_path, case, "zero_join_stale_grads.py")
+    assert "zero.parity." in buggy and "step 1" in buggy, buggy
+
+
+def _replay_clean_then_buggy(tmp_path, case, bug: str) -> str:
+    """A hand-written case passes on clean torch and fails with ``bug``; the failing replay's output."""
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
     clean = run_cli("replay", path)
     assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
-    buggy = run_cli("replay", path, setup="zero_join_stale_grads.py")
+    buggy = run_cli("replay", path, setup=bug)
     assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
-    assert "zero.parity." in buggy.stdout and "step 1" in buggy.stdout, buggy.stdout
+    return buggy.stdout
