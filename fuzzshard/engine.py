@@ -22,7 +22,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from . import repro
 from .findings import Finding, environment, load_known, signature, summary, triggered, write_finding
-from .runner import Pool
+from .runner import Pool, PoolError
 
 
 class FindingError(Exception):
@@ -149,10 +149,10 @@ class Session:
         except BaseExceptionGroup as group:
             _, rest = group.split(FindingError)
             if rest is not None:
-                raise rest
+                raise _pool_error(rest) or rest
         except Exception as e:  # hypothesis.errors.FlakyFailure and friends
             if not _only_findings(e):
-                raise
+                raise _pool_error(e) or e
 
     def on_case(self, case, verdict: dict, sig: str | None) -> None:
         """Called once per case run (``sig``: its finding's signature, known or
@@ -249,6 +249,14 @@ def localized(pool, case, verdict: dict) -> dict:
         if again.get("oracle") == "parity":
             return again
     return verdict
+
+
+def _pool_error(e: BaseException) -> PoolError | None:
+    """The PoolError inside what Hypothesis raised, if any: a pool that broke
+    (a lost rank of a cell spanning nodes) is no failing example; callers see it bare."""
+    if isinstance(e, PoolError):
+        return e
+    return next((x for sub in getattr(e, "exceptions", ()) if (x := _pool_error(sub))), None)
 
 
 def _only_findings(e: BaseException) -> bool:

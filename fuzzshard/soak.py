@@ -314,23 +314,12 @@ def run_cell(spec: dict) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         session.run()
-    except Exception as e:  # Hypothesis may wrap it in an ExceptionGroup
-        lost = _find(e, LostRank)
-        if lost is None:
-            raise
-        # its other process or node went away: the cell ends, nothing to report
-        print(f"cell {spec['name']}: {lost}; cell closed", flush=True)
+    except LostRank as e:  # its other process or node went away: the cell ends, nothing to report
+        print(f"cell {spec['name']}: {e}; cell closed", flush=True)
         return 4
     finally:
         pool.close()
     return 0
-
-
-def _find(e: BaseException, kind: type) -> BaseException | None:
-    """``e`` or the first ``kind`` inside it (exception groups nest)."""
-    if isinstance(e, kind):
-        return e
-    return next((x for sub in getattr(e, "exceptions", ()) if (x := _find(sub, kind))), None)
 
 
 def publish(directory: Path, finding) -> bool:

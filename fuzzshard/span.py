@@ -41,22 +41,21 @@ POLL = 0.2
 def torchrun_store(timeout: float = 120.0):
     """(store, where): a client of torchrun's TCPStore under this launch's
     prefix, and what a worker needs to open the same store."""
-    import torch.distributed as dist
-
     env = os.environ
-    host, port, rank = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env.get("RANK", 0))
+    rank = int(env.get("RANK", 0))
+    prefix = f"fuzzshard-soak/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    where = {"host": env["MASTER_ADDR"], "port": int(env["MASTER_PORT"]), "prefix": prefix}
     # torchrun's agent hosts the store (the default); otherwise rank 0 does, as init_process_group would
     hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
-    base = dist.TCPStore(host, port, is_master=hosts, timeout=timedelta(seconds=timeout),
-                         multi_tenant=True, wait_for_workers=False)
-    prefix = f"fuzzshard-soak/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    return dist.PrefixStore(prefix, base), {"host": host, "port": port, "prefix": prefix}
+    return open_store(where, timeout, is_master=hosts), where
 
 
-def open_store(where: dict, timeout: float = 120.0):
+def open_store(where: dict, timeout: float = 120.0, is_master: bool = False):
+    """The store at ``where`` (host, port), seen under its prefix."""
     import torch.distributed as dist
 
-    base = dist.TCPStore(where["host"], where["port"], is_master=False, timeout=timedelta(seconds=timeout))
+    base = dist.TCPStore(where["host"], where["port"], is_master=is_master, timeout=timedelta(seconds=timeout),
+                         multi_tenant=True, wait_for_workers=False)
     return dist.PrefixStore(where["prefix"], base)
 
 

@@ -44,8 +44,9 @@ def main() -> None:
     timeout = datetime.timedelta(seconds=options["collective_timeout"])
     store = options["store"]
     if isinstance(store, dict):  # a cell spanning processes meets in torchrun's store (span.py)
-        where = {"store": dist.PrefixStore(store["prefix"], dist.TCPStore(
-            store["host"], store["port"], is_master=False, timeout=timeout))}
+        from .span import open_store
+
+        where = {"store": open_store(store, options["collective_timeout"])}
     else:  # a cell of this machine: a file store in the driver's temp folder
         where = {"init_method": f"file://{store}"}
     dist.init_process_group(options["backend"], rank=rank, world_size=size, timeout=timeout, **where)

@@ -51,6 +51,17 @@ def reduction_tolerance(dtype: str, n: int) -> dict:
     }
 
 
+def mixed_precision_tolerance(compute: str, reduce: str, world: int) -> dict:
+    """fsdp2 mixed precision: W per-rank grads computed in ``compute``, summed
+    in ``reduce`` with a pre- and a post-divide and cast back (W+2 roundings);
+    both sides, so 2(W+1) ulps of ``reduce`` (applied to sum|rank grads|/W by
+    the caller, plus the same k times the one-ulp sensitivity in ``compute``)."""
+    k = 2 * (world + 1)
+    return {"k_ulps": k, "u": UNIT_ROUNDOFF[reduce],
+            "why": f"mixed precision: per-rank grads in {compute}, averaged over {world} ranks in {reduce}: "
+                   f"{k} ulps of {reduce} of sum|rank grads|/W, plus {k} x the one-ulp sensitivity in {compute}"}
+
+
 def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: float = 0.0, extra=None) -> dict | None:
     """None when ``got`` matches ``want`` within ``tol``, else a mismatch record.
     ``atol = k*u*max|want| + k*sens``, ``sens`` being the measured change of

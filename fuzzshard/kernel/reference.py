@@ -18,7 +18,7 @@ from ..case import Case
 from .localize import Trace, localize_divergence
 from .model import build_model, loss_fn, make_batch
 from .optim import add_late_groups, adds_groups_before, build_optimizer, group_hparams, load_state_by_fqn, resume_defaults, state_by_fqn
-from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, reduction_tolerance, step_tolerance
+from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, mixed_precision_tolerance, reduction_tolerance, step_tolerance
 
 
 MAX_REPORTED = 8
@@ -202,8 +202,9 @@ def _mixed_precision(case: Case, model, options: dict, world: int, x, y) -> tupl
     (one-ulp nudges in param_dtype) bounds.
     Returns (loss, grads, tolerance, sensitivity, elementwise allowance)."""
     mp, orig = options["mp"], torch_dtype(case)
-    compute = getattr(torch, mp["param_dtype"]) if mp["param_dtype"] else orig
-    reduce = getattr(torch, mp["reduce_dtype"]) if mp["reduce_dtype"] else compute
+    compute_name = mp["param_dtype"] or case.dtype
+    reduce_name = mp["reduce_dtype"] or compute_name
+    compute, reduce = getattr(torch, compute_name), getattr(torch, reduce_name)
     out_dtype = getattr(torch, mp["output_dtype"]) if mp["output_dtype"] else None
     low = copy.deepcopy(model)
     with torch.no_grad():
@@ -232,15 +233,12 @@ def _mixed_precision(case: Case, model, options: dict, world: int, x, y) -> tupl
             if p.grad is not None:
                 g = p.grad.to(reduce).double()
                 total[n], spread[n] = total.get(n, 0) + g, spread.get(n, 0) + g.abs()
-    k, low_name, reduce_name = 2 * (world + 1), str(compute)[6:], str(reduce)[6:]  # "torch.bfloat16" -> "bfloat16"
-    tol = {"k_ulps": k, "u": UNIT_ROUNDOFF[reduce_name],
-           "why": f"mixed precision: per-rank grads in {low_name}, averaged over {world} ranks in {reduce_name}: "
-                  f"{k} ulps of {reduce_name} of sum|rank grads|/W, plus {k} x the one-ulp sensitivity in {low_name}"}
+    tol = mixed_precision_tolerance(compute_name, reduce_name, world)
     grads = {}
     for n, p in model.named_parameters():  # FSDP2 adds to a grad the param still holds (frozen, or zeroed not None)
         new = (total[n] / world).to(orig) if n in total else None
         grads[n] = p.grad if new is None else new if p.grad is None else p.grad + new
-    extra = {n: k * tol["u"] * spread[n] / world for n in spread}
+    extra = {n: tol["k_ulps"] * tol["u"] * spread[n] / world for n in spread}
     return loss.to(orig), grads, tol, sens, extra
 
 
