@@ -117,5 +117,10 @@ def _main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    code = _main()
+    # Skip interpreter finalization: with a DeviceMesh alive, gloo's run-loop
+    # thread can abort the process there (a torch teardown race, not the case).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 '''
