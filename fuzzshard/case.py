@@ -115,14 +115,17 @@ class Case:
 
     def check_world(self) -> None:
         """CaseError unless every world size and mesh in the case is possible."""
-        sides = [("", self.world_size, self.mesh_shape)]
+        sides = [("", self.world_size, self.mesh_shape, self.target_options)]
         if self.checkpoint:
-            sides.append(("checkpoint ", self.checkpoint.world_size, self.checkpoint.mesh_shape))
-        for what, world, mesh in sides:
+            sides.append(("checkpoint ", self.checkpoint.world_size, self.checkpoint.mesh_shape,
+                          self.checkpoint.target_options))
+        for what, world, mesh, options in sides:
             if world < 1 or not mesh:
                 raise CaseError(f"{what}world size {world} is impossible")
             if math.prod(mesh) != world:
                 raise CaseError(f"{what}mesh {mesh} does not hold {world} ranks")
+            if options.get("tp") and len(mesh) != 2:
+                raise CaseError(f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}")
         if not 0 <= self.optim.added_groups < max(len(self.groups), 1):
             raise CaseError(f"{self.optim.added_groups} added param groups: the case has {len(self.groups)}")
         if not 0 <= self.optim.added_at < max(len(self.schedule), 1) or (self.optim.added_at and not self.optim.added_groups):

@@ -74,16 +74,20 @@ def placements(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) -> 
 
 
 @st.composite
-def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) -> dict:
+def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
     """fsdp2: which submodules get their own fully_shard (the root always does),
     and reshard_after_forward (True, False, or an int dividing the shard group).
     A module holding a tied param stays in the root's group, as FSDP2 documents
     (wrapping it alone is rejected with a clear error: an invalid config)."""
     owners = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
+    # on a 2-D mesh: HSDP (replicate x shard), or TP on the inner dim + FSDP2 on the outer
+    tp = draw(tp_plans(shapes, tied, context["model"])) if len(mesh_shape) == 2 and draw(st.booleans()) else {}
     wrap = [m for m in owners if m not in tied and draw(st.booleans())]
-    shard = mesh_shape[-1]
+    shard = mesh_shape[0] if tp else mesh_shape[-1]
     raf = draw(st.sampled_from([True, False] + [d for d in range(2, shard) if shard % d == 0]))
     out = {"wrap": wrap, "reshard_after_forward": raf}
+    if tp:
+        out["tp"] = tp
     # extras, drawn off first so a shrunk case drops them
     if draw(st.booleans()):
         out["offload"] = True  # CPUOffloadPolicy(pin_memory=False)
@@ -93,9 +97,27 @@ def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) 
     microbatches = draw(st.sampled_from([1, 1, 2]))
     if microbatches > 1:
         out["microbatches"] = microbatches  # grad accumulation, no sync on all but the last
-    elif draw(st.sampled_from([False, False, True])):  # (accumulating in reduce_dtype is not replayed yet)
+    elif not tp and draw(st.sampled_from([False, False, True])):
+        # (not replayed yet: accumulating in reduce_dtype, and TP's low-precision partial sums)
         out["mp"] = draw(mp_policies())
     return out
+
+
+@st.composite
+def tp_plans(draw, shapes: dict, tied: tuple, model) -> dict:
+    """A TP style per Linear (colwise or rowwise, or none) and for the input
+    Embedding (colwise or none; row-wise Embedding sharding is the dtensor
+    target's); a module holding a tied param keeps it whole."""
+    plan = {}
+    for name, shape in shapes.items():
+        fqn = name.rsplit(".", 1)[0]
+        if not name.endswith(".weight") or len(shape) != 2 or fqn in tied:
+            continue
+        embedding = fqn == "layers.0" and model.input == "tokens"
+        style = draw(st.sampled_from([None, "colwise"] if embedding else [None, "colwise", "rowwise"]))
+        if style:
+            plan[fqn] = style
+    return plan
 
 
 @st.composite

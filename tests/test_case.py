@@ -125,3 +125,13 @@ def test_impossible_uneven_inputs_raise_a_clear_case_error(counts):
     data["target_options"]["uneven"] = counts
     with pytest.raises(CaseError, match="uneven inputs"):
         Case.from_dict(data).check_world()
+
+
+def test_tensor_parallel_on_a_1d_mesh_raises_a_clear_case_error():
+    from cases import simple_case
+
+    data = simple_case(2).to_dict()
+    data["target"] = "fsdp2"
+    data["target_options"] = {"tp": {"layers.0": "colwise"}}
+    with pytest.raises(CaseError, match="tensor parallel needs a 2-D mesh"):
+        Case.from_dict(data).check_world()

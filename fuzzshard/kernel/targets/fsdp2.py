@@ -4,13 +4,18 @@ The Case's ``target_options`` name the submodules that get their own
 ``fully_shard`` (applied deepest first, then the root), ``reshard_after_forward``,
 ``offload`` (CPUOffloadPolicy), ``mp`` (a MixedPrecisionPolicy for every
 unit, see reference.py for how it is replayed), ``ac`` (submodules under composable activation
-checkpointing) and ``microbatches`` (gradient accumulation: every microbatch
-but the last runs with ``set_requires_gradient_sync(False)``). A 2-D mesh
-means HSDP (replicate x shard). Each rank trains on its slice of the global
-batch; FSDP averages the grads, which equals the grad of the global mean loss
-the reference computes on the whole batch.
+checkpointing), ``microbatches`` (gradient accumulation: every microbatch
+but the last runs with ``set_requires_gradient_sync(False)``) and ``tp``
+(tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}).
+A 2-D mesh means HSDP (replicate x shard), or with ``tp`` TP + FSDP2:
+``parallelize_module`` on the inner dim, ``fully_shard`` on the outer. Each
+data-parallel rank trains on its slice of the global batch (the TP ranks of
+one slice see the same one); FSDP averages the grads, which equals the grad
+of the global mean loss the reference computes on the whole batch.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -35,14 +40,40 @@ class FSDP2Target(Target):
         per step, and in the same dtype."""
         return self.microbatches == 1 and not self.case.target_options.get("mp")
 
+    @property
+    def dp_dims(self) -> list[int]:
+        """The mesh dims the batch is split over: all of them but TP's."""
+        return [0] if self.case.target_options.get("tp") else list(range(self.mesh.ndim))
+
+    def dp_rank(self) -> int:
+        rank = 0
+        for dim in self.dp_dims:
+            rank = rank * self.mesh.size(dim) + self.mesh.get_local_rank(dim)
+        return rank
+
+    def dp_size(self) -> int:
+        return math.prod(self.mesh.size(dim) for dim in self.dp_dims)
+
     def shard(self, model: nn.Module) -> nn.Module:
         opts = self.case.target_options
+        mesh = self.mesh
+        if opts.get("tp"):
+            # Every TP module takes and gives a replicated plain tensor, so any
+            # layer can be one whatever its neighbours are (colwise all-gathers
+            # its output, rowwise shards its input and all-reduces its output).
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            style = {"colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+                     "rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
+            parallelize_module(model, mesh["d1"], {fqn: style[s]() for fqn, s in opts["tp"].items()})
+            mesh = mesh["d0"]
         if opts.get("ac"):
             from torch.distributed._composable import checkpoint
 
             for fqn in opts["ac"]:
                 checkpoint(model.get_submodule(fqn))
-        kw = {"mesh": self.mesh, "reshard_after_forward": opts.get("reshard_after_forward", True),
+        kw = {"mesh": mesh, "reshard_after_forward": opts.get("reshard_after_forward", True),
               "offload_policy": CPUOffloadPolicy(pin_memory=False) if opts.get("offload") else OffloadPolicy()}
         if opts.get("mp"):
             mp = opts["mp"]
@@ -58,7 +89,7 @@ class FSDP2Target(Target):
         """This rank's slice, in ``microbatches`` equal parts, each loss scaled
         by 1/microbatches; the grads sync on the last one only. Returns the
         global mean loss."""
-        world, k = self.mesh.size(), self.microbatches
+        world, k = self.dp_size(), self.microbatches
         per = x.shape[0] // world
         r = self.dp_rank()
         xs, ys = x[r * per:(r + 1) * per].chunk(k), y[r * per:(r + 1) * per].chunk(k)
@@ -70,7 +101,7 @@ class FSDP2Target(Target):
             loss.backward()
             losses.append(loss.detach())
         full = torch.stack(losses).sum()
-        for dim in range(self.mesh.ndim):
+        for dim in self.dp_dims:
             dist.all_reduce(full, group=self.mesh.get_group(dim))
         return full / world
 
@@ -80,7 +111,7 @@ class FSDP2Target(Target):
     def _gather_batch(self, t: torch.Tensor) -> torch.Tensor:
         """The global-batch tensor from every rank's slice, in data-parallel rank order."""
         parts = [t.contiguous()]
-        for dim in reversed(range(self.mesh.ndim)):  # innermost dim first: rank = c0 * size1 + c1
+        for dim in reversed(self.dp_dims):  # innermost dim first: rank = c0 * size1 + c1
             group = self.mesh.get_group(dim)
             gathered = [torch.empty_like(parts[0]) for _ in range(dist.get_world_size(group))]
             dist.all_gather(gathered, torch.cat(parts) if len(parts) > 1 else parts[0], group=group)
@@ -92,4 +123,4 @@ class FSDP2Target(Target):
 
     def full_activation_grad(self, g: torch.Tensor) -> torch.Tensor:
         # each rank's loss is a mean over its slice: its output grads are world x the global ones
-        return self._gather_batch(self.full(g)) / self.mesh.size()
+        return self._gather_batch(self.full(g)) / self.dp_size()
