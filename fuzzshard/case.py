@@ -124,6 +124,8 @@ class Case:
                 raise CaseError(f"{what}world size {world} is impossible")
             if math.prod(mesh) != world:
                 raise CaseError(f"{what}mesh {mesh} does not hold {world} ranks")
+            if options.get("built_as", "float32") not in ("float32", "float64"):
+                raise CaseError(f"{what}built_as {options['built_as']!r}: want float32 or float64")
             if options.get("tp") and len(mesh) != 2:
                 raise CaseError(f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}")
         if not 0 <= self.optim.added_groups < max(len(self.groups), 1):

@@ -239,6 +239,9 @@ STATE_DICT_KINDS = {"full", "dcp", "broadcast"}
 # targets whose cases also give param groups through add_param_group after the
 # constructor (dtensor and fsdp2 next: their DSD load path needs a look first)
 ADD_PARAM_GROUP = {"zero"}
+# targets whose cases now and then build the model in another dtype and call
+# model.to(case dtype) after sharding it (exact: float32 <-> float64 round-trips)
+TO_DTYPE = {"fsdp2"}
 # targets whose cases now and then give each group's params as a one-shot iterator
 GENERATOR_GROUPS = {"zero"}
 # targets on one flat process group: a 1-D mesh only
@@ -342,6 +345,9 @@ def cases(
         seed=draw(st.integers(0, 2**16 - 1)),
         checkpoint=ck,
     )
+    if target in TO_DTYPE and draw(st.integers(0, 3)) == 3:  # drawn last: the draws before stay as they were
+        other = "float64" if case.dtype == "float32" else "float32"
+        case = dataclasses.replace(case, target_options={**case.target_options, "built_as": other})
     if target not in ADD_PARAM_GROUP:
         return case
     # drawn last, so the draws before it stay as they were

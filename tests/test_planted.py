@@ -207,3 +207,20 @@ def test_fsdp2_tensor_parallel_trains_in_parity_and_a_tp_grad_bug_is_caught(tmp_
     buggy = _replay_clean_then_buggy(tmp_path, case, "tp_colwise_input_grad_averaged.py")
     assert "fsdp2.parity.backward" in buggy and "output grad of layers.1 " in buggy, buggy
     assert "grad layers.0.weight step 0" in buggy, buggy
+
+
+def test_fsdp2_model_to_dtype_after_fully_shard_is_replayed_and_a_stale_shard_is_caught(tmp_path):
+    """fsdp2's built_as: the model is built in float64 and moved to float32 by
+    model.to() after fully_shard. The clean run keeps parity; with FSDP2's
+    re-registration of the sharded params skipped, it all-gathers the float64
+    shards and only the sharded run raises."""
+    import dataclasses
+
+    from cases import simple_case
+
+    case = simple_case(2, optim="Adam")
+    case = dataclasses.replace(case, target="fsdp2", batch=4,
+                               target_options={"wrap": ["layers.0"], "reshard_after_forward": True,
+                                               "built_as": "float64"})
+    buggy = _replay_clean_then_buggy(tmp_path, case, "fsdp2_to_dtype_stale_shard.py")
+    assert "FAIL: fsdp2.error.fwdbwd" in buggy and "only the sharded run raises" in buggy, buggy

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
 import torch.distributed as dist
 
 from ..case import Case
@@ -142,8 +143,10 @@ def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
     """(the sharded model, its initial params): requires_grad as ``case.frozen``
     and then the ``flags`` steps leave it, set after sharding, or before it
     for a target that registers the trainable params when it wraps (DDP)."""
-    model = build_model(case.model, seed, device, torch_dtype(case))
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # fsdp2's built_as: built in another dtype, shard() moves it to the case's
+    built_as = target.case.target_options.get("built_as", case.dtype)
+    model = build_model(case.model, seed, device, getattr(torch, built_as))
+    init = {n: p.detach().to(torch_dtype(case)).clone() for n, p in model.named_parameters()}
 
     def set_flags(m):
         target.set_requires_grad(m, case.frozen, False)

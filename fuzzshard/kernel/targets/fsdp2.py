@@ -2,7 +2,8 @@
 
 The Case's ``target_options`` name the submodules that get their own
 ``fully_shard`` (applied deepest first, then the root), ``reshard_after_forward``,
-``offload`` (CPUOffloadPolicy), ``mp`` (a MixedPrecisionPolicy for every
+``offload`` (CPUOffloadPolicy), ``built_as`` (the model is built in this
+dtype and moved to the case's with ``model.to`` after ``fully_shard``), ``mp`` (a MixedPrecisionPolicy for every
 unit, see reference.py for how it is replayed), ``ac`` (submodules under composable activation
 checkpointing), ``microbatches`` (gradient accumulation: every microbatch
 but the last runs with ``set_requires_gradient_sync(False)``) and ``tp``
@@ -83,6 +84,8 @@ class FSDP2Target(Target):
         for fqn in sorted(opts.get("wrap", []), key=lambda n: (-n.count("."), n)):  # children before parents
             fully_shard(model.get_submodule(fqn), **kw)
         fully_shard(model, **kw)
+        if opts.get("built_as"):  # model.to(dtype) after fully_shard: FSDP2 re-registers its sharded params
+            model.to(getattr(torch, self.case.dtype))
         return model
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
