@@ -15,8 +15,8 @@ BUGS = [
     ("dtensor", "last_shard_untouched.py", "SGD", "1,2,3", 0, "dtensor.parity.*.*.param.json", 2),
     ("fsdp2", "fsdp2_skip_average.py", "SGD,Adam", "1,2,3", 0, "fsdp2.parity.grad.json", 2),
     # mixed precision: the reference replays MixedPrecisionPolicy's casts (only a float16 reduce shows this bug;
-    # seed 5 draws one within 60 examples)
-    ("fsdp2", "fsdp2_fp16_no_postdivide.py", "SGD", "4", 5, "fsdp2.parity.grad.json", 4),
+    # seed 0 draws one within 60 examples)
+    ("fsdp2", "fsdp2_fp16_no_postdivide.py", "SGD", "4", 0, "fsdp2.parity.grad.json", 4),
 ]
 
 
@@ -70,8 +70,8 @@ def test_known_silent_torch_bug_reproduces_standalone(tmp_path):
 
 CHECKPOINT_BUGS = [
     # target, bug file, optimizers, world sizes, (examples, seed), the finding's file pattern, what the shrunk case must hold
-    # (the first group's lr shows only with 2+ groups of different lr through a load: seed 1 gets there in 100)
-    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "1", (100, 1), "fsdp2.checkpoint.*.loaded.group.json",
+    # (the first group's lr shows only with 2+ groups of different lr through a load: seed 0 gets there in 100)
+    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "1", (100, 0), "fsdp2.checkpoint.*.loaded.group.json",
      lambda c: len(c["groups"]) >= 2),
     # ckpt_drop_frozen_state.py (a param frozen after it got state, saved full) is too rare a draw for
     # 80 examples now that its DCP twin is a known torch bug; run it by hand with more examples
