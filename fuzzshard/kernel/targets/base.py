@@ -11,6 +11,7 @@ the same order.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn as nn
@@ -30,13 +31,21 @@ class Target:
         self.case = case
         self.mesh = mesh
 
+    @property
+    def dp_dims(self) -> list[int]:
+        """The mesh dims the batch is split over (all of them unless a target
+        uses one for something else, as fsdp2's TP does)."""
+        return list(range(self.mesh.ndim))
+
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel ranks, for a target where
-        every mesh dim is data parallel (row-major over the mesh)."""
+        """This rank's index among the data-parallel ranks (row-major over ``dp_dims``)."""
         rank = 0
-        for dim, c in enumerate(self.mesh.get_coordinate()):
-            rank = rank * self.mesh.size(dim) + c
+        for dim in self.dp_dims:
+            rank = rank * self.mesh.size(dim) + self.mesh.get_local_rank(dim)
         return rank
+
+    def dp_size(self) -> int:
+        return math.prod(self.mesh.size(dim) for dim in self.dp_dims)
 
     def shard(self, model: nn.Module) -> nn.Module:
         """The model to train; its named_parameters() keep the plain FQNs."""

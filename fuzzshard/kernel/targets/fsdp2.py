@@ -16,8 +16,6 @@ of the global mean loss the reference computes on the whole batch.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -44,16 +42,7 @@ class FSDP2Target(Target):
     @property
     def dp_dims(self) -> list[int]:
         """The mesh dims the batch is split over: all of them but TP's."""
-        return [0] if self.case.target_options.get("tp") else list(range(self.mesh.ndim))
-
-    def dp_rank(self) -> int:
-        rank = 0
-        for dim in self.dp_dims:
-            rank = rank * self.mesh.size(dim) + self.mesh.get_local_rank(dim)
-        return rank
-
-    def dp_size(self) -> int:
-        return math.prod(self.mesh.size(dim) for dim in self.dp_dims)
+        return [0] if self.case.target_options.get("tp") else super().dp_dims
 
     def shard(self, model: nn.Module) -> nn.Module:
         opts = self.case.target_options
