@@ -124,6 +124,10 @@ class Case:
                 raise CaseError(f"{what}world size {world} is impossible")
             if math.prod(mesh) != world:
                 raise CaseError(f"{what}mesh {mesh} does not hold {world} ranks")
+            if tuple(mesh) not in mesh_shapes(world):
+                # the pool creates subgroups for these meshes only; a side of 1 is the smaller mesh
+                raise CaseError(f"{what}mesh {list(mesh)}: {world} ranks take one of "
+                                f"{[list(m) for m in mesh_shapes(world)]} (no side of 1)")
             if options.get("built_as", "float32") not in ("float32", "float64"):
                 raise CaseError(f"{what}built_as {options['built_as']!r}: want float32 or float64")
             if options.get("tp") and len(mesh) != 2:

@@ -93,6 +93,7 @@ def test_checkpoint_cases_save_inside_the_schedule_and_load_on_a_real_world(case
     ({"world_size": 0, "mesh_shape": [0]}, "checkpoint world size 0 is impossible"),
     ({"mesh_shape": [3]}, r"checkpoint mesh \(3,\) does not hold 2 ranks"),
     ({"after": 5}, "the schedule has 2 steps"),
+    ({"mesh_shape": [1, 2]}, r"checkpoint mesh \[1, 2\]: 2 ranks take one of \[\[2\]\]"),  # no subgroups for it
 ])
 def test_impossible_checkpoints_raise_a_clear_case_error(change, message):
     from cases import simple_case
