@@ -221,12 +221,37 @@ def atomic_write(path: Path, text: str, exclusive: bool = False) -> bool:
 
 
 def triggered(case: Case, known: dict[str, Finding]) -> str | None:
-    """The signature of a known hang whose recorded trigger this case matches."""
-    data = case.to_dict()
+    """The signature of a known finding whose recorded trigger this case matches."""
+    data = {**case.to_dict(), "facts": facts(case)}
     for sig, f in known.items():
         if f.trigger and all(_matches(_field(data, k), v) for k, v in f.trigger.items()):
             return sig
     return None
+
+
+def facts(case: Case) -> dict:
+    """What a case is beyond its fields, for triggers to name as ``facts.NAME``.
+    ``tp_empty_shard``: some TP-split param dim is narrower than the TP degree,
+    so a TP rank holds an empty shard (a root cause torch fails on in several
+    ways, some of them hangs)."""
+    return {"tp_empty_shard": _tp_empty_shard(case)}
+
+
+def _tp_empty_shard(case: Case) -> bool:
+    from .kernel.model import param_shapes
+
+    shapes = param_shapes(case.model)
+    sides = [(case.mesh_shape, case.target_options)]
+    if case.checkpoint:
+        sides.append((case.checkpoint.mesh_shape, case.checkpoint.target_options))
+    for mesh, options in sides:
+        for fqn, style in (options.get("tp") or {}).items():
+            shape = shapes.get(f"{fqn}.weight")
+            embedding = fqn == "layers.0" and case.model.input == "tokens"
+            # colwise splits a Linear's out-features (weight dim 0), an Embedding's dim (1); rowwise in-features (1)
+            if shape and len(mesh) == 2 and shape[1 if style == "rowwise" or embedding else 0] < mesh[1]:
+                return True
+    return False
 
 
 def _field(data: dict, path: str):

@@ -81,8 +81,7 @@ def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **con
     (wrapping it alone is rejected with a clear error: an invalid config)."""
     owners = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
     # on a 2-D mesh: HSDP (replicate x shard), or TP on the inner dim + FSDP2 on the outer
-    # (not drawn yet: a clean session met an undiagnosed error gathering TP params, see TP_DRAWN)
-    tp = draw(tp_plans(shapes, tied, context["model"])) if TP_DRAWN and len(mesh_shape) == 2 and draw(st.booleans()) else {}
+    tp = draw(tp_plans(shapes, tied, context["model"])) if len(mesh_shape) == 2 and draw(st.booleans()) else {}
     wrap = [m for m in owners if m not in tied and draw(st.booleans())]
     shard = mesh_shape[0] if tp else mesh_shape[-1]
     raf = draw(st.sampled_from([True, False] + [d for d in range(2, shard) if shard % d == 0]))
@@ -94,7 +93,9 @@ def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **con
         out["offload"] = True  # CPUOffloadPolicy(pin_memory=False)
     ac = [m for m in owners if draw(st.sampled_from([False, False, True]))]
     if ac:
-        out["ac"] = ac  # composable activation checkpointing, applied before fully_shard
+        out["ac"] = ac  # activation checkpointing, applied before fully_shard: composable
+        if draw(st.booleans()):
+            out["ac_wrapper"] = True  # or apply_activation_checkpointing's CheckpointWrapper
     microbatches = draw(st.sampled_from([1, 1, 2]))
     if microbatches > 1:
         out["microbatches"] = microbatches  # grad accumulation, no sync on all but the last
@@ -240,11 +241,6 @@ STATE_DICT_KINDS = {"full", "dcp", "broadcast"}
 # targets whose cases also give param groups through add_param_group after the
 # constructor (dtensor and fsdp2 next: their DSD load path needs a look first)
 ADD_PARAM_GROUP = {"zero"}
-# TP + FSDP2 is built (target_options.tp, replayed and planted-tested) but not
-# drawn: TP with CPU offload, AC and grad accumulation raised a bare
-# "Expected cond to be True" in full_tensor() of a param in a clean session;
-# it is drawn again once that is diagnosed (a torch bug or ours)
-TP_DRAWN = False
 # targets whose cases now and then build the model in another dtype and call
 # model.to(case dtype) after sharding it (exact: float32 <-> float64 round-trips)
 TO_DTYPE = {"fsdp2"}

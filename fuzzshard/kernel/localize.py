@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .model import plain_fqn
 from .oracles import compare
 
 
@@ -18,7 +19,7 @@ class Trace:
             if not list(mod.children()) and name:
                 kind = type(mod).__name__
                 kind = kind[4:] if kind.startswith("FSDP") else kind  # fully_shard renames the class
-                self.handles.append(mod.register_forward_hook(self._hook(name, kind)))
+                self.handles.append(mod.register_forward_hook(self._hook(plain_fqn(name), kind)))
 
     def _hook(self, name, kind):
         def hook(mod, args, out):

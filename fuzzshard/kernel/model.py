@@ -7,6 +7,32 @@ import torch.nn.functional as F
 
 from ..case import Layer, Model
 
+# modules torch puts between a module and its children (FSDP1's unit, the
+# activation-checkpoint wrapper); FQNs leave them out, as DSD's state dicts do
+WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def plain_fqn(name: str) -> str:
+    """A name in a wrapped model as the plain model has it."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
+
+
+def named_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """{plain FQN: param}, whatever wrappers the target put in between."""
+    return {plain_fqn(n): p for n, p in model.named_parameters()}
+
+
+def submodule(model: nn.Module, fqn: str) -> nn.Module:
+    """The module at a plain FQN; a wrapper on the way answers for the module it
+    wraps (the outermost one: what fully_shard of that FQN should take)."""
+    mod = model
+    for part in fqn.split(".") if fqn else ():
+        while part not in mod._modules and any(w in mod._modules for w in WRAPPERS):
+            mod = next(mod._modules[w] for w in WRAPPERS if w in mod._modules)
+        mod = mod.get_submodule(part)
+    return mod
+
+
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..case import Case
+from .model import named_params
 
 # the loading side of a checkpoint builds its optimizer with every lr scaled by
 # this, so a load that leaves a hyperparameter alone shows
@@ -70,7 +71,7 @@ def add_late_groups(opt, model: torch.nn.Module, case: Case, params: dict | None
 
 
 def _groups(model: torch.nn.Module, case: Case, lr_scale: float, params: dict | None) -> list[dict]:
-    params = params if params is not None else dict(model.named_parameters())
+    params = params if params is not None else named_params(model)
     return [{"params": [(n, params[n]) if case.optim.named else params[n] for n in g.params],
              **optimizer_kwargs(g.overrides, case.optim.tensor_lr, case.device, lr_scale)} for g in case.groups]
 
@@ -83,7 +84,7 @@ def param_order(case: Case) -> list[str]:
 def state_by_fqn(opt: torch.optim.Optimizer, model: torch.nn.Module, full) -> dict[str, dict[str, torch.Tensor]]:
     """{fqn: {state name: full plain tensor}} for every param that has state.
     ``full`` turns a sharded tensor into a full local copy (a collective)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in named_params(model).items()}
     out = {}
     for group in opt.param_groups:
         for p in group["params"]:
@@ -114,7 +115,7 @@ def load_state_by_fqn(opt: torch.optim.Optimizer, model: torch.nn.Module, state:
     """Replace ``opt``'s per-param state with copies of ``state`` (plain full
     tensors), dtypes kept: ``load_state_dict`` would cast float state such as
     NAdam's float32 ``mu_product`` to the param dtype and change the numerics."""
-    params = dict(model.named_parameters())
+    params = named_params(model)
     opt.state.clear()
     for n, st in state.items():
         p = params[n]

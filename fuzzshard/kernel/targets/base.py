@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ...case import Case
 from ..checkpoint import load, save
-from ..model import loss_fn
+from ..model import loss_fn, named_params
 from ..optim import add_late_groups, build_optimizer, group_hparams, state_by_fqn
 
 
@@ -48,7 +48,8 @@ class Target:
         return math.prod(self.mesh.size(dim) for dim in self.dp_dims)
 
     def shard(self, model: nn.Module) -> nn.Module:
-        """The model to train; its named_parameters() keep the plain FQNs."""
+        """The model to train; its params keep their plain FQNs (``named_params``
+        leaves wrappers out)."""
         return model
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
@@ -94,12 +95,12 @@ class Target:
 
     def params(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """{fqn: full copy} of every param."""
-        return {n: self.full(p).detach().clone() for n, p in model.named_parameters()}
+        return {n: self.full(p).detach().clone() for n, p in named_params(model).items()}
 
     def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
         """{fqn: full copy of the grad, or None} of every param."""
         out = {}
-        for n, p in model.named_parameters():
+        for n, p in named_params(model).items():
             g = self.full_grad(p)
             out[n] = None if g is None else g.detach().clone()
         return out
@@ -110,8 +111,9 @@ class Target:
         return {}
 
     def set_requires_grad(self, model: nn.Module, fqns, flag: bool) -> None:
+        params = named_params(model)
         for n in fqns:
-            model.get_parameter(n).requires_grad_(flag)
+            params[n].requires_grad_(flag)
 
     def apply_flags(self, model: nn.Module, step) -> None:
         """A schedule step's freezes and unfreezes."""

@@ -45,17 +45,11 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
                                     StateDictType)
 
 from ..checkpoint import FULL_FILE, _tensor, load, save
-from ..model import loss_fn
+from ..model import loss_fn, plain_fqn as clean_fqn
 from ..optim import build_optimizer, optimizer_kwargs
 from .base import Target
 
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-
-
-def clean_fqn(name: str) -> str:
-    """A wrapped module's name as the plain model has it."""
-    return name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "").replace(
-        "_fsdp_wrapped_module", "")
 
 
 class StateNotPlain(AssertionError):

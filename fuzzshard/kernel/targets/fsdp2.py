@@ -5,7 +5,7 @@ The Case's ``target_options`` name the submodules that get their own
 ``offload`` (CPUOffloadPolicy), ``built_as`` (the model is built in this
 dtype and moved to the case's with ``model.to`` after ``fully_shard``), ``mp`` (a MixedPrecisionPolicy for every
 unit, see reference.py for how it is replayed), ``ac`` (submodules under composable activation
-checkpointing), ``microbatches`` (gradient accumulation: every microbatch
+checkpointing, or with ``ac_wrapper`` under ``apply_activation_checkpointing``'s CheckpointWrapper), ``microbatches`` (gradient accumulation: every microbatch
 but the last runs with ``set_requires_gradient_sync(False)``) and ``tp``
 (tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}).
 A 2-D mesh means HSDP (replicate x shard), or with ``tp`` TP + FSDP2:
@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..model import loss_fn
+from ..model import loss_fn, submodule
 from .base import Target
 
 
@@ -59,10 +59,24 @@ class FSDP2Target(Target):
             parallelize_module(model, mesh["d1"], {fqn: style[s]() for fqn, s in opts["tp"].items()})
             mesh = mesh["d0"]
         if opts.get("ac"):
-            from torch.distributed._composable import checkpoint
+            if opts.get("ac_wrapper"):
+                # CheckpointWrapper modules in between: FQNs gain _checkpoint_wrapped_module
+                # (named_params and submodule leave it out); non-reentrant, since reentrant
+                # checkpoint gives no param grads when no input requires grad (documented)
+                from functools import partial
 
-            for fqn in opts["ac"]:
-                checkpoint(model.get_submodule(fqn))
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+                chosen = {id(model.get_submodule(fqn)) for fqn in opts["ac"]}
+                apply_activation_checkpointing(
+                    model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+                    check_fn=lambda m: id(m) in chosen)
+            else:
+                from torch.distributed._composable import checkpoint
+
+                for fqn in opts["ac"]:
+                    checkpoint(model.get_submodule(fqn))
         kw = {"mesh": mesh, "reshard_after_forward": opts.get("reshard_after_forward", True),
               "offload_policy": CPUOffloadPolicy(pin_memory=False) if opts.get("offload") else OffloadPolicy()}
         if opts.get("mp"):
@@ -71,7 +85,7 @@ class FSDP2Target(Target):
                 **{k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "output_dtype")},
                 cast_forward_inputs=mp["cast_forward_inputs"])
         for fqn in sorted(opts.get("wrap", []), key=lambda n: (-n.count("."), n)):  # children before parents
-            fully_shard(model.get_submodule(fqn), **kw)
+            fully_shard(submodule(model, fqn), **kw)
         fully_shard(model, **kw)
         if opts.get("built_as"):  # model.to(dtype) after fully_shard: FSDP2 re-registers its sharded params
             model.to(getattr(torch, self.case.dtype))
