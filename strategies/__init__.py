@@ -99,8 +99,8 @@ def fsdp2_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **con
     microbatches = draw(st.sampled_from([1, 1, 2]))
     if microbatches > 1:
         out["microbatches"] = microbatches  # grad accumulation, no sync on all but the last
-    elif not tp and draw(st.sampled_from([False, False, True])):
-        # (not replayed yet: accumulating in reduce_dtype, and TP's low-precision partial sums)
+    if not tp and draw(st.sampled_from([False, False, True])):
+        # (not with TP: its low-precision partial sums are not replayed yet)
         out["mp"] = draw(mp_policies())
     return out
 

@@ -51,15 +51,18 @@ def reduction_tolerance(dtype: str, n: int) -> dict:
     }
 
 
-def mixed_precision_tolerance(compute: str, reduce: str, world: int) -> dict:
-    """fsdp2 mixed precision: W per-rank grads computed in ``compute``, summed
-    in ``reduce`` with a pre- and a post-divide and cast back (W+2 roundings);
-    both sides, so 2(W+1) ulps of ``reduce`` (applied to sum|rank grads|/W by
-    the caller, plus the same k times the one-ulp sensitivity in ``compute``)."""
-    k = 2 * (world + 1)
+def mixed_precision_tolerance(compute: str, reduce: str, world: int, microbatches: int = 1) -> dict:
+    """fsdp2 mixed precision: W per-rank grads computed in ``compute``, each the
+    sum of ``microbatches`` grads accumulated in ``reduce`` (m-1 roundings),
+    summed in ``reduce`` with a pre- and a post-divide and cast back (W+2
+    roundings); both sides, so 2(W+1) + 2(m-1) ulps of ``reduce`` (applied to
+    sum|microbatch grads|/W by the caller, plus the same k times the one-ulp
+    sensitivity in ``compute``)."""
+    k = 2 * (world + 1) + 2 * (microbatches - 1)
+    acc = f", each the sum of {microbatches} microbatch grads added in {reduce}" if microbatches > 1 else ""
     return {"k_ulps": k, "u": UNIT_ROUNDOFF[reduce],
-            "why": f"mixed precision: per-rank grads in {compute}, averaged over {world} ranks in {reduce}: "
-                   f"{k} ulps of {reduce} of sum|rank grads|/W, plus {k} x the one-ulp sensitivity in {compute}"}
+            "why": f"mixed precision: per-rank grads in {compute}{acc}, averaged over {world} ranks in {reduce}: "
+                   f"{k} ulps of {reduce} of sum|grads|/W, plus {k} x the one-ulp sensitivity in {compute}"}
 
 
 def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: float = 0.0, extra=None) -> dict | None:

@@ -194,10 +194,13 @@ def _mixed_precision(case: Case, model, options: dict, world: int, x, y) -> tupl
     data-parallel rank's slice runs forward/backward on a copy of the model
     whose params are in param_dtype, with FSDP2's casts at every unit (float
     inputs to param_dtype when cast_forward_inputs, outputs to output_dtype;
-    buffers keep their dtype). Each rank's grads are cast to reduce_dtype and
-    averaged exactly. The sharded run reduces the same W values in
-    reduce_dtype (W-1 sums, a pre- and a post-divide, the cast back): 2(W+1)
-    ulps of reduce_dtype of sum|rank grads|/W. Per-rank compute is the same
+    buffers keep their dtype). With gradient accumulation each rank runs its
+    microbatches (loss / m each) and adds their grads in reduce_dtype, in
+    place, as FSDP2 accumulates unsynced unsharded grads. Each rank's grads
+    are cast to reduce_dtype and averaged exactly. The sharded run reduces the
+    same W values in reduce_dtype (W-1 sums, a pre- and a post-divide, the
+    cast back) after m-1 accumulating adds: see mixed_precision_tolerance, of
+    sum|microbatch grads|/W. Per-rank compute is the same
     code on the same values, up to kernel rounding, which the sensitivity
     (one-ulp nudges in param_dtype) bounds.
     Returns (loss, grads, tolerance, sensitivity, elementwise allowance)."""
@@ -218,22 +221,28 @@ def _mixed_precision(case: Case, model, options: dict, world: int, x, y) -> tupl
         if out_dtype is not None:
             unit.register_forward_hook(lambda m, a, out: _cast(out, out_dtype))
     params = dict(low.named_parameters())
-    per = x.shape[0] // world
+    per, m = x.shape[0] // world, options.get("microbatches", 1)
     loss, total, spread, sens = 0.0, {}, {}, {}
     for r in range(world):
-        xr, yr = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
-        for key, v in _sensitivity(low, params, xr, yr).items():
-            sens[key] = sens.get(key, 0.0) + v / world
-        for p in params.values():
-            p.grad = None
-        local = loss_fn(low(xr), yr)
-        local.backward()
-        loss += local.detach().double() / world
-        for n, p in params.items():
-            if p.grad is not None:
-                g = p.grad.to(reduce).double()
-                total[n], spread[n] = total.get(n, 0) + g, spread.get(n, 0) + g.abs()
-    tol = mixed_precision_tolerance(compute_name, reduce_name, world)
+        acc = {}
+        for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
+            for key, v in _sensitivity(low, params, xm, ym, 1.0 / m).items():
+                sens[key] = sens.get(key, 0.0) + v / world
+            for p in params.values():
+                p.grad = None
+            local = loss_fn(low(xm), ym) / m
+            local.backward()
+            loss += local.detach().double() / world
+            for n, p in params.items():
+                if p.grad is not None:
+                    if n in acc:
+                        acc[n] += p.grad  # in reduce_dtype, rounded once per add
+                    else:
+                        acc[n] = p.grad.to(reduce)
+                    spread[n] = spread.get(n, 0) + p.grad.double().abs()
+        for n, g in acc.items():
+            total[n] = total.get(n, 0) + g.double()
+    tol = mixed_precision_tolerance(compute_name, reduce_name, world, m)
     grads = {}
     for n, p in model.named_parameters():  # FSDP2 adds to a grad the param still holds (frozen, or zeroed not None)
         new = (total[n] / world).to(orig) if n in total else None
