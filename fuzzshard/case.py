@@ -88,6 +88,10 @@ class Checkpoint:
     target_options: dict[str, Any] = field(default_factory=dict)
     split: bool = False  # set_model_state_dict + set_optimizer_state_dict instead of set_state_dict
     strict: bool = True
+    # the model state dict as loaded lacks these params / holds an unexpected key (DSD kinds): a
+    # strict load must refuse it, a non-strict one leaves the missing params as the fresh model has them
+    missing: tuple[str, ...] = ()
+    unexpected: bool = False
 
 
 @dataclass(frozen=True)

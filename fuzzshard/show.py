@@ -53,6 +53,9 @@ def render(finding: Finding) -> str:
         api = f", with {api}, strict={ck.strict}" if ck.kind in ("full", "broadcast", "dcp") else ""
         lines += [f"checkpoint after step {ck.after}: {how}",
                   f"  load on {ck.world_size} rank(s), mesh {ck.mesh_shape}{api}"]
+        if ck.missing or ck.unexpected:
+            keys = [f"without {', '.join(ck.missing)}"] * bool(ck.missing) + ["with an unexpected key"] * ck.unexpected
+            lines.append(f"  the model state dict loaded {' and '.join(keys)}")
         lines += _options("  loading side's target options", ck.target_options, "  ")
     return "\n".join(lines)
 

@@ -273,6 +273,7 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
     world = draw(st.sampled_from(sorted(world_sizes)))
     mesh_shape = draw(st.sampled_from(_meshes(target, world)))
     kind = draw(st.sampled_from(CHECKPOINT_KINDS[target]))
+    rarely = st.sampled_from([False] * 5 + [True])
     return Checkpoint(
         after=draw(st.integers(0, n_steps - 1)),
         kind=kind,
@@ -282,6 +283,9 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
                                                                   **context)),
         split=draw(st.booleans()) if kind in STATE_DICT_KINDS else False,
         strict=not draw(st.booleans()) if kind in STATE_DICT_KINDS else True,
+        # drawn last and rarely: the keys the load sees differ from the model's
+        missing=(draw(st.sampled_from(sorted(shapes))),) if kind in STATE_DICT_KINDS and shapes and draw(rarely) else (),
+        unexpected=kind in STATE_DICT_KINDS and draw(rarely),
     )
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..case import Case
+from .model import plain_fqn
 from .optim import add_late_groups, group_values
 from .oracles import compare, compare_hparams
 from .reference import _anchor, _plain_setup
@@ -59,7 +60,8 @@ def load(case: Case, model, opt, path: str, group) -> None:
     ck = case.checkpoint
     if ck.kind == "dcp":
         msd, osd = get_state_dict(model, opt)  # the sharded layout to load into
-        sd = {"model": msd, "optim": osd}
+        # (dcp.load fills the model's own tensors in place: a missing key is one it is not asked for)
+        sd = {"model": {k: v for k, v in msd.items() if k not in _keys_of(model, ck.missing)}, "optim": osd}
         dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(path, "dcp")), process_group=group)
         msd, osd = sd["model"], sd["optim"]
         options = StateDictOptions(strict=ck.strict)
@@ -70,11 +72,36 @@ def load(case: Case, model, opt, path: str, group) -> None:
             saved = torch.load(os.path.join(path, FULL_FILE))
             msd, osd = saved["model"], saved["optim"]
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=ck.strict)
+    msd = _with_drawn_keys(ck, msd, model)
     if ck.split:
         set_model_state_dict(model, msd, options=options)
         set_optimizer_state_dict(model, opt, osd, options=options)
     else:
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+
+
+UNEXPECTED_KEY = "fuzzshard_unexpected.weight"
+
+
+def _keys_of(model, fqns) -> set[str]:
+    """Every state-dict key of these params: a tied param has one per module
+    holding it, and is missing only when all of them are."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(plain_fqn(n))
+    return {k for keys in names.values() if set(keys) & set(fqns) for k in keys}
+
+
+def _with_drawn_keys(ck, msd: dict, model) -> dict:
+    """The model state dict without the case's ``missing`` params, with an
+    unexpected key if drawn (not on a broadcast rank that holds nothing)."""
+    if not msd or not (ck.missing or ck.unexpected):
+        return msd
+    drop = _keys_of(model, ck.missing)
+    msd = {k: v for k, v in msd.items() if k not in drop}
+    if ck.unexpected:
+        msd[UNEXPECTED_KEY] = torch.zeros(2)
+    return msd
 
 
 def check_saved(case: Case, saved: dict, rec: dict, device: str) -> list[dict]:
@@ -108,8 +135,15 @@ def check_saved(case: Case, saved: dict, rec: dict, device: str) -> list[dict]:
 
 def check_loaded(case: Case, loaded: dict, rec: dict) -> list[dict]:
     """Params, state and hyperparameters right after the load vs what was saved."""
-    step = case.checkpoint.after
-    out = [compare("loaded.param", step, n, loaded["params"][n], rec["params"][n], EXACT) for n in rec["params"]]
+    ck, step = case.checkpoint, case.checkpoint.after
+    if ck.strict and (ck.missing or ck.unexpected):  # the load went through: it should not have
+        keys = [f"missing {list(ck.missing)}"] * bool(ck.missing) + [f"unexpected {UNEXPECTED_KEY!r}"] * ck.unexpected
+        return [{"quantity": "loaded.strict", "step": step, "fqn": ", ".join(ck.missing + (UNEXPECTED_KEY,) * ck.unexpected),
+                 "detail": f"a strict load accepted a model state dict with {' and '.join(keys)} keys; "
+                           f"load_state_dict(strict=True) refuses it"}]
+    # a non-strict load leaves a missing param as the fresh model had it
+    want = {**rec["params"], **loaded.get("fresh", {})}
+    out = [compare("loaded.param", step, n, loaded["params"][n], want[n], EXACT) for n in rec["params"]]
     out += _compare_states("loaded.state", step, loaded["state"], rec["state"])
     out.append(_prefixed("loaded.", compare_hparams(step, loaded["groups"], rec["groups"])))
     return [m for m in out if m]

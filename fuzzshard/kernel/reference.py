@@ -119,7 +119,8 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
             # mu_product to a float64 param's dtype)
             loaded = obs.get("loaded") or {}
             resume_defaults(opt, case)
-            prev = {**prev, "grads": {n: None for n in params}, "state": loaded.get("state", prev["state"])}
+            prev = {**prev, "grads": {n: None for n in params}, "state": loaded.get("state", prev["state"]),
+                    "params": loaded.get("params", prev["params"])}  # a non-strict load may miss a param
         try:
             _before_step(model, opt, case, k)
             _anchor(model, opt, case, prev)

@@ -66,10 +66,13 @@ def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timing
 
 
 def _documented_refusal(case: Case, error: dict) -> bool:
-    """A strict load of a checkpoint without state for a trainable param is
-    refused by design (the message names StateDictOptions(strict=False))."""
-    return (case.checkpoint is not None and case.checkpoint.strict and error["phase"] == "checkpoint load"
-            and error["message"].startswith("Missing optimizer state for parameter"))
+    """A strict load is refused by design when the checkpoint lacks state for
+    a trainable param (the message names StateDictOptions(strict=False)), or
+    when the model state dict misses or adds keys, as load_state_dict(strict=True)."""
+    ck = case.checkpoint
+    if ck is None or not ck.strict or error["phase"] != "checkpoint load":
+        return False
+    return bool(ck.missing or ck.unexpected) or error["message"].startswith("Missing optimizer state for parameter")
 
 
 def _fails_before_save(case: Case, verdict: dict) -> bool:
@@ -128,12 +131,12 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
                                 target_options=ck.target_options,
                                 optim=dataclasses.replace(case.optim, added_at=added_at))
     target = target_cls(lcase, meshes.mesh(ck.world_size, ck.mesh_shape))
-    model, _ = _sharded_model(target, case, case.seed + 1, device, flags=case.schedule[:ck.after + 1])
+    model, fresh = _sharded_model(target, case, case.seed + 1, device, flags=case.schedule[:ck.after + 1])
     opt = target.optimizer(model, lr_scale=RESUME_LR_SCALE)
     phase.name = "checkpoint load"
     target.load(model, opt, ckpt_dir, meshes.group(ck.world_size))
     phase.name = "checkpoint load: gather"
-    loaded = {"params": target.params(model),
+    loaded = {"params": target.params(model), "fresh": {n: fresh[n] for n in ck.missing},
               "state": target.optimizer_state(opt, model), "groups": target.group_hparams(opt)}
     steps = _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize, phase)
     return (loaded if keep else None), steps
