@@ -89,7 +89,7 @@ def _keys_of(model, fqns) -> set[str]:
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(plain_fqn(n))
-    return {k for keys in names.values() if set(keys) & set(fqns) for k in keys}
+    return set(fqns) | {k for keys in names.values() if set(keys) & set(fqns) for k in keys}  # (flat params: by name)
 
 
 def _with_drawn_keys(ck, msd: dict, model) -> dict:
