@@ -25,6 +25,9 @@ def flatten(modules: list[str]) -> str:
     parts = []
     for name in modules:
         src = inspect.getsource(importlib.import_module(name))
+        aliased = [ln for ln in src.splitlines() if _RELATIVE_IMPORT.match(ln) and " as " in ln]
+        if aliased:  # a dropped line cannot bind the alias in the one flat namespace
+            raise ValueError(f"{name}: an aliased relative import cannot be flattened: {aliased[0]}")
         lines = [ln for ln in src.splitlines() if not _RELATIVE_IMPORT.match(ln) and ln != "from __future__ import annotations"]
         parts.append(f"# ---- {name} " + "-" * max(0, 70 - len(name)) + "\n" + "\n".join(lines).strip() + "\n")
     return "\n\n".join(parts)

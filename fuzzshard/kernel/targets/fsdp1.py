@@ -45,7 +45,7 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
                                     StateDictType)
 
 from ..checkpoint import FULL_FILE, _tensor, load, save
-from ..model import loss_fn, plain_fqn as clean_fqn
+from ..model import loss_fn, plain_fqn
 from ..optim import build_optimizer, optimizer_kwargs
 from .base import Target
 
@@ -86,7 +86,7 @@ class FSDP1Target(Target):
                     ignored_states=ignored or None, **mesh)
 
     def _named(self, model: nn.Module) -> dict:
-        return {clean_fqn(n): p for n, p in model.named_parameters()}
+        return {plain_fqn(n): p for n, p in model.named_parameters()}
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
         if self.local:
@@ -125,7 +125,7 @@ class FSDP1Target(Target):
         if self.local:
             return super().params(model)
         with FSDP.summon_full_params(model, writeback=False):
-            return {clean_fqn(n): p.detach().clone() for n, p in model.named_parameters()}
+            return {plain_fqn(n): p.detach().clone() for n, p in model.named_parameters()}
 
     def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
         if self.local:
@@ -134,7 +134,7 @@ class FSDP1Target(Target):
             # summon shows a frozen param's grad as zeros; the optimizer sees None (a frozen
             # param is never in the flat grad's reduction): read what the optimizer reads
             with FSDP.summon_full_params(model, writeback=False, with_grads=True):
-                return {clean_fqn(n): None if p.grad is None or not p.requires_grad else p.grad.detach().clone()
+                return {plain_fqn(n): None if p.grad is None or not p.requires_grad else p.grad.detach().clone()
                         for n, p in model.named_parameters()}
         return self._flat_grads(model)
 
@@ -143,10 +143,10 @@ class FSDP1Target(Target):
         into the original params' views (no public API reads these)."""
         from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
 
-        prefix = {id(m._handle): clean_fqn(n) for n, m in model.named_modules()
+        prefix = {id(m._handle): plain_fqn(n) for n, m in model.named_modules()
                   if isinstance(m, FSDP) and m._handle is not None}
         ignored = {id(q) for q in self.ignored}
-        out = {clean_fqn(n): None if p.grad is None else p.grad.detach().clone()  # ignored params: whole
+        out = {plain_fqn(n): None if p.grad is None else p.grad.detach().clone()  # ignored params: whole
                for n, p in model.named_parameters() if id(p) in ignored}
         for handle in _get_fsdp_handles(model):
             fp = handle.flat_param
