@@ -134,6 +134,8 @@ class Case:
                                 f"{[list(m) for m in mesh_shapes(world)]} (no side of 1)")
             if options.get("built_as", "float32") not in ("float32", "float64"):
                 raise CaseError(f"{what}built_as {options['built_as']!r}: want float32 or float64")
+            if options.get("nonroot") and "layers.0" not in options.get("wrap", ()):
+                raise CaseError(f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)")
             if options.get("tp") and len(mesh) != 2:
                 raise CaseError(f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}")
         if not 0 <= self.optim.added_groups < max(len(self.groups), 1):

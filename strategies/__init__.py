@@ -244,6 +244,8 @@ ADD_PARAM_GROUP = {"zero"}
 # targets whose cases now and then build the model in another dtype and call
 # model.to(case dtype) after sharding it (exact: float32 <-> float64 round-trips)
 TO_DTYPE = {"fsdp2"}
+# targets whose cases now and then call a wrapped layers.0 from outside the root's forward
+NONROOT = {"fsdp2"}
 # targets whose cases now and then give each group's params as a one-shot iterator
 GENERATOR_GROUPS = {"zero"}
 # targets on one flat process group: a 1-D mesh only
@@ -356,6 +358,9 @@ def cases(
     if target in TO_DTYPE and draw(st.integers(0, 3)) == 3:  # drawn last: the draws before stay as they were
         other = "float64" if case.dtype == "float32" else "float32"
         case = dataclasses.replace(case, target_options={**case.target_options, "built_as": other})
+    if target in NONROOT and "layers.0" in options.get("wrap", ()) and draw(st.booleans()):
+        # a forward of the layers.0 unit from outside the root's (adds to the loss; see model.objective)
+        case = dataclasses.replace(case, target_options={**case.target_options, "nonroot": True})
     if target not in ADD_PARAM_GROUP:
         return case
     # drawn last, so the draws before it stay as they were

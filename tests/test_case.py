@@ -136,3 +136,13 @@ def test_tensor_parallel_on_a_1d_mesh_raises_a_clear_case_error():
     data["target_options"] = {"tp": {"layers.0": "colwise"}}
     with pytest.raises(CaseError, match="tensor parallel needs a 2-D mesh"):
         Case.from_dict(data).check_world()
+
+
+def test_a_non_root_forward_of_an_unwrapped_module_raises_a_clear_case_error():
+    from cases import simple_case
+
+    data = simple_case(2).to_dict()
+    data["target"] = "fsdp2"
+    data["target_options"] = {"nonroot": True, "wrap": []}
+    with pytest.raises(CaseError, match="nonroot calls layers.0 from outside the root"):
+        Case.from_dict(data).check_world()

@@ -70,12 +70,13 @@ def test_known_silent_torch_bug_reproduces_standalone(tmp_path):
 
 CHECKPOINT_BUGS = [
     # target, bug file, optimizers, world sizes, (examples, seed), the finding's file pattern, what the shrunk case must hold
-    # (the first group's lr shows only with 2+ groups of different lr through a load: seed 1 gets there in 100)
-    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "1", (100, 1), "fsdp2.checkpoint.*.loaded.group.json",
+    # (the first group's lr shows only with 2+ groups of different lr through a load: seed 0 gets there in 100;
+    # seeds are picked against the current strategies, and a new draw can move them)
+    ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "1", (100, 0), "fsdp2.checkpoint.*.loaded.group.json",
      lambda c: len(c["groups"]) >= 2),
     # ckpt_drop_frozen_state.py (a param frozen after it got state, saved full) is too rare a draw for
     # 80 examples now that its DCP twin is a known torch bug; run it by hand with more examples
-    ("fsdp2", "ckpt_reshard_swap.py", "Adam,AdamW", "1,2", (80, 4), "fsdp2.checkpoint.dcp.loaded.state.exp_avg*.json",
+    ("fsdp2", "ckpt_reshard_swap.py", "Adam,AdamW", "1,2", (80, 0), "fsdp2.checkpoint.dcp.loaded.state.exp_avg*.json",
      lambda c: c["checkpoint"]["world_size"] != c["world_size"]),
 ]
 

@@ -196,3 +196,12 @@ def make_batch(spec: Model, seed: int, step: int, batch: int, seq: int, device: 
 
 def loss_fn(out, target):
     return ((out - target) ** 2).mean()
+
+
+def objective(model: nn.Module, x, y, options: dict):
+    """The training loss; with ``nonroot`` (fsdp2, layers.0 its own unit) plus
+    a call of layers.0 straight on the input, from outside the root's forward."""
+    loss = loss_fn(model(x), y)
+    if options.get("nonroot"):
+        loss = loss + submodule(model, "layers.0")(x).square().mean()
+    return loss

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..case import Case
 from .localize import Trace, localize_divergence
-from .model import build_model, loss_fn, make_batch
+from .model import build_model, make_batch, objective
 from .optim import add_late_groups, adds_groups_before, build_optimizer, group_hparams, load_state_by_fqn, resume_defaults, state_by_fqn
 from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, mixed_precision_tolerance, reduction_tolerance, step_tolerance
 
@@ -74,7 +74,7 @@ def _plain_reference_error(case: Case, device: str) -> dict | None:
                     p.grad = grads[n]
             else:
                 x, y, scale = _active(case, k, x, y)
-                (loss_fn(model(x), y) * scale).backward()
+                (objective(model, x, y, options) * scale).backward()
             opt.step()
     except Exception as e:
         return _exc(e)
@@ -132,9 +132,9 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
                 loss, grads, tol, sens, extra = _mixed_precision(case, model, options, world, x, y)
             else:
                 x, y, scale = _active(case, k, x, y)
-                sens = _sensitivity(model, params, x, y, scale)
+                sens = _sensitivity(model, params, x, y, options, scale)
                 trace = Trace(model, lambda t: t, lambda t: t) if localize and rec["trace"] else None
-                loss = loss_fn(model(x), y) * scale
+                loss = objective(model, x, y, options) * scale
                 loss.backward()
                 grads, tol = {n: p.grad for n, p in params.items()}, red_tol
             here = [compare("loss", k, "", rec["loss"], loss.detach(), tol, sens=sens["loss"])]
@@ -227,11 +227,11 @@ def _mixed_precision(case: Case, model, options: dict, world: int, x, y) -> tupl
     for r in range(world):
         acc = {}
         for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
-            for key, v in _sensitivity(low, params, xm, ym, 1.0 / m).items():
+            for key, v in _sensitivity(low, params, xm, ym, options, 1.0 / m).items():
                 sens[key] = sens.get(key, 0.0) + v / world
             for p in params.values():
                 p.grad = None
-            local = loss_fn(low(xm), ym) / m
+            local = objective(low, xm, ym, options) / m
             local.backward()
             loss += local.detach().double() / world
             for n, p in params.items():
@@ -259,7 +259,7 @@ def _cast(tree, dtype):
 SENSITIVITY_DRAWS = 4
 
 
-def _sensitivity(model, params: dict, x, y, scale: float = 1.0) -> dict[str, float]:
+def _sensitivity(model, params: dict, x, y, options: dict, scale: float = 1.0) -> dict[str, float]:
     """How far one ulp moves each result: rerun forward/backward with every
     param and float input nudged by one ulp (random direction, fixed seed),
     and take the largest change per tensor. Rounding anywhere in a legitimate
@@ -280,7 +280,7 @@ def _sensitivity(model, params: dict, x, y, scale: float = 1.0) -> dict[str, flo
                 p.copy_(nudge(saved[n]) if perturb else saved[n])
                 p.grad = None
         xin = nudge(x) if perturb and x.is_floating_point() else x
-        loss = loss_fn(model(xin), y) * scale
+        loss = objective(model, xin, y, options) * scale
         loss.backward()
         return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
 

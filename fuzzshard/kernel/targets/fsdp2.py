@@ -6,8 +6,10 @@ The Case's ``target_options`` name the submodules that get their own
 dtype and moved to the case's with ``model.to`` after ``fully_shard``), ``mp`` (a MixedPrecisionPolicy for every
 unit, see reference.py for how it is replayed), ``ac`` (submodules under composable activation
 checkpointing, or with ``ac_wrapper`` under ``apply_activation_checkpointing``'s CheckpointWrapper), ``microbatches`` (gradient accumulation: every microbatch
-but the last runs with ``set_requires_gradient_sync(False)``) and ``tp``
-(tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}).
+but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
+(tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}) and
+``nonroot`` (the loss also calls the wrapped layers.0 from outside the root's
+forward: FSDP2's non-root forward; see model.objective).
 A 2-D mesh means HSDP (replicate x shard), or with ``tp`` TP + FSDP2:
 ``parallelize_module`` on the inner dim, ``fully_shard`` on the outer. Each
 data-parallel rank trains on its slice of the global batch (the TP ranks of
@@ -22,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..model import loss_fn, submodule
+from ..model import objective, submodule
 from .base import Target
 
 
@@ -103,7 +105,7 @@ class FSDP2Target(Target):
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             if k > 1:
                 model.set_requires_gradient_sync(i == k - 1)
-            loss = loss_fn(model(xm), ym) / k
+            loss = objective(model, xm, ym, self.case.target_options) / k
             loss.backward()
             losses.append(loss.detach())
         full = torch.stack(losses).sum()
