@@ -75,7 +75,7 @@ CHECKPOINT_BUGS = [
     ("fsdp2", "ckpt_first_group_lr.py", "Adam,SGD", "1", (100, 0), "fsdp2.checkpoint.*.loaded.group.json",
      lambda c: len(c["groups"]) >= 2),
     # ckpt_drop_frozen_state.py (a param frozen after it got state, saved full) is too rare a draw for
-    # 80 examples now that its DCP twin is a known torch bug; run it by hand with more examples
+    # 80 examples now that its DCP twin is a known torch bug: a hand-written case replays it (below)
     ("fsdp2", "ckpt_reshard_swap.py", "Adam,AdamW", "1,2", (80, 0), "fsdp2.checkpoint.dcp.loaded.state.exp_avg*.json",
      lambda c: c["checkpoint"]["world_size"] != c["world_size"]),
 ]
@@ -242,3 +242,29 @@ def test_a_load_missing_a_key_is_refused_when_strict_and_keeps_the_fresh_param_w
     lenient.write_text(json.dumps(finding))
     r = run_cli("replay", lenient)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_a_saved_state_dict_that_drops_frozen_params_state_is_caught_at_save(tmp_path):
+    """The planted 'drops the state of params frozen at save time': layers.2.weight
+    gets Adam state at step 0 and is frozen at step 1, then the full state dict is
+    saved. Clean torch saves it (and then hits the recorded load-side bug, which
+    drops it at load: loaded.state.missing); the planted one is caught earlier,
+    by the saved-state oracle against the plain optimizer's state_dict()."""
+    import dataclasses
+
+    from cases import simple_case
+    from fuzzshard.case import Checkpoint, Step
+
+    opts = {"wrap": ["layers.0"], "reshard_after_forward": True}
+    case = simple_case(2, optim="Adam")
+    case = dataclasses.replace(case, target="fsdp2", batch=4, target_options=opts,
+                               schedule=(Step(), Step(freeze=("layers.2.weight",)), Step()),
+                               checkpoint=Checkpoint(after=1, kind="full", world_size=2, mesh_shape=(2,),
+                                                     target_options=opts))
+    path = tmp_path / "case.json"
+    path.write_text(case.to_json())
+    clean = run_cli("replay", path)
+    assert "FAIL: fsdp2.checkpoint.full.loaded.state.missing" in clean.stdout, clean.stdout + clean.stderr[-2000:]
+    buggy = run_cli("replay", path, setup="ckpt_drop_frozen_state.py")
+    assert "FAIL: fsdp2.checkpoint.full.saved.optim.state.missing" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+    assert "layers.2.weight" in buggy.stdout, buggy.stdout
