@@ -58,10 +58,11 @@ def load(case: Case, model, opt, path: str, group) -> None:
                                                          set_optimizer_state_dict, set_state_dict)
 
     ck = case.checkpoint
+    missing = _keys_of(model, ck.missing)
     if ck.kind == "dcp":
         msd, osd = get_state_dict(model, opt)  # the sharded layout to load into
-        # (dcp.load fills the model's own tensors in place: a missing key is one it is not asked for)
-        sd = {"model": {k: v for k, v in msd.items() if k not in _keys_of(model, ck.missing)}, "optim": osd}
+        # dcp.load fills the model's own tensors in place: a missing key is one it is not asked for
+        sd = {"model": _without(msd, missing), "optim": osd}
         dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(path, "dcp")), process_group=group)
         msd, osd = sd["model"], sd["optim"]
         options = StateDictOptions(strict=ck.strict)
@@ -72,7 +73,10 @@ def load(case: Case, model, opt, path: str, group) -> None:
             saved = torch.load(os.path.join(path, FULL_FILE))
             msd, osd = saved["model"], saved["optim"]
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=ck.strict)
-    msd = _with_drawn_keys(ck, msd, model)
+    if msd:  # (not on a broadcast rank that holds nothing)
+        msd = _without(msd, missing)
+        if ck.unexpected:
+            msd[UNEXPECTED_KEY] = torch.zeros(2)
     if ck.split:
         set_model_state_dict(model, msd, options=options)
         set_optimizer_state_dict(model, opt, osd, options=options)
@@ -86,22 +90,17 @@ UNEXPECTED_KEY = "fuzzshard_unexpected.weight"
 def _keys_of(model, fqns) -> set[str]:
     """Every state-dict key of these params: a tied param has one per module
     holding it, and is missing only when all of them are."""
+    if not fqns:
+        return set()
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(plain_fqn(n))
     return set(fqns) | {k for keys in names.values() if set(keys) & set(fqns) for k in keys}  # (flat params: by name)
 
 
-def _with_drawn_keys(ck, msd: dict, model) -> dict:
-    """The model state dict without the case's ``missing`` params, with an
-    unexpected key if drawn (not on a broadcast rank that holds nothing)."""
-    if not msd or not (ck.missing or ck.unexpected):
-        return msd
-    drop = _keys_of(model, ck.missing)
-    msd = {k: v for k, v in msd.items() if k not in drop}
-    if ck.unexpected:
-        msd[UNEXPECTED_KEY] = torch.zeros(2)
-    return msd
+def _without(msd: dict, keys: set[str]) -> dict:
+    """A copy of the state dict without ``keys`` (a copy: DSD rewrites the dict it loads)."""
+    return {k: v for k, v in msd.items() if k not in keys}
 
 
 def check_saved(case: Case, saved: dict, rec: dict, device: str) -> list[dict]:

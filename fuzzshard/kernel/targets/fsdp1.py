@@ -85,14 +85,11 @@ class FSDP1Target(Target):
                     auto_wrap_policy=CustomPolicy(lambda m: m in chosen), device_id=torch.device(self.case.device),
                     ignored_states=ignored or None, **mesh)
 
-    def _named(self, model: nn.Module) -> dict:
-        return {plain_fqn(n): p for n, p in model.named_parameters()}
-
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
         if self.local:
             return super().optimizer(model, lr_scale)
         if self.orig_params:
-            return build_optimizer(model, self.case, lr_scale, params=self._named(model))
+            return build_optimizer(model, self.case, lr_scale)  # over named_params: plain FQNs
         # the flat params, in the one group the case has
         o = self.case.optim
         group = {"params": list(model.parameters()),
