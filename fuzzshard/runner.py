@@ -87,8 +87,10 @@ class Pool:
         self.gen: _Generation | None = None
         self.spare: _Generation | None = None
         self.info: dict = {}
-        self.restarts = 0
+        self.restarts = 0  # after a hang or a crash
+        self.confirmations = 0  # fresh generations started to confirm a finding
         self.restart_seconds = 0.0
+        self.history: list[tuple[Case, dict]] = []  # (case, verdict) run by the current workers, in order
         self._gens = 0
 
     # -- lifecycle -------------------------------------------------------
@@ -101,13 +103,19 @@ class Pool:
         self.info = self.gen.connect()
         return self
 
-    def restart(self) -> None:
+    def fresh(self) -> None:
+        """Run what comes next in worker processes that have run no case (a
+        finding is confirmed there: nothing a case left behind can reach it)."""
+        self.confirmations += 1
+        self.restart(counted=False)
+
+    def restart(self, counted: bool = True) -> None:
         """Replace the workers (after a hang or a crash). From the first restart
         on, a spare set warms up in the background, so the next costs ~nothing
         (not before: on a small machine its start-up slows the cases)."""
         t0 = time.monotonic()
         self.gen.stop(kill=True)
-        self.restarts += 1
+        self.restarts += counted
         self.gen, self.spare = (self.spare or self._launch()), None
         try:
             self.info = self.gen.connect()
@@ -117,6 +125,7 @@ class Pool:
         if self.spare_enabled:
             self.spare = self._launch()
         self.restart_seconds += time.monotonic() - t0
+        self.history = []
 
     def stop(self) -> None:
         for g in (self.gen, self.spare):
@@ -169,9 +178,11 @@ class Pool:
         return self.gen.log_tail(rank, lines) if self.gen else ""
 
     # -- running ---------------------------------------------------------
-    def run(self, case: Case, localize: bool = False) -> Result:
+    def run(self, case: Case, localize: bool = False, timeout: float | None = None) -> Result:
         """Run one case; ``localize`` also records per-module activations to
-        name the first diverging module (slower; used after a divergence)."""
+        name the first diverging module (slower; used after a divergence).
+        ``timeout``: a shorter limit than ``case_timeout`` (a hang verdict then
+        records it as ``timeout``, so callers can re-check it at the full one)."""
         if self.lost:
             raise LostRank(self.lost)
         w = case.ranks
@@ -180,12 +191,12 @@ class Pool:
         # checkpoint files live in a per-case directory, removed whatever happens
         ckpt_dir = tempfile.mkdtemp(prefix="fuzzshard-ckpt-", dir=self.scratch) if case.checkpoint else None
         try:
-            return self._run(case, w, localize, ckpt_dir)
+            return self._run(case, w, localize, ckpt_dir, min(timeout or self.case_timeout, self.case_timeout))
         finally:
             if ckpt_dir:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
 
-    def _run(self, case: Case, w: int, localize: bool, ckpt_dir: str | None) -> Result:
+    def _run(self, case: Case, w: int, localize: bool, ckpt_dir: str | None, timeout: float) -> Result:
         t0 = time.monotonic()
         text = case.to_json()
         answers: dict[int, tuple] = {}
@@ -196,7 +207,7 @@ class Pool:
             except OSError:  # it died between cases
                 dead[r] = self._exit_code(r)
         waiting = {self.conns[r]: r for r in range(w) if r not in dead}
-        deadline = t0 + self.case_timeout
+        deadline = t0 + timeout
         while waiting and not dead:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -212,6 +223,9 @@ class Pool:
                     dead[r] = self._exit_code(r)
         seconds = time.monotonic() - t0
         verdict = self._combine(w, answers, dead, seconds)
+        if verdict.get("oracle") == "hang" and timeout < self.case_timeout:
+            verdict["timeout"] = round(timeout, 1)  # a shortened limit: provisional until re-run at the full one
+        self.history.append((case, verdict))
         if dead or waiting:
             self.restart()
         timings = answers.get(0, (None, {}))[1]

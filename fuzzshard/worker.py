@@ -30,6 +30,9 @@ def main() -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # Ctrl-C reaches the whole process group: the driver decides what a stop means, not each rank
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # the driver asks a stuck rank where it waits
     from . import targets
     from .case import Case
@@ -54,7 +57,11 @@ def main() -> None:
     meshes = Meshes(size, options["mesh_device"])
     # Connect last: a spare generation gets fully ready before the driver needs it.
     conn = Client(tuple(options["address"]), authkey=bytes.fromhex(os.environ["FUZZSHARD_AUTHKEY"]))
-    conn.send(("ready", rank, {"rank": rank, "torch": torch.__version__, "targets": targets.names()}))
+    info = {"rank": rank, "torch": torch.__version__, "targets": targets.names()}
+    if options["device"] == "cuda":
+        info.update(device_name=torch.cuda.get_device_name(), cuda=torch.version.cuda,
+                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+    conn.send(("ready", rank, info))
     while True:
         try:
             msg = conn.recv()
@@ -75,6 +82,17 @@ def main() -> None:
             timings = {}
         print(f"case done in {time.perf_counter() - t0:.3f}s: {verdict and verdict.get('status')}", flush=True)
         conn.send(("verdict", verdict, timings))
+
+
+def _die_with_parent() -> None:
+    """A driver killed with SIGKILL takes its ranks with it (Linux): none is
+    left blocked in a collective, holding a GPU."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def run_setup_file(path: str) -> None:
