@@ -79,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
     f.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
     f.add_argument("--out", default="fuzzshard-out", help="findings and the example database go here")
+    f.add_argument("--shrink-budget", default=None, metavar="DURATION",
+                   help="once a round finds something, how much longer it may search and shrink before it ends "
+                        "with its smallest cases (default: a quarter of --duration, at least 30s, at most 5m; "
+                        "5m with --max-examples)")
+    f.add_argument("--redis", default=None, metavar="URL",
+                   help="share the example database through redis (redis://host:port/db); OUT/.hypothesis is "
+                        "written too, and used alone if the server goes away")
     _draw_args(f)
     _pool_args(f)
 
@@ -109,7 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("dir")
     rp.add_argument("--html", default=None, help="where to write the HTML page (default DIR/report.html)")
 
-    r = sub.add_parser("replay", help="re-run a finding or case file: exit 0 passes now, 1 still fails, 2 bad file")
+    r = sub.add_parser("replay", help="re-run a finding or case file: exit 0 passes now, 1 still fails with the "
+                       "recorded signature, 3 fails with another, 2 bad file",
+                       description="Re-run a finding or case file in fresh workers, on the device it was recorded on.\n"
+                       "Exit 0: passes now; 1: fails with the recorded signature (the same bug); 3: fails with "
+                       "another signature (both are printed); 2: unreadable or invalid file.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("file")
     _pool_args(r)
 
@@ -133,6 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--soak", default=None, metavar="DURATION",
                    help="instead: a soak in cells vs one fuzz session, both on --workers ranks for DURATION each")
     b.add_argument("--workers", type=int, default=4, help="ranks for --soak (default 4)")
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (cuda: NCCL, one GPU a rank)")
     return ap
 
 
@@ -145,7 +158,8 @@ def _draw_args(p) -> None:
 
 
 def _pool_args(p) -> None:
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where the ranks run (default: cpu; replay: the device the case was recorded on)")
     p.add_argument("--backend", default=None, help="process group backend (default: gloo on cpu, nccl on cuda)")
     p.add_argument("--worker-setup", default=None, metavar="FILE.py",
                    help="Python file run in every worker before any case: patch torch, register_target(...)")
@@ -170,7 +184,8 @@ def main(argv=None) -> int:
         return 0
 
 
-def _check_pool_args(args) -> None:
+def _check_pool_args(args, device: str | None = None) -> None:
+    args.device = args.device or device or "cpu"
     if args.worker_setup and not os.path.isfile(args.worker_setup):
         raise UsageError(f"--worker-setup: no such file {args.worker_setup!r}")
     if args.case_timeout <= 0:
@@ -180,6 +195,9 @@ def _check_pool_args(args) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available here")
+        if (args.backend or "nccl") == "gloo":
+            raise UsageError("--device cuda runs on NCCL: gloo with CUDA tensors fails in collectives fuzzshard's "
+                             "targets use ('writev ... Bad address'), so it is no stand-in for several GPUs")
     if args.worker_setup:  # the same file runs here, so its register_target calls are seen
         from .worker import run_setup_file
 
@@ -211,27 +229,76 @@ def _resolve_targets(text: str) -> list[str]:
 
 
 def cmd_fuzz(args) -> int:
+    import signal
+
     from .engine import Session
 
     sizes = parse_world_sizes(args.world_sizes)
     duration = parse_duration(args.duration) if args.duration else None
+    shrink_budget = parse_duration(args.shrink_budget) if args.shrink_budget else None
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError("--max-examples must be >= 1")
     _check_pool_args(args)
+    _check_gpus(args, max(sizes))
     names = _resolve_targets(args.target)
     strategy_kwargs = _strategy_kwargs(args)
+    database = _redis(args.redis) if args.redis else None
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     os.makedirs(args.out, exist_ok=True)
     print(f"fuzzshard: targets {','.join(names)} · world sizes {sizes} · seed {seed} · out {args.out}", file=sys.stderr)
+    session = None
+    stops = []
+
+    def stop(signum, frame):
+        """The first signal ends the session after its current case; a second one at once."""
+        stops.append(signum)
+        name = signal.Signals(signum).name
+        if session is None or len(stops) > 1:
+            raise KeyboardInterrupt(name)
+        session.request_stop(name)
+        print(f"\nfuzzshard: {name}: stopping after the current case (again to stop at once)", file=sys.stderr,
+              flush=True)
+
+    # explicit handlers: a shell starts a background job with SIGINT ignored, and Python keeps that
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     pool = _pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"), spare=True)
     try:
         session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
-                          duration=duration, seed=seed, device=args.device, strategy_kwargs=strategy_kwargs)
-        findings = session.run()
+                          duration=duration, seed=seed, device=args.device, strategy_kwargs=strategy_kwargs,
+                          database=database, shrink_budget=shrink_budget)
+        try:
+            session.run()
+        except KeyboardInterrupt:  # the second signal: every finding seen is on disk already
+            print("fuzzshard: stopped at once; the finding files are as they were", file=sys.stderr)
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # closing the pool is not to be interrupted
         pool.close()
+    findings = list(session.findings.values())
     _print_session_report(session, findings, args.out)
-    return 1 if findings else 0
+    if findings:
+        return 1
+    return 128 + stops[0] if stops else 0
+
+
+def _check_gpus(args, ranks: int) -> None:
+    """NCCL takes one rank per GPU: more ranks than GPUs is refused up front."""
+    if args.device == "cuda":
+        import torch
+
+        if ranks > torch.cuda.device_count():
+            raise UsageError(f"world size {ranks} needs {ranks} GPUs (NCCL runs one rank per GPU); this machine "
+                             f"has {torch.cuda.device_count()}: use --world-sizes up to {torch.cuda.device_count()}")
+
+
+def _redis(url: str) -> str:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise UsageError("--redis needs the redis package (pip install redis)") from None
+    if not url.startswith("redis://"):
+        raise UsageError(f"--redis takes a redis://host:port/db URL, got {url!r}")
+    return url
 
 
 def _strategy_kwargs(args) -> dict:
@@ -270,11 +337,9 @@ def cmd_soak(args) -> int:
             raise UsageError(f"--cells sizes must add up to a multiple of the {procs} torchrun processes, got {args.cells!r}")
         args.workers = sum(cells) // procs
     _check_pool_args(args)
+    _check_gpus(args, args.workers)
     if args.redis:
-        try:
-            import redis  # noqa: F401
-        except ImportError:
-            raise UsageError("--redis needs the redis package (pip install redis)") from None
+        _redis(args.redis)
     options = {"targets": _resolve_targets(args.targets), "world_sizes": sizes, "device": args.device,
                "backend": args.backend, "worker_setup": os.path.abspath(args.worker_setup) if args.worker_setup else None,
                "case_timeout": args.case_timeout, "strategy_kwargs": _strategy_kwargs(args), "database": args.redis}
@@ -301,6 +366,16 @@ def _print_session_report(session, findings, out) -> None:
 
     st = session.stats
     print(f"\n{st.cases} cases · {st.valid} valid · {st.invalid} invalid · {st.rate():.2f} cases/s", file=sys.stderr)
+    length = f"session {session.elapsed:.0f}s"
+    if session.duration:
+        length += f" (--duration {session.duration:.0f}s, grace {session.grace():.0f}s)"
+    if session.stop_reason:
+        length += f", stopped by {session.stop_reason}"
+    print(length, file=sys.stderr)
+    if st.derived_timeouts or st.slow:
+        print(f"while a hang shrank: {st.derived_timeouts} case(s) ran under a derived timeout of "
+              f"{st.derived_timeout:.0f}s (--case-timeout {session.pool.case_timeout:.0f}s); {st.slow} provisional "
+              f"hang(s) finished at the full timeout (slow, not hung)", file=sys.stderr)
     if st.passed_by_optimizer:
         cover = ", ".join(f"{k} {v}" for k, v in sorted(st.passed_by_optimizer.items()))
         print(f"passing cases by optimizer: {cover}", file=sys.stderr)
@@ -308,9 +383,14 @@ def _print_session_report(session, findings, out) -> None:
         print(f"{st.internal_errors} fuzzshard-internal errors (see above)", file=sys.stderr)
     for sig, n in sorted(st.known.items()):
         print(f"known   {sig} ×{n}: {session.known[sig].diagnosis}", file=sys.stderr)
+    for c in session.contaminated:
+        print(f"CONTAMINATED (a fuzzshard internal error, not a finding): {c['signature']} in warm workers, "
+              f"{c['fresh_signature']} in fresh ones, after {len(c['ran_before_in_that_generation'])} other case(s)"
+              f"\n        -> {out}/contaminated/{c['signature']}.json", file=sys.stderr)
+    stage = {"confirmed": "", "shrinking": " (shrunk in warm workers, not yet re-run fresh: `fuzzshard replay` it)",
+             "unconfirmed": " (UNCONFIRMED: no time was left to re-run it in fresh workers)"}
     for f in findings:
-        flag = "" if f.deterministic else " (FLAKY: a second run gave another verdict)"
-        print(f"FINDING {f.signature}{flag}\n        {summary(f.verdict)}\n        -> {out}/{f.signature}.json, "
+        print(f"FINDING {f.signature}{stage.get(f.stage, '')}\n        {summary(f.verdict)}\n        -> {out}/{f.signature}.json, "
               f"{out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})", file=sys.stderr)
     if not findings:
         print("no new findings", file=sys.stderr)
@@ -335,14 +415,19 @@ def _load(path):
     return finding
 
 
+REPLAY_DIFFERENT = 3  # exit code: the case fails, with another signature than the one recorded
+
+
 def cmd_replay(args) -> int:
+    from .engine import localized
     from .findings import signature, summary
 
-    _check_pool_args(args)
     finding = _load(args.file)
     case = finding.case
-    from .engine import localized
-
+    _check_pool_args(args, device=case.device)  # a case replays where it was found, unless told otherwise
+    _check_gpus(args, case.ranks)
+    if args.device != case.device:
+        print(f"note: {args.file} was recorded on {case.device}; replaying on {args.device}", file=sys.stderr)
     pool = _pool(args, case.ranks)
     try:
         v = localized(pool, case, pool.run(case).verdict)
@@ -356,8 +441,10 @@ def cmd_replay(args) -> int:
         print(f"PASS: {args.file} no longer fails" + (f" ({finding.signature})" if finding.signature else ""))
         return 0
     sig = signature(case, v)
-    same = "" if not finding.signature or sig == finding.signature else f" (recorded as {finding.signature})"
-    print(f"FAIL: {sig}{same}\n{summary(v)}")
+    if finding.signature and sig != finding.signature:
+        print(f"FAILS DIFFERENTLY: {sig}\n  recorded: {finding.signature}\n  now:      {sig}\n{summary(v)}")
+        return REPLAY_DIFFERENT
+    print(f"FAIL: {sig}\n{summary(v)}")
     for m in v.get("mismatches", [])[1:]:
         print(f"  also: {m['quantity']} {m['fqn']} step {m['step']}: {m['detail']}")
     return 1
@@ -394,19 +481,31 @@ def cmd_known(args) -> int:
     if args.markdown:
         print(known_markdown(known))
         return 0
+    pool = None
     if args.check:
         _check_pool_args(args)
-    pool = _pool(args, max(f.case.ranks for f in known.values())) if args.check else None
+        here = [f for f in known.values() if f.case.device == args.device]
+        if here:
+            ranks = max(f.case.ranks for f in here)
+            if args.device == "cuda":
+                import torch
+
+                ranks = min(ranks, torch.cuda.device_count())
+            pool = _pool(args, ranks)
     try:
         for sig, f in known.items():
             status = ""
             if pool is not None:
                 from .engine import localized
 
-                v = localized(pool, f.case, pool.run(f.case).verdict)
-                still = v["status"] == "finding" and signature(f.case, v) == sig
-                status = "still reproduces  " if still else "NO LONGER REPRODUCES  "
-            print(f"{status}{sig}\n    {f.diagnosis}")
+                if f.case.device != args.device or f.case.ranks > pool.size:
+                    status = f"skipped (needs {f.case.ranks} rank(s) on {f.case.device})  "
+                else:
+                    v = localized(pool, f.case, pool.run(f.case).verdict)
+                    got = signature(f.case, v) if v["status"] == "finding" else v["status"]
+                    status = ("still reproduces  " if got == sig else "NO LONGER REPRODUCES (passes)  " if got == "pass"
+                              else f"FAILS DIFFERENTLY ({got})  ")
+            print(f"{status}{sig}\n    {f.diagnosis}", flush=True)
     finally:
         if pool is not None:
             pool.close()
@@ -419,10 +518,12 @@ def known_markdown(known: dict) -> str:
             "shrunk repro (`fuzzshard replay X.json`; `fuzzshard script X.json -o x.py` writes a standalone "
             "script for `torchrun --nproc-per-node W x.py`, torch alone). "
             "Regenerate this table with `fuzzshard known --markdown`; check them with `fuzzshard known --check`.", "",
-            "| signature | kind | torch | W | diagnosis |", "|---|---|---|---|---|"]
+            "| signature | kind | torch, device | W | diagnosis |", "|---|---|---|---|---|"]
     for sig, f in sorted(known.items()):
-        kind = {"parity": "**silent**", "error_parity": "raises", "hang": "hang", "crash": "crash"}.get(f.verdict.get("oracle"), "?")
-        rows.append(f"| [`{sig}`]({sig}.json) | {kind} | {f.environment.get('torch', '?')} "
+        kind = {"parity": "**silent**", "checkpoint": "**silent** (checkpoint)", "error_parity": "raises", "hang": "hang",
+                "crash": "crash"}.get(f.verdict.get("oracle"), "?")
+        where = ", ".join(f.devices) if f.devices else f.environment.get("device") or f.case.device
+        rows.append(f"| [`{sig}`]({sig}.json) | {kind} | {f.environment.get('torch', '?')}, {where} "
                     f"| {f.case.world_size} | {f.diagnosis} |")
     return "\n".join(rows)
 
@@ -440,7 +541,13 @@ def cmd_bench(args) -> int:
 
         run_soak_bench(parse_duration(args.soak), args.workers, names[0], args.seed)
         return 0
-    run_bench(args.cases, args.world_size, args.seed, names[0])
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available here")
+        _check_gpus(args, args.world_size)
+    run_bench(args.cases, args.world_size, args.seed, names[0], device=args.device)
     return 0
 
 

@@ -1,15 +1,33 @@
 """A fuzz session: Hypothesis draws Cases, the pool runs them, findings shrink.
 
 Each distinct signature raises its own exception class, so Hypothesis shrinks
-every distinct bug separately. Hypothesis replays each minimal example once
-more at the end (``is_final``); that run records the minimal case. A finding
-whose signature is in the known-findings list is counted, not raised, so the
-session keeps looking for new bugs. Every new finding is re-run once before
-it is reported (the determinism oracle): a verdict that changes is flaky.
+every distinct bug separately. A finding whose signature is in the
+known-findings list is counted, not raised, so the session keeps looking.
+
+A finding is a bug a user can trust, and nothing found is lost:
+  - *fresh confirmation*: a new signature's case runs once more in worker
+    processes that have run nothing else (``Pool.fresh``). The same signature
+    there makes it a finding, written at once (``OUT/<sig>.json`` + ``.py``).
+    Another verdict means something carried over from earlier cases in the
+    warm workers: a fuzzshard fault, reported as *contaminated* (both
+    verdicts and what ran before it), never as a finding;
+  - *shrinking*: each smaller case with that signature rewrites the file
+    (stage ``shrinking``, at most every ``WRITE_EVERY`` seconds); when the
+    search ends the smallest is confirmed fresh as well (stage ``confirmed``)
+    or the file goes back to the last confirmed case;
+  - *time*: ``duration`` bounds the session; a round that found something
+    searches and shrinks for ``shrink_budget`` more seconds at most, then
+    ends with its smallest cases. While a hang shrinks, cases run under a
+    timeout derived from how long passing cases of that size took: a hang
+    under it is provisional, and only a run at the full timeout puts a hang
+    in a file;
+  - *stop*: ``request_stop()`` (a signal) ends the session after the case
+    that is running; the files already hold every finding seen.
 """
 from __future__ import annotations
 
 import collections
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,11 +36,20 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import seed as hseed
 from hypothesis.control import current_build_context
-from hypothesis.database import DirectoryBasedExampleDatabase
 
 from . import repro
-from .findings import Finding, environment, load_known, signature, summary, triggered, write_finding
+from .findings import (Finding, atomic_write, environment, is_known, load_known, signature, summary, triggered,
+                       write_finding)
 from .runner import Pool, PoolError
+
+WRITE_EVERY = 2.0  # seconds between two rewrites of one finding's file while it shrinks
+SHRINK_TIMEOUT_FACTOR = 5.0  # a case shrinking a hang may take this many times the slowest passing case like it
+SHRINK_TIMEOUT_FLOOR = 10.0  # ... and never less than this many seconds
+
+
+class _RoundOver(KeyboardInterrupt):
+    """Ends a Hypothesis run at once. A KeyboardInterrupt because that is what
+    Hypothesis lets through without saving the example as a failure."""
 
 
 class FindingError(Exception):
@@ -44,6 +71,10 @@ class Stats:
     valid: int = 0
     invalid: int = 0
     internal_errors: int = 0
+    contaminated: int = 0  # new signatures a fresh run did not confirm
+    slow: int = 0  # provisional hangs that finished at the full timeout
+    derived_timeouts: int = 0  # cases run under a timeout derived while a hang shrank
+    derived_timeout: float = 0.0  # the last such timeout
     known: collections.Counter = field(default_factory=collections.Counter)
     per_target: collections.Counter = field(default_factory=collections.Counter)
     passed_by_optimizer: collections.Counter = field(default_factory=collections.Counter)  # coverage
@@ -55,7 +86,26 @@ class Stats:
         return self.cases / max(time.monotonic() - self.started, 1e-9)
 
 
+@dataclass
+class _Track:
+    """One new signature: the case a fresh run confirmed, the smallest seen
+    (provisional hangs included), the one its file holds."""
+    confirmed: tuple  # (case, verdict)
+    best: tuple
+    written: tuple
+    last_write: float = 0.0
+
+
+@dataclass
+class _Round:
+    found_at: float | None = None  # when this round raised its first finding
+    pending: set = field(default_factory=set)
+    hang: bool = False  # a hang is shrinking: cases run under a derived timeout
+
+
 class Session:
+    fallback_db = ".hypothesis"  # the directory database under OUT that a redis database also writes
+
     def __init__(
         self,
         pool: Pool,
@@ -69,82 +119,113 @@ class Session:
         known: dict | None = None,
         progress=sys.stderr,
         strategy_kwargs: dict | None = None,
-        database: str | None = None,
+        database=None,
+        shrink_budget: float | None = None,
+        findings_dir: str | Path | None = None,
     ):
         self.pool = pool
         self.targets = targets
         self.out = Path(out_dir)
+        self.findings_dir = Path(findings_dir) if findings_dir else self.out
         self.world_sizes = list(world_sizes)
         self.max_examples = max_examples
         self.duration = duration
+        self.shrink_budget = default_shrink_budget(duration) if shrink_budget is None else shrink_budget
         self.seed = seed
         self.device = device
         self.known = load_known() if known is None else known
         self.progress = progress
         self.strategy_kwargs = strategy_kwargs or {}
-        self.database = database or str(self.out / ".hypothesis")
+        self.database = database if database is not None else str(self.out / ".hypothesis")
         self.stats = Stats()
         self.findings: dict[str, Finding] = {}
-        self.flaky: list[str] = []
-        self._minimal: dict[str, tuple] = {}  # sig -> the shrunk (case, verdict)
-        self._seen: dict[str, tuple] = {}  # sig -> first (case, verdict), if it never shrank
+        self.contaminated: list[dict] = []
+        self.stop_reason: str | None = None
+        self._tracks: dict[str, _Track] = {}
+        self._failing: dict[str, tuple] = {}  # case JSON -> (signature, verdict) of new findings run
+        self._suspect: set[str] = set()  # signatures a fresh run did not confirm
+        self._pass_seconds: dict[tuple, float] = {}  # (target, ranks, checkpoint) -> slowest passing case
         self._last_print = 0.0
-        self._deadline = None
+        self._deadline: float | None = None
+        self.elapsed = 0.0  # the session's length, confirmations included
 
     # -- the session -------------------------------------------------------
     def run(self) -> list[Finding]:
         self.out.mkdir(parents=True, exist_ok=True)
         self._deadline = time.monotonic() + self.duration if self.duration else None
         rnd = 0
-        while True:
+        while not self._stopped():
             for target in self.targets:
-                if self._time_up():
+                if self._stopped():
                     break
                 n = self.max_examples if not self._deadline else 25
-                self._run_round(target, n, self.seed + rnd)
+                self._run_round(target, n, self.seed + rnd, reuse=rnd == 0)
             rnd += 1
-            if not self._deadline or self._time_up():
+            if not self._deadline:
                 break
         self._report_progress(force=True)
         self._finish()
+        self.elapsed = time.monotonic() - self.stats.started
         return list(self.findings.values())
 
-    def _time_up(self) -> bool:
-        return self._deadline is not None and time.monotonic() >= self._deadline
+    def request_stop(self, reason: str) -> None:
+        """End after the case that is running (a signal handler calls this)."""
+        self.stop_reason = self.stop_reason or reason
 
-    def _run_round(self, target: str, n: int, seed: int) -> None:
+    def grace(self) -> float:
+        """How far past ``duration`` the session may run to finish a case and confirm its findings."""
+        return max(0.1 * (self.duration or 0.0), self.pool.case_timeout)
+
+    def _stopped(self) -> bool:
+        return self.stop_reason is not None or (self._deadline is not None and time.monotonic() >= self._deadline)
+
+    def _round_over(self, rnd: _Round) -> bool:
+        return self._stopped() or (rnd.found_at is not None and time.monotonic() >= rnd.found_at + self.shrink_budget)
+
+    def _run_round(self, target: str, n: int, seed: int, reuse: bool = True) -> None:
+        """One Hypothesis run over ``target``; ``reuse``: replay the example
+        database's failures first (a target's first round: later ones would
+        only shrink them again)."""
         import fuzzshard.strategies as fst
 
         strategy = fst.cases(target=target, world_sizes=self.world_sizes, device=self.device, **self.strategy_kwargs)
-        pending: set = set()  # signatures raised this round: never skip while one shrinks
+        rnd = _Round()
 
         def body(case):
-            if self._time_up() and not pending:
-                return  # out of time: let this round end quickly
-            sig, verdict = self._run_case(case)
-            if sig is None:
-                return
-            pending.add(sig)
-            self._seen.setdefault(sig, (case, verdict))
-            if current_build_context().is_final:
-                self._minimal[sig] = (case, verdict)
+            key = case.to_json()
+            seen = self._failing.get(key)
+            if seen is not None:  # run before (Hypothesis replays its minimal example): same verdict
+                sig, verdict = seen
+                if current_build_context().is_final:
+                    self._shrunk_to(sig, case, verdict)
+            else:
+                if self._round_over(rnd):
+                    raise _RoundOver  # out of time, or stopped: end the round now, its findings are on disk
+                sig, verdict = self._run_case(case, timeout=self._timeout(case, rnd))
+                if sig is None or not self._accept(sig, case, verdict):
+                    return
+                self._failing[key] = (sig, verdict)
+            rnd.pending.add(sig)
+            rnd.found_at = rnd.found_at or time.monotonic()
+            rnd.hang = rnd.hang or verdict.get("oracle") == "hang"
+            # one raise statement: Hypothesis tells bugs apart by exception type *and* the line that raised
             raise finding_class(sig)(summary(verdict))
 
-        test = given(strategy)(body)
-        test._hypothesis_internal_add_digest = target.encode()  # one database key per target
+        body._hypothesis_internal_add_digest = target.encode()  # one database key per target (read from the inner function)
+        # the seed before the settings: hypothesis.seed() on its own turns the example database off
+        test = hseed(seed)(given(strategy)(body))
         test = settings(
             max_examples=n,
             deadline=None,
-            database=_database(self.database),
+            database=self._database(),
             suppress_health_check=list(HealthCheck),
-            phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+            phases=[Phase.explicit, *[Phase.reuse] * reuse, Phase.generate, Phase.shrink],
             report_multiple_bugs=True,
             print_blob=False,
         )(test)
-        test = hseed(seed)(test)
         try:
             test()
-        except FindingError:
+        except (FindingError, _RoundOver):
             pass
         except BaseExceptionGroup as group:
             _, rest = group.split(FindingError)
@@ -154,11 +235,19 @@ class Session:
             if not _only_findings(e):
                 raise _pool_error(e) or e
 
+    def _database(self):
+        if not isinstance(self.database, str):
+            return self.database  # an ExampleDatabase a caller made
+        from .database import open_database
+
+        self.database = open_database(self.database, str(self.out / self.fallback_db), self.progress)
+        return self.database
+
     def on_case(self, case, verdict: dict, sig: str | None) -> None:
         """Called once per case run (``sig``: its finding's signature, known or
         new); a soak logs it here."""
 
-    def _run_case(self, case) -> tuple[str | None, dict]:
+    def _run_case(self, case, timeout: float | None = None) -> tuple[str | None, dict]:
         """(signature of a new finding or None, verdict); rejects invalid cases."""
         hang = triggered(case, self.known)
         if hang:  # a known hang: count it, do not wait out the timeout again
@@ -167,8 +256,11 @@ class Session:
             v = {"status": "finding", "oracle": "hang", "known_trigger": hang}
             self.on_case(case, v, hang)
             return None, v
-        result = self.pool.run(case)
+        result = self.pool.run(case, timeout=timeout)
         st, v = self.stats, result.verdict
+        if timeout is not None:
+            st.derived_timeouts += 1
+            st.derived_timeout = timeout
         st.cases += 1
         st.per_target[case.target] += 1
         st.seconds_in_cases += result.seconds
@@ -187,32 +279,133 @@ class Session:
             return None, v
         if v["status"] != "finding":
             st.passed_by_optimizer[case.optim.name] += 1
+            size = (case.target, case.ranks, bool(case.checkpoint))
+            self._pass_seconds[size] = max(self._pass_seconds.get(size, 0.0), result.seconds)
             self.on_case(case, v, None)
             return None, v
-        v = localized(self.pool, case, v)
+        v = localized(self.pool, case, v, timeout=timeout)
         sig = signature(case, v)
         self.on_case(case, v, sig)
-        if sig in self.known:
+        if is_known(sig, case, self.known):
             st.known[sig] += 1
             return None, v
         return sig, v
 
-    # -- after the search --------------------------------------------------
-    def _finish(self) -> None:
-        for sig in sorted(self._seen):
-            f = self._final(sig)
-            write_finding(self.out, f, repro.script(f.case, summary(f.verdict), f.environment))
-            self.findings[sig] = f
+    def _timeout(self, case, rnd: _Round) -> float | None:
+        """While a hang shrinks: a limit derived from the slowest passing case
+        of this target, size and kind (every size seen, if none of this one)."""
+        if not rnd.hang or not self._pass_seconds:
+            return None
+        seen = self._pass_seconds.get((case.target, case.ranks, bool(case.checkpoint)), max(self._pass_seconds.values()))
+        return max(SHRINK_TIMEOUT_FLOOR, SHRINK_TIMEOUT_FACTOR * seen)
 
-    def _final(self, sig: str) -> Finding:
-        """The finding of ``sig``: its smallest case, run once more (determinism)."""
-        env = environment(self.pool.info, self.pool.options["backend"])
-        case, verdict = self._minimal.get(sig, self._seen[sig])
-        again = localized(self.pool, case, self.pool.run(case).verdict)  # determinism: the same verdict twice
-        deterministic = again.get("status") == "finding" and signature(case, again) == sig
-        if not deterministic:
-            self.flaky.append(sig)
-        return Finding(sig, case, verdict, deterministic=deterministic, environment=env)
+    # -- a finding's life: confirmed fresh, written, shrunk, confirmed again --
+    def _accept(self, sig: str, case, verdict: dict) -> bool:
+        """Whether this new-signature verdict counts (and drives shrinking)."""
+        track = self._tracks.get(sig)
+        if track is None:
+            if sig in self._suspect:  # one fresh run already said this signature is not what it seems
+                self.stats.contaminated += 1
+                return False
+            confirmed = self._confirm(sig, case, verdict)
+            if confirmed is None:
+                return False
+            if not self._publish(sig, confirmed, first=True):
+                return False  # another cell of a soak wrote it first: a known finding now
+            self._tracks[sig] = _Track(confirmed, confirmed, confirmed, time.monotonic())
+            self._say(f"new finding {sig}, confirmed in fresh workers -> {self.findings_dir / sig}.json")
+            return True
+        if _smaller(case, track.best[0]):
+            track.best = (case, verdict)
+            if not verdict.get("timeout"):  # a provisional hang never reaches the file
+                self._rewrite(sig, track)
+        return True
+
+    def _shrunk_to(self, sig: str, case, verdict: dict) -> None:
+        """Hypothesis's final replay names its minimal example: that is the best case."""
+        track = self._tracks.get(sig)
+        if track is not None and not verdict.get("timeout") and case.to_json() != track.best[0].to_json():
+            track.best = (case, verdict)
+            self._rewrite(sig, track)
+
+    def _confirm(self, sig: str, case, verdict: dict) -> tuple | None:
+        """(case, verdict) when fresh workers give ``sig`` too, else None
+        (a contaminated verdict is reported; a provisional hang that finishes
+        was only slow). At the full case timeout."""
+        before = list(self.pool.history)
+        if self._deadline is not None and time.monotonic() > self._deadline + self.grace():
+            self._say(f"new finding {sig}: no time left to confirm it in fresh workers; written unconfirmed")
+            return case, {**verdict, "unconfirmed": True}
+        self.pool.fresh()
+        again = localized(self.pool, case, self.pool.run(case).verdict)
+        got = _label(case, again)
+        if got == sig:
+            return case, again
+        if verdict.get("timeout"):
+            self.stats.slow += 1
+            return None
+        self.stats.contaminated += 1
+        self._suspect.add(sig)
+        self._report_contaminated(sig, case, verdict, again, got, before)
+        return None
+
+    def _report_contaminated(self, sig, case, warm: dict, fresh: dict, got: str, before: list) -> None:
+        ran_before = [f"{c.target} W{c.ranks} {c.optim.name}: {_label(c, v)}" for c, v in before[:-1]]
+        record = {"signature": sig, "fresh_signature": got, "warm_verdict": warm, "fresh_verdict": fresh,
+                  "ran_before_in_that_generation": ran_before, "case": case.to_dict()}
+        self.contaminated.append(record)
+        folder = self.out / "contaminated"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{sig}.json"
+        atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+        self._say(f"fuzzshard internal error (contaminated, not a finding): {sig} in the warm workers, {got} in fresh "
+                  f"ones; {len(ran_before)} case(s) ran before it in that generation "
+                  f"({', '.join(ran_before[-3:]) or 'none'}) -> {path}")
+
+    def _rewrite(self, sig: str, track: _Track, force: bool = False) -> None:
+        if track.best is track.written or track.best[1].get("timeout"):
+            return
+        if force or time.monotonic() - track.last_write >= WRITE_EVERY:
+            self._publish(sig, track.best, first=False)
+            track.written, track.last_write = track.best, time.monotonic()
+
+    def _publish(self, sig: str, found: tuple, first: bool) -> bool:
+        """Write the finding's files (whole or not at all); False: not this session's to write."""
+        f = self._finding(sig, found)
+        self.findings[sig] = f
+        write_finding(self.findings_dir, f, repro.script(f.case, summary(f.verdict), f.environment), replace=True)
+        return True
+
+    def _finding(self, sig: str, found: tuple) -> Finding:
+        case, verdict = found
+        track = self._tracks.get(sig)
+        confirmed = not verdict.get("unconfirmed") and (track is None or found is track.confirmed)
+        stage = "confirmed" if confirmed else "unconfirmed" if verdict.get("unconfirmed") else "shrinking"
+        env = environment(self.pool.info, self.pool.options["backend"], self.pool.options["device"])
+        return Finding(sig, case, {k: v for k, v in verdict.items() if k != "unconfirmed"}, deterministic=confirmed,
+                       environment=env, stage=stage)
+
+    def _finish(self) -> None:
+        """Confirm each finding's smallest case in fresh workers, in the time
+        left; a stopped session leaves its files as they are."""
+        for sig in sorted(self._tracks):
+            track = self._tracks[sig]
+            if track.best is not track.confirmed and self._may_confirm():
+                again = self._confirm(sig, *track.best) if not track.best[1].get("unconfirmed") else None
+                if again is not None:
+                    track.confirmed = track.best = again
+            if self.stop_reason is None:  # the file holds the confirmed case
+                track.best = track.confirmed
+            self._rewrite(sig, track, force=True)
+            self.findings[sig] = self._finding(sig, track.written)
+
+    def _may_confirm(self) -> bool:
+        if self.stop_reason is not None:
+            return False
+        return self._deadline is None or time.monotonic() < self._deadline + self.grace()
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.progress, flush=True)
 
     def _report_progress(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -221,31 +414,41 @@ class Session:
         self._last_print = now
         st = self.stats
         elapsed = now - st.started
+        shrinking = sum(1 for t in self._tracks.values() if t.best is not t.confirmed)
         line = (
             f"[fuzzshard] {st.cases} cases ({st.valid} valid, {st.invalid} invalid) · "
-            f"findings: {len(self._seen)} new, {sum(st.known.values())} known hits · "
-            f"{st.rate():.2f} cases/s · {int(elapsed // 60):02d}:{int(elapsed % 60):02d}"
+            f"findings: {len(self._tracks)} new in {self.findings_dir}"
+            + (f" ({shrinking} shrinking)" if shrinking else "")
+            + f", {sum(st.known.values())} known hits · {st.rate():.2f} cases/s · {int(elapsed // 60):02d}:{int(elapsed % 60):02d}"
         )
+        if st.contaminated:
+            line += f" · contaminated {st.contaminated}"
         if self.pool.restarts:
             line += f" · pool restarts {self.pool.restarts}"
         print(line, file=self.progress, flush=True)
 
 
-def _database(where: str):
-    """A directory, or a redis:// URL (needs the redis package)."""
-    if where.startswith("redis://"):
-        import redis
-        from hypothesis.extra.redis import RedisExampleDatabase
-
-        return RedisExampleDatabase(redis.Redis.from_url(where))
-    return DirectoryBasedExampleDatabase(where)
+def default_shrink_budget(duration: float | None) -> float:
+    """A round that found something gets this long to finish and shrink:
+    a quarter of the session (at least 30 s), never more than 5 minutes
+    (Hypothesis's own limit)."""
+    return 300.0 if not duration else min(300.0, max(30.0, 0.25 * duration))
 
 
-def localized(pool, case, verdict: dict) -> dict:
+def _smaller(a, b) -> bool:
+    return (a.ranks, len(a.to_json())) < (b.ranks, len(b.to_json()))
+
+
+def _label(case, verdict: dict) -> str:
+    """A verdict in one word: its signature, or its status."""
+    return signature(case, verdict) if verdict.get("status") == "finding" else verdict.get("status", "?")
+
+
+def localized(pool, case, verdict: dict, timeout: float | None = None) -> dict:
     """A loss or grad divergence is re-run recording per-module activations, so
     its signature names the first diverging module, not a whole model."""
     if verdict.get("oracle") == "parity" and verdict["first"]["quantity"] in ("loss", "grad"):
-        again = pool.run(case, localize=True).verdict
+        again = pool.run(case, localize=True, timeout=timeout).verdict
         if again.get("oracle") == "parity":
             return again
     return verdict

@@ -18,6 +18,7 @@ from pathlib import Path
 from .case import Case, CaseError
 
 KNOWN_DIR = Path(__file__).parent / "known"
+ROOT_CAUSES = "root_causes.json"  # known/: root cause id -> title, kind, upstream state (not a finding)
 
 
 def signature(case: Case, verdict: dict) -> str:
@@ -110,12 +111,14 @@ def summary(verdict: dict) -> str:
     return json.dumps(verdict)[:300]
 
 
-def environment(pool_info: dict | None, backend: str) -> dict:
+def environment(pool_info: dict | None, backend: str, device: str | None = None) -> dict:
     import hypothesis
 
     info = pool_info or {}
     return {
         "torch": info.get("torch"),
+        "device": info.get("device_name") or device,
+        **{k: info[k] for k in ("cuda", "nccl") if info.get(k)},
         "hypothesis": hypothesis.__version__,
         "python": platform.python_version(),
         "backend": backend,
@@ -132,20 +135,30 @@ class Finding:
     count: int = 1
     environment: dict = field(default_factory=dict)
     diagnosis: str = ""
+    # "confirmed": this case gave this signature in fresh workers; "shrinking": a smaller case found in the
+    # warm workers, its fresh run still to come; "unconfirmed": no time was left to confirm it
+    stage: str = "confirmed"
     # known hangs only: case fields that always hit it ({"checkpoint.kind": "broadcast", "world_size": [2, 3]});
     # a matching case is counted as a hit of this finding without being run (it would cost the case timeout)
     trigger: dict = field(default_factory=dict)
+    # known findings only: the devices it shows on ([] any); a torch bug seen only on CUDA does not
+    # hide a new bug of the same signature on the CPU
+    devices: list = field(default_factory=list)
+    root_cause: str = ""  # known findings: the id of their root cause in known/root_causes.json
 
     def to_dict(self) -> dict:
         return {
             "signature": self.signature,
             "summary": summary(self.verdict),
             "deterministic": self.deterministic,
+            "stage": self.stage,
             "diagnosis": self.diagnosis,
             "verdict": _jsonable(self.verdict),
             "environment": self.environment,
             "case": self.case.to_dict(),
             **({"trigger": self.trigger} if self.trigger else {}),
+            **({"devices": self.devices} if self.devices else {}),
+            **({"root_cause": self.root_cause} if self.root_cause else {}),
         }
 
     @classmethod
@@ -157,9 +170,12 @@ class Finding:
             case=Case.from_dict(data["case"]),
             verdict=data.get("verdict", {}),
             deterministic=data.get("deterministic", True),
+            stage=data.get("stage", "confirmed"),
             environment=data.get("environment", {}),
             diagnosis=data.get("diagnosis", ""),
             trigger=data.get("trigger", {}),
+            devices=data.get("devices", []),
+            root_cause=data.get("root_cause", ""),
         )
 
 
@@ -178,22 +194,24 @@ def load_finding(path: str | os.PathLike) -> Finding:
     return Finding.from_dict(data)
 
 
-def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str | None) -> tuple[Path, Path]:
-    """OUT/<signature>.json and, given a script, .py. An existing file of the
-    same signature is kept unless the new case is smaller (a simpler repro)."""
+def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str | None,
+                  replace: bool = False) -> tuple[Path, Path]:
+    """OUT/<signature>.json and, given a script, .py (the .py first: a .json in
+    place means both are whole). An existing file of the same signature is
+    kept unless the new case is smaller (a simpler repro) or ``replace``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jpath, ppath = out / f"{finding.signature}.json", out / f"{finding.signature}.py"
-    if jpath.exists():
+    if jpath.exists() and not replace:
         try:
             old = load_finding(jpath)
             if len(old.case.to_json()) <= len(finding.case.to_json()):
                 return jpath, ppath
         except CaseError:
             pass  # a broken old file is replaced
-    atomic_write(jpath, json.dumps(finding.to_dict(), indent=2, sort_keys=True) + "\n")
     if script is not None:
         atomic_write(ppath, script)
+    atomic_write(jpath, json.dumps(finding.to_dict(), indent=2, sort_keys=True) + "\n")
     return jpath, ppath
 
 
@@ -220,11 +238,17 @@ def atomic_write(path: Path, text: str, exclusive: bool = False) -> bool:
         os.remove(tmp)
 
 
+def is_known(sig: str, case: Case, known: dict[str, Finding]) -> bool:
+    """Whether ``sig`` on this case's device is a known finding."""
+    f = known.get(sig)
+    return f is not None and (not f.devices or case.device in f.devices)
+
+
 def triggered(case: Case, known: dict[str, Finding]) -> str | None:
     """The signature of a known finding whose recorded trigger this case matches."""
     data = {**case.to_dict(), "facts": facts(case)}
     for sig, f in known.items():
-        if f.trigger and all(_matches(_field(data, k), v) for k, v in f.trigger.items()):
+        if f.trigger and is_known(sig, case, known) and all(_matches(_field(data, k), v) for k, v in f.trigger.items()):
             return sig
     return None
 
@@ -271,6 +295,8 @@ def load_known(directory: str | os.PathLike = KNOWN_DIR) -> dict[str, Finding]:
     """The known-findings list: signature -> finding (with its diagnosis)."""
     known = {}
     for p in sorted(Path(directory).glob("*.json")):
+        if p.name == ROOT_CAUSES:
+            continue
         f = load_finding(p)
         known[f.signature] = f
     return known

@@ -230,18 +230,13 @@ class Soak:
 
 # -- one cell ------------------------------------------------------------------
 def run_cell(spec: dict) -> int:
+    from . import repro
     from .engine import Session
+    from .findings import summary, write_finding
     from .runner import LostRank, Pool, PoolError
 
     class SoakSession(Session):
-        stop = False
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.published: set[str] = set()  # new signatures now in OUT/findings (from this cell or another)
-
-        def _time_up(self) -> bool:
-            return self.stop or super()._time_up()
+        fallback_db = "db"
 
         def on_case(self, case, verdict: dict, sig: str | None) -> None:
             ck = case.checkpoint
@@ -253,23 +248,23 @@ def run_cell(spec: dict) -> int:
             with open(self.log, "a") as f:  # one short line per write: O_APPEND keeps lines whole
                 f.write(json.dumps(line) + "\n")
 
-        def _run_round(self, target, n, seed) -> None:
-            super()._run_round(target, n, seed)
-            self._publish_all()
-
-        def _finish(self) -> None:
-            self._publish_all()
-
-        def _publish_all(self) -> None:
-            for sig in sorted(set(self._seen) - self.published):
-                if not (self.out / "findings" / f"{sig}.json").exists():
-                    f = self._final(sig)
-                    f.environment["origin"] = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"],
-                                               "seed": spec["seed"], "pid": os.getpid(), "time": time.time()}
-                    if publish(self.out / "findings", f):
-                        print(f"new finding {sig}", file=self.progress, flush=True)
-                self.published.add(sig)
+        def _run_round(self, target, n, seed, reuse=True) -> None:
+            super()._run_round(target, n, seed, reuse)
             self._learn_published()
+
+        def _publish(self, sig: str, found: tuple, first: bool) -> bool:
+            """The first sight of a signature is published once for every cell
+            (os.link: the first cell wins); later shrinks rewrite our own file."""
+            f = self._finding(sig, found)
+            f.environment["origin"] = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"],
+                                       "seed": spec["seed"], "pid": os.getpid(), "time": time.time()}
+            if first and not publish(self.findings_dir, f):
+                self._learn_published()  # another cell's now: a known finding here
+                return False
+            if not first:
+                write_finding(self.findings_dir, f, repro.script(f.case, summary(f.verdict), f.environment), replace=True)
+            self.findings[sig] = f
+            return True
 
         def _learn_published(self) -> None:
             """Findings other cells published count as known here: no second shrink."""
@@ -302,13 +297,14 @@ def run_cell(spec: dict) -> int:
     sizes = [w for w in spec["world_sizes"] if w <= spec["size"]] or [1]
     session = SoakSession(pool, spec["targets"], out, world_sizes=sizes, duration=max(1.0, spec["deadline"] - time.time()),
                           seed=spec["seed"], device=device, strategy_kwargs=spec["strategy_kwargs"],
-                          database=spec["database"] or str(out / "db"), progress=sys.stdout)
+                          database=spec["database"] or str(out / "db"), progress=sys.stdout,
+                          findings_dir=out / "findings")
     session.log = out / "cells" / f"{spec['name']}.jsonl"
     session.log.touch()
     session._learn_published()
 
     def stop(signum, frame):
-        session.stop = True
+        session.request_stop(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
