@@ -15,7 +15,7 @@ from hypothesis import seed as hseed
 from .runner import Pool
 
 
-def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor") -> list:
+def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor", device: str = "cpu") -> list:
     """The same n cases for a given seed, drawn by the fuzzer's own strategy."""
     import fuzzshard.strategies as fst
 
@@ -24,7 +24,7 @@ def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor") -> list:
     @hseed(seed)
     @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(fst.cases(target=target, world_sizes=[world], checkpoint=False))
+    @given(fst.cases(target=target, world_sizes=[world], checkpoint=False, device=device))
     def collect(case):
         if len(out) < n:
             out.append(case)
@@ -33,12 +33,12 @@ def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor") -> list:
     return out
 
 
-def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print) -> dict:
-    cases = fixed_cases(n, world, seed, target)
-    echo(f"bench: {len(cases)} {target} cases at world size {world} (seed {seed}), each run both ways")
+def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print, device: str = "cpu") -> dict:
+    cases = fixed_cases(n, world, seed, target, device)
+    echo(f"bench: {len(cases)} {target} cases at world size {world} on {device} (seed {seed}), each run both ways")
 
     t0 = time.perf_counter()
-    pool = Pool(world).start()
+    pool = Pool(world, device=device).start()
     start_s = time.perf_counter() - t0
     split = collections.Counter()
     statuses = collections.Counter()
@@ -60,7 +60,7 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
 
     t0 = time.perf_counter()
     for case in cases:  # a fresh process group per case: spawn, init, run, tear down
-        fresh = Pool(world, spare=False).start()
+        fresh = Pool(world, device=device, spare=False).start()
         try:
             fresh.run(case)
         finally:

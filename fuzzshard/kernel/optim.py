@@ -22,7 +22,7 @@ def optimizer_kwargs(kwargs: dict, tensor_lr: str, device, lr_scale: float = 1.0
         if k == "lr":
             v = v * lr_scale
         if k == "lr" and tensor_lr:
-            # a tensor lr stays on the CPU unless the optimizer is capturable/fused on an accelerator
+            # a tensor lr on the CPU, as users make it (torch.optim takes one on any device)
             v = torch.tensor(v) if tensor_lr == "0d" else torch.tensor([v])
         out[k] = v
     return out
@@ -116,7 +116,10 @@ def load_state_by_fqn(opt: torch.optim.Optimizer, model: torch.nn.Module, state:
     tensors), dtypes kept: ``load_state_dict`` would cast float state such as
     NAdam's float32 ``mu_product`` to the param dtype and change the numerics."""
     params = named_params(model)
+    on_device = {id(p): bool(g.get("fused") or g.get("capturable")) for g in opt.param_groups for p in g["params"]}
     opt.state.clear()
     for n, st in state.items():
         p = params[n]
-        opt.state[p] = {k: v.to(p.device).clone() for k, v in st.items()}
+        # torch.optim keeps ``step`` on the CPU unless the group is fused or capturable (load_state_dict too)
+        opt.state[p] = {k: v.to("cpu" if k == "step" and not on_device.get(id(p)) else p.device).clone()
+                        for k, v in st.items()}

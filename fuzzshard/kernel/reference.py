@@ -98,10 +98,16 @@ def reduction_length(case: Case) -> int:
     return case.batch * case.seq * max(dims) * kernel * (depth + 1)
 
 
-def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> dict:
+def check_parity(case: Case, obs: dict, device: str, localize: bool = False, step_device=None) -> dict:
+    """``step_device(options, device)``: where the sharded run's optimizer
+    steps under a step's target options; where that is not ``device`` (CPU
+    offload) the reference steps a twin of its model and optimizer there."""
     dtype = torch_dtype(case)
     try:
         model, opt = _plain_setup(case, device)
+        twins = {device: (model, opt)}
+        for d in {step_device(_options_at(case, k)[0], device) for k in range(len(case.schedule))} if step_device else ():
+            twins.setdefault(d, _plain_setup(case, d))
     except Exception as e:
         return {"status": "invalid", "reason": f"reference rejects the config: {_exc(e)['text']}"}
     red_tol = reduction_tolerance(case.dtype, reduction_length(case))
@@ -118,11 +124,14 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
             # dtype is what optimizer.load_state_dict gives (it casts float32 NAdam
             # mu_product to a float64 param's dtype)
             loaded = obs.get("loaded") or {}
-            resume_defaults(opt, case)
+            for _, o in twins.values():
+                resume_defaults(o, case)
             prev = {**prev, "grads": {n: None for n in params}, "state": loaded.get("state", prev["state"]),
                     "params": loaded.get("params", prev["params"])}  # a non-strict load may miss a param
+        stepper = twins[step_device(_options_at(case, k)[0], device) if step_device else device]
         try:
-            _before_step(model, opt, case, k)
+            for m, o in twins.values():
+                _before_step(m, o, case, k)
             _anchor(model, opt, case, prev)
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
@@ -148,22 +157,25 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False) -> 
                     culprit["step"] = k
                     return _finding([m for m in mismatches if m] + [culprit] + here)
             mismatches += here
+            if stepper[0] is not model:
+                _anchor(*stepper, case, prev)
             with torch.no_grad():  # step from the sharded grads: isolates the optimizer
-                for n, p in params.items():
+                for n, p in stepper[0].named_parameters():
                     g = rec["grads"][n]
                     p.grad = None if g is None else g.to(p.device).clone()
-            opt.step()
+            stepper[1].step()
         except Exception as e:
             ref_error = _plain_reference_error(case, device)
             if ref_error is not None:
                 return {"status": "invalid", "reason": f"reference raises: {ref_error['text']}"}
             return _finding([m for m in mismatches if m] + [{"quantity": "reference replay", "step": k, "fqn": "", "detail": f"the reference could not replay the sharded state: {_exc(e)['text']}"}])
         rel = _grad_uncertainty(case, rec)
-        for n, p in params.items():
+        model_s, opt_s = stepper
+        for n, p in model_s.named_parameters():
             extra = None if n not in rel else PARTIAL_GRAD_READS * rel[n] * (p.detach() - prev["params"][n].to(p.device)).abs()
             mismatches.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol, extra=extra))
-        mismatches += _compare_state(k, rec["state"], state_by_fqn(opt, model, lambda t: t), step_tol, rel)
-        mismatches.append(compare_hparams(k, rec["groups"], group_hparams(opt)))
+        mismatches += _compare_state(k, rec["state"], state_by_fqn(opt_s, model_s, lambda t: t), step_tol, rel)
+        mismatches.append(compare_hparams(k, rec["groups"], group_hparams(opt_s)))
         prev = rec
     mismatches = [m for m in mismatches if m]
     if mismatches:

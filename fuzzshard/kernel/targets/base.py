@@ -27,6 +27,19 @@ class Target:
     localizable = True  # per-module traces line up with the reference's (kernel/localize.py)
     freeze_before_shard = False  # set requires_grad before shard(), for wrappers that register trainable params
 
+    @classmethod
+    def step_device(cls, options: dict, device: str) -> str:
+        """Where the optimizer steps the params under these target options
+        (the reference steps there too: a CPU kernel rounds otherwise than a
+        GPU one, and refuses other configs, capturable among them)."""
+        return device
+
+    @classmethod
+    def step_devices(cls, case: Case, device: str) -> list[str]:
+        """``step_device`` on either side of a checkpoint."""
+        sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
+        return sorted({cls.step_device(o, device) for o in sides})
+
     def __init__(self, case: Case, mesh):
         self.case = case
         self.mesh = mesh

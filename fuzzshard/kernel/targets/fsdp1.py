@@ -82,7 +82,7 @@ class FSDP1Target(Target):
         strategy = opts.get("strategy", "FULL_SHARD")
         mesh = {"device_mesh": self.mesh} if strategy in HYBRID else {"process_group": self.mesh.get_group()}
         return FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=self.orig_params,
-                    auto_wrap_policy=CustomPolicy(lambda m: m in chosen), device_id=torch.device(self.case.device),
+                    auto_wrap_policy=CustomPolicy(lambda m: m in chosen), device_id=next(model.parameters()).device,
                     ignored_states=ignored or None, **mesh)
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
@@ -226,7 +226,7 @@ class FSDP1Target(Target):
                 else:
                     opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, osd))
             return
-        saved = torch.load(os.path.join(path, FULL_FILE))
+        saved = torch.load(os.path.join(path, FULL_FILE), map_location="cpu")
         if self.local:  # into the plain model: the state re-keyed to the optimizer's param IDs
             from torch.distributed.fsdp import OptimStateKeyType
 

@@ -31,6 +31,11 @@ from .base import Target
 class FSDP2Target(Target):
     name = "fsdp2"
 
+    @classmethod
+    def step_device(cls, options: dict, device: str) -> str:
+        """CPUOffloadPolicy: "the optimizer step runs on CPU with CPU optimizer states"."""
+        return "cpu" if options.get("offload") else device
+
     @property
     def microbatches(self) -> int:
         return self.case.target_options.get("microbatches", 1)
@@ -114,7 +119,11 @@ class FSDP2Target(Target):
         return full / world
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
-        return t.full_tensor() if isinstance(t, DTensor) else t
+        if not isinstance(t, DTensor):
+            return t
+        if t.device.type != t.device_mesh.device_type:  # CPU-offloaded: gathered on the mesh's device (NCCL)
+            return t.to(t.device_mesh.device_type).full_tensor().to(t.device)
+        return t.full_tensor()
 
     def _gather_batch(self, t: torch.Tensor) -> torch.Tensor:
         """The global-batch tensor from every rank's slice, in data-parallel rank order."""

@@ -146,6 +146,7 @@ class ZeroTarget(Target):
         return bool(self.case.target_options.get("local"))
 
     def shard(self, model: nn.Module) -> nn.Module:
+        self.comm_device = next(model.parameters()).device
         ddp = self.case.target_options.get("ddp")
         if ddp is not None:
             from torch.nn.parallel import DistributedDataParallel
@@ -237,8 +238,10 @@ class ZeroTarget(Target):
 
     def full(self, t: torch.Tensor, what: str = "tensor", fqn: str = "") -> torch.Tensor:
         """This rank's tensor, once every rank is seen to hold the same one."""
-        replicas = [torch.empty_like(t) for _ in range(self._world())]
-        dist.all_gather(replicas, t.detach().contiguous(), group=self.group)
+        # on the group's device: NCCL gathers no CPU tensor (Adam's ``step`` lives on the CPU)
+        x = t.detach().contiguous().to(self.comm_device)
+        replicas = [torch.empty_like(x) for _ in range(self._world())]
+        dist.all_gather(replicas, x, group=self.group)
         for r, other in enumerate(replicas):
             # bitwise: all-reduce and broadcast give every rank the same bits
             if not torch.allclose(other, replicas[0], rtol=0.0, atol=0.0, equal_nan=True):
@@ -278,7 +281,7 @@ class ZeroTarget(Target):
         dist.barrier(group=self.group)
         if rank != 0:
             return None
-        saved = torch.load(file)
+        saved = torch.load(file, map_location="cpu")
         order = param_order(self.case)
         osd = saved["optim"]
         by_fqn = {"state": {order[i]: st for i, st in osd["state"].items()},
@@ -287,6 +290,6 @@ class ZeroTarget(Target):
 
     def load(self, model: nn.Module, opt, path: str, group) -> None:
         """Every rank loads the whole consolidated state: ZeRO keeps its partition."""
-        saved = torch.load(os.path.join(path, CHECKPOINT_FILE))
+        saved = torch.load(os.path.join(path, CHECKPOINT_FILE), map_location="cpu")  # the load APIs place it
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optim"])
