@@ -2,6 +2,12 @@
 
     python ci/add_known.py FINDING.json "one-line diagnosis" [...pairs]
     python ci/add_known.py --trigger '{"checkpoint.kind": "broadcast"}' HANG.json "diagnosis"
+    python ci/add_known.py --as-recorded --devices cuda GPU_FINDING.json "diagnosis"
+
+--as-recorded keeps the verdict and environment the finding file holds (a
+finding seen on a machine this one is not, e.g. a GPU node: replay it there
+first); --devices limits it to cases on those devices, so a torch bug seen
+only on CUDA never hides a new bug of the same signature on the CPU.
 
 A trigger (known hangs only) lists the case fields that always hit the hang
 (a list value: any of these); sessions count a matching case as a hit
@@ -20,28 +26,47 @@ from fuzzshard.findings import KNOWN_DIR, Finding, environment, load_finding, lo
 from fuzzshard.runner import Pool
 
 
-def main(pairs, trigger=None):
+def main(pairs, trigger=None, as_recorded=False, devices=()):
     items = [(load_finding(p), d) for p, d in zip(pairs[::2], pairs[1::2])]
+    if as_recorded:
+        for f, diagnosis in items:
+            env = {**f.environment, "device": f.environment.get("device") or f.case.device}
+            new = Finding(f.signature, f.case, f.verdict, environment=env, diagnosis=diagnosis,
+                          trigger=trigger or {}, devices=list(devices))
+            _replace(new)
+        (KNOWN_DIR / "README.md").write_text(known_markdown(load_known()) + "\n")
+        return
     with Pool(max(f.case.ranks for f, _ in items), case_timeout=30) as pool:
-        env = environment(pool.info, "gloo")
+        env = environment(pool.info, "gloo", "cpu")
         for f, diagnosis in items:
             v = localized(pool, f.case, pool.run(f.case).verdict)
             if v["status"] != "finding":
                 print(f"SKIP (does not reproduce now: {v['status']}): {f.signature}")
                 continue
             sig = signature(f.case, v)
-            new = Finding(sig, f.case, v, environment=env, diagnosis=diagnosis, trigger=trigger or {})
-            for old in KNOWN_DIR.glob(f"{sig}.*"):
-                old.unlink()  # replace, even with a larger case: the diagnosis is new
-            write_finding(KNOWN_DIR, new, None)
-            print(f"known: {sig}")
+            _replace(Finding(sig, f.case, v, environment=env, diagnosis=diagnosis, trigger=trigger or {},
+                             devices=list(devices)))
     (KNOWN_DIR / "README.md").write_text(known_markdown(load_known()) + "\n")
 
 
+def _replace(finding) -> None:
+    for old in KNOWN_DIR.glob(f"{finding.signature}.*"):
+        old.unlink()  # replace, even with a larger case: the diagnosis is new
+    write_finding(KNOWN_DIR, finding, None)
+    print(f"known: {finding.signature}")
+
+
 if __name__ == "__main__":
-    args, trigger = sys.argv[1:], None
-    if args[:1] == ["--trigger"]:
-        trigger, args = json.loads(args[1]), args[2:]
+    args, trigger, as_recorded, devices = sys.argv[1:], None, False, ()
+    while args[:1] and args[0].startswith("--"):
+        if args[0] == "--trigger":
+            trigger, args = json.loads(args[1]), args[2:]
+        elif args[0] == "--devices":
+            devices, args = args[1].split(","), args[2:]
+        elif args[0] == "--as-recorded":
+            as_recorded, args = True, args[1:]
+        else:
+            sys.exit(__doc__)
     if len(args) < 2 or len(args) % 2:
         sys.exit(__doc__)
-    main(args, trigger)
+    main(args, trigger, as_recorded, devices)
