@@ -41,8 +41,10 @@ def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, target, bug,
         assert "float16" in (case["target_options"]["mp"]["param_dtype"], case["target_options"]["mp"]["reduce_dtype"])
     assert len([layer for layer in case["model"]["layers"] if layer["kind"] != "act"]) <= 2  # acts hold no params
     assert len(case["schedule"]) == 1
-    # the repro replays through fuzzshard ...
-    assert run_cli("replay", path, setup=bug).returncode == 1
+    assert finding["stage"] == "confirmed"  # the shrunk case itself re-ran in fresh workers
+    # the repro replays through fuzzshard as the same bug ...
+    buggy = run_cli("replay", path, setup=bug)
+    assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
     clean = run_cli("replay", path)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     # ... and standalone under torchrun, from a folder that knows nothing of fuzzshard
@@ -95,7 +97,8 @@ def test_planted_checkpoint_bug_is_found_shrunk_and_replays(tmp_path, target, bu
     assert finding["verdict"]["oracle"] == "checkpoint" and finding["deterministic"] is True
     assert holds(case), case
     assert len([x for x in case["model"]["layers"] if x["kind"] != "act"]) <= 3 and len(case["schedule"]) <= 2  # shrunk
-    assert run_cli("replay", found[0], setup=bug).returncode == 1
+    buggy = run_cli("replay", found[0], setup=bug)
+    assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
     assert run_cli("replay", found[0]).returncode == 0
     if bug == "ckpt_reshard_swap.py":  # the standalone script reshards on its own, under torchrun
         script = found[0].with_suffix(".py")
@@ -134,7 +137,8 @@ def test_planted_target_bug_is_found_shrunk_and_replays(tmp_path, target, bug, o
     assert finding["verdict"]["oracle"] == oracle and finding["deterministic"] is True
     assert holds(case), case
     assert len(case["model"]["layers"]) <= 3 and len(case["schedule"]) == 1  # shrunk
-    assert run_cli("replay", found[0], setup=bug).returncode == 1
+    buggy = run_cli("replay", found[0], setup=bug)
+    assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
     assert run_cli("replay", found[0]).returncode == 0
     script = found[0].with_suffix(".py")  # standalone: the target's module and the base class flattened in
     ranks = max(case["world_size"], (case["checkpoint"] or {}).get("world_size", 0))
