@@ -52,9 +52,9 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
                 split[k] += v
         warm_s = time.perf_counter() - t0
         restarts, restart_s = pool.restarts, pool.restart_seconds
-        from fuzzshard.strategies import CHECKPOINTS
+        from . import targets
 
-        ckpt_ms = _checkpoint_cost(pool, cases) if target in CHECKPOINTS else {}
+        ckpt_ms = _checkpoint_cost(pool, cases) if targets.get(target).spec.checkpoint_kinds else {}
     finally:
         pool.close()
 
@@ -90,12 +90,11 @@ def _checkpoint_cost(pool, cases) -> dict:
     """kind -> (mean extra ms, cases): each case run again without and then
     with a round trip after its first step, back to back (the first pass's
     times carry cold-start costs, so they are no fair baseline)."""
-    from fuzzshard.strategies import CHECKPOINT_KINDS
-
+    from . import targets
     from .case import Checkpoint
 
     out = {}
-    kinds = [k for k in CHECKPOINT_KINDS[cases[0].target] if k != "broadcast"]  # broadcast reads what full writes
+    kinds = [k for k in targets.get(cases[0].target).spec.checkpoint_kinds if k != "broadcast"]  # reads what full writes
     for kind in kinds:
         extra = []
         for case in cases:

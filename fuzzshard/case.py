@@ -132,23 +132,19 @@ class Case:
                 # the pool creates subgroups for these meshes only; a side of 1 is the smaller mesh
                 raise CaseError(f"{what}mesh {list(mesh)}: {world} ranks take one of "
                                 f"{[list(m) for m in mesh_shapes(world)]} (no side of 1)")
-            if options.get("built_as", "float32") not in ("float32", "float64"):
-                raise CaseError(f"{what}built_as {options['built_as']!r}: want float32 or float64")
-            if options.get("nonroot") and "layers.0" not in options.get("wrap", ()):
-                raise CaseError(f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)")
-            if options.get("tp") and len(mesh) != 2:
-                raise CaseError(f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}")
         if not 0 <= self.optim.added_groups < max(len(self.groups), 1):
             raise CaseError(f"{self.optim.added_groups} added param groups: the case has {len(self.groups)}")
         if not 0 <= self.optim.added_at < max(len(self.schedule), 1) or (self.optim.added_at and not self.optim.added_groups):
             raise CaseError(f"param groups added before step {self.optim.added_at}: the schedule has "
                             f"{len(self.schedule)} steps and {self.optim.added_groups} added groups")
-        uneven = self.target_options.get("uneven")
-        if uneven is not None and (len(uneven) != self.world_size or max(uneven) != len(self.schedule) or min(uneven) < 1):
-            raise CaseError(f"uneven inputs {uneven}: want one step count in 1..{len(self.schedule)} per rank of "
-                            f"{self.world_size}, one of them {len(self.schedule)}")
         if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):
             raise CaseError(f"checkpoint after step {self.checkpoint.after}: the schedule has {len(self.schedule)} steps")
+        from . import targets  # what this target's options may be is said in its module
+
+        check = targets.get(self.target).spec.check if self.target in targets.names() else None
+        problem = check(self) if check else None
+        if problem:
+            raise CaseError(problem)
 
     def to_dict(self) -> dict:
         return {"format": FORMAT_VERSION, **_to_jsonable(self)}

@@ -254,28 +254,12 @@ def triggered(case: Case, known: dict[str, Finding]) -> str | None:
 
 
 def facts(case: Case) -> dict:
-    """What a case is beyond its fields, for triggers to name as ``facts.NAME``.
-    ``tp_empty_shard``: some TP-split param dim is narrower than the TP degree,
-    so a TP rank holds an empty shard (a root cause torch fails on in several
-    ways, some of them hangs)."""
-    return {"tp_empty_shard": _tp_empty_shard(case)}
+    """What a case is beyond its fields, for triggers to name as ``facts.NAME``:
+    its target's derived facts (the target's spec says which)."""
+    from . import targets
 
-
-def _tp_empty_shard(case: Case) -> bool:
-    from .kernel.model import param_shapes
-
-    shapes = param_shapes(case.model)
-    sides = [(case.mesh_shape, case.target_options)]
-    if case.checkpoint:
-        sides.append((case.checkpoint.mesh_shape, case.checkpoint.target_options))
-    for mesh, options in sides:
-        for fqn, style in (options.get("tp") or {}).items():
-            shape = shapes.get(f"{fqn}.weight")
-            embedding = fqn == "layers.0" and case.model.input == "tokens"
-            # colwise splits a Linear's out-features (weight dim 0), an Embedding's dim (1); rowwise in-features (1)
-            if shape and len(mesh) == 2 and shape[1 if style == "rowwise" or embedding else 0] < mesh[1]:
-                return True
-    return False
+    derive = targets.get(case.target).spec.facts if case.target in targets.names() else None
+    return derive(case) if derive else {}
 
 
 def _field(data: dict, path: str):

@@ -40,17 +40,12 @@ def render(finding: Finding) -> str:
     lines += _options("target options", c.target_options)
     ck = c.checkpoint
     if ck:
-        how = {"full": "full state dict, torch.save on rank 0, torch.load on every rank",
-               "broadcast": "full state dict, read by rank 0, set_state_dict(broadcast_from_rank0=True)",
-               "dcp": "sharded state dict through torch.distributed.checkpoint",
-               "consolidate": "consolidate_state_dict + state_dict(), torch.save; load_state_dict on every rank",
-               "fsdp1_full": "FSDP.optim_state_dict under FULL_STATE_DICT, torch.save; optim_state_dict_to_load",
-               "fsdp1_sharded": "FSDP.optim_state_dict under SHARDED_STATE_DICT through dcp; "
-                                "load_sharded_optimizer_state_dict",
-               "fsdp1_legacy": "FSDP.full_optim_state_dict, torch.save; shard_/scatter_full_optim_state_dict",
-               }.get(ck.kind, ck.kind)
+        from . import targets
+        from .kernel.checkpoint import STATE_DICT_KINDS
+
+        how = targets.get(c.target).spec.checkpoint_kinds.get(ck.kind, ck.kind)  # each target says how
         api = "set_model_state_dict + set_optimizer_state_dict" if ck.split else "set_state_dict"
-        api = f", with {api}, strict={ck.strict}" if ck.kind in ("full", "broadcast", "dcp") else ""
+        api = f", with {api}, strict={ck.strict}" if ck.kind in STATE_DICT_KINDS else ""
         lines += [f"checkpoint after step {ck.after}: {how}",
                   f"  load on {ck.world_size} rank(s), mesh {ck.mesh_shape}{api}"]
         if ck.missing or ck.unexpected:

@@ -5,6 +5,10 @@ their own from a ``--worker-setup`` file::
 
     from fuzzshard.targets import register_target
     register_target("mine", MyTarget)   # same interface as kernel/targets/dtensor.py
+
+A target is one module: its adapter class (kernel/targets/base.py's Target)
+and its ``spec`` (base.Spec: what it can do), which the strategies, the Case
+checks, ``show`` and the findings read; nothing else names a target.
 """
 from __future__ import annotations
 
@@ -20,7 +24,12 @@ _BUILTIN = {
 _USER: dict[str, type] = {}
 
 
-def register_target(name: str, cls: type) -> None:
+def register_target(name: str, cls: type, spec=None) -> None:
+    """``cls``: a subclass of ``fuzzshard.kernel.targets.base.Target``; ``spec``
+    (a ``base.Spec``): what it can do (its options draw, checkpoint kinds,
+    rules, facts), unless the class says it itself as ``cls.spec``."""
+    if spec is not None:
+        cls.spec = spec
     _USER[name] = cls
 
 

@@ -103,6 +103,9 @@ CATALOG = {
 }
 # Optimizers that only take 2-D params; their groups hold only those.
 ONLY_2D = {"Muon"}
+# optimizers that reduce over a whole param (Adafactor's row/column means, Muon's orthogonalization):
+# stepping each shard on its own is other math
+NOT_ELEMENTWISE = {"Adafactor", "Muon"}
 # Not for dense per-step training: LBFGS needs a closure, SparseAdam sparse grads.
 EXCLUDED = {"LBFGS", "SparseAdam"}
 

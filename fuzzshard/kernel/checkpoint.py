@@ -31,6 +31,11 @@ from .oracles import compare, compare_hparams
 from .reference import _anchor, _plain_setup
 
 FULL_FILE = "full.pt"
+# the round trips through torch.distributed.checkpoint's state-dict API (set_state_dict: split and strict
+# apply), in draw order, each with how it saves and loads
+STATE_DICT_KINDS = {"full": "full state dict, torch.save on rank 0, torch.load on every rank",
+                    "dcp": "sharded state dict through torch.distributed.checkpoint",
+                    "broadcast": "full state dict, read by rank 0, set_state_dict(broadcast_from_rank0=True)"}
 EXACT = {"k_ulps": 0, "u": 0.0, "why": "a checkpoint copies values: exact"}
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -22,8 +24,36 @@ from ..model import loss_fn, named_params
 from ..optim import add_late_groups, build_optimizer, group_hparams, state_by_fqn
 
 
+@dataclass(frozen=True)
+class Spec:
+    """What a target can do, said once, in its own module: the strategies draw
+    from it, the Case checks, ``show`` and the findings read it; nothing else
+    names a target. The callables run in the driver only (``options`` imports
+    Hypothesis when it is called; a repro script never calls it)."""
+    # the body of a Hypothesis composite: options(draw, shapes, mesh_shape, tied, **context) -> target_options
+    # (context: model, n_groups, flat where may_flatten; loading=True and kind on a checkpoint's loading side)
+    options: Callable | None = None
+    checkpoint_kinds: dict = field(default_factory=dict)  # kind -> how it saves and loads (in draw order)
+    data_parallel: bool = False  # each rank trains on its slice of the global batch
+    named_params: bool = False  # the optimizer may take (name, param) pairs
+    single_group: bool = False  # one flat set of params: no param groups
+    elementwise_only: bool = False  # each shard steps on its own: only elementwise optimizers keep the math
+    flat_mesh: bool = False  # one flat process group: 1-D meshes only
+    may_flatten: bool = False  # may flatten params: a drawn "flat" case keeps one group and nothing frozen
+    add_param_group: bool = False  # draws groups added through add_param_group (after the constructor or mid-run)
+    to_dtype: bool = False  # draws a model built in another dtype and moved with model.to() after sharding
+    nonroot: bool = False  # draws a forward of a wrapped layers.0 from outside the root's
+    generator_groups: bool = False  # draws a group's params given as a one-shot iterator
+    # requires_grad recorded when it wraps (options -> bool): no freeze or unfreeze mid-run then
+    flags_fixed: Callable | None = None
+    joinable: Callable | None = None  # (case) -> whether it may draw uneven inputs under Join
+    check: Callable | None = None  # (case) -> what makes the case impossible for this target, or None
+    facts: Callable | None = None  # (case) -> {name: value}: derived facts a known finding's trigger can name
+
+
 class Target:
     name = ""
+    spec = Spec()  # what it can do (a target that says nothing runs plain cases: no options, no checkpoint)
     localizable = True  # per-module traces line up with the reference's (kernel/localize.py)
     freeze_before_shard = False  # set requires_grad before shard(), for wrappers that register trainable params
 

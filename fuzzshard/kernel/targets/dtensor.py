@@ -11,8 +11,20 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from ..checkpoint import STATE_DICT_KINDS
 from ..model import loss_fn
-from .base import Target
+from .base import Spec, Target
+
+
+def draw_placements(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) -> dict:
+    """Per param, per mesh dim, Replicate or Shard(d) on any of its dims."""
+    import hypothesis.strategies as st
+
+    out = {}
+    for name, shape in shapes.items():
+        choices = ["R"] + [f"S{d}" for d in range(len(shape))]
+        out[name] = [draw(st.sampled_from(choices)) for _ in mesh_shape]
+    return {"placements": out}
 
 
 def parse_placement(text: str):
@@ -22,6 +34,7 @@ def parse_placement(text: str):
 
 class DTensorTarget(Target):
     name = "dtensor"
+    spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True)
 
     def shard(self, model: nn.Module) -> nn.Module:
         placements = self.case.target_options.get("placements", {})

@@ -44,10 +44,51 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
                                     ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,
                                     StateDictType)
 
-from ..checkpoint import FULL_FILE, _tensor, load, save
+from ..checkpoint import FULL_FILE, STATE_DICT_KINDS, _tensor, load, save
 from ..model import loss_fn, plain_fqn
 from ..optim import build_optimizer, optimizer_kwargs
-from .base import Target
+from .base import Spec, Target
+
+
+def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), flat: bool = False, loading: bool = False,
+                 kind: str = "", **_) -> dict:
+    """The sharding strategy (hybrid ones on a 2-D mesh), use_orig_params
+    (off only in a ``flat`` case: one group, elementwise, nothing frozen, where
+    the flat params can stand in for the originals), the submodules wrapped in
+    their own unit (a module holding a tied param stays in its parent's unit,
+    as with fsdp2), and for the fsdp1_* checkpoint kinds the state-dict
+    config on the saving side and the legacy load API on the loading side."""
+    import hypothesis.strategies as st
+
+    if len(mesh_shape) == 2:
+        strategy = draw(st.sampled_from(["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]))
+    else:
+        strategy = draw(st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]))
+    owners = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
+    out = {"strategy": strategy, "orig_params": not flat or draw(st.booleans()),
+           "wrap": [m for m in owners if m not in tied and draw(st.booleans())]}
+    if kind.startswith("fsdp1_") and not loading:
+        out["osd"] = {"offload_to_cpu": draw(st.booleans()), "rank0_only": draw(st.booleans())}
+    if kind == "fsdp1_legacy" and loading:
+        out["legacy_load"] = draw(st.sampled_from(["shard", "scatter"]))
+    # extras, drawn last so the draws above keep their order: modules FSDP ignores
+    # (not wrapped, not above a wrapped one) and, on a full kind's loading side,
+    # resuming without FSDP through rekey_optim_state_dict
+    free = [m for m in owners if m not in tied and not any(w == m or w.startswith(m + ".") for w in out["wrap"])]
+    ignored = [m for m in free if draw(st.integers(0, 3)) == 3]  # a shrunk case ignores nothing
+    if ignored:
+        out["ignored"] = ignored
+    if loading and kind in ("fsdp1_full", "fsdp1_legacy") and draw(st.integers(0, 3)) == 3:
+        out["local"] = True
+    if kind == "fsdp1_sharded" and draw(st.booleans()):  # the legacy sharded APIs
+        out["flatten" if loading else "legacy"] = True
+    return out
+
+
+KINDS = {**STATE_DICT_KINDS,
+         "fsdp1_full": "FSDP.optim_state_dict under FULL_STATE_DICT, torch.save; optim_state_dict_to_load",
+         "fsdp1_sharded": "FSDP.optim_state_dict under SHARDED_STATE_DICT through dcp; load_sharded_optimizer_state_dict",
+         "fsdp1_legacy": "FSDP.full_optim_state_dict, torch.save; shard_/scatter_full_optim_state_dict"}
 
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
@@ -58,6 +99,9 @@ class StateNotPlain(AssertionError):
 
 class FSDP1Target(Target):
     name = "fsdp1"
+    # FSDP1 records requires_grad when it wraps; it steps each rank's flat 1-D slice of a param
+    spec = Spec(options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
+                may_flatten=True, flags_fixed=lambda options: True)
     localizable = False  # wrapped module names differ from the reference's
     freeze_before_shard = True  # FSDP records requires_grad per original param when it flattens
 

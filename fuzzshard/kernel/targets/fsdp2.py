@@ -24,12 +24,113 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..model import objective, submodule
-from .base import Target
+from ..checkpoint import STATE_DICT_KINDS
+from ..model import objective, param_shapes, submodule
+from .base import Spec, Target
+
+
+def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
+    """Which submodules get their own fully_shard (the root always does), and
+    reshard_after_forward (True, False, or an int dividing the shard group).
+    A module holding a tied param stays in the root's group, as FSDP2 documents
+    (wrapping it alone is rejected with a clear error: an invalid config)."""
+    import hypothesis.strategies as st
+
+    owners = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
+    # on a 2-D mesh: HSDP (replicate x shard), or TP on the inner dim + FSDP2 on the outer
+    tp = draw(st.composite(draw_tp_plan)(shapes, tied, context["model"])) \
+        if len(mesh_shape) == 2 and draw(st.booleans()) else {}
+    wrap = [m for m in owners if m not in tied and draw(st.booleans())]
+    shard = mesh_shape[0] if tp else mesh_shape[-1]
+    raf = draw(st.sampled_from([True, False] + [d for d in range(2, shard) if shard % d == 0]))
+    out = {"wrap": wrap, "reshard_after_forward": raf}
+    if tp:
+        out["tp"] = tp
+    # extras, drawn off first so a shrunk case drops them
+    if draw(st.booleans()):
+        out["offload"] = True  # CPUOffloadPolicy(pin_memory=False)
+    ac = [m for m in owners if draw(st.sampled_from([False, False, True]))]
+    if ac:
+        out["ac"] = ac  # activation checkpointing, applied before fully_shard: composable
+        if draw(st.booleans()):
+            out["ac_wrapper"] = True  # or apply_activation_checkpointing's CheckpointWrapper
+    microbatches = draw(st.sampled_from([1, 1, 2]))
+    if microbatches > 1:
+        out["microbatches"] = microbatches  # grad accumulation, no sync on all but the last
+    if not tp and draw(st.sampled_from([False, False, True])):
+        # (not with TP: its low-precision partial sums are not replayed yet)
+        out["mp"] = draw(st.composite(draw_mp_policy)())
+    return out
+
+
+def draw_tp_plan(draw, shapes: dict, tied: tuple, model) -> dict:
+    """A TP style per Linear (colwise or rowwise, or none) and for the input
+    Embedding (colwise or none; row-wise Embedding sharding is the dtensor
+    target's); a module holding a tied param keeps it whole."""
+    import hypothesis.strategies as st
+
+    plan = {}
+    for name, shape in shapes.items():
+        fqn = name.rsplit(".", 1)[0]
+        if not name.endswith(".weight") or len(shape) != 2 or fqn in tied:
+            continue
+        embedding = fqn == "layers.0" and model.input == "tokens"
+        style = draw(st.sampled_from([None, "colwise"] if embedding else [None, "colwise", "rowwise"]))
+        if style:
+            plan[fqn] = style
+    return plan
+
+
+def draw_mp_policy(draw) -> dict:
+    """A MixedPrecisionPolicy for every unit: compute (param) dtype, reduce
+    dtype, output dtype and cast_forward_inputs."""
+    import hypothesis.strategies as st
+
+    return {"param_dtype": draw(st.sampled_from([None, "bfloat16", "float16"])),
+            "reduce_dtype": draw(st.sampled_from([None, "float32", "bfloat16", "float16"])),
+            "output_dtype": draw(st.sampled_from([None, "float32"])),
+            # off, float inputs meet low-precision params: a dtype error on both sides (invalid)
+            "cast_forward_inputs": draw(st.sampled_from([True, True, True, False]))}
+
+
+def check(case) -> str | None:
+    """What FSDP2's options cannot be, on either side of a checkpoint."""
+    sides = [("", case.mesh_shape, case.target_options)]
+    if case.checkpoint:
+        sides.append(("checkpoint ", case.checkpoint.mesh_shape, case.checkpoint.target_options))
+    for what, mesh, options in sides:
+        if options.get("built_as", "float32") not in ("float32", "float64"):
+            return f"{what}built_as {options['built_as']!r}: want float32 or float64"
+        if options.get("nonroot") and "layers.0" not in options.get("wrap", ()):
+            return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
+        if options.get("tp") and len(mesh) != 2:
+            return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
+    return None
+
+
+def facts(case) -> dict:
+    """``tp_empty_shard``: some TP-split param dim is narrower than the TP
+    degree, so a TP rank holds an empty shard (a root cause torch fails on in
+    several ways, some of them hangs)."""
+    shapes = param_shapes(case.model)
+    sides = [(case.mesh_shape, case.target_options)]
+    if case.checkpoint:
+        sides.append((case.checkpoint.mesh_shape, case.checkpoint.target_options))
+    empty = False
+    for mesh, options in sides:
+        for fqn, style in (options.get("tp") or {}).items():
+            shape = shapes.get(f"{fqn}.weight")
+            embedding = fqn == "layers.0" and case.model.input == "tokens"
+            # colwise splits a Linear's out-features (weight dim 0), an Embedding's dim (1); rowwise in-features (1)
+            if shape and len(mesh) == 2 and shape[1 if style == "rowwise" or embedding else 0] < mesh[1]:
+                empty = True
+    return {"tp_empty_shard": empty}
 
 
 class FSDP2Target(Target):
     name = "fsdp2"
+    spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
+                to_dtype=True, nonroot=True, check=check, facts=facts)
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:

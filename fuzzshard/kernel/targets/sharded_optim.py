@@ -21,7 +21,28 @@ import torch.nn as nn
 from ..checkpoint import _tensor
 from ..model import loss_fn
 from ..optim import optimizer_kwargs
-from .base import Target
+from .base import Spec, Target
+
+
+def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) -> dict:
+    """Which params become ShardedTensors, on which dim, and the ranks that
+    hold the chunks, in chunk order: mostly one chunk per rank in any order
+    (ChunkShardingSpec.shard scatters one chunk to each rank), now and then any
+    list (a rank with two chunks or none: known errors). A tied param stays
+    dense: shard_parameter re-registers it on one module only."""
+    import hypothesis.strategies as st
+
+    world = mesh_shape[0]
+    out = {}
+    for name, shape in shapes.items():
+        if not shape or any(name.startswith(t + ".") for t in tied) or not draw(st.booleans()):
+            continue
+        if draw(st.integers(0, 7)):
+            ranks = draw(st.permutations(range(world)))
+        else:
+            ranks = draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world + 1))
+        out[name] = {"dim": draw(st.integers(0, len(shape) - 1)), "ranks": ranks}
+    return {"shard": out}
 
 
 class ShardedParamsListed(AssertionError):
@@ -44,6 +65,8 @@ def _shard_slices(md) -> tuple:
 
 class ShardedOptimTarget(Target):
     name = "sharded_optim"
+    # ShardedOptimizer takes one flat set of params, steps each local shard on its own
+    spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True)
     localizable = False  # the forward runs on gathered copies, not on the module's params
 
     def __init__(self, case, mesh):

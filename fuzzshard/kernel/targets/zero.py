@@ -37,7 +37,49 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from ..checkpoint import _tensor
 from ..model import loss_fn
 from ..optim import build_optimizer, param_order
-from .base import Target
+from .base import Spec, Target
+
+
+def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), model=None, loading: bool = False,
+                 **_) -> dict:
+    """Grads averaged by hand or by DDP (with its flags), the bucket view, the
+    rank the state is consolidated to; a loading side may resume with the
+    local optimizer."""
+    import hypothesis.strategies as st
+
+    out = {}
+    if draw(st.booleans()):
+        # an unused submodule needs find_unused_parameters (DDP documents the error otherwise)
+        out["ddp"] = {"broadcast_buffers": draw(st.booleans()),
+                      "find_unused_parameters": True if model is not None and model.unused else draw(st.booleans()),
+                      "gradient_as_bucket_view": draw(st.booleans()), "static_graph": draw(st.booleans())}
+    if loading and draw(st.booleans()):
+        out["local"] = True
+        return out
+    out["bucket_view"] = draw(st.booleans())
+    to = draw(st.integers(0, mesh_shape[0] - 1))
+    if to:
+        out["consolidate_to"] = to
+    return out
+
+
+def joinable(case) -> bool:
+    """Join applies with DDP averaging the grads (its join hook shadows the
+    all-reduce), every trainable param used (a joined rank cannot tell an
+    unused param's zero grad from a real one), no checkpoint, no param groups
+    added and nothing frozen mid-run (a joined rank runs no schedule)."""
+    return ("ddp" in case.target_options and case.world_size > 1 and len(case.schedule) > 1
+            and case.checkpoint is None and not case.model.unused and not case.optim.added_groups
+            and not any(s.freeze or s.unfreeze for s in case.schedule)
+            and not case.target_options.get("generator_groups"))
+
+
+def check(case) -> str | None:
+    uneven = case.target_options.get("uneven")
+    if uneven is not None and (len(uneven) != case.world_size or max(uneven) != len(case.schedule) or min(uneven) < 1):
+        return (f"uneven inputs {uneven}: want one step count in 1..{len(case.schedule)} per rank of "
+                f"{case.world_size}, one of them {len(case.schedule)}")
+    return None
 
 CHECKPOINT_FILE = "zero.pt"
 
@@ -78,6 +120,11 @@ class _Shadow(Joinable):
 
 class ZeroTarget(Target):
     name = "zero"
+    # DDP records the params that require grad when it wraps
+    spec = Spec(options=draw_options, data_parallel=True, flat_mesh=True, add_param_group=True, generator_groups=True,
+                checkpoint_kinds={"consolidate": "consolidate_state_dict + state_dict(), torch.save; "
+                                                 "load_state_dict on every rank"},
+                flags_fixed=lambda options: "ddp" in options, joinable=joinable, check=check)
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
 
     def __init__(self, case, mesh):
