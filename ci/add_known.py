@@ -21,8 +21,8 @@ import json
 import sys
 
 from fuzzshard.cli import known_markdown
-from fuzzshard.engine import localized
-from fuzzshard.findings import KNOWN_DIR, Finding, environment, load_finding, load_known, signature, write_finding
+from fuzzshard.findings import KNOWN_DIR, Finding, environment, load_finding, load_known, write_finding
+from fuzzshard.judge import judge
 from fuzzshard.runner import Pool
 
 
@@ -39,17 +39,20 @@ def main(pairs, trigger=None, as_recorded=False, devices=()):
     with Pool(max(f.case.ranks for f, _ in items), case_timeout=30) as pool:
         env = environment(pool.info, "gloo", "cpu")
         for f, diagnosis in items:
-            v = localized(pool, f.case, pool.run(f.case).verdict)
-            if v["status"] != "finding":
-                print(f"SKIP (does not reproduce now: {v['status']}): {f.signature}")
+            j = judge(pool, f.case)
+            if j.signature is None:
+                print(f"SKIP (does not reproduce now: {j.label}): {f.signature}")
                 continue
-            sig = signature(f.case, v)
+            sig, v = j.signature, j.verdict
             _replace(Finding(sig, f.case, v, environment=env, diagnosis=diagnosis, trigger=trigger or {},
                              devices=list(devices)))
     (KNOWN_DIR / "README.md").write_text(known_markdown(load_known()) + "\n")
 
 
 def _replace(finding) -> None:
+    path = KNOWN_DIR / f"{finding.signature}.json"
+    if path.exists() and not finding.root_cause:  # the root cause stays what it was
+        finding.root_cause = load_finding(path).root_cause
     for old in KNOWN_DIR.glob(f"{finding.signature}.*"):
         old.unlink()  # replace, even with a larger case: the diagnosis is new
     write_finding(KNOWN_DIR, finding, None)

@@ -419,8 +419,8 @@ REPLAY_DIFFERENT = 3  # exit code: the case fails, with another signature than t
 
 
 def cmd_replay(args) -> int:
-    from .engine import localized
-    from .findings import signature, summary
+    from .findings import summary
+    from .judge import judge
 
     finding = _load(args.file)
     case = finding.case
@@ -430,9 +430,10 @@ def cmd_replay(args) -> int:
         print(f"note: {args.file} was recorded on {case.device}; replaying on {args.device}", file=sys.stderr)
     pool = _pool(args, case.ranks)
     try:
-        v = localized(pool, case, pool.run(case).verdict)
+        j = judge(pool, case)
     finally:
         pool.close()
+    v, sig = j.verdict, j.signature
     if v["status"] == "invalid":
         raise UsageError(f"{args.file}: the case is invalid: {v['reason']}")
     if v["status"] == "error":
@@ -440,7 +441,6 @@ def cmd_replay(args) -> int:
     if v["status"] == "pass":
         print(f"PASS: {args.file} no longer fails" + (f" ({finding.signature})" if finding.signature else ""))
         return 0
-    sig = signature(case, v)
     if finding.signature and sig != finding.signature:
         print(f"FAILS DIFFERENTLY: {sig}\n  recorded: {finding.signature}\n  now:      {sig}\n{summary(v)}")
         return REPLAY_DIFFERENT
@@ -472,7 +472,8 @@ def cmd_script(args) -> int:
 
 
 def cmd_known(args) -> int:
-    from .findings import load_known, signature
+    from .findings import load_known
+    from .judge import judge
 
     known = load_known()
     if not known:
@@ -496,13 +497,10 @@ def cmd_known(args) -> int:
         for sig, f in known.items():
             status = ""
             if pool is not None:
-                from .engine import localized
-
                 if f.case.device != args.device or f.case.ranks > pool.size:
                     status = f"skipped (needs {f.case.ranks} rank(s) on {f.case.device})  "
                 else:
-                    v = localized(pool, f.case, pool.run(f.case).verdict)
-                    got = signature(f.case, v) if v["status"] == "finding" else v["status"]
+                    got = judge(pool, f.case).label
                     status = ("still reproduces  " if got == sig else "NO LONGER REPRODUCES (passes)  " if got == "pass"
                               else f"FAILS DIFFERENTLY ({got})  ")
             print(f"{status}{sig}\n    {f.diagnosis}", flush=True)
@@ -513,6 +511,8 @@ def cmd_known(args) -> int:
 
 
 def known_markdown(known: dict) -> str:
+    from .findings import ORACLES
+
     rows = ["# Known findings in PyTorch", "",
             "Divergences fuzzshard found in torch itself. Each row: the signature, a one-line diagnosis, the "
             "shrunk repro (`fuzzshard replay X.json`; `fuzzshard script X.json -o x.py` writes a standalone "
@@ -520,8 +520,8 @@ def known_markdown(known: dict) -> str:
             "Regenerate this table with `fuzzshard known --markdown`; check them with `fuzzshard known --check`.", "",
             "| signature | kind | torch, device | W | diagnosis |", "|---|---|---|---|---|"]
     for sig, f in sorted(known.items()):
-        kind = {"parity": "**silent**", "checkpoint": "**silent** (checkpoint)", "error_parity": "raises", "hang": "hang",
-                "crash": "crash"}.get(f.verdict.get("oracle"), "?")
+        oracle = ORACLES.get(f.verdict.get("oracle", ""))
+        kind = "?" if oracle is None else oracle.kind.replace("silent", "**silent**")
         where = ", ".join(f.devices) if f.devices else f.environment.get("device") or f.case.device
         rows.append(f"| [`{sig}`]({sig}.json) | {kind} | {f.environment.get('torch', '?')}, {where} "
                     f"| {f.case.world_size} | {f.diagnosis} |")

@@ -38,9 +38,14 @@ from hypothesis import seed as hseed
 from hypothesis.control import current_build_context
 
 from . import repro
-from .findings import (Finding, atomic_write, environment, is_known, load_known, signature, summary, triggered,
-                       write_finding)
+from .findings import Finding, atomic_write, environment, load_known, summary, write_finding
+from .judge import judge, label
 from .runner import Pool, PoolError
+
+try:
+    BaseExceptionGroup  # noqa: B018 (a builtin from Python 3.11 on)
+except NameError:  # Python 3.10: the backport, which Hypothesis already needs there
+    from exceptiongroup import BaseExceptionGroup
 
 WRITE_EVERY = 2.0  # seconds between two rewrites of one finding's file while it shrinks
 SHRINK_TIMEOUT_FACTOR = 5.0  # a case shrinking a hang may take this many times the slowest passing case like it
@@ -249,22 +254,19 @@ class Session:
 
     def _run_case(self, case, timeout: float | None = None) -> tuple[str | None, dict]:
         """(signature of a new finding or None, verdict); rejects invalid cases."""
-        hang = triggered(case, self.known)
-        if hang:  # a known hang: count it, do not wait out the timeout again
-            self.stats.cases += 1
-            self.stats.known[hang] += 1
-            v = {"status": "finding", "oracle": "hang", "known_trigger": hang}
-            self.on_case(case, v, hang)
+        j = judge(self.pool, case, self.known, timeout)
+        st, v = self.stats, j.verdict
+        st.cases += 1
+        if not j.ran:  # a known hang: counted, not waited out again
+            st.known[j.signature] += 1
+            self.on_case(case, v, j.signature)
             return None, v
-        result = self.pool.run(case, timeout=timeout)
-        st, v = self.stats, result.verdict
         if timeout is not None:
             st.derived_timeouts += 1
             st.derived_timeout = timeout
-        st.cases += 1
         st.per_target[case.target] += 1
-        st.seconds_in_cases += result.seconds
-        for k, t in result.timings.items():
+        st.seconds_in_cases += j.seconds
+        for k, t in j.timings.items():
             st.timings[k] += t
         self._report_progress()
         if v["status"] == "invalid":
@@ -280,16 +282,14 @@ class Session:
         if v["status"] != "finding":
             st.passed_by_optimizer[case.optim.name] += 1
             size = (case.target, case.ranks, bool(case.checkpoint))
-            self._pass_seconds[size] = max(self._pass_seconds.get(size, 0.0), result.seconds)
+            self._pass_seconds[size] = max(self._pass_seconds.get(size, 0.0), j.seconds)
             self.on_case(case, v, None)
             return None, v
-        v = localized(self.pool, case, v, timeout=timeout)
-        sig = signature(case, v)
-        self.on_case(case, v, sig)
-        if is_known(sig, case, self.known):
-            st.known[sig] += 1
+        self.on_case(case, v, j.signature)
+        if j.known:
+            st.known[j.signature] += 1
             return None, v
-        return sig, v
+        return j.signature, v
 
     def _timeout(self, case, rnd: _Round) -> float | None:
         """While a hang shrinks: a limit derived from the slowest passing case
@@ -337,20 +337,20 @@ class Session:
             self._say(f"new finding {sig}: no time left to confirm it in fresh workers; written unconfirmed")
             return case, {**verdict, "unconfirmed": True}
         self.pool.fresh()
-        again = localized(self.pool, case, self.pool.run(case).verdict)
-        got = _label(case, again)
+        again = judge(self.pool, case)
+        got = again.label
         if got == sig:
-            return case, again
+            return case, again.verdict
         if verdict.get("timeout"):
             self.stats.slow += 1
             return None
         self.stats.contaminated += 1
         self._suspect.add(sig)
-        self._report_contaminated(sig, case, verdict, again, got, before)
+        self._report_contaminated(sig, case, verdict, again.verdict, got, before)
         return None
 
     def _report_contaminated(self, sig, case, warm: dict, fresh: dict, got: str, before: list) -> None:
-        ran_before = [f"{c.target} W{c.ranks} {c.optim.name}: {_label(c, v)}" for c, v in before[:-1]]
+        ran_before = [f"{c.target} W{c.ranks} {c.optim.name}: {label(c, v)}" for c, v in before[:-1]]
         record = {"signature": sig, "fresh_signature": got, "warm_verdict": warm, "fresh_verdict": fresh,
                   "ran_before_in_that_generation": ran_before, "case": case.to_dict()}
         self.contaminated.append(record)
@@ -437,21 +437,6 @@ def default_shrink_budget(duration: float | None) -> float:
 
 def _smaller(a, b) -> bool:
     return (a.ranks, len(a.to_json())) < (b.ranks, len(b.to_json()))
-
-
-def _label(case, verdict: dict) -> str:
-    """A verdict in one word: its signature, or its status."""
-    return signature(case, verdict) if verdict.get("status") == "finding" else verdict.get("status", "?")
-
-
-def localized(pool, case, verdict: dict, timeout: float | None = None) -> dict:
-    """A loss or grad divergence is re-run recording per-module activations, so
-    its signature names the first diverging module, not a whole model."""
-    if verdict.get("oracle") == "parity" and verdict["first"]["quantity"] in ("loss", "grad"):
-        again = pool.run(case, localize=True, timeout=timeout).verdict
-        if again.get("oracle") == "parity":
-            return again
-    return verdict
 
 
 def _pool_error(e: BaseException) -> PoolError | None:

@@ -14,6 +14,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .case import Case, CaseError
 
@@ -22,40 +23,103 @@ ROOT_CAUSES = "root_causes.json"  # known/: root cause id -> title, kind, upstre
 
 
 def signature(case: Case, verdict: dict) -> str:
-    oracle = verdict.get("oracle", "unknown")
-    if oracle == "parity":
-        first = verdict["first"]
-        quantity = first["quantity"].replace("param_groups.", "group.")
-        if quantity in ("forward", "backward"):  # localised: the module is the bug's address
-            return f"{case.target}.parity.{quantity}.{first.get('module', 'unknown')}"
-        if quantity in ("loss", "grad"):  # a forward/backward bug: the optimizer is irrelevant
-            # a grad where the reference has none (or none where it has one) is its own kind of bug
-            presence = f".{first['presence']}" if "presence" in first else ""
-            return f"{case.target}.parity.{quantity}{presence}"
-        kw = case.optim.kwargs  # the implementation is half a step bug's address
-        impl = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "forloop"
-        return f"{case.target}.parity.{case.optim.name}.{impl}.{quantity}"
-    if oracle == "checkpoint":  # what did not survive which kind of round trip
-        quantity = verdict["first"]["quantity"]
-        if ".param_groups" in quantity:
-            # which hyperparameter shows first is incidental; an empty group is part of the address
-            quantity = quantity.split(".param_groups")[0] + ".group"
-            if any(not g.params for g in case.groups):
-                quantity += ".empty_group"
-        return f"{case.target}.checkpoint.{case.checkpoint.kind}.{quantity}"
+    """The finding's name: target, oracle and what identifies the bug (see ORACLES)."""
+    oracle = ORACLES.get(verdict.get("oracle", ""))
+    return oracle.signature(case, verdict) if oracle else f"{case.target}.{verdict.get('oracle', 'unknown')}"
+
+
+def summary(verdict: dict) -> str:
+    """One line: what diverged, where, by how much, against which tolerance."""
+    oracle = ORACLES.get(verdict.get("oracle", ""))
+    return oracle.summary(verdict) if oracle else json.dumps(verdict)[:300]
+
+
+def _parity_signature(case: Case, verdict: dict) -> str:
+    first = verdict["first"]
+    quantity = first["quantity"].replace("param_groups.", "group.")
+    if quantity in ("forward", "backward"):  # localised: the module is the bug's address
+        return f"{case.target}.parity.{quantity}.{first.get('module', 'unknown')}"
+    if quantity in ("loss", "grad"):  # a forward/backward bug: the optimizer is irrelevant
+        # a grad where the reference has none (or none where it has one) is its own kind of bug
+        presence = f".{first['presence']}" if "presence" in first else ""
+        return f"{case.target}.parity.{quantity}{presence}"
+    kw = case.optim.kwargs  # the implementation is half a step bug's address
+    impl = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "forloop"
+    return f"{case.target}.parity.{case.optim.name}.{impl}.{quantity}"
+
+
+def _parity_summary(verdict: dict) -> str:
+    m = verdict["first"]
+    if m["quantity"] in ("forward", "backward"):
+        where = f"{m['quantity']} of step {m['step']}"
+    elif m["step"] >= 0:
+        where = f"{m['quantity']} of {m['fqn'] or 'the model'} after step {m['step']}"
+    else:
+        where = f"{m['quantity']} of {m['fqn']} after the constructor"
+    extra = f" (max abs err {m['max_abs']:.3g}, {m['bad']}/{m['numel']} elements; tolerance: {m['tolerance']})" if "max_abs" in m else ""
+    return f"parity: {where} differs: {m['detail']}{extra}; {verdict['count']} mismatches in all"
+
+
+def _checkpoint_signature(case: Case, verdict: dict) -> str:
+    """What did not survive which kind of round trip."""
+    quantity = verdict["first"]["quantity"]
+    if ".param_groups" in quantity:
+        # which hyperparameter shows first is incidental; an empty group is part of the address
+        quantity = quantity.split(".param_groups")[0] + ".group"
+        if any(not g.params for g in case.groups):
+            quantity += ".empty_group"
+    return f"{case.target}.checkpoint.{case.checkpoint.kind}.{quantity}"
+
+
+def _checkpoint_summary(verdict: dict) -> str:
+    m = verdict["first"]
+    return (f"checkpoint round trip: {m['quantity']} of {m['fqn'] or 'the optimizer'} (saved after step {m['step']}) "
+            f"differs: {m['detail']}; {verdict['count']} mismatches in all")
+
+
+def _error_signature(case: Case, verdict: dict) -> str:
+    """The root cause is the message template, not which optimizer or op surfaced it."""
     err = verdict.get("error") or {}
-    if oracle == "error_parity":
-        # the root cause is the message template, not which optimizer or op surfaced it
-        phase = _phase_kind(err.get("phase", ""))
-        digest = _digest(err.get("message", ""), names=phase in ("save", "load"))
-        return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{digest}"
-    if oracle == "crash":
-        return f"{case.target}.crash.{_slug(err.get('type', 'Crash'))}"
-    if oracle == "hang":  # where the lowest stuck rank waits names the hang
-        where = verdict.get("where", {})
-        first = where.get(min(where), "") if where else ""
-        return f"{case.target}.hang" + (f".{_slug(first.replace(':', '.'))}" if first else "")
-    return f"{case.target}.{oracle}"
+    phase = err.get("stage") or _phase_kind(err.get("phase", ""))  # (records older than "stage")
+    digest = _digest(err.get("message", ""), names=phase in ("save", "load"))
+    return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{digest}"
+
+
+def _error_summary(verdict: dict) -> str:
+    err = verdict.get("error") or {}
+    return f"error parity: only the sharded run raises, in {err.get('phase')}: {err.get('type')}: {err.get('message')}"
+
+
+def _crash_signature(case: Case, verdict: dict) -> str:
+    return f"{case.target}.crash.{_slug((verdict.get('error') or {}).get('type', 'Crash'))}"
+
+
+def _hang_signature(case: Case, verdict: dict) -> str:
+    """Where the lowest stuck rank waits names the hang."""
+    where = verdict.get("where", {})
+    first = where.get(min(where), "") if where else ""
+    return f"{case.target}.hang" + (f".{_slug(first.replace(':', '.'))}" if first else "")
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """One way a case fails: how such a finding shows to a user (``kind``),
+    its signature and its one-line summary."""
+    kind: str
+    signature: Callable
+    summary: Callable
+
+
+# every oracle a verdict can name (kernel/run.py and reference.py make parity and error_parity
+# verdicts, checkpoint.py checkpoint ones, the runner hang and crash ones)
+ORACLES = {
+    "parity": Oracle("silent", _parity_signature, _parity_summary),
+    "checkpoint": Oracle("silent (checkpoint)", _checkpoint_signature, _checkpoint_summary),
+    "error_parity": Oracle("raises", _error_signature, _error_summary),
+    "hang": Oracle("hang", _hang_signature, lambda v: f"hang: {(v.get('error') or {}).get('message')}"),
+    "crash": Oracle("crash", _crash_signature,
+                    lambda v: f"crash: {(v.get('error') or {}).get('type')}: ranks {v.get('dead_ranks')} died"),
+}
 
 
 def _phase_kind(phase: str) -> str:
@@ -82,33 +146,6 @@ def _digest(message: str, names: bool = False) -> str:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
-
-
-def summary(verdict: dict) -> str:
-    """One line: what diverged, where, by how much, against which tolerance."""
-    oracle = verdict.get("oracle")
-    if oracle == "parity":
-        m = verdict["first"]
-        if m["quantity"] in ("forward", "backward"):
-            where = f"{m['quantity']} of step {m['step']}"
-        elif m["step"] >= 0:
-            where = f"{m['quantity']} of {m['fqn'] or 'the model'} after step {m['step']}"
-        else:
-            where = f"{m['quantity']} of {m['fqn']} after the constructor"
-        extra = f" (max abs err {m['max_abs']:.3g}, {m['bad']}/{m['numel']} elements; tolerance: {m['tolerance']})" if "max_abs" in m else ""
-        return f"parity: {where} differs: {m['detail']}{extra}; {verdict['count']} mismatches in all"
-    if oracle == "checkpoint":
-        m = verdict["first"]
-        return (f"checkpoint round trip: {m['quantity']} of {m['fqn'] or 'the optimizer'} (saved after step {m['step']}) "
-                f"differs: {m['detail']}; {verdict['count']} mismatches in all")
-    err = verdict.get("error") or {}
-    if oracle == "error_parity":
-        return f"error parity: only the sharded run raises, in {err.get('phase')}: {err.get('type')}: {err.get('message')}"
-    if oracle == "hang":
-        return f"hang: {err.get('message')}"
-    if oracle == "crash":
-        return f"crash: {err.get('type')}: ranks {verdict.get('dead_ranks')} died"
-    return json.dumps(verdict)[:300]
 
 
 def environment(pool_info: dict | None, backend: str, device: str | None = None) -> dict:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from hypothesis import reject
 
-from .findings import is_known, load_known, signature, summary, triggered
+from .findings import load_known, summary
+from .judge import judge
 
 _KNOWN = None
 _CONFIRMED: set[str] = set()  # signatures a fresh run has given already
@@ -22,28 +23,18 @@ def check(pool, case, known: dict | None = None) -> dict:
     if known is None:
         _KNOWN = load_known() if _KNOWN is None else _KNOWN
         known = _KNOWN
-    from .engine import localized
-
-    hang = triggered(case, known)
-    if hang:  # a known hang: do not wait out the timeout
-        return {"status": "finding", "oracle": "hang", "known_trigger": hang}
-    verdict = pool.run(case).verdict
-    if verdict["status"] == "invalid":
+    j = judge(pool, case, known)
+    if j.verdict["status"] == "invalid":
         reject()
-    if verdict["status"] == "error":
-        raise RuntimeError(f"fuzzshard could not run the case: {verdict.get('error')}")
-    if verdict["status"] != "finding":
-        return verdict
-    verdict = localized(pool, case, verdict)
-    sig = signature(case, verdict)
-    if is_known(sig, case, known):
-        return verdict
-    if sig not in _CONFIRMED:
+    if j.verdict["status"] == "error":
+        raise RuntimeError(f"fuzzshard could not run the case: {j.verdict.get('error')}")
+    if j.signature is None or j.known:
+        return j.verdict
+    if j.signature not in _CONFIRMED:
         pool.fresh()
-        again = localized(pool, case, pool.run(case).verdict)
-        got = signature(case, again) if again["status"] == "finding" else again["status"]
-        if got != sig:
-            raise Contaminated(f"{sig} in warm workers, {got} in fresh ones: state carried between cases "
+        got = judge(pool, case).label
+        if got != j.signature:
+            raise Contaminated(f"{j.signature} in warm workers, {got} in fresh ones: state carried between cases "
                                "(a fuzzshard fault, not a finding)")
-        _CONFIRMED.add(sig)
-    raise AssertionError(f"{sig}: {summary(verdict)}")
+        _CONFIRMED.add(j.signature)
+    raise AssertionError(f"{j.signature}: {summary(j.verdict)}")

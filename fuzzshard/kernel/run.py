@@ -90,8 +90,12 @@ def _fails_before_save(case: Case, verdict: dict) -> bool:
 
 
 class _Phase:
-    """The name of what is running, for the error record."""
-    name = "shard"
+    """What is running, for the error record: its text, and the kind a
+    signature names (said here, so rewording a phase never moves a signature)."""
+    name, kind = "shard", "shard"
+
+    def __call__(self, kind: str, name: str) -> None:
+        self.kind, self.name = kind, name
 
 
 def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool = False,
@@ -107,17 +111,17 @@ def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, locali
             with meshes.job(case.world_size):
                 target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
                 model, obs["init"] = _sharded_model(target, case, case.seed, device, flags=())
-                phase.name = "optimizer constructor"
+                phase("ctor", "optimizer constructor")
                 opt = target.optimizer(model)
-                phase.name = "gather initial optimizer state"
+                phase("other", "gather initial optimizer state")
                 obs["init_state"] = target.optimizer_state(opt, model)  # some optimizers fill state in __init__
                 last = ck.after if ck else len(case.schedule) - 1
                 obs["steps"] += _train(case, target, model, opt, range(last + 1), device, keep, localize, phase)
                 if ck:
-                    phase.name = "checkpoint save"
+                    phase("save", "checkpoint save")
                     obs["saved"] = target.save(model, opt, ckpt_dir, meshes.group(case.world_size))
         if ck:
-            phase.name = "checkpoint barrier"
+            phase("other", "checkpoint barrier")
             dist.barrier(group=meshes.group(case.ranks))  # the files are complete
             if rank < ck.world_size:
                 with meshes.job(ck.world_size):
@@ -127,14 +131,14 @@ def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, locali
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        return None, {**_exc(e), "phase": phase.name}
+        return None, {**_exc(e), "phase": phase.name, "stage": phase.kind}
 
 
 def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool, ckpt_dir: str, phase):
     """The loading side: a fresh model (another init) and optimizer (every lr
     halved) on the loading world, the load, then the remaining steps."""
     ck = case.checkpoint
-    phase.name = "checkpoint load: shard"
+    phase("load", "checkpoint load: shard")
     # the loading side's optimizer holds the groups the saved one held
     added_at = case.optim.added_at if case.optim.added_at > ck.after else 0
     lcase = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=ck.mesh_shape,
@@ -143,9 +147,9 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
     target = target_cls(lcase, meshes.mesh(ck.world_size, ck.mesh_shape))
     model, fresh = _sharded_model(target, case, case.seed + 1, device, flags=case.schedule[:ck.after + 1])
     opt = target.optimizer(model, lr_scale=RESUME_LR_SCALE)
-    phase.name = "checkpoint load"
+    phase("load", "checkpoint load")
     target.load(model, opt, ckpt_dir, meshes.group(ck.world_size))
-    phase.name = "checkpoint load: gather"
+    phase("load", "checkpoint load: gather")
     loaded = {"params": target.params(model), "fresh": {n: fresh[n] for n in ck.missing},
               "state": target.optimizer_state(opt, model), "groups": target.group_hparams(opt)}
     steps = _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize, phase)
@@ -201,21 +205,21 @@ def _steps(case: Case, target, model, opt, steps, device: str, keep: bool, trace
         step = case.schedule[k]
         target.apply_flags(model, step)
         if adds_groups_before(case, k):
-            phase.name = f"step {k}: add_param_group"
+            phase("other", f"step {k}: add_param_group")
             target.add_groups(opt, model)
-        phase.name = f"step {k}: zero_grad"
+        phase("other", f"step {k}: zero_grad")
         opt.zero_grad(set_to_none=step.set_to_none)
-        phase.name = f"step {k}: forward/backward"
+        phase("fwdbwd", f"step {k}: forward/backward")
         x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
         full_loss = target.forward_backward(model, x, y)
         traced = trace.take() if trace else None
-        phase.name = f"step {k}: gather grads"
+        phase("other", f"step {k}: gather grads")
         grads = observe_grads()
-        phase.name = f"step {k}: optimizer.step"
+        phase("step", f"step {k}: optimizer.step")
         opt.step()
-        phase.name = f"step {k}: gather params and state"
+        phase("other", f"step {k}: gather params and state")
         rec = {"loss": full_loss.detach().clone(), **grads, **observe_step(), "trace": traced}
         if keep:
             out.append(rec)
     if case.target_options.get("uneven"):
-        phase.name = "joined: shadowing the other ranks' steps (uneven inputs)"
+        phase("other", "joined: shadowing the other ranks' steps (uneven inputs)")

@@ -1,0 +1,56 @@
+"""One case, judged: run it on the pool, name the module behind a loss or
+grad divergence, sign the finding, and say whether it is a known torch
+finding. A fuzz session, `replay`, `known --check`, the pytest plugin and
+ci/add_known.py all judge through here, so they can never disagree."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .findings import is_known, signature, triggered
+
+
+@dataclass
+class Judgement:
+    verdict: dict
+    signature: str | None = None  # a finding's
+    known: bool = False  # a known torch finding on this case's device
+    seconds: float = 0.0  # the run, as the pool timed it
+    timings: dict = field(default_factory=dict)
+    ran: bool = True  # False: a known hang's trigger matched, nothing ran
+
+    @property
+    def label(self) -> str:
+        """The verdict in one word: its signature, or its status."""
+        return self.signature or self.verdict.get("status", "?")
+
+
+def judge(pool, case, known: dict | None = None, timeout: float | None = None) -> Judgement:
+    """``known``: the known-findings list (a matching hang trigger is counted
+    without running the case: it would cost the whole timeout); ``timeout``: a
+    shorter limit than the pool's (see Pool.run)."""
+    known = known or {}
+    hang = triggered(case, known)
+    if hang:
+        return Judgement({"status": "finding", "oracle": "hang", "known_trigger": hang}, hang, True, ran=False)
+    result = pool.run(case, timeout=timeout)
+    verdict = result.verdict
+    if verdict.get("status") != "finding":
+        return Judgement(verdict, seconds=result.seconds, timings=result.timings)
+    verdict = localized(pool, case, verdict, timeout)
+    sig = signature(case, verdict)
+    return Judgement(verdict, sig, is_known(sig, case, known), result.seconds, result.timings)
+
+
+def label(case, verdict: dict) -> str:
+    """A recorded verdict in one word, as Judgement.label."""
+    return signature(case, verdict) if verdict.get("status") == "finding" else verdict.get("status", "?")
+
+
+def localized(pool, case, verdict: dict, timeout: float | None = None) -> dict:
+    """A loss or grad divergence is re-run recording per-module activations, so
+    its signature names the first diverging module, not a whole model."""
+    if verdict.get("oracle") == "parity" and verdict["first"]["quantity"] in ("loss", "grad"):
+        again = pool.run(case, localize=True, timeout=timeout).verdict
+        if again.get("oracle") == "parity":
+            return again
+    return verdict
