@@ -161,6 +161,9 @@ def _pool_args(p) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where the ranks run (default: cpu; replay: the device the case was recorded on)")
     p.add_argument("--backend", default=None, help="process group backend (default: gloo on cpu, nccl on cuda)")
+    p.add_argument("--plugin", action="append", default=None, metavar="FILE.py",
+                   help="your own optimizer, from one file (fuzzshard.plugin.optimizer(...); see examples/): "
+                        "drawn beside torch.optim's; may be given more than once")
     p.add_argument("--worker-setup", default=None, metavar="FILE.py",
                    help="Python file run in every worker before any case: patch torch, register_target(...)")
     p.add_argument("--case-timeout", type=float, default=120.0, metavar="SEC",
@@ -186,8 +189,11 @@ def main(argv=None) -> int:
 
 def _check_pool_args(args, device: str | None = None) -> None:
     args.device = args.device or device or "cpu"
-    if args.worker_setup and not os.path.isfile(args.worker_setup):
-        raise UsageError(f"--worker-setup: no such file {args.worker_setup!r}")
+    # the plugins first, then --worker-setup (which may patch what a plugin brings): each runs in every worker
+    args.setups = [os.path.abspath(p) for p in (args.plugin or []) + [args.worker_setup] if p]
+    for flag, path in [("--plugin", p) for p in args.plugin or []] + [("--worker-setup", args.worker_setup)]:
+        if path and not os.path.isfile(path):
+            raise UsageError(f"{flag}: no such file {path!r}")
     if args.case_timeout <= 0:
         raise UsageError("--case-timeout must be positive")
     if args.device == "cuda":
@@ -198,13 +204,13 @@ def _check_pool_args(args, device: str | None = None) -> None:
         if (args.backend or "nccl") == "gloo":
             raise UsageError("--device cuda runs on NCCL: gloo with CUDA tensors fails in collectives fuzzshard's "
                              "targets use ('writev ... Bad address'), so it is no stand-in for several GPUs")
-    if args.worker_setup:  # the same file runs here, so its register_target calls are seen
-        from .worker import run_setup_file
+    from .worker import run_setup_file
 
+    for path in args.setups:  # the same files run here, so their registrations are seen by the strategies
         try:
-            run_setup_file(args.worker_setup)
+            run_setup_file(path)
         except Exception as e:
-            raise UsageError(f"--worker-setup {args.worker_setup} failed: {type(e).__name__}: {e}") from None
+            raise UsageError(f"{path} failed: {type(e).__name__}: {e}") from None
 
 
 def _pool(args, size: int, log_dir=None, spare: bool = False):
@@ -212,7 +218,7 @@ def _pool(args, size: int, log_dir=None, spare: bool = False):
     from .runner import Pool, PoolError
 
     try:
-        return Pool(size, device=args.device, backend=args.backend, worker_setup=args.worker_setup,
+        return Pool(size, device=args.device, backend=args.backend, worker_setup=args.setups,
                     case_timeout=args.case_timeout, log_dir=log_dir, spare=spare).start()
     except PoolError as e:
         raise UsageError(f"could not start {size} workers: {e}") from None
@@ -341,7 +347,7 @@ def cmd_soak(args) -> int:
     if args.redis:
         _redis(args.redis)
     options = {"targets": _resolve_targets(args.targets), "world_sizes": sizes, "device": args.device,
-               "backend": args.backend, "worker_setup": os.path.abspath(args.worker_setup) if args.worker_setup else None,
+               "backend": args.backend, "worker_setup": args.setups,
                "case_timeout": args.case_timeout, "strategy_kwargs": _strategy_kwargs(args), "database": args.redis}
     return Soak(options, args.workers, duration, epoch, args.out, args.seed, cells=cells).run()
 

@@ -328,16 +328,21 @@ class Session:
             track.best = (case, verdict)
             self._rewrite(sig, track)
 
-    def _confirm(self, sig: str, case, verdict: dict) -> tuple | None:
+    def _confirm(self, sig: str, case, verdict: dict, fresh: bool = True) -> tuple | None:
         """(case, verdict) when fresh workers give ``sig`` too, else None
         (a contaminated verdict is reported; a provisional hang that finishes
-        was only slow). At the full case timeout."""
+        was only slow). At the full case timeout. ``fresh=False``: in the
+        workers that confirmed the session's other findings just before (see
+        _finish); a verdict that differs there is re-checked in fresh ones."""
         before = list(self.pool.history)
         if self._deadline is not None and time.monotonic() > self._deadline + self.grace():
             self._say(f"new finding {sig}: no time left to confirm it in fresh workers; written unconfirmed")
             return case, {**verdict, "unconfirmed": True}
-        self.pool.fresh()
+        if fresh:
+            self.pool.fresh()
         again = judge(self.pool, case)
+        if not fresh and again.label != sig:
+            return self._confirm(sig, case, verdict)
         got = again.label
         if got == sig:
             return case, again.verdict
@@ -386,12 +391,18 @@ class Session:
                        environment=env, stage=stage)
 
     def _finish(self) -> None:
-        """Confirm each finding's smallest case in fresh workers, in the time
-        left; a stopped session leaves its files as they are."""
+        """Confirm each finding's smallest case, in the time left; a stopped
+        session leaves its files as they are. Each signature was confirmed in
+        fresh workers when first seen; the smallest cases are re-run in one
+        fresh generation together (one spawn, not one per finding), and one
+        that does not give its signature there gets a generation of its own."""
+        first = True
         for sig in sorted(self._tracks):
             track = self._tracks[sig]
             if track.best is not track.confirmed and self._may_confirm():
-                again = self._confirm(sig, *track.best) if not track.best[1].get("unconfirmed") else None
+                again = None
+                if not track.best[1].get("unconfirmed"):
+                    again, first = self._confirm(sig, *track.best, fresh=first), False
                 if again is not None:
                     track.confirmed = track.best = again
             if self.stop_reason is None:  # the file holds the confirmed case

@@ -27,6 +27,8 @@ def pytest_addoption(parser):
     group = parser.getgroup("fuzzshard")
     group.addoption("--fuzzshard-world-size", type=int, default=4, help="ranks in the session's worker pool")
     group.addoption("--fuzzshard-worker-setup", default=None, help="Python file run in every worker first")
+    group.addoption("--fuzzshard-plugin", action="append", default=[],
+                    help="your own optimizer from one file (fuzzshard.plugin.optimizer), drawn beside torch.optim's")
     group.addoption("--fuzzshard-device", default="cpu", choices=["cpu", "cuda"])
     group.addoption("--fuzzshard-case-timeout", type=float, default=120.0)
 
@@ -36,9 +38,14 @@ def fuzz_pool(request):
     """One pool of workers for the whole test session (spawned once)."""
     from .runner import Pool
 
+    from .worker import run_setup_file
+
     opt = request.config.getoption
+    setups = opt("--fuzzshard-plugin") + [p for p in [opt("--fuzzshard-worker-setup")] if p]
+    for path in opt("--fuzzshard-plugin"):
+        run_setup_file(path)  # here too: the strategies draw the plugin's optimizer
     pool = Pool(opt("--fuzzshard-world-size"), device=opt("--fuzzshard-device"),
-                worker_setup=opt("--fuzzshard-worker-setup"), case_timeout=opt("--fuzzshard-case-timeout"))
+                worker_setup=setups, case_timeout=opt("--fuzzshard-case-timeout"))
     pool.start()
     yield pool
     pool.close()

@@ -78,11 +78,28 @@ CASE_JSON = r"""
 TARGET = {target_cls}
 
 
+def _plugin_shim() -> None:
+    """A --plugin file registers its optimizer through ``fuzzshard.plugin``:
+    here that registers into this script's own kernel, fuzzshard or not."""
+    import types
+
+    def optimizer(cls, kwargs=None, name=None, elementwise=True):
+        USER_OPTIMIZERS[name or cls.__name__] = cls
+        return cls
+
+    shim = types.ModuleType("fuzzshard.plugin")
+    shim.optimizer = optimizer
+    package = sys.modules.get("fuzzshard") or types.ModuleType("fuzzshard")
+    package.plugin = shim
+    sys.modules["fuzzshard"], sys.modules["fuzzshard.plugin"] = package, shim
+
+
 def _main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--setup", help="a Python file run before the case (a patch of torch, e.g. a planted bug)")
     args = ap.parse_args()
     if args.setup:
+        _plugin_shim()
         exec(compile(open(args.setup).read(), args.setup, "exec"), {{"__name__": "__fuzzshard_setup__", "__file__": args.setup}})
     torch.set_num_threads(1)
     case = Case.from_json(CASE_JSON)

@@ -52,7 +52,7 @@ class Pool:
         size: int,
         device: str = "cpu",
         backend: str | None = None,
-        worker_setup: str | None = None,
+        worker_setup: str | list | None = None,
         case_timeout: float = 120.0,
         log_dir: str | None = None,
         spare: bool = True,
@@ -72,7 +72,8 @@ class Pool:
             "backend": backend or ("nccl" if device == "cuda" else "gloo"),
             "mesh_device": device,
             "device_offset": device_offset,  # rank r uses accelerator (offset + r) % count
-            "setup": os.path.abspath(worker_setup) if worker_setup else None,
+            # files run in every worker before any case: --plugin ones, then --worker-setup
+            "setup": [os.path.abspath(p) for p in ([worker_setup] if isinstance(worker_setup, str) else worker_setup or [])],
             "log_dir": self.log_dir,
             # a collective stuck past this raises inside the worker; the driver gives up sooner
             "collective_timeout": max(60.0, 2 * case_timeout),

@@ -280,6 +280,10 @@ def run_cell(spec: dict) -> int:
 
     out = Path(spec["out"])
     device = spec["device"]
+    from .worker import run_setup_file
+
+    for path in spec["worker_setup"] or []:  # here too: a plugin's optimizer is drawn in this process
+        run_setup_file(path)
     link = None
     if "span" in spec:  # ranks on other torchrun processes too
         from .span import Link

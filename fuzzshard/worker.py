@@ -39,8 +39,8 @@ def main() -> None:
     from .kernel.mesh import Meshes
     from .kernel.run import run_case
 
-    if options.get("setup"):
-        run_setup_file(options["setup"])
+    for path in options.get("setup") or []:
+        run_setup_file(path)
     device = options["device"]
     if device == "cuda":
         torch.cuda.set_device((options.get("device_offset", 0) + rank) % torch.cuda.device_count())

@@ -6,6 +6,15 @@ import torch
 from ..case import Case
 from .model import named_params
 
+# optimizers a plugin brings (fuzzshard.plugin.optimizer): name -> class, beside torch.optim's
+USER_OPTIMIZERS: dict = {}
+
+
+def optimizer_class(name: str):
+    """The optimizer class a Case names: a plugin's, else torch.optim's."""
+    return USER_OPTIMIZERS.get(name) or getattr(torch.optim, name)
+
+
 # the loading side of a checkpoint builds its optimizer with every lr scaled by
 # this, so a load that leaves a hyperparameter alone shows
 RESUME_LR_SCALE = 0.5
@@ -37,7 +46,7 @@ def build_optimizer(model: torch.nn.Module, case: Case, lr_scale: float = 1.0, c
     ZeroRedundancyOptimizer) in place of the torch.optim class. ``params``:
     {fqn: param} where the model's own names are not the plain FQNs (FSDP1).
     Groups a case adds mid-run are left out (``add_late_groups``)."""
-    cls = construct or getattr(torch.optim, case.optim.name)
+    cls = construct or optimizer_class(case.optim.name)
     groups = _groups(model, case, lr_scale, params)
     n = len(groups) - case.optim.added_groups  # the rest go in through add_param_group
     opt = cls(groups[:n], **optimizer_kwargs(case.optim.kwargs, case.optim.tensor_lr, case.device, lr_scale))

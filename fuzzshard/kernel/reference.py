@@ -107,7 +107,8 @@ def check_parity(case: Case, obs: dict, device: str, localize: bool = False, ste
         model, opt = _plain_setup(case, device)
         twins = {device: (model, opt)}
         for d in {step_device(_options_at(case, k)[0], device) for k in range(len(case.schedule))} if step_device else ():
-            twins.setdefault(d, _plain_setup(case, d))
+            if d not in twins:
+                twins[d] = _plain_setup(case, d)
     except Exception as e:
         return {"status": "invalid", "reason": f"reference rejects the config: {_exc(e)['text']}"}
     red_tol = reduction_tolerance(case.dtype, reduction_length(case))

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
 
 from ..checkpoint import FULL_FILE, STATE_DICT_KINDS, _tensor, load, save
 from ..model import loss_fn, plain_fqn
-from ..optim import build_optimizer, optimizer_kwargs
+from ..optim import build_optimizer, optimizer_class, optimizer_kwargs
 from .base import Spec, Target
 
 
@@ -138,7 +138,7 @@ class FSDP1Target(Target):
         o = self.case.optim
         group = {"params": list(model.parameters()),
                  **optimizer_kwargs(self.case.groups[0].overrides, o.tensor_lr, self.case.device, lr_scale)}
-        return getattr(torch.optim, o.name)([group], **optimizer_kwargs(o.kwargs, o.tensor_lr, self.case.device,
+        return optimizer_class(o.name)([group], **optimizer_kwargs(o.kwargs, o.tensor_lr, self.case.device,
                                                                          lr_scale))
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

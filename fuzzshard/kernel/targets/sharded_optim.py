@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..checkpoint import _tensor
 from ..model import loss_fn
-from ..optim import optimizer_kwargs
+from ..optim import optimizer_class, optimizer_kwargs
 from .base import Spec, Target
 
 
@@ -96,7 +96,7 @@ class ShardedOptimTarget(Target):
         params = dict(listed)
         (group,) = self.case.groups  # ShardedOptimizer takes one flat set of params
         kwargs = {**self.case.optim.kwargs, **group.overrides}
-        return ShardedOptimizer({n: params[n] for n in group.params}, getattr(torch.optim, self.case.optim.name),
+        return ShardedOptimizer({n: params[n] for n in group.params}, optimizer_class(self.case.optim.name),
                                 **optimizer_kwargs(kwargs, self.case.optim.tensor_lr, self.case.device, lr_scale))
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..checkpoint import _tensor
 from ..model import loss_fn
-from ..optim import build_optimizer, param_order
+from ..optim import build_optimizer, optimizer_class, param_order
 from .base import Spec, Target
 
 
@@ -210,7 +210,7 @@ class ZeroTarget(Target):
             return build_optimizer(model, self.case, lr_scale)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=getattr(torch.optim, self.case.optim.name),
+        zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=optimizer_class(self.case.optim.name),
                                  process_group=self.group,
                                  parameters_as_bucket_view=self.case.target_options.get("bucket_view", False))
 
