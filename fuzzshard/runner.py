@@ -120,6 +120,9 @@ class Pool:
         self.gen, self.spare = (self.spare or self._launch()), None
         try:
             self.info = self.gen.connect()
+        except LostRank as e:
+            self.lost = str(e)
+            raise
         except PoolError:  # a spare that died while it waited: a fresh set gets one more try
             self.gen = self._launch()
             self.info = self.gen.connect()
@@ -288,7 +291,7 @@ class _Generation:
     process group, then connect back over an authenticated socket."""
 
     def __init__(self, index: int, size: int, options: dict, log_dir: str, link=None):
-        self.index, self.size, self.log_dir = index, size, log_dir
+        self.index, self.size, self.log_dir, self.link = index, size, log_dir, link
         self.store_dir = tempfile.mkdtemp(prefix="fuzzshard-store-")
         authkey = secrets.token_bytes(16).hex()
         # backlog: every worker's connect completes at once, even while nobody
@@ -316,6 +319,9 @@ class _Generation:
                 conn = self._accept()
                 _, rank, info = conn.recv()
                 self.conns[rank] = conn
+        except LostRank:
+            self.stop(kill=True)
+            raise
         except (OSError, EOFError, PoolError) as e:
             tail = next((t for t in (self.log_tail(r) for r in range(self.size)) if t), "")
             self.stop(kill=True)
@@ -331,6 +337,9 @@ class _Generation:
         while not select.select([sock], [], [], 0.5)[0]:
             if any(p.poll() is not None for p in self.procs):
                 raise PoolError("a worker exited before it was ready")
+            if self.link is not None and self.link.lost():  # its ranks on another node will never come
+                raise LostRank("ranks of this cell were lost with their process (its heartbeat stopped while a "
+                               "new generation started)")
             if time.monotonic() > deadline:
                 raise PoolError(f"workers not ready within {START_TIMEOUT:.0f}s")
         return self.listener.accept()

@@ -163,7 +163,7 @@ class Soak:
                     "out": str(self.out), "device_offset": first_gpu + slots[0][1], "procs": len(procs),
                     "origin": {"host": socket.gethostname(), **(self.slot or {})}}
             if len(procs) > 1:
-                spec["span"] = {"store": self.coord.where, "local": len(mine)}
+                spec["span"] = {"store": self.coord.where, "local": len(mine), "members": procs[1:]}
             module, log = "fuzzshard.soak", "cell.log"
         else:
             spec = {"name": name, "ranks": mine, "gpus": {str(k): first_gpu + slots[k][1] for k in mine},
@@ -288,7 +288,7 @@ def run_cell(spec: dict) -> int:
     if "span" in spec:  # ranks on other torchrun processes too
         from .span import Link
 
-        link = Link(spec["span"]["store"], spec["name"], spec["span"]["local"])
+        link = Link(spec["span"]["store"], spec["name"], spec["span"]["local"], spec["span"].get("members", []))
     pool = Pool(spec["size"], device=device, backend=spec["backend"], worker_setup=spec["worker_setup"],
                 case_timeout=spec["case_timeout"], log_dir=str(out / "logs" / spec["name"]), spare=True,
                 device_offset=spec.get("device_offset", 0), link=link, scratch=str(out / "scratch"))

@@ -68,9 +68,15 @@ def reachable_ip(where: dict) -> str:
 class Link:
     """The leader's side of a spanning cell, handed to runner.Pool."""
 
-    def __init__(self, where: dict, name: str, local: int):
+    def __init__(self, where: dict, name: str, local: int, members=()):
         self.store, self.where = open_store(where), where
         self.key, self.local, self.host = f"cell/{name}/", local, reachable_ip(where)
+        self.members, self.beats = list(members), Beats(self.store)  # the torchrun processes holding our other ranks
+
+    def lost(self) -> bool:
+        """Whether a member process has fallen silent (its node is gone): then
+        no rank of a new generation will ever come from it."""
+        return any(self.beats.silent(p) for p in self.members)
 
     def worker_store(self, gen: int) -> dict:
         return {**self.where, "prefix": f"{self.where['prefix']}{self.key}g{gen}/pg/"}

@@ -3,6 +3,7 @@ a clean stop on SIGTERM that a restart resumes, torchrun across two
 simulated nodes, and the report."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -143,7 +144,9 @@ def test_torchrun_soak_cells_span_nodes_and_a_lost_node_leaves_the_rest_going(tm
     cells = _cases(out)
     spanning = cells["e0c1"]
     assert {c["procs"] for c in spanning} == {2} and {1, 2} <= {c["world"] for c in spanning}
-    assert "lost with its process (no exit code came back); cell closed" in (out / "logs" / "e0c1" / "cell.log").read_text()
+    # lost mid-case (no exit code came back) or while a new generation started (a fresh confirmation)
+    cell_log = (out / "logs" / "e0c1" / "cell.log").read_text()
+    assert re.search(r"lost with (its|their) process .*; cell closed", cell_log), cell_log[-2000:]
     assert "cell e0c1 exited with 4" in text  # a lost rank ends its cell, and is no finding
     later = [c for c in cells if not c.startswith("e0")]
     assert later and all(c["procs"] == 1 for name in later for c in cells[name]), later  # the survivor's ranks only
