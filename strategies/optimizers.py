@@ -116,8 +116,20 @@ OPT_IN = {"Muon"}
 
 
 def available() -> list[str]:
-    """The catalog's optimizers present in this torch, first the classics (they shrink first)."""
-    return [n for n in CATALOG if hasattr(torch.optim, n)]
+    """The catalog's optimizers present in this torch, first the classics (they
+    shrink first); a plugin's come last."""
+    from fuzzshard.kernel.optim import USER_OPTIMIZERS
+
+    return [n for n in CATALOG if hasattr(torch.optim, n) or n in USER_OPTIMIZERS]
+
+
+def register(name: str, kwargs=None, elementwise: bool = True) -> None:
+    """A plugin's optimizer, drawn beside torch.optim's: ``kwargs`` a strategy
+    of its hyperparameters (dicts); ``elementwise=False`` keeps it off targets
+    that step each shard on its own (it reduces over a whole param)."""
+    CATALOG[name] = (lambda draw, _: dict(draw(kwargs))) if kwargs is not None else (lambda draw, _: {})
+    if not elementwise:
+        NOT_ELEMENTWISE.add(name)
 
 
 def default_optimizers() -> list[str]:
@@ -132,7 +144,9 @@ def unknown_optimizers() -> list[str]:
 
 
 def accepts(name: str, kwarg: str) -> bool:
-    return kwarg in inspect.signature(getattr(torch.optim, name).__init__).parameters
+    from fuzzshard.kernel.optim import optimizer_class
+
+    return kwarg in inspect.signature(optimizer_class(name).__init__).parameters
 
 
 @st.composite
