@@ -41,6 +41,7 @@ def test_a_users_optimizer_from_one_file_is_fuzzed_and_its_planted_bug_found(tmp
     assert standalone.returncode != 0 and "FINDING" in standalone.stdout, standalone.stdout + standalone.stderr[-2000:]
 
     monkeypatch.delenv("ORTHO_MOMENTUM_BUG")
-    assert run_cli("replay", path, "--plugin", EXAMPLE).returncode == 0
+    fixed = run_cli("replay", path, "--plugin", EXAMPLE)
+    assert fixed.returncode == 0 and f"PASS: {path} no longer fails ({sig})" in fixed.stdout, fixed.stdout
     ok = torchrun(script, 2, "--setup", EXAMPLE, cwd=elsewhere)
     assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
