@@ -59,8 +59,8 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
         pool.close()
 
     t0 = time.perf_counter()
-    for case in cases:  # a fresh process group per case: spawn, init, run, tear down
-        fresh = Pool(world, device=device, spare=False).start()
+    for case in cases:  # a fresh process group per case: spawn, import torch, init, run, tear down
+        fresh = Pool(world, device=device, spare=False, zygote=False).start()
         try:
             fresh.run(case)
         finally:

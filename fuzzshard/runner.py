@@ -59,6 +59,7 @@ class Pool:
         device_offset: int = 0,
         link=None,
         scratch: str | None = None,
+        zygote: bool = True,
     ):
         if size < 1:
             raise ValueError("a pool needs at least one worker")
@@ -77,6 +78,8 @@ class Pool:
             "log_dir": self.log_dir,
             # a collective stuck past this raises inside the worker; the driver gives up sooner
             "collective_timeout": max(60.0, 2 * case_timeout),
+            # workers forked from a process that has imported torch (zygote.py), not each importing it
+            "zygote": zygote and os.environ.get("FUZZSHARD_ZYGOTE", "1") != "0",
         }
         # a cell spanning processes (span.Link): ranks from link.local on are
         # spawned elsewhere; it has no spare set, and its checkpoints go to a
@@ -379,11 +382,21 @@ class _Generation:
             return ""
 
 
-def spawn_worker(options: dict, rank: int, authkey: str, log_path: str) -> subprocess.Popen:
-    """One ``python -m fuzzshard.worker`` (multiprocessing's spawn would
-    re-import the caller's __main__), its output appended to ``log_path``."""
+def spawn_worker(options: dict, rank: int, authkey: str, log_path: str):
+    """One worker, forked by this process's zygote (zygote.py: torch is
+    imported there once, not per worker), its output appended to
+    ``log_path``; a Popen-like handle. If the zygote cannot start, a plain
+    ``python -m fuzzshard.worker`` (multiprocessing's spawn would re-import
+    the caller's __main__)."""
     env = {**os.environ, "FUZZSHARD_AUTHKEY": authkey, "OMP_NUM_THREADS": "1",
            "FUZZSHARD_WORKER": json.dumps({**options, "rank": rank})}
+    if options.get("zygote"):
+        from .zygote import zygote
+
+        try:
+            return zygote().spawn(env, log_path)
+        except (OSError, EOFError):
+            pass
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "fuzzshard.worker"], env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)

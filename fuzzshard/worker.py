@@ -21,8 +21,9 @@ from multiprocessing.connection import Client
 
 
 def main() -> None:
-    """Started by ``runner.Pool`` as ``python -m fuzzshard.worker`` with its
-    options in the environment; stdout/stderr already go to its log file."""
+    """Forked by the zygote (or started as ``python -m fuzzshard.worker``) for
+    ``runner.Pool``, with its options in the environment; stdout/stderr
+    already go to its log file."""
     options = json.loads(os.environ["FUZZSHARD_WORKER"])
     rank, size = options["rank"], options["size"]
 
@@ -33,6 +34,7 @@ def main() -> None:
     # Ctrl-C reaches the whole process group: the driver decides what a stop means, not each rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
+    _name(f"fuzzshard-r{rank}")  # what ps and top show
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # the driver asks a stuck rank where it waits
     from . import targets
     from .case import Case
@@ -91,6 +93,15 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _name(name: str) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
 
