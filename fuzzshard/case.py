@@ -44,6 +44,10 @@ class Model:
     tie_head: bool = False  # tokens only: output projection reuses the embedding weight
     unused: bool = False  # a submodule whose params never get a grad
     buffer: bool = False  # a registered buffer scales the output
+    # a plugin's model (fuzzshard.plugin.model): its name and drawn sizes; layers stay empty.
+    # Left out of the JSON when unset, so the built-in topologies' cases read as before
+    factory: str = field(default="", metadata={"omit_default": True})
+    sizes: dict[str, Any] = field(default_factory=dict, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)
@@ -182,12 +186,17 @@ class CaseError(ValueError):
 
 def _to_jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (f.metadata.get("omit_default") and getattr(value, f.name) == _default(f))}
     if isinstance(value, (list, tuple)):
         return [_to_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _to_jsonable(v) for k, v in value.items()}
     return value
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _from_jsonable(tp: Any, value: Any, where: str) -> Any:

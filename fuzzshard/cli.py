@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -162,8 +163,9 @@ def _pool_args(p) -> None:
                    help="where the ranks run (default: cpu; replay: the device the case was recorded on)")
     p.add_argument("--backend", default=None, help="process group backend (default: gloo on cpu, nccl on cuda)")
     p.add_argument("--plugin", action="append", default=None, metavar="FILE.py",
-                   help="your own optimizer, from one file (fuzzshard.plugin.optimizer(...); see examples/): "
-                        "drawn beside torch.optim's; may be given more than once")
+                   help="your own optimizer, model or parallelism, from one file (fuzzshard.plugin.optimizer / "
+                        ".model / .parallelism; see examples/): drawn beside the built-in ones (a parallelism is "
+                        "--target NAME); recorded in each finding, so replay loads it again; may be given more than once")
     p.add_argument("--worker-setup", default=None, metavar="FILE.py",
                    help="Python file run in every worker before any case: patch torch, register_target(...)")
     p.add_argument("--case-timeout", type=float, default=120.0, metavar="SEC",
@@ -272,7 +274,7 @@ def cmd_fuzz(args) -> int:
     try:
         session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
                           duration=duration, seed=seed, device=args.device, strategy_kwargs=strategy_kwargs,
-                          database=database, shrink_budget=shrink_budget)
+                          database=database, shrink_budget=shrink_budget, plugins=args.plugin or ())
         try:
             session.run()
         except KeyboardInterrupt:  # the second signal: every finding seen is on disk already
@@ -402,6 +404,16 @@ def _print_session_report(session, findings, out) -> None:
         print("no new findings", file=sys.stderr)
 
 
+def _recorded(path) -> dict:
+    """A finding file's raw JSON, or {} (``_load`` then says what is wrong with it)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) and isinstance(data.get("case", {}), dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def _load(path):
     from .case import CaseError
     from .findings import load_finding
@@ -428,9 +440,15 @@ def cmd_replay(args) -> int:
     from .findings import summary
     from .judge import judge
 
+    recorded = _recorded(args.file)
+    given = {os.path.abspath(p) for p in args.plugin or []}
+    # the plugins the finding was found with (its optimizer, model or parallelism) load again, wherever they still are
+    args.plugin = (args.plugin or []) + [p for p in recorded.get("environment", {}).get("plugins", [])
+                                         if os.path.isfile(p) and p not in given]
+    # a case replays where it was found, unless told otherwise
+    _check_pool_args(args, device=recorded.get("case", {}).get("device"))
     finding = _load(args.file)
     case = finding.case
-    _check_pool_args(args, device=case.device)  # a case replays where it was found, unless told otherwise
     _check_gpus(args, case.ranks)
     if args.device != case.device:
         print(f"note: {args.file} was recorded on {case.device}; replaying on {args.device}", file=sys.stderr)

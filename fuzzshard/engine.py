@@ -127,6 +127,7 @@ class Session:
         database=None,
         shrink_budget: float | None = None,
         findings_dir: str | Path | None = None,
+        plugins=(),
     ):
         self.pool = pool
         self.targets = targets
@@ -153,6 +154,7 @@ class Session:
         self._last_print = 0.0
         self._deadline: float | None = None
         self.elapsed = 0.0  # the session's length, confirmations included
+        self.plugins = [str(Path(p).resolve()) for p in plugins]  # --plugin files: recorded, so replay loads them
 
     # -- the session -------------------------------------------------------
     def run(self) -> list[Finding]:
@@ -387,6 +389,8 @@ class Session:
         confirmed = not verdict.get("unconfirmed") and (track is None or found is track.confirmed)
         stage = "confirmed" if confirmed else "unconfirmed" if verdict.get("unconfirmed") else "shrinking"
         env = environment(self.pool.info, self.pool.options["backend"], self.pool.options["device"])
+        if self.plugins:
+            env["plugins"] = self.plugins
         return Finding(sig, case, {k: v for k, v in verdict.items() if k != "unconfirmed"}, deterministic=confirmed,
                        environment=env, stage=stage)
 

@@ -277,8 +277,22 @@ def atomic_write(path: Path, text: str, exclusive: bool = False) -> bool:
 
 def is_known(sig: str, case: Case, known: dict[str, Finding]) -> bool:
     """Whether ``sig`` on this case's device is a known finding."""
-    f = known.get(sig)
-    return f is not None and (not f.devices or case.device in f.devices)
+    return known_signature(sig, case, known) is not None
+
+
+def known_signature(sig: str, case: Case, known: dict[str, Finding]) -> str | None:
+    """The known finding ``sig`` is on this case's device: itself, or the
+    same bug under a built-in target the case's target is made of (a plugin's
+    parallelism on FSDP2 meets FSDP2's and DTensor's known bugs)."""
+    from . import targets
+
+    family = getattr(targets.get(case.target), "known_as", ()) if case.target in targets.names() else ()
+    rest = sig[len(case.target):] if sig.startswith(case.target + ".") else None
+    for s in [sig] + ([t + rest for t in family] if rest else []):
+        f = known.get(s)
+        if f is not None and (not f.devices or case.device in f.devices):
+            return s
+    return None
 
 
 def triggered(case: Case, known: dict[str, Finding]) -> str | None:

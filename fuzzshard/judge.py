@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .findings import is_known, signature, triggered
+from .findings import known_signature, signature, triggered
 
 
 @dataclass
@@ -38,7 +38,8 @@ def judge(pool, case, known: dict | None = None, timeout: float | None = None) -
         return Judgement(verdict, seconds=result.seconds, timings=result.timings)
     verdict = localized(pool, case, verdict, timeout)
     sig = signature(case, verdict)
-    return Judgement(verdict, sig, is_known(sig, case, known), result.seconds, result.timings)
+    as_known = known_signature(sig, case, known)  # a plugin target's may be a built-in target's known bug
+    return Judgement(verdict, as_known or sig, as_known is not None, result.seconds, result.timings)
 
 
 def label(case, verdict: dict) -> str:

@@ -34,10 +34,10 @@ def flatten(modules: list[str]) -> str:
 
 
 def script(case: Case, headline: str = "", environment: dict | None = None) -> str:
-    module = targets.module_of(case.target)
-    cls = targets.get(case.target).__name__
+    cls = targets.get(case.target)
+    cls = getattr(cls, "script_class", cls.__name__)
     env = environment or {}
-    body = flatten(_MODULES + [module] + _TAIL)
+    body = flatten(_MODULES + targets.module_of(case.target) + _TAIL)
     return _TEMPLATE.format(
         headline=headline or "a fuzzshard case",
         world=case.ranks,
@@ -87,8 +87,17 @@ def _plugin_shim() -> None:
         USER_OPTIMIZERS[name or cls.__name__] = cls
         return cls
 
+    def model(build, sizes=None, name=None, tokens=False):
+        USER_MODELS[name or build.__name__] = build
+        return build
+
+    def parallelism(parallelize, options=None, name=None, models=(), dp_dims=None, checkpoints=True):
+        if "USER_PARALLELISMS" in globals():  # this script's target is a parallelism
+            USER_PARALLELISMS[name or parallelize.__name__] = (parallelize, dp_dims)
+        return parallelize
+
     shim = types.ModuleType("fuzzshard.plugin")
-    shim.optimizer = optimizer
+    shim.optimizer, shim.model, shim.parallelism = optimizer, model, parallelism
     package = sys.modules.get("fuzzshard") or types.ModuleType("fuzzshard")
     package.plugin = shim
     sys.modules["fuzzshard"], sys.modules["fuzzshard.plugin"] = package, shim

@@ -46,6 +46,13 @@ def get(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def module_of(name: str) -> str:
-    """Import path of a built-in target's module (the repro script inlines it)."""
-    return _BUILTIN[name].partition(":")[0]
+def module_of(name: str) -> list[str]:
+    """Import paths of the modules a target's class comes from (the repro
+    script inlines them, bases first; base.py is inlined anyway)."""
+    cls = get(name)
+    out = []
+    for c in reversed(cls.__mro__):
+        m = c.__module__
+        if m.startswith("fuzzshard.kernel.targets.") and m != "fuzzshard.kernel.targets.base" and m not in out:
+            out.append(m)
+    return out

@@ -142,6 +142,18 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
 
 
 @st.composite
+def _model(draw, spec, depth: int):
+    """A drawn topology, or a plugin's model (only those a target names in
+    ``spec.models``, if it does). No plugin model: the draw is as it always was."""
+    from .models import USER, user_models
+
+    names = [n for n in USER if n in spec.models] if spec.models else list(USER)
+    if names and (spec.models or draw(st.booleans())):
+        return draw(user_models(names))
+    return draw(models(depth))
+
+
+@st.composite
 def cases(
     draw,
     target: str = "dtensor",
@@ -164,7 +176,7 @@ def cases(
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from(_meshes(spec, world)))
-    model = draw(models(depth))
+    model = draw(_model(spec, depth))
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]

@@ -2,6 +2,9 @@
 Conv1d and activations, with residual blocks, a block called twice, tied
 weights, an unused submodule and a buffer.
 
+A plugin's models (``fuzzshard.plugin.model``) are drawn beside them:
+``user_models``.
+
 Dims come from a small range so that many are not divisible by the world
 size and some are smaller than it (empty shards). Smaller dims, fewer layers
 and plain Linear shrink first.
@@ -74,3 +77,20 @@ def models(draw, depth: int, max_dim: int = 9) -> Model:
         unused=draw(st.booleans()),
         buffer=draw(st.booleans()),
     )
+
+
+# a plugin's models: name -> (strategy of its sizes dicts, whether it takes token ids)
+USER: dict[str, tuple] = {}
+
+
+def register(name: str, sizes, tokens: bool) -> None:
+    USER[name] = (sizes, tokens)
+
+
+@st.composite
+def user_models(draw, names: list[str]) -> Model:
+    name = draw(st.sampled_from(sorted(names)))
+    sizes_strategy, tokens = USER[name]
+    sizes = dict(draw(sizes_strategy))
+    return Model(input="tokens" if tokens else "features", d_in=int(sizes["d_in"]), layers=(), factory=name,
+                 sizes=sizes)

@@ -9,9 +9,13 @@ import pytest
 from fuzzshard import repro, targets
 
 
-@pytest.mark.parametrize("target", sorted(targets._BUILTIN))
+PARALLELIZE = ["fuzzshard.kernel.targets.fsdp2", "fuzzshard.kernel.targets.parallelize"]  # a plugin's parallelism
+
+
+@pytest.mark.parametrize("target", sorted(targets._BUILTIN) + ["parallelize"])
 def test_flattened_modules_define_each_top_level_name_once(target):
-    modules = repro._MODULES + [targets.module_of(target)] + repro._TAIL
+    own = PARALLELIZE if target == "parallelize" else targets.module_of(target)
+    modules = repro._MODULES + own + repro._TAIL
     owner: dict[str, str] = {}
     clashes = []
     for name in modules:

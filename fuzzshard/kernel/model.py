@@ -1,4 +1,6 @@
-"""Build a model from a Case's ``Model`` spec, deterministically from a seed."""
+"""Build a model from a Case's ``Model`` spec, deterministically from a seed:
+a drawn topology (``layers``), or a plugin's model (``factory``: a function
+registered with ``fuzzshard.plugin.model``, called with the drawn sizes)."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +33,35 @@ def submodule(model: nn.Module, fqn: str) -> nn.Module:
             mod = next(mod._modules[w] for w in WRAPPERS if w in mod._modules)
         mod = mod.get_submodule(part)
     return mod
+
+
+# a plugin's models: name -> build(**sizes) -> nn.Module taking [B, L, d_in] floats
+# (or [B, L] token ids below d_in) and giving [B, L, d_out]
+USER_MODELS: dict = {}
+
+
+def _user_model(spec: Model) -> nn.Module:
+    if spec.factory not in USER_MODELS:
+        raise ValueError(f"model {spec.factory!r} is a plugin's: pass its file (--plugin / --setup)")
+    return USER_MODELS[spec.factory](**spec.sizes)
+
+
+_META: dict = {}
+
+
+def _meta(spec: Model) -> tuple[dict, int]:
+    """(param shapes, output width) of a plugin's model, built and run on the
+    meta device: no memory, no compute, no RNG drawn."""
+    import json
+
+    key = (spec.factory, json.dumps(spec.sizes, sort_keys=True), spec.input, spec.d_in)
+    if key not in _META:
+        with torch.device("meta"):
+            m = _user_model(spec)
+            x = torch.zeros(1, 1, dtype=torch.long) if spec.input == "tokens" else torch.zeros(1, 1, spec.d_in)
+            out = m(x)
+        _META[key] = ({n: tuple(p.shape) for n, p in m.named_parameters()}, out.shape[-1])
+    return _META[key]
 
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
@@ -121,15 +152,17 @@ def _build(layer: Layer) -> nn.Module:
     raise ValueError(f"unknown layer kind {k!r}")
 
 
-def build_model(spec: Model, seed: int, device: str, dtype: torch.dtype) -> Net:
+def build_model(spec: Model, seed: int, device: str, dtype: torch.dtype) -> nn.Module:
     """The same seed gives bitwise the same initial model on every rank."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = Net(spec)
+        net = _user_model(spec) if spec.factory else Net(spec)
     return net.to(device=device, dtype=dtype)
 
 
 def out_dim(spec: Model) -> int:
+    if spec.factory:
+        return _meta(spec)[1]
     if spec.tie_head:
         return spec.d_in  # the head maps back to the vocabulary
     d = spec.d_in
@@ -150,6 +183,8 @@ def _out(layer: Layer, d: int) -> int:
 def param_shapes(spec: Model) -> dict[str, tuple[int, ...]]:
     """FQN -> shape of every unique parameter, in ``named_parameters()`` order,
     without building anything (strategies draw groups and placements from it)."""
+    if spec.factory:
+        return dict(_meta(spec)[0])
     shapes: dict[str, tuple[int, ...]] = {}
     for i, layer in enumerate(spec.layers):
         _shapes(layer, f"layers.{i}", shapes)

@@ -9,6 +9,7 @@ step, taken from the sharded grads, with the step tolerance.
 from __future__ import annotations
 
 import copy
+import math
 import traceback
 
 import torch
@@ -16,7 +17,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..case import Case
 from .localize import Trace, localize_divergence
-from .model import build_model, make_batch, objective
+from .model import build_model, make_batch, objective, out_dim, param_shapes
 from .optim import add_late_groups, adds_groups_before, build_optimizer, group_hparams, load_state_by_fqn, resume_defaults, state_by_fqn
 from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, mixed_precision_tolerance, reduction_tolerance, step_tolerance
 
@@ -83,6 +84,8 @@ def _plain_reference_error(case: Case, device: str) -> dict | None:
 
 def reduction_length(case: Case) -> int:
     """Longest chain of summed terms behind a loss or grad element (see oracles)."""
+    if case.model.factory:
+        return _user_reduction_length(case)
     dims, kernel, depth = [case.model.d_in], 1, 1
 
     def walk(layers, mult):
@@ -95,6 +98,20 @@ def reduction_length(case: Case) -> int:
             walk(layer.children, mult * (2 if layer.kind == "twice" else 1))
 
     walk(case.model.layers, 1)
+    return case.batch * case.seq * max(dims) * kernel * (depth + 1)
+
+
+def _user_reduction_length(case: Case) -> int:
+    """A plugin's model, read from its params: the widest dim of any param
+    (a matmul's contraction), the kernel of any conv-like param (dims past
+    the second), and as depth the modules holding params. Counting every
+    param module as one more link in the chain over-counts the parallel ones
+    (q, k, v), which covers the parameter-free reductions between them
+    (attention's two matmuls, a norm's mean)."""
+    shapes = param_shapes(case.model)
+    dims = [case.model.d_in, out_dim(case.model)] + [d for s in shapes.values() for d in s]
+    kernel = max([math.prod(s[2:]) for s in shapes.values() if len(s) > 2] or [1])
+    depth = len({n.rsplit(".", 1)[0] for n in shapes}) + 1
     return case.batch * case.seq * max(dims) * kernel * (depth + 1)
 
 

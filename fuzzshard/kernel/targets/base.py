@@ -49,6 +49,7 @@ class Spec:
     joinable: Callable | None = None  # (case) -> whether it may draw uneven inputs under Join
     check: Callable | None = None  # (case) -> what makes the case impossible for this target, or None
     facts: Callable | None = None  # (case) -> {name: value}: derived facts a known finding's trigger can name
+    models: tuple = ()  # a plugin's models this target takes, and only those (a parallelism written for them)
 
 
 class Target:

@@ -55,8 +55,17 @@ class DTensorTarget(Target):
         return distribute_tensor(t, self.mesh, [Replicate()] * self.mesh.ndim)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-        """Every rank sees the whole global batch, replicated."""
-        loss = loss_fn(model(self._replicate(x)), self._replicate(y))
+        """Every rank sees the whole global batch, replicated. A plugin's model
+        may make plain tensors in its forward (positions, masks): they count as
+        replicated, as a user running it on DTensors would say with
+        ``implicit_replication``."""
+        import contextlib
+
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        with implicit_replication() if self.case.model.factory else contextlib.nullcontext():
+            out = model(self._replicate(x))
+        loss = loss_fn(out, self._replicate(y))
         return loss, loss.full_tensor()
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
