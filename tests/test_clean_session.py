@@ -17,7 +17,7 @@ EVERY_CASE_HITS_A_KNOWN_BUG = {("fsdp2", "Rprop"), ("fsdp2", "Adafactor")}
 @pytest.mark.parametrize("optimizer", default_optimizers())
 @pytest.mark.parametrize("target", ["dtensor", "fsdp2"])
 def test_clean_session_finds_nothing_new(fuzz_pool, tmp_path, target, optimizer):
-    session = Session(fuzz_pool, [target], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=25, seed=2024,
+    session = Session(fuzz_pool, [target], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=15, seed=2024,
                       strategy_kwargs={"optimizer_names": [optimizer], "checkpoint": False})
     findings = session.run()
     assert not findings, "\n".join(f"{f.signature}: {f.verdict.get('first') or f.verdict.get('error')}" for f in findings)
