@@ -1,0 +1,28 @@
+"""Typed verdicts read every recorded verdict and write it back unchanged."""
+import json
+
+import pytest
+
+from fuzzshard.findings import KNOWN_DIR
+from fuzzshard.verdict import ErrorRecord, Mismatch, Verdict
+
+KNOWN = sorted(p for p in KNOWN_DIR.glob("*.json") if p.name != "root_causes.json")
+
+
+@pytest.mark.parametrize("path", KNOWN, ids=[p.stem for p in KNOWN])
+def test_every_known_verdict_round_trips_through_the_types(path):
+    d = json.loads(path.read_text())["verdict"]
+    v = Verdict.from_dict(d)
+    assert v.to_dict() == d
+    assert v.is_finding and v.oracle == d["oracle"]
+    if "first" in d:
+        assert isinstance(v.first, Mismatch) and v.first.fqn == d["first"]["fqn"] and v.first.step == d["first"]["step"]
+        assert all(isinstance(m, Mismatch) for m in v.mismatches)
+    if isinstance(d.get("error"), dict):
+        assert isinstance(v.error, ErrorRecord) and v.error.type == d["error"]["type"]
+
+
+def test_a_verdict_without_a_known_status_is_refused():
+    with pytest.raises(ValueError, match="status"):
+        Verdict.from_dict({"status": "maybe"})
+    assert Verdict.from_dict({"status": "error", "error": "rank 0 returned no verdict"}).error == "rank 0 returned no verdict"
