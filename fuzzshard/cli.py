@@ -424,6 +424,12 @@ def _load(path):
         raise UsageError(f"{path}: {e}") from None
     from . import targets
 
+    if finding.case.target not in targets.names():  # a plugin's parallelism: the finding names its file
+        from .worker import run_setup_file
+
+        for plugin in finding.environment.get("plugins", []):
+            if os.path.isfile(plugin):
+                run_setup_file(plugin)
     if finding.case.target not in targets.names():
         raise UsageError(f"{path}: unknown target {finding.case.target!r} (known: {', '.join(targets.names())})")
     try:
