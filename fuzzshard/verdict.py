@@ -9,13 +9,34 @@ scripts may carry them. Keys a type does not name ride along in ``extra``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 STATUSES = ("pass", "finding", "invalid", "error")
 
 
+class _Record:
+    """A dict on disk as a dataclass: its named keys as fields, the rest in
+    ``extra``; ``keys`` remembers which named keys the dict had (None is a
+    value too), so writing it back gives the same dict."""
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = _names(cls)
+        return cls(**{k: d[k] for k in names if k in d}, extra={k: v for k, v in d.items() if k not in names},
+                   keys=tuple(k for k in names if k in d))
+
+    def to_dict(self) -> dict:
+        def kept(k: str) -> bool:  # read from a dict: the keys it had; built in code: the fields set
+            return k in self.keys if self.keys is not None else getattr(self, k) is not None
+
+        return {**{k: getattr(self, k) for k in _names(type(self)) if kept(k)}, **self.extra}
+
+
+def _names(cls) -> list[str]:
+    return [f.name for f in fields(cls) if f.name not in ("extra", "keys")]
+
+
 @dataclass
-class Mismatch:
+class Mismatch(_Record):
     """One compared quantity that differs: ``quantity`` (loss, grad, param,
     state.NAME, group, ...) of ``fqn`` after ``step``, ``detail`` in words;
     the numbers (``max_abs``, ``tolerance``, ...) in ``extra``."""
@@ -24,17 +45,11 @@ class Mismatch:
     step: int
     detail: str
     extra: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Mismatch:
-        return _read(cls, d)
-
-    def to_dict(self) -> dict:
-        return _write(self)
+    keys: tuple | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
-class ErrorRecord:
+class ErrorRecord(_Record):
     """An exception (or a death, a hang) as a verdict holds it: its ``type``
     and ``message``; ``phase``, ``traceback``, ``text`` or ``log`` where the
     oracle recorded them."""
@@ -43,17 +58,11 @@ class ErrorRecord:
     phase: str | None = None
     traceback: str | None = None
     extra: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ErrorRecord:
-        return _read(cls, d)
-
-    def to_dict(self) -> dict:
-        return _write(self)
+    keys: tuple | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
-class Verdict:
+class Verdict(_Record):
     status: str  # one of STATUSES
     oracle: str | None = None  # which oracle found it (findings.ORACLES), for a finding
     first: Mismatch | None = None  # parity and checkpoint: the first mismatch ...
@@ -61,6 +70,7 @@ class Verdict:
     error: ErrorRecord | str | None = None  # error_parity, crash, hang; a bare string for status "error"
     rank: int | None = None  # the rank that reported it
     extra: dict = field(default_factory=dict)  # count, stuck_ranks, where, reason, ...
+    keys: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_finding(self) -> bool:
@@ -77,10 +87,10 @@ class Verdict:
             d["mismatches"] = [Mismatch.from_dict(m) for m in d["mismatches"]]
         if isinstance(d.get("error"), dict):
             d["error"] = ErrorRecord.from_dict(d["error"])
-        return _read(cls, d)
+        return super().from_dict(d)
 
     def to_dict(self) -> dict:
-        out = _write(self)
+        out = super().to_dict()
         for key in ("first", "error"):
             if hasattr(out.get(key), "to_dict"):
                 out[key] = out[key].to_dict()
@@ -88,24 +98,3 @@ class Verdict:
             out["mismatches"] = [m.to_dict() for m in out["mismatches"]]
         return out
 
-
-def _read(cls, d: dict):
-    names = [f.name for f in fields(cls) if f.name != "extra"]
-    known = {k: d[k] for k in names if k in d}
-    present = [k for k in names if k in d]
-    obj = cls(**known, extra={k: v for k, v in d.items() if k not in names})
-    obj._present = present  # which optional keys the dict had (None is a value too)
-    return obj
-
-
-def _write(obj) -> dict:
-    present = getattr(obj, "_present", None)
-    out: dict[str, Any] = {}
-    for f in fields(obj):
-        if f.name == "extra":
-            continue
-        value = getattr(obj, f.name)
-        if (present is not None and f.name in present) or (present is None and value is not None):
-            out[f.name] = value
-    out.update(obj.extra)
-    return out
