@@ -206,13 +206,26 @@ def _check_pool_args(args, device: str | None = None) -> None:
         if (args.backend or "nccl") == "gloo":
             raise UsageError("--device cuda runs on NCCL: gloo with CUDA tensors fails in collectives fuzzshard's "
                              "targets use ('writev ... Bad address'), so it is no stand-in for several GPUs")
+    for path in args.setups:  # the same files run here, so their registrations are seen by the strategies
+        _run_setup(path)
+
+
+def _run_setup(path: str) -> None:
+    """A --plugin or --worker-setup file, run in this process."""
     from .worker import run_setup_file
 
-    for path in args.setups:  # the same files run here, so their registrations are seen by the strategies
-        try:
-            run_setup_file(path)
-        except Exception as e:
-            raise UsageError(f"{path} failed: {type(e).__name__}: {e}") from None
+    try:
+        run_setup_file(path)
+    except Exception as e:
+        raise UsageError(f"{path} failed: {type(e).__name__}: {e}") from None
+
+
+def _recorded_plugins(environment, given=()) -> list[str]:
+    """The --plugin files a finding's environment records that are still
+    here, less those ``given`` on the command line."""
+    plugins = environment.get("plugins") if isinstance(environment, dict) else None
+    given = {os.path.abspath(p) for p in given}
+    return [p for p in plugins or [] if isinstance(p, str) and os.path.isfile(p) and p not in given]
 
 
 def _pool(args, size: int, log_dir=None, spare: bool = False):
@@ -425,11 +438,8 @@ def _load(path):
     from . import targets
 
     if finding.case.target not in targets.names():  # a plugin's parallelism: the finding names its file
-        from .worker import run_setup_file
-
-        for plugin in finding.environment.get("plugins", []):
-            if os.path.isfile(plugin):
-                run_setup_file(plugin)
+        for plugin in _recorded_plugins(finding.environment):
+            _run_setup(plugin)
     if finding.case.target not in targets.names():
         raise UsageError(f"{path}: unknown target {finding.case.target!r} (known: {', '.join(targets.names())})")
     try:
@@ -447,10 +457,8 @@ def cmd_replay(args) -> int:
     from .judge import judge
 
     recorded = _recorded(args.file)
-    given = {os.path.abspath(p) for p in args.plugin or []}
     # the plugins the finding was found with (its optimizer, model or parallelism) load again, wherever they still are
-    args.plugin = (args.plugin or []) + [p for p in recorded.get("environment", {}).get("plugins", [])
-                                         if os.path.isfile(p) and p not in given]
+    args.plugin = (args.plugin or []) + _recorded_plugins(recorded.get("environment"), args.plugin or [])
     # a case replays where it was found, unless told otherwise
     _check_pool_args(args, device=recorded.get("case", {}).get("device"))
     finding = _load(args.file)

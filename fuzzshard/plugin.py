@@ -89,9 +89,11 @@ def parallelism(parallelize, options=None, name: str | None = None, models=(), d
     from .kernel.targets.base import Spec
 
     def draw_options(draw, shapes, mesh_shape, tied=(), **context):
+        from hypothesis.strategies import SearchStrategy
+
         if options is None:
             return {}
-        strategy = options(tuple(mesh_shape), context.get("model")) if not hasattr(options, "example") else options
+        strategy = options if isinstance(options, SearchStrategy) else options(tuple(mesh_shape), context.get("model"))
         return dict(draw(strategy))
 
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS if checkpoints else {}, data_parallel=True,

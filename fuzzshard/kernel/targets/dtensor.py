@@ -7,9 +7,12 @@ DTensor's sharding propagation and the optimizer steps on local shards.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from ..checkpoint import STATE_DICT_KINDS
 from ..model import loss_fn
@@ -59,10 +62,6 @@ class DTensorTarget(Target):
         may make plain tensors in its forward (positions, masks): they count as
         replicated, as a user running it on DTensors would say with
         ``implicit_replication``."""
-        import contextlib
-
-        from torch.distributed.tensor.experimental import implicit_replication
-
         with implicit_replication() if self.case.model.factory else contextlib.nullcontext():
             out = model(self._replicate(x))
         loss = loss_fn(out, self._replicate(y))
