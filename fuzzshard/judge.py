@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .findings import known_signature, signature, triggered
+from .verdict import finding
 
 
 @dataclass
@@ -31,7 +32,7 @@ def judge(pool, case, known: dict | None = None, timeout: float | None = None) -
     known = known or {}
     hang = triggered(case, known)
     if hang:
-        return Judgement({"status": "finding", "oracle": "hang", "known_trigger": hang}, hang, True, ran=False)
+        return Judgement(finding("hang", known_trigger=hang), hang, True, ran=False)
     result = pool.run(case, timeout=timeout)
     verdict = result.verdict
     if verdict.get("status") != "finding":

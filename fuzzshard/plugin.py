@@ -85,7 +85,7 @@ def parallelism(parallelize, options=None, name: str | None = None, models=(), d
     name = name or parallelize.__name__
     USER_PARALLELISMS[name] = (parallelize, dp_dims)
     from . import targets
-    from .kernel.checkpoint import STATE_DICT_KINDS
+    from .kernel.state_io import STATE_DICT_KINDS
     from .kernel.targets.base import Spec
 
     def draw_options(draw, shapes, mesh_shape, tied=(), **context):

@@ -14,9 +14,10 @@ import re
 from . import targets
 from .case import Case
 
-_MODULES = ["fuzzshard.case", "fuzzshard.kernel.mesh", "fuzzshard.kernel.model", "fuzzshard.kernel.optim",
-            "fuzzshard.kernel.oracles", "fuzzshard.kernel.localize", "fuzzshard.kernel.reference",
-            "fuzzshard.kernel.checkpoint", "fuzzshard.kernel.targets.base"]
+_MODULES = ["fuzzshard.case", "fuzzshard.verdict", "fuzzshard.kernel.mesh", "fuzzshard.kernel.model",
+            "fuzzshard.kernel.optim", "fuzzshard.kernel.oracles", "fuzzshard.kernel.localize", "fuzzshard.kernel.plain",
+            "fuzzshard.kernel.state_io", "fuzzshard.kernel.reference", "fuzzshard.kernel.checkpoint",
+            "fuzzshard.kernel.targets.base"]
 _TAIL = ["fuzzshard.kernel.run"]
 _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
 

@@ -43,7 +43,7 @@ def render(finding: Finding) -> str:
     ck = c.checkpoint
     if ck:
         from . import targets
-        from .kernel.checkpoint import STATE_DICT_KINDS
+        from .kernel.state_io import STATE_DICT_KINDS
 
         how = targets.get(c.target).spec.checkpoint_kinds.get(ck.kind, ck.kind)  # each target says how
         api = "set_model_state_dict + set_optimizer_state_dict" if ck.split else "set_state_dict"

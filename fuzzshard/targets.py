@@ -1,7 +1,8 @@
 """The registry of targets: name -> the class that shards a model for it.
 
-Built-in targets are imported lazily (importing FSDP costs time). Users add
-their own from a ``--worker-setup`` file::
+Built-in targets are the modules of kernel/targets/, imported lazily
+(importing FSDP costs time). Users add their own from a ``--plugin`` or
+``--worker-setup`` file::
 
     from fuzzshard.targets import register_target
     register_target("mine", MyTarget)   # same interface as kernel/targets/dtensor.py
@@ -13,14 +14,15 @@ checks, ``show`` and the findings read; nothing else names a target.
 from __future__ import annotations
 
 import importlib
+import pkgutil
+from pathlib import Path
 
-_BUILTIN = {
-    "dtensor": "fuzzshard.kernel.targets.dtensor:DTensorTarget",
-    "fsdp2": "fuzzshard.kernel.targets.fsdp2:FSDP2Target",
-    "fsdp1": "fuzzshard.kernel.targets.fsdp1:FSDP1Target",
-    "zero": "fuzzshard.kernel.targets.zero:ZeroTarget",
-    "sharded_optim": "fuzzshard.kernel.targets.sharded_optim:ShardedOptimTarget",
-}
+# kernel/targets/NAME.py is the built-in target NAME (its class says ``name = "NAME"``): adding a
+# target is adding its module. Not targets: the interface, and the adapter of a plugin's parallelism.
+_PACKAGE = "fuzzshard.kernel.targets"
+_NOT_TARGETS = {"base", "parallelize"}
+_BUILTIN = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent / "kernel" / "targets")])
+                  if m.name not in _NOT_TARGETS)
 _USER: dict[str, type] = {}
 
 
@@ -42,8 +44,12 @@ def get(name: str) -> type:
         return _USER[name]
     if name not in _BUILTIN:
         raise KeyError(f"unknown target {name!r} (known: {', '.join(names())})")
-    module, _, attr = _BUILTIN[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    module = importlib.import_module(f"{_PACKAGE}.{name}")  # imported when first asked for: FSDP costs time
+    found = [c for c in vars(module).values()
+             if isinstance(c, type) and c.__module__ == module.__name__ and getattr(c, "name", None) == name]
+    if len(found) != 1:
+        raise TypeError(f"{module.__name__} must define one target class with name = {name!r}, found {len(found)}")
+    return found[0]
 
 
 def module_of(name: str) -> list[str]:

@@ -95,6 +95,52 @@ class Verdict(_Record):
             if hasattr(out.get(key), "to_dict"):
                 out[key] = out[key].to_dict()
         if out.get("mismatches") is not None:
-            out["mismatches"] = [m.to_dict() for m in out["mismatches"]]
+            out["mismatches"] = [m.to_dict() if hasattr(m, "to_dict") else m for m in out["mismatches"]]
         return out
 
+
+
+# What the oracles build: every verdict a case can come to is made by one of
+# these (the kernel, the runner and the worker), so its shape is said once.
+
+def passing() -> dict:
+    return Verdict("pass").to_dict()
+
+
+def invalid(reason: str, error: dict | None = None) -> dict:
+    """The case is no test: the reference rejects or raises too, or a documented refusal."""
+    return Verdict("invalid", error=error, extra={"reason": reason}).to_dict()
+
+
+def failure(message: str, traceback_text: str | None = None) -> dict:
+    """fuzzshard itself failed (a bug here or in a setup file), not the case."""
+    return Verdict("error", error=message, extra={"traceback": traceback_text} if traceback_text else {}).to_dict()
+
+
+def finding(oracle: str, mismatches: list[dict] | None = None, error: dict | None = None, **extra) -> dict:
+    """A finding of ``oracle`` (findings.ORACLES): its mismatches (the first,
+    up to MAX_REPORTED of them and their count), or its error record."""
+    if mismatches:
+        return Verdict("finding", oracle, first=mismatches[0], mismatches=mismatches[:MAX_REPORTED],
+                       extra={"count": len(mismatches), **extra}).to_dict()
+    return Verdict("finding", oracle, error=error, extra=extra).to_dict()
+
+
+MAX_REPORTED = 8  # mismatches a finding keeps (its count says how many there were)
+
+
+def error_record(e: BaseException) -> dict:
+    """An exception as a verdict holds it (ErrorRecord): type, first line of
+    the message, a short text, the traceback's tail."""
+    import traceback
+
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        inner = failures[min(failures)][0]
+        if isinstance(inner, BaseException):
+            out = error_record(inner)
+            out["traceback"] = (out["traceback"] + "".join(traceback.format_exception(e)))[-4000:]
+            return out
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return ErrorRecord(type(e).__name__, msg[:500], traceback="".join(traceback.format_exception(e))[-4000:],
+                       extra={"text": f"{type(e).__name__}: {msg[:300]}"}).to_dict()

@@ -19,7 +19,7 @@ import hypothesis.strategies as st
 from hypothesis import assume
 
 from fuzzshard.case import Case, Checkpoint, Group, Optim, Step, mesh_shapes
-from fuzzshard.kernel.checkpoint import STATE_DICT_KINDS
+from fuzzshard.kernel.state_io import STATE_DICT_KINDS
 from fuzzshard.kernel.model import param_shapes
 
 from .models import models

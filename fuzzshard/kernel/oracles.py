@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from ..verdict import Mismatch
+
 UNIT_ROUNDOFF = {
     "float64": 2.0**-53,
     "float32": 2.0**-24,
@@ -146,9 +148,6 @@ def _desc(t) -> str:
     return "none" if t is None else f"a tensor of shape {tuple(t.shape)}"
 
 
-def _mismatch(quantity, step, fqn, tol, **fields) -> dict:
-    out = {"quantity": quantity, "step": step, "fqn": fqn}
-    if tol is not None:
-        out["tolerance"] = tol["why"]
-    out.update(fields)
-    return out
+def _mismatch(quantity, step, fqn, tol, detail: str, **fields) -> dict:
+    tolerance = {"tolerance": tol["why"]} if tol is not None else {}
+    return Mismatch(quantity, fqn, step, detail, extra={**tolerance, **fields}).to_dict()

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ...case import Case
-from ..checkpoint import load, save
+from ..state_io import load, save
 from ..model import loss_fn, named_params
 from ..optim import add_late_groups, build_optimizer, group_hparams, state_by_fqn
 
@@ -70,6 +70,20 @@ class Target:
         """``step_device`` on either side of a checkpoint."""
         sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
         return sorted({cls.step_device(o, device) for o in sides})
+
+    @classmethod
+    def reference_batch(cls, case: Case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """(inputs, targets, loss scale) the reference trains step k on: the
+        whole global batch, unless the target trains on less (zero's uneven inputs)."""
+        return x, y, 1.0
+
+    @classmethod
+    def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y) -> tuple | None:
+        """The reference's loss and grads for a step run with these target
+        options, where the target's math is not the plain model's (fsdp2's
+        mixed precision): (loss, {fqn: grad}, tolerance, sensitivity,
+        {fqn: elementwise allowance}); None: the plain forward/backward."""
+        return None
 
     def __init__(self, case: Case, mesh):
         self.case = case

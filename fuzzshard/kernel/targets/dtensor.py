@@ -14,8 +14,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from ..checkpoint import STATE_DICT_KINDS
 from ..model import loss_fn
+from ..state_io import STATE_DICT_KINDS
 from .base import Spec, Target
 
 

@@ -44,7 +44,7 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
                                     ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,
                                     StateDictType)
 
-from ..checkpoint import FULL_FILE, STATE_DICT_KINDS, _tensor, load, save
+from ..state_io import FULL_FILE, STATE_DICT_KINDS, as_tensor, load, save
 from ..model import loss_fn, plain_fqn
 from ..optim import build_optimizer, optimizer_class, optimizer_kwargs
 from .base import Spec, Target
@@ -220,7 +220,7 @@ class FSDP1Target(Target):
                     # the names off the first line: it makes the signature
                     raise StateNotPlain(f"a full optimizer state dict holds a {type(v).__name__} where the plain "
                                         f"optimizer holds a tensor\n{n}.{k}")
-        return {n: {k: _tensor(v).detach().cpu().clone() for k, v in sorted(st.items())}
+        return {n: {k: as_tensor(v).detach().cpu().clone() for k, v in sorted(st.items())}
                 for n, st in osd["state"].items() if st}
 
     def save(self, model: nn.Module, opt, path: str, group) -> dict | None:

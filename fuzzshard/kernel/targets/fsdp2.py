@@ -4,7 +4,7 @@ The Case's ``target_options`` name the submodules that get their own
 ``fully_shard`` (applied deepest first, then the root), ``reshard_after_forward``,
 ``offload`` (CPUOffloadPolicy), ``built_as`` (the model is built in this
 dtype and moved to the case's with ``model.to`` after ``fully_shard``), ``mp`` (a MixedPrecisionPolicy for every
-unit, see reference.py for how it is replayed), ``ac`` (submodules under composable activation
+unit, replayed in the reference by mixed_precision_reference below), ``ac`` (submodules under composable activation
 checkpointing, or with ``ac_wrapper`` under ``apply_activation_checkpointing``'s CheckpointWrapper), ``microbatches`` (gradient accumulation: every microbatch
 but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
 (tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}) and
@@ -18,14 +18,20 @@ of the global mean loss the reference computes on the whole batch.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
-from ..checkpoint import STATE_DICT_KINDS
+from ...case import Case
 from ..model import objective, param_shapes, submodule
+from ..oracles import mixed_precision_tolerance
+from ..plain import sensitivity, torch_dtype
+from ..state_io import STATE_DICT_KINDS
 from .base import Spec, Target
 
 
@@ -127,6 +133,72 @@ def facts(case) -> dict:
     return {"tp_empty_shard": empty}
 
 
+def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y) -> tuple:
+    """fsdp2's MixedPrecisionPolicy, replayed with the same casts: each
+    data-parallel rank's slice runs forward/backward on a copy of the model
+    whose params are in param_dtype, with FSDP2's casts at every unit (float
+    inputs to param_dtype when cast_forward_inputs, outputs to output_dtype;
+    buffers keep their dtype). With gradient accumulation each rank runs its
+    microbatches (loss / m each) and adds their grads in reduce_dtype, in
+    place, as FSDP2 accumulates unsynced unsharded grads. Each rank's grads
+    are cast to reduce_dtype and averaged exactly. The sharded run reduces the
+    same W values in reduce_dtype (W-1 sums, a pre- and a post-divide, the
+    cast back) after m-1 accumulating adds: see oracles.mixed_precision_tolerance, of
+    sum|microbatch grads|/W. Per-rank compute is the same
+    code on the same values, up to kernel rounding, which the sensitivity
+    (one-ulp nudges in param_dtype) bounds.
+    Returns (loss, grads, tolerance, sensitivity, elementwise allowance)."""
+    mp, orig = options["mp"], torch_dtype(case)
+    compute_name = mp["param_dtype"] or case.dtype
+    reduce_name = mp["reduce_dtype"] or compute_name
+    compute, reduce = getattr(torch, compute_name), getattr(torch, reduce_name)
+    out_dtype = getattr(torch, mp["output_dtype"]) if mp["output_dtype"] else None
+    low = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in low.parameters():
+            p.grad = None
+            p.data = p.data.to(compute)
+    for fqn in ["", *options.get("wrap", [])]:
+        unit = low.get_submodule(fqn)
+        if mp["cast_forward_inputs"] and mp["param_dtype"]:
+            unit.register_forward_pre_hook(lambda m, a, kw: (_cast(a, compute), _cast(kw, compute)), with_kwargs=True)
+        if out_dtype is not None:
+            unit.register_forward_hook(lambda m, a, out: _cast(out, out_dtype))
+    params = dict(low.named_parameters())
+    per, m = x.shape[0] // world, options.get("microbatches", 1)
+    loss, total, spread, sens = 0.0, {}, {}, {}
+    for r in range(world):
+        acc = {}
+        for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
+            for key, v in sensitivity(low, params, xm, ym, options, 1.0 / m).items():
+                sens[key] = sens.get(key, 0.0) + v / world
+            for p in params.values():
+                p.grad = None
+            local = objective(low, xm, ym, options) / m
+            local.backward()
+            loss += local.detach().double() / world
+            for n, p in params.items():
+                if p.grad is not None:
+                    if n in acc:
+                        acc[n] += p.grad  # in reduce_dtype, rounded once per add
+                    else:
+                        acc[n] = p.grad.to(reduce)
+                    spread[n] = spread.get(n, 0) + p.grad.double().abs()
+        for n, g in acc.items():
+            total[n] = total.get(n, 0) + g.double()
+    tol = mixed_precision_tolerance(compute_name, reduce_name, world, m)
+    grads = {}
+    for n, p in model.named_parameters():  # FSDP2 adds to a grad the param still holds (frozen, or zeroed not None)
+        new = (total[n] / world).to(orig) if n in total else None
+        grads[n] = p.grad if new is None else new if p.grad is None else p.grad + new
+    extra = {n: tol["k_ulps"] * tol["u"] * spread[n] / world for n in spread}
+    return loss.to(orig), grads, tol, sens, extra
+
+
+def _cast(tree, dtype):
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
+
+
 class FSDP2Target(Target):
     name = "fsdp2"
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
@@ -136,6 +208,10 @@ class FSDP2Target(Target):
     def step_device(cls, options: dict, device: str) -> str:
         """CPUOffloadPolicy: "the optimizer step runs on CPU with CPU optimizer states"."""
         return "cpu" if options.get("offload") else device
+
+    @classmethod
+    def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y) -> tuple | None:
+        return mixed_precision_reference(case, model, options, world, x, y) if options.get("mp") else None
 
     @property
     def microbatches(self) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..checkpoint import _tensor
+from ..state_io import as_tensor
 from ..model import loss_fn
 from ..optim import optimizer_class, optimizer_kwargs
 from .base import Spec, Target
@@ -165,7 +165,7 @@ class ShardedOptimTarget(Target):
         Every rank's shard states travel in one all_gather_object."""
         params = dict(model.named_parameters())
         mine = {n: [(tuple(s.metadata.shard_offsets), list(s.metadata.shard_sizes),
-                     {k: _tensor(v).detach().cpu() for k, v in (opt.state.get(s.tensor) or {}).items()})
+                     {k: as_tensor(v).detach().cpu() for k, v in (opt.state.get(s.tensor) or {}).items()})
                     for s in p.local_shards()]
                 for n, p in params.items() if _is_sharded(p)}
         parts = [None] * dist.get_world_size(self.group)
@@ -175,7 +175,7 @@ class ShardedOptimTarget(Target):
         for n, p in params.items():
             if not _is_sharded(p):
                 if opt.state.get(p):
-                    out[n] = {k: _tensor(v).detach().clone() for k, v in sorted(opt.state[p].items())}
+                    out[n] = {k: as_tensor(v).detach().clone() for k, v in sorted(opt.state[p].items())}
                 continue
             shards = [shard for part in parts for shard in part[n]]
             full = {}

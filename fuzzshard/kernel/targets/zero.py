@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..checkpoint import _tensor
+from ..state_io import as_tensor
 from ..model import loss_fn
 from ..optim import build_optimizer, optimizer_class, param_order
 from .base import Spec, Target
@@ -126,6 +126,19 @@ class ZeroTarget(Target):
                                                  "load_state_dict on every rank"},
                 flags_fixed=lambda options: "ddp" in options, joinable=joinable, check=check)
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
+
+    @classmethod
+    def reference_batch(cls, case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """With uneven inputs only the ranks that still run step k contribute
+        their slices, and DDP averages over the whole world: the grad of the
+        sum over active ranks of their mean loss / W."""
+        counts = case.target_options.get("uneven")
+        if not counts:
+            return x, y, 1.0
+        per = x.shape[0] // len(counts)
+        active = [r for r, n in enumerate(counts) if n > k]
+        pick = torch.cat([torch.arange(r * per, (r + 1) * per) for r in active]).to(x.device)
+        return x[pick], y[pick], len(active) / len(counts)
 
     def __init__(self, case, mesh):
         super().__init__(case, mesh)
@@ -309,7 +322,7 @@ class ZeroTarget(Target):
         if self.local:
             return super().optimizer_state(opt, model)
         names = {id(p): n for n, p in model.named_parameters()}
-        mine = {names[id(p)]: {k: _tensor(v).detach().cpu().clone()
+        mine = {names[id(p)]: {k: as_tensor(v).detach().cpu().clone()
                                for k, v in sorted(opt.optim.state[p].items())}
                 for g in opt.optim.param_groups for p in g["params"] if opt.optim.state.get(p)}
         parts = [None] * self._world()
