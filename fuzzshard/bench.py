@@ -1,8 +1,10 @@
 """``fuzzshard bench``: the warm pool against a fresh process group per case
-(what PyTorch's MultiProcessTestCase does), on the same cases, in one run;
-and what a checkpoint round trip adds to a case (the same cases again, each
-saved after its first step and resumed, per kind). The last line ends with
-the speed-up ratio."""
+(what PyTorch's MultiProcessTestCase does) and against the bare training
+loop (the floor: the same cases' sharded training alone, in the same pool),
+on the same cases, in one run; where a warm case's time goes; and what a
+checkpoint round trip adds to a case (the same cases again, each saved after
+its first step and resumed, per kind). The last line ends with the speed-up
+ratio against a fresh process group."""
 from __future__ import annotations
 
 import collections
@@ -33,24 +35,42 @@ def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor", device: 
     return out
 
 
+SPLIT = ("dispatch", "mesh", "sharded", "gathers", "reference", "compare", "checkpoint")
+SPLIT_NAMES = {"dispatch": "dispatch", "mesh": "mesh", "sharded": "sharded run", "gathers": "gathers",
+               "reference": "reference", "compare": "compare", "checkpoint": "checkpoint"}
+
+
+def measure(pool, case) -> dict:
+    """One case three times on a warm pool: as a fuzz session runs it (the
+    first time: torch's per-shape caches cold, e.g. DTensor's sharding
+    propagation for shapes it has not seen), then bare and warm again with
+    those caches filled. Overhead is warm / bare with the caches warm on both
+    sides; what the first run costs more is torch's, paid by any loop that
+    meets a new shape, so it is reported apart, not charged to either side."""
+    row = {}
+    for key, bare in (("warm", False), ("bare", True), ("warm_hot", False)):
+        t0 = time.perf_counter()
+        r = pool.run(case, bare=bare)
+        row[key] = time.perf_counter() - t0
+        if key == "warm":
+            row.update(status=r.verdict["status"], **{k: r.timings.get(k, 0.0) for k in SPLIT[1:]},
+                       dispatch=row["warm"] - sum(r.timings.values()))
+    return row
+
+
 def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print, device: str = "cpu") -> dict:
-    cases = fixed_cases(n, world, seed, target, device)
-    echo(f"bench: {len(cases)} {target} cases at world size {world} on {device} (seed {seed}), each run both ways")
+    """On the same cases: the warm pool (fuzzshard's case), the bare loop in
+    the same pool (the case's sharded training alone: the floor) and a fresh
+    process group per case (what a unittest-style harness pays)."""
+    *cases, spare = fixed_cases(n + 1, world, seed, target, device)
+    echo(f"bench: {len(cases)} {target} cases at world size {world} on {device} (seed {seed}): warm, bare, fresh")
 
     t0 = time.perf_counter()
     pool = Pool(world, device=device).start()
     start_s = time.perf_counter() - t0
-    split = collections.Counter()
-    statuses = collections.Counter()
-    t0 = time.perf_counter()
     try:
-        for case in cases:
-            r = pool.run(case)
-            statuses[r.verdict["status"]] += 1
-            split["total"] += r.seconds
-            for k, v in r.timings.items():
-                split[k] += v
-        warm_s = time.perf_counter() - t0
+        measure(pool, spare)  # the process's own first-call costs (lazy imports, allocator): no case's
+        rows = [measure(pool, case) for case in cases]
         restarts, restart_s = pool.restarts, pool.restart_seconds
         from . import targets
 
@@ -68,22 +88,80 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
     fresh_s = time.perf_counter() - t0
 
     k = len(cases)
-    per = {key: 1000 * v / k for key, v in split.items()}
-    overhead = per["total"] - per.get("sharded", 0) - per.get("reference", 0)
-    echo(f"verdicts: {dict(statuses)}")
+    total = {key: sum(r[key] for r in rows) for key in ("warm", "bare", "warm_hot")}
+    per = {key: 1000 * sum(r[key] for r in rows) / k for key in SPLIT}
+    echo(f"verdicts: {dict(collections.Counter(r['status'] for r in rows))}")
     echo(f"warm pool start (once per session): {start_s:.2f}s")
-    echo(f"warm per case: {per['total']:.0f} ms = sharded run, meshes included {per.get('sharded', 0):.0f}"
-         f" + reference & compare {per.get('reference', 0):.0f} + dispatch {overhead:.0f}")
+    echo(f"warm per case: {1000 * total['warm'] / k:.0f} ms = "
+         + " + ".join(f"{SPLIT_NAMES[key]} {per[key]:.0f}" for key in SPLIT))
+    echo(f"  of which torch's first run of new shapes: {1000 * (total['warm'] - total['warm_hot']) / k:.0f} ms "
+         f"(the same case again: {1000 * total['warm_hot'] / k:.0f} ms)")
+    echo(f"bare per case, shapes seen: {1000 * total['bare'] / k:.0f} ms (the sharded training alone, same pool: "
+         f"build, shard, forward/backward, step)")
     echo(f"pool restarts after hangs/crashes/stuck ranks: {restarts}, {restart_s:.1f}s in all")
     for kind, (ms, n) in ckpt_ms.items():
         echo(f"checkpoint round trip ({kind}): +{ms:.0f} ms per case (save after step 0, fresh model + optimizer, "
              f"load, same world; mean over {n} passing cases)")
     echo(f"fresh per case: {1000 * fresh_s / k:.0f} ms (process spawn + torch import + init_process_group each time)")
-    warm_rate, fresh_rate = k / warm_s, k / fresh_s
-    ratio = warm_rate / fresh_rate
+    warm_rate, fresh_rate, bare_rate = k / total["warm"], k / fresh_s, k / total["bare"]
+    ratio, overhead = warm_rate / fresh_rate, total["warm_hot"] / total["bare"]
+    echo(f"cases/s: fresh {fresh_rate:.2f} · warm {warm_rate:.2f} · bare {bare_rate:.2f} (shapes seen)")
+    echo(f"overhead vs bare loop: {overhead:.2f}x")
     echo(f"warm pool {warm_rate:.2f} cases/s vs fresh process group {fresh_rate:.2f} cases/s: {ratio:.1f}x")
-    return {"warm_rate": warm_rate, "fresh_rate": fresh_rate, "ratio": ratio, "start_s": start_s, "per_case_ms": per,
+    return {"warm_rate": warm_rate, "fresh_rate": fresh_rate, "bare_rate": bare_rate, "ratio": ratio,
+            "overhead": overhead, "start_s": start_s, "per_case_ms": per,
             "checkpoint_ms": {kind: ms for kind, (ms, _) in ckpt_ms.items()}}
+
+
+def run_scaling(n: int, seed: int, target: str = "dtensor", echo=print, device: str = "cpu",
+                worlds=(1, 2, 3, 4)) -> list[dict]:
+    """How a case's cost grows: ``n`` cases per world size on one warm pool
+    of max(worlds) ranks, each measured as bench measures it; then the same
+    runs by model depth (modules holding params) and by steps."""
+    from .kernel.model import param_shapes
+
+    pool = Pool(max(worlds), device=device).start()
+    rows = []
+    try:
+        for w in worlds:
+            *cases, spare = fixed_cases(n + 1, w, seed, target, device)
+            measure(pool, spare)  # first-call costs of this world size (its subgroup, lazy imports)
+            for case in cases:
+                depth = len({fqn.rsplit(".", 1)[0] for fqn in param_shapes(case.model)})
+                rows.append({"world": w, "steps": len(case.schedule), "depth": depth, **measure(pool, case)})
+    finally:
+        pool.close()
+    echo(f"scaling: {target} on {device}, {n} cases per world size (seed {seed}) on one pool of {max(worlds)} ranks; "
+         f"cases/s as a session runs them; overhead: warm / bare, shapes seen; the split in ms per case")
+    for title, key, bins in (("world size", "world", None), ("depth", "depth", (2, 4, 8)), ("steps", "steps", None)):
+        echo(_scaling_table(title, key, bins, rows))
+    echo("depth: modules holding params")
+    return rows
+
+
+def _scaling_table(title: str, key: str, bins, rows: list[dict]) -> str:
+    def group(v):
+        if not bins:
+            return str(v)
+        lo = 1
+        for hi in bins:
+            if v <= hi:
+                return f"{lo}-{hi}" if lo != hi else str(lo)
+            lo = hi + 1
+        return f"{lo}+"
+
+    groups = collections.defaultdict(list)
+    for row in rows:
+        groups[group(row[key])].append(row)
+    cols = ["cases", "cases/s", "overhead"] + [SPLIT_NAMES[k] for k in SPLIT]
+    lines = [f"{title:>10} | " + " | ".join(f"{c:>11}" for c in cols)]
+    for g in sorted(groups, key=lambda g: int(g.split("-")[0].rstrip("+"))):
+        rs = groups[g]
+        warm, hot, bare = (sum(r[k] for r in rs) for k in ("warm", "warm_hot", "bare"))
+        cells = [str(len(rs)), f"{len(rs) / warm:.2f}", f"{hot / bare:.2f}x"]
+        cells += [f"{1000 * sum(r[k] for r in rs) / len(rs):.0f}" for k in SPLIT]
+        lines.append(f"{g:>10} | " + " | ".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines)
 
 
 def _checkpoint_cost(pool, cases) -> dict:

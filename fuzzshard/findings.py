@@ -91,14 +91,20 @@ def _error_summary(verdict: dict) -> str:
 
 
 def _crash_signature(case: Case, verdict: dict) -> str:
-    return f"{case.target}.crash.{_slug((verdict.get('error') or {}).get('type', 'Crash'))}"
+    """The signal, and where the lowest dead rank died: a crash elsewhere is another bug."""
+    return f"{case.target}.crash.{_slug((verdict.get('error') or {}).get('type', 'Crash'))}" + _where(verdict)
 
 
 def _hang_signature(case: Case, verdict: dict) -> str:
     """Where the lowest stuck rank waits names the hang."""
+    return f"{case.target}.hang" + _where(verdict)
+
+
+def _where(verdict: dict) -> str:
+    """".kernel_function.torch_function" of the lowest rank in ``where``, or ""."""
     where = verdict.get("where", {})
     first = where.get(min(where), "") if where else ""
-    return f"{case.target}.hang" + (f".{_slug(first.replace(':', '.'))}" if first else "")
+    return f".{_slug(first.replace(':', '.'))}" if first else ""
 
 
 @dataclass(frozen=True)
@@ -110,8 +116,8 @@ class Oracle:
     summary: Callable
 
 
-# every oracle a verdict can name (kernel/run.py and reference.py make parity and error_parity
-# verdicts, checkpoint.py checkpoint ones, the runner hang and crash ones)
+# every oracle a verdict can name (verdict.finding builds them: kernel/run.py and reference.py parity
+# and error_parity ones, checkpoint ones from checkpoint.py's mismatches, the runner hang and crash ones)
 ORACLES = {
     "parity": Oracle("silent", _parity_signature, _parity_summary),
     "checkpoint": Oracle("silent (checkpoint)", _checkpoint_signature, _checkpoint_summary),

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from .case import Case
+from .verdict import ErrorRecord, failure, finding
 
 START_TIMEOUT = 300.0
 # Once one rank has raised, the others are usually stuck in a collective
@@ -173,21 +174,31 @@ class Pool:
             time.sleep(0.5)
             with open(path, errors="replace") as f:
                 f.seek(start)
-                frames = re.findall(r'File "([^"]+)", line \d+ in (\S+)', f.read())  # innermost first
+                return _where(f.read())
         except OSError:
             return ""
-        kernel = f"{os.sep}fuzzshard{os.sep}kernel{os.sep}"
-        ours = next((f"{os.path.basename(p)[:-3]}.{fn}" for p, fn in frames if kernel in p), "")
-        theirs = next((fn for p, fn in frames if f"{os.sep}torch{os.sep}" in p), "")
-        return f"{ours}:{theirs}" if ours or theirs else ""
+
+    def _where_died(self, rank: int) -> str:
+        """Where a worker killed by a signal was, as _where_stuck says it: from
+        the stack faulthandler dumps on a fatal signal (SIGSEGV, SIGABRT, ...),
+        the last one in its log."""
+        try:
+            with open(self.gen.log_path(rank), "rb") as f:
+                f.seek(max(0, os.path.getsize(self.gen.log_path(rank)) - 65536))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        at = text.rfind("Fatal Python error")
+        return _where(text[at:]) if at >= 0 else ""
 
     def _log_tail(self, rank: int, lines: int = 15) -> str:
         return self.gen.log_tail(rank, lines) if self.gen else ""
 
     # -- running ---------------------------------------------------------
-    def run(self, case: Case, localize: bool = False, timeout: float | None = None) -> Result:
+    def run(self, case: Case, localize: bool = False, timeout: float | None = None, bare: bool = False) -> Result:
         """Run one case; ``localize`` also records per-module activations to
-        name the first diverging module (slower; used after a divergence).
+        name the first diverging module (slower; used after a divergence);
+        ``bare``: its sharded training alone, nothing checked (bench's floor).
         ``timeout``: a shorter limit than ``case_timeout`` (a hang verdict then
         records it as ``timeout``, so callers can re-check it at the full one)."""
         if self.lost:
@@ -198,19 +209,19 @@ class Pool:
         # checkpoint files live in a per-case directory, removed whatever happens
         ckpt_dir = tempfile.mkdtemp(prefix="fuzzshard-ckpt-", dir=self.scratch) if case.checkpoint else None
         try:
-            return self._run(case, w, localize, ckpt_dir, min(timeout or self.case_timeout, self.case_timeout))
+            return self._run(case, w, (localize, ckpt_dir, bare), min(timeout or self.case_timeout, self.case_timeout))
         finally:
             if ckpt_dir:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
 
-    def _run(self, case: Case, w: int, localize: bool, ckpt_dir: str | None, timeout: float) -> Result:
+    def _run(self, case: Case, w: int, how: tuple, timeout: float) -> Result:
         t0 = time.monotonic()
         text = case.to_json()
         answers: dict[int, tuple] = {}
         dead: dict[int, int] = {}
         for r in range(w):
             try:
-                self.conns[r].send(("case", text, localize, ckpt_dir))
+                self.conns[r].send(("case", text, *how))
             except OSError:  # it died between cases
                 dead[r] = self._exit_code(r)
         waiting = {self.conns[r]: r for r in range(w) if r not in dead}
@@ -254,13 +265,10 @@ class Pool:
     def _combine(self, w: int, answers: dict, dead: dict, seconds: float) -> dict:
         if dead:
             r = min(dead)
-            return {
-                "status": "finding",
-                "oracle": "crash",
-                "dead_ranks": sorted(dead),
-                "exitcode": dead[r],
-                "error": {"type": _exit_name(dead[r]), "message": f"rank {r} died", "log": self._log_tail(r)},
-            }
+            where = {d: w for d in sorted(dead) if dead[d] is not None and dead[d] < 0 and (w := self._where_died(d))}
+            return finding("crash", error=ErrorRecord(_exit_name(dead[r]), f"rank {r} died",
+                                                      extra={"log": self._log_tail(r)}).to_dict(),
+                           dead_ranks=sorted(dead), exitcode=dead[r], **({"where": where} if where else {}))
         verdicts = {r: v for r, (v, _) in answers.items() if v is not None}
         for r in sorted(verdicts):  # any fuzzshard-internal error surfaces as such
             if verdicts[r]["status"] == "error":
@@ -277,15 +285,10 @@ class Pool:
         if len(answers) < w:
             stuck = sorted(set(range(w)) - set(answers))
             where = {r: self._where_stuck(r) for r in stuck}
-            return {
-                "status": "finding",
-                "oracle": "hang",
-                "stuck_ranks": stuck,
-                "where": where,
-                "error": {"type": "Hang", "message": f"ranks {stuck} still running after {seconds:.0f}s, in "
-                          + "; ".join(f"rank {r}: {where[r] or '?'}" for r in stuck)},
-            }
-        return verdicts.get(0, {"status": "error", "error": "rank 0 returned no verdict"})
+            waits = "; ".join(f"rank {r}: {where[r] or '?'}" for r in stuck)
+            return finding("hang", error=ErrorRecord("Hang", f"ranks {stuck} still running after {seconds:.0f}s, in "
+                                                     + waits).to_dict(), stuck_ranks=stuck, where=where)
+        return verdicts.get(0, failure("rank 0 returned no verdict"))
 
 
 
@@ -415,6 +418,16 @@ class _Remote:
 
     def wait(self, timeout=None):
         return None
+
+
+def _where(dump: str) -> str:
+    """A faulthandler stack dump (innermost frame first) as "kernel
+    function:innermost torch function": what a hang or a crash signature names."""
+    frames = re.findall(r'File "([^"]+)", line \d+ in (\S+)', dump)
+    kernel = f"{os.sep}fuzzshard{os.sep}kernel{os.sep}"
+    ours = next((f"{os.path.basename(p)[:-3]}.{fn}" for p, fn in frames if kernel in p), "")
+    theirs = next((fn for p, fn in frames if f"{os.sep}torch{os.sep}" in p), "")
+    return f"{ours}:{theirs}" if ours or theirs else ""
 
 
 def _exit_name(code) -> str:

@@ -302,6 +302,7 @@ def run_cell(spec: dict) -> int:
     session = SoakSession(pool, spec["targets"], out, world_sizes=sizes, duration=max(1.0, spec["deadline"] - time.time()),
                           seed=spec["seed"], device=device, strategy_kwargs=spec["strategy_kwargs"],
                           database=spec["database"] or str(out / "db"), progress=sys.stdout,
+                          plugins=spec.get("plugins") or (),
                           findings_dir=out / "findings")
     session.log = out / "cells" / f"{spec['name']}.jsonl"
     session.log.touch()

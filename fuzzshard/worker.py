@@ -36,10 +36,13 @@ def main() -> None:
     _die_with_parent()
     _name(f"fuzzshard-r{rank}")  # what ps and top show
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # the driver asks a stuck rank where it waits
+    faulthandler.enable(all_threads=True)  # a rank killed by SIGSEGV or SIGABRT says where it died (an abort
+    # in a gloo thread has no Python frames of its own: the main thread says where the case was)
     from . import targets
     from .case import Case
     from .kernel.mesh import Meshes
-    from .kernel.run import run_case
+    from .kernel.run import run_bare, run_case
+    from .verdict import failure
 
     for path in options.get("setup") or []:
         run_setup_file(path)
@@ -72,15 +75,18 @@ def main() -> None:
         if msg[0] == "exit":
             dist.destroy_process_group()
             return
-        _, case_json, localize, ckpt_dir = msg
+        _, case_json, localize, ckpt_dir, bare = msg
         t0 = time.perf_counter()
         try:
             case = Case.from_json(case_json)
             timings: dict = {}
-            verdict = run_case(case, meshes, targets.get(case.target), device, reporter=rank == 0, timings=timings,
-                               localize=localize, ckpt_dir=ckpt_dir)
+            if bare:  # bench's floor: the sharded training alone
+                verdict = run_bare(case, meshes, targets.get(case.target), device, reporter=rank == 0, timings=timings)
+            else:
+                verdict = run_case(case, meshes, targets.get(case.target), device, reporter=rank == 0,
+                                   timings=timings, localize=localize, ckpt_dir=ckpt_dir)
         except Exception as e:  # a bug in fuzzshard or the setup file, not in the case
-            verdict = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            verdict = failure(f"{type(e).__name__}: {e}", traceback.format_exc())
             timings = {}
         print(f"case done in {time.perf_counter() - t0:.3f}s: {verdict and verdict.get('status')}", flush=True)
         conn.send(("verdict", verdict, timings))

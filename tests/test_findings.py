@@ -35,3 +35,33 @@ def test_wrapped_models_keep_plain_fqns():
     assert submodule(model, "0") is model[0]  # the wrapper answers for what it wraps
     with pytest.raises(AttributeError):
         submodule(model, "0.5")
+
+
+FAULTHANDLER_DUMP = '''Fatal Python error: Aborted
+
+Thread 0x00007f0000000001 (most recent call first):
+  <no Python frame>
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 4100 in all_reduce
+  File "/x/fuzzshard/kernel/targets/zero.py", line 170 in after_backward
+  File "/x/fuzzshard/kernel/run.py", line 250 in _steps
+'''
+
+
+def test_a_crash_is_named_by_where_it_died_and_a_crash_elsewhere_is_new():
+    """A known crash hides only itself: the signal alone (any SIGABRT in
+    FSDP1) would count every new abort as known."""
+    from fuzzshard.findings import is_known, signature
+    from fuzzshard.runner import _where
+
+    assert _where(FAULTHANDLER_DUMP) == "zero.after_backward:all_reduce"  # innermost frame of ours, then torch's
+    known = load_known()
+    sig = "fsdp1.crash.Killed_by_SIGABRT.fsdp1.grads.all_gather_single"
+    f = known[sig]
+    assert signature(f.case, f.verdict) == sig and is_known(sig, f.case, known)
+    elsewhere = {**f.verdict, "where": {"1": "run._steps:all_reduce"}}
+    other = signature(f.case, elsewhere)
+    assert other == "fsdp1.crash.Killed_by_SIGABRT.run._steps.all_reduce" and not is_known(other, f.case, known)
+    nowhere = {k: v for k, v in f.verdict.items() if k != "where"}  # no stack came back: the bare signal, not known
+    assert not is_known(signature(f.case, nowhere), f.case, known)

@@ -13,10 +13,11 @@ With a checkpoint in the case, the run stops after the save step, saves,
 and a fresh model + optimizer on the loading world (another size, mesh or
 wrapping) loads and runs the remaining steps; checkpoint.py says what the
 round trip must preserve, and the continued steps get the same parity check.
-A verdict is a plain dict: status pass | invalid | finding.
+A verdict is the dict verdict.py's builders make: status pass | invalid | finding.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -24,11 +25,13 @@ import torch
 import torch.distributed as dist
 
 from ..case import Case
+from ..verdict import error_record, finding, invalid, passing
 from .checkpoint import check_loaded, check_saved
 from .localize import Trace
 from .model import build_model, make_batch
 from .optim import RESUME_LR_SCALE, adds_groups_before
-from .reference import _exc, _finding, _plain_reference_error, _plain_setup, check_parity, torch_dtype
+from .plain import setup, torch_dtype
+from .reference import check_parity, reference_error
 
 
 def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timings: dict | None = None,
@@ -37,34 +40,86 @@ def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timing
     reporter returns a verdict unless the sharded run raised here (then this
     rank returns the error verdict). ``ckpt_dir``: an empty directory that
     every rank sees, for a case with a checkpoint."""
-    timings = {} if timings is None else timings
-    t0 = time.perf_counter()
+    clock = Clock(timings)
     _ieee_float32()
     try:
-        _plain_setup(case, device)
+        with clock("reference"):
+            setup(case, device)
     except Exception as e:  # the reference itself rejects the config
-        return {"status": "invalid", "reason": f"reference rejects the config: {_exc(e)['text']}"}
-    obs, error = _run_sharded(case, meshes, target_cls, device, keep=reporter, localize=localize, ckpt_dir=ckpt_dir)
-    t1 = timings["sharded"] = time.perf_counter() - t0
+        return invalid(f"reference rejects the config: {error_record(e)['text']}")
+    with clock("sharded"):
+        obs, error = _run_sharded(case, meshes, target_cls, device, keep=reporter, localize=localize,
+                                  ckpt_dir=ckpt_dir, clock=clock)
     if error is not None:
         if _documented_refusal(case, error):
-            return {"status": "invalid", "reason": f"documented: {error['text']}"}
-        ref_error = next(filter(None, (_plain_reference_error(case, d) for d in target_cls.step_devices(case, device))),
-                         None)
+            return invalid(f"documented: {error['text']}")
+        ref_error = next(filter(None, (reference_error(case, d, target_cls)
+                                       for d in target_cls.step_devices(case, device))), None)
         if ref_error is not None:
-            return {"status": "invalid", "reason": f"reference raises too: {ref_error['text']}", "error": error}
-        return {"status": "finding", "oracle": "error_parity", "error": error}
+            return invalid(f"reference raises too: {ref_error['text']}", error=error)
+        return finding("error_parity", error=error)
     if not reporter:
         return None
-    verdict = check_parity(case, obs, device, localize=localize, step_device=target_cls.step_device)
+    with clock("reference"):
+        verdict = check_parity(case, obs, device, target_cls, localize=localize, clock=clock)
     if case.checkpoint and not _fails_before_save(case, verdict):
-        # a round trip that changed something explains any divergence after it
-        mismatches = check_saved(case, obs["saved"], obs["steps"][case.checkpoint.after], device) if obs["saved"] else []
-        mismatches += check_loaded(case, obs["loaded"], obs["steps"][case.checkpoint.after])
+        with clock("checkpoint"):  # a round trip that changed something explains any divergence after it
+            rec = obs["steps"][case.checkpoint.after]
+            mismatches = check_saved(case, obs["saved"], rec, device) if obs["saved"] else []
+            mismatches += check_loaded(case, obs["loaded"], rec)
         if mismatches:
-            verdict = _finding(mismatches, oracle="checkpoint")
-    timings["reference"] = time.perf_counter() - t0 - t1
+            verdict = finding("checkpoint", mismatches)
     return verdict
+
+
+def run_bare(case: Case, meshes, target_cls, device: str, reporter: bool, timings: dict | None = None) -> dict | None:
+    """The floor ``fuzzshard bench`` measures against: the case's sharded
+    training alone, as a user's loop runs it (build, shard, optimizer, then
+    per step forward/backward and step), with no observation, reference or
+    comparison around it. Its verdict says only whether it ran."""
+    clock = Clock(timings)
+    try:
+        with clock("sharded"):
+            if dist.get_rank() < case.world_size:
+                with meshes.job(case.world_size):
+                    target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
+                    model, _ = _sharded_model(target, case, case.seed, device, flags=())
+                    opt = target.optimizer(model)
+                    nothing = dict
+                    with target.uneven(model, opt, nothing, nothing, lambda rec: None) as runs:
+                        for k in [k for k in range(len(case.schedule)) if runs(k)]:
+                            target.apply_flags(model, case.schedule[k])
+                            if adds_groups_before(case, k):
+                                target.add_groups(opt, model)
+                            opt.zero_grad(set_to_none=case.schedule[k].set_to_none)
+                            x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
+                            target.forward_backward(model, x, y)
+                            opt.step()
+    except Exception as e:
+        return invalid(f"bare run raised: {error_record(e)['text']}")
+    return passing() if reporter else None
+
+
+class Clock:
+    """Seconds per part of a case (``timings``: name -> seconds, added up);
+    a part inside another is taken out of the outer one, so the parts add up
+    to the whole: bench's per-case split."""
+
+    def __init__(self, timings: dict | None):
+        self.timings = {} if timings is None else timings
+        self.inner = [0.0]  # per open part: the seconds of the parts inside it
+
+    @contextlib.contextmanager
+    def __call__(self, part: str):
+        t0 = time.perf_counter()
+        self.inner.append(0.0)
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - t0
+            inside = self.inner.pop()
+            self.inner[-1] += spent
+            self.timings[part] = self.timings.get(part, 0.0) + spent - inside
 
 
 def _ieee_float32() -> None:
@@ -99,9 +154,10 @@ class _Phase:
 
 
 def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool = False,
-                 ckpt_dir: str | None = None):
+                 ckpt_dir: str | None = None, clock: Clock | None = None):
     """(observations, None) or (None, error record). Collectives need every rank
     to gather in the same order, so all ranks gather and only ``keep`` stores."""
+    clock = clock or Clock(None)
     ck = case.checkpoint
     rank = dist.get_rank()
     phase = _Phase()
@@ -109,32 +165,37 @@ def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, locali
     try:
         if rank < case.world_size:
             with meshes.job(case.world_size):
-                target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
+                with clock("mesh"):
+                    target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
                 model, obs["init"] = _sharded_model(target, case, case.seed, device, flags=())
                 phase("ctor", "optimizer constructor")
                 opt = target.optimizer(model)
                 phase("other", "gather initial optimizer state")
-                obs["init_state"] = target.optimizer_state(opt, model)  # some optimizers fill state in __init__
+                with clock("gathers"):
+                    obs["init_state"] = target.optimizer_state(opt, model)  # some optimizers fill state in __init__
                 last = ck.after if ck else len(case.schedule) - 1
-                obs["steps"] += _train(case, target, model, opt, range(last + 1), device, keep, localize, phase)
+                obs["steps"] += _train(case, target, model, opt, range(last + 1), device, keep, localize, phase, clock)
                 if ck:
                     phase("save", "checkpoint save")
-                    obs["saved"] = target.save(model, opt, ckpt_dir, meshes.group(case.world_size))
+                    with clock("checkpoint"):
+                        obs["saved"] = target.save(model, opt, ckpt_dir, meshes.group(case.world_size))
         if ck:
             phase("other", "checkpoint barrier")
             dist.barrier(group=meshes.group(case.ranks))  # the files are complete
             if rank < ck.world_size:
                 with meshes.job(ck.world_size):
-                    obs["loaded"], steps = _resume(case, meshes, target_cls, device, keep, localize, ckpt_dir, phase)
+                    obs["loaded"], steps = _resume(case, meshes, target_cls, device, keep, localize, ckpt_dir, phase,
+                                                   clock)
                     obs["steps"] += steps
         return (obs if keep else None), None
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        return None, {**_exc(e), "phase": phase.name, "stage": phase.kind}
+        return None, {**error_record(e), "phase": phase.name, "stage": phase.kind}
 
 
-def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool, ckpt_dir: str, phase):
+def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool, ckpt_dir: str, phase,
+            clock: Clock):
     """The loading side: a fresh model (another init) and optimizer (every lr
     halved) on the loading world, the load, then the remaining steps."""
     ck = case.checkpoint
@@ -144,15 +205,19 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
     lcase = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=ck.mesh_shape,
                                 target_options=ck.target_options,
                                 optim=dataclasses.replace(case.optim, added_at=added_at))
-    target = target_cls(lcase, meshes.mesh(ck.world_size, ck.mesh_shape))
+    with clock("mesh"):
+        target = target_cls(lcase, meshes.mesh(ck.world_size, ck.mesh_shape))
     model, fresh = _sharded_model(target, case, case.seed + 1, device, flags=case.schedule[:ck.after + 1])
     opt = target.optimizer(model, lr_scale=RESUME_LR_SCALE)
     phase("load", "checkpoint load")
-    target.load(model, opt, ckpt_dir, meshes.group(ck.world_size))
+    with clock("checkpoint"):
+        target.load(model, opt, ckpt_dir, meshes.group(ck.world_size))
     phase("load", "checkpoint load: gather")
-    loaded = {"params": target.params(model), "fresh": {n: fresh[n] for n in ck.missing},
-              "state": target.optimizer_state(opt, model), "groups": target.group_hparams(opt)}
-    steps = _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize, phase)
+    with clock("gathers"):
+        loaded = {"params": target.params(model), "fresh": {n: fresh[n] for n in ck.missing},
+                  "state": target.optimizer_state(opt, model), "groups": target.group_hparams(opt)}
+    steps = _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize, phase,
+                   clock)
     return (loaded if keep else None), steps
 
 
@@ -178,18 +243,21 @@ def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
     return model, init
 
 
-def _train(case: Case, target, model, opt, steps, device: str, keep: bool, localize: bool, phase) -> list[dict]:
+def _train(case: Case, target, model, opt, steps, device: str, keep: bool, localize: bool, phase,
+           clock: Clock) -> list[dict]:
     """Run schedule steps ``steps``; the record of each when ``keep``."""
     trace = Trace(model, target.full_activation, target.full_activation_grad) \
         if localize and target.localizable else None
     out = []
 
     def observe_grads() -> dict:  # collectives over the job, after backward
-        return {"grads": target.grads(model), "grad_spread": target.grad_spreads(model)}
+        with clock("gathers"):
+            return {"grads": target.grads(model), "grad_spread": target.grad_spreads(model)}
 
     def observe_step() -> dict:  # collectives over the job, after the step
-        return {"params": target.params(model), "state": target.optimizer_state(opt, model),
-                "groups": target.group_hparams(opt)}
+        with clock("gathers"):
+            return {"params": target.params(model), "state": target.optimizer_state(opt, model),
+                    "groups": target.group_hparams(opt)}
 
     with target.uneven(model, opt, observe_grads, observe_step, out.append if keep else lambda rec: None) as runs:
         _steps(case, target, model, opt, [k for k in steps if runs(k)], device, keep, trace, phase, out,
