@@ -138,11 +138,15 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
     _pool_args(k)
 
-    b = sub.add_parser("bench", help="warm pool vs a fresh process group per case, same cases, one run")
+    b = sub.add_parser("bench", help="warm pool vs a fresh process group per case and vs the bare training loop, "
+                                     "same cases, one run")
     b.add_argument("--cases", type=int, default=30, help="cases per mode (default 30)")
     b.add_argument("--world-size", type=int, default=2)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--target", default="dtensor", help="which target's cases to run (default dtensor)")
+    b.add_argument("--scaling", action="store_true",
+                   help="instead: cases/s and the per-case split against world size 1-4, model depth and steps "
+                        "(--cases per world size)")
     b.add_argument("--soak", default=None, metavar="DURATION",
                    help="instead: a soak in cells vs one fuzz session, both on --workers ranks for DURATION each")
     b.add_argument("--workers", type=int, default=4, help="ranks for --soak (default 4)")
@@ -363,6 +367,7 @@ def cmd_soak(args) -> int:
         _redis(args.redis)
     options = {"targets": _resolve_targets(args.targets), "world_sizes": sizes, "device": args.device,
                "backend": args.backend, "worker_setup": args.setups,
+               "plugins": [os.path.abspath(p) for p in args.plugin or []],  # recorded in each finding, for replay
                "case_timeout": args.case_timeout, "strategy_kwargs": _strategy_kwargs(args), "database": args.redis}
     return Soak(options, args.workers, duration, epoch, args.out, args.seed, cells=cells).run()
 
@@ -402,19 +407,50 @@ def _print_session_report(session, findings, out) -> None:
         print(f"passing cases by optimizer: {cover}", file=sys.stderr)
     if st.internal_errors:
         print(f"{st.internal_errors} fuzzshard-internal errors (see above)", file=sys.stderr)
-    for sig, n in sorted(st.known.items()):
-        print(f"known   {sig} ×{n}: {session.known[sig].diagnosis}", file=sys.stderr)
+    from .rootcause import grouped
+
+    matcher = session.matcher
+    by_cause: dict[str, list] = {}
+    for sig, n in sorted(st.known.items()):  # known hits under their root cause: one bug, one line
+        by_cause.setdefault(session.known[sig].root_cause or sig, []).append((sig, n))
+    for cause, hits in sorted(by_cause.items()):
+        rc = matcher.causes.get(cause)
+        head = f"known   root cause {cause} ×{sum(n for _, n in hits)} [{rc.upstream_text}]: {rc.title}" if rc \
+            else f"known   {cause} ×{hits[0][1]}: {session.known[cause].diagnosis}"
+        print(head + "".join(f"\n            {sig} ×{n}" for sig, n in hits if rc), file=sys.stderr)
     for c in session.contaminated:
         print(f"CONTAMINATED (a fuzzshard internal error, not a finding): {c['signature']} in warm workers, "
               f"{c['fresh_signature']} in fresh ones, after {len(c['ran_before_in_that_generation'])} other case(s)"
               f"\n        -> {out}/contaminated/{c['signature']}.json", file=sys.stderr)
     stage = {"confirmed": "", "shrinking": " (shrunk in warm workers, not yet re-run fresh: `fuzzshard replay` it)",
              "unconfirmed": " (UNCONFIRMED: no time was left to re-run it in fresh workers)"}
-    for f in findings:
-        print(f"FINDING {f.signature}{stage.get(f.stage, '')}\n        {summary(f.verdict)}\n        -> {out}/{f.signature}.json, "
-              f"{out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})", file=sys.stderr)
-    if not findings:
+    groups = grouped(findings, matcher)
+    for key, members in groups.items():  # one suspected bug, however many signatures it showed under
+        if len(groups) > 1 or len(members) > 1 or key.startswith("root cause"):
+            print(f"{key}: {len(members)} finding(s)", file=sys.stderr)
+        for f in members:
+            print(f"FINDING {f.signature}{stage.get(f.stage, '')}\n        {summary(f.verdict)}\n        -> {out}/{f.signature}.json, "
+                  f"{out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})", file=sys.stderr)
+    if findings:
+        _write_index(out, groups, matcher)
+    else:
         print("no new findings", file=sys.stderr)
+
+
+def _write_index(out, groups: dict, matcher) -> None:
+    """OUT/INDEX.md: the session's new findings grouped by suspected root cause."""
+    from pathlib import Path
+
+    from .findings import atomic_write, summary
+    from .rootcause import address
+
+    lines = ["# New findings by suspected root cause", "",
+             "Grouped by what identifies a bug (see fuzzshard/rootcause.py): a group named after a known root "
+             "cause has the address of its known findings; a `new:` group is one address no known finding has.", ""]
+    for key, members in groups.items():
+        lines += [f"## {key}", "", f"address: {address(members[0].case, members[0].verdict)}", ""]
+        lines += [f"- [`{f.signature}`]({f.signature}.json) ({f.stage}): {summary(f.verdict)}" for f in members] + [""]
+    atomic_write(Path(out) / "INDEX.md", "\n".join(lines))
 
 
 def _recorded(path) -> dict:
@@ -512,6 +548,7 @@ def cmd_script(args) -> int:
 def cmd_known(args) -> int:
     from .findings import load_known
     from .judge import judge
+    from .rootcause import load_root_causes
 
     known = load_known()
     if not known:
@@ -520,6 +557,7 @@ def cmd_known(args) -> int:
     if args.markdown:
         print(known_markdown(known))
         return 0
+    causes = load_root_causes(known)
     pool = None
     if args.check:
         _check_pool_args(args)
@@ -531,38 +569,75 @@ def cmd_known(args) -> int:
 
                 ranks = min(ranks, torch.cuda.device_count())
             pool = _pool(args, ranks)
+    print(f"{len(causes)} root causes behind {len(known)} known findings in torch (--markdown: the table with "
+          f"upstream states; `fuzzshard show fuzzshard/known/SIG.json`: one finding)", flush=True)
+    outcome: dict[str, list] = {}
     try:
-        for sig, f in known.items():
-            status = ""
-            if pool is not None:
-                if f.case.device != args.device or f.case.ranks > pool.size:
-                    status = f"skipped (needs {f.case.ranks} rank(s) on {f.case.device})  "
-                else:
-                    got = judge(pool, f.case).label
-                    status = ("still reproduces  " if got == sig else "NO LONGER REPRODUCES (passes)  " if got == "pass"
-                              else f"FAILS DIFFERENTLY ({got})  ")
-            print(f"{status}{sig}\n    {f.diagnosis}", flush=True)
+        order = [(rc.id, rc.signatures) for rc in sorted(causes.values(), key=lambda rc: rc.id)]
+        order += [("", [sig for sig, f in sorted(known.items()) if not f.root_cause])]
+        for rid, sigs in order:
+            if not sigs:
+                continue
+            rc = causes.get(rid)
+            print(f"\n{rid} · {rc.kind} · {rc.upstream_text}\n    {rc.title}" if rc else "\n(no root cause recorded)",
+                  flush=True)
+            for sig in sigs:
+                f, status = known[sig], ""
+                if pool is not None:
+                    if f.case.device != args.device or f.case.ranks > pool.size:
+                        status = "skipped"
+                    else:
+                        got = judge(pool, f.case).label
+                        status = "reproduces" if got == sig else "fixed" if got == "pass" else f"differs ({got})"
+                    outcome.setdefault(rid or sig, []).append(status)
+                print(f"    {sig}" + (f"  {status}" if status else "") + ("" if rc else f"\n        {f.diagnosis}"),
+                      flush=True)
     finally:
         if pool is not None:
             pool.close()
+    if outcome:
+        print(f"\nroot cause on torch {_torch_version()}, {args.device}: still reproduces / fixed / now fails differently"
+              f" / skipped (signatures)")
+        for rid, got in outcome.items():
+            n = {k: sum(1 for g in got if g.split(" ")[0] == k) for k in ("reproduces", "fixed", "differs", "skipped")}
+            verdict = ("still reproduces" if n["reproduces"] else "FIXED" if n["fixed"] else
+                       "NOW FAILS DIFFERENTLY" if n["differs"] else "skipped")
+            print(f"  {rid:55} {verdict:22} {n['reproduces']} / {n['fixed']} / {n['differs']} / {n['skipped']}")
     return 0
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def known_markdown(known: dict) -> str:
     from .findings import ORACLES
+    from .rootcause import load_root_causes
 
+    causes = load_root_causes(known)
     rows = ["# Known findings in PyTorch", "",
-            "Divergences fuzzshard found in torch itself. Each row: the signature, a one-line diagnosis, the "
-            "shrunk repro (`fuzzshard replay X.json`; `fuzzshard script X.json -o x.py` writes a standalone "
-            "script for `torchrun --nproc-per-node W x.py`, torch alone). "
-            "Regenerate this table with `fuzzshard known --markdown`; check them with `fuzzshard known --check`.", "",
-            "| signature | kind | torch, device | W | diagnosis |", "|---|---|---|---|---|"]
+            "Divergences fuzzshard found in torch itself, first by root cause (the torch bug: its id, how it "
+            "shows, where it stands upstream, and the findings it is behind), then one row per finding: the "
+            "signature, a one-line diagnosis, the shrunk repro (`fuzzshard replay X.json`; `fuzzshard script "
+            "X.json -o x.py` writes a standalone script for `torchrun --nproc-per-node W x.py`, torch alone). "
+            "Regenerate this page with `fuzzshard known --markdown`; check them with `fuzzshard known --check`.", "",
+            "## Root causes", "",
+            "| root cause | kind | upstream | findings | what |", "|---|---|---|---|---|"]
+    for rc in sorted(causes.values(), key=lambda rc: rc.id):
+        minimal = f". Hand-reduced: [`{rc.minimal.rsplit('/', 1)[-1]}`](minimal/{rc.minimal.rsplit('/', 1)[-1]})." \
+            if rc.minimal else ""
+        rows.append(f"| `{rc.id}` | {rc.kind} | {rc.upstream_text.replace('|', '/')} | {len(rc.signatures)} "
+                    f"| {rc.title.replace('|', '/')}{minimal} |")
+    rows += ["", "## Findings", "", "| signature | kind | root cause | torch, device | W | diagnosis |",
+             "|---|---|---|---|---|---|"]
     for sig, f in sorted(known.items()):
         oracle = ORACLES.get(f.verdict.get("oracle", ""))
         kind = "?" if oracle is None else oracle.kind.replace("silent", "**silent**")
         where = ", ".join(f.devices) if f.devices else f.environment.get("device") or f.case.device
-        rows.append(f"| [`{sig}`]({sig}.json) | {kind} | {f.environment.get('torch', '?')}, {where} "
-                    f"| {f.case.world_size} | {f.diagnosis} |")
+        rows.append(f"| [`{sig}`]({sig}.json) | {kind} | `{f.root_cause or '?'}` | {f.environment.get('torch', '?')}, "
+                    f"{where} | {f.case.world_size} | {f.diagnosis} |")
     return "\n".join(rows)
 
 
@@ -585,6 +660,11 @@ def cmd_bench(args) -> int:
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available here")
         _check_gpus(args, args.world_size)
+    if args.scaling:
+        from .bench import run_scaling
+
+        run_scaling(args.cases, args.seed, names[0], device=args.device)
+        return 0
     run_bench(args.cases, args.world_size, args.seed, names[0], device=args.device)
     return 0
 

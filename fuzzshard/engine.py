@@ -40,6 +40,7 @@ from hypothesis.control import current_build_context
 from . import repro
 from .findings import Finding, atomic_write, environment, load_known, summary, write_finding
 from .judge import judge, label
+from .rootcause import Matcher
 from .runner import Pool, PoolError
 
 try:
@@ -140,6 +141,7 @@ class Session:
         self.seed = seed
         self.device = device
         self.known = load_known() if known is None else known
+        self.matcher = Matcher(self.known)  # a new finding's probable known root cause
         self.progress = progress
         self.strategy_kwargs = strategy_kwargs or {}
         self.database = database if database is not None else str(self.out / ".hypothesis")
@@ -315,7 +317,9 @@ class Session:
             if not self._publish(sig, confirmed, first=True):
                 return False  # another cell of a soak wrote it first: a known finding now
             self._tracks[sig] = _Track(confirmed, confirmed, confirmed, time.monotonic())
-            self._say(f"new finding {sig}, confirmed in fresh workers -> {self.findings_dir / sig}.json")
+            probably = self.matcher.label(*confirmed[:2])
+            self._say(f"new finding {sig}, confirmed in fresh workers -> {self.findings_dir / sig}.json"
+                      + (f" ({probably})" if probably else ""))
             return True
         if _smaller(case, track.best[0]):
             track.best = (case, verdict)

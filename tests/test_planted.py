@@ -3,6 +3,7 @@ workers through --worker-setup, is found, shrunk to a small case, written as
 JSON + standalone script; the script fails under torchrun with the bug and
 passes without it, and so does `fuzzshard replay`."""
 import json
+import re
 
 import pytest
 
@@ -42,6 +43,11 @@ def test_planted_bug_is_found_shrunk_and_replays_anywhere(tmp_path, target, bug,
     assert len([layer for layer in case["model"]["layers"] if layer["kind"] != "act"]) <= 2  # acts hold no params
     assert len(case["schedule"]) == 1
     assert finding["stage"] == "confirmed"  # the shrunk case itself re-ran in fresh workers
+    if len(found) > 1:  # one bug under several optimizers: one suspected root cause in the summary and the index
+        group = "new: optimizer step diverges"
+        grouped = re.search(rf"^{group}: (\d+) finding\(s\)$", r.stderr, re.M)
+        assert grouped and int(grouped.group(1)) >= len(found), r.stderr[-3000:]
+        assert (out / "INDEX.md").read_text().count(f"## {group}") == 1
     # the repro replays through fuzzshard as the same bug ...
     buggy = run_cli("replay", path, setup=bug)
     assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
