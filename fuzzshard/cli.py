@@ -133,6 +133,16 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("file")
     sc.add_argument("-o", "--output", help="write here instead of standard output")
 
+    up = sub.add_parser("upstream", help="write an issue-ready report of a finding for pytorch/pytorch",
+                        description="An issue for pytorch/pytorch from a finding: a title in PyTorch's style, the "
+                        "hand-reduced script of its root cause where known/minimal/ has one (else the generated "
+                        "standalone script), what it prints here, expected vs actual with numbers, the torch source "
+                        "suspected, and versions (torch.utils.collect_env).")
+    up.add_argument("file")
+    up.add_argument("-o", "--output", help="write the markdown here (a script too long for an issue body is "
+                    "written beside it as OUTPUT.repro.py); default: standard output, the script into the current folder")
+    up.add_argument("--no-run", action="store_true", help="do not run the script (nor collect_env) first")
+
     k = sub.add_parser("known", help="list the known findings in torch; --check replays them")
     k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
@@ -180,7 +190,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         command = {"fuzz": cmd_fuzz, "soak": cmd_soak, "report": cmd_report, "replay": cmd_replay, "show": cmd_show,
-                   "script": cmd_script, "known": cmd_known, "bench": cmd_bench}[args.command]
+                   "script": cmd_script, "upstream": cmd_upstream, "known": cmd_known,
+                   "bench": cmd_bench}[args.command]
         return command(args)
     except UsageError as e:
         print(f"fuzzshard: error: {e}", file=sys.stderr)
@@ -540,6 +551,27 @@ def cmd_script(args) -> int:
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_upstream(args) -> int:
+    from pathlib import Path
+
+    from .findings import load_known
+    from .upstream import report
+
+    finding = _load(args.file)
+    out = Path(args.output) if args.output else None
+    attachment = out.with_suffix(".repro.py") if out else Path("repro.py")
+    text, attach = report(finding, load_known(), run=not args.no_run, attachment=attachment)
+    for name, body in attach.items():
+        (attachment.parent / name).write_text(body)
+        print(f"wrote {attachment.parent / name}: attach it to the issue", file=sys.stderr)
+    if out:
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

@@ -1,0 +1,285 @@
+"""``fuzzshard upstream FILE.json``: a finding as an issue for pytorch/pytorch.
+
+The shape of PyTorch's bug template: a title "[Component] what goes wrong",
+"### 🐛 Describe the bug" with a standalone script, what it prints, expected
+against actual with numbers and the torch source suspected, then
+"### Versions". The script is the hand-reduced one in known/minimal/ when the
+finding's root cause has one, else the script fuzzshard generates (too long
+for an issue body past INLINE_LIMIT: then it is written beside the report as
+an attachment). With ``run``, the script runs under torchrun here first and
+its output goes into the report, so what is sent is what reproduces today.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import repro
+from .findings import Finding, summary
+from .rootcause import Matcher, RootCause, load_root_causes
+
+COMPONENT = {"dtensor": "DTensor", "fsdp2": "FSDP2", "fsdp1": "FSDP", "zero": "ZeroRedundancyOptimizer",
+             "sharded_optim": "ShardedOptimizer"}
+RUN_TIMEOUT = 300  # seconds for the script's run here
+INLINE_LIMIT = 40_000  # GitHub refuses an issue body over 65,536 characters
+_ROOT = Path(__file__).resolve().parent.parent  # a root cause's minimal script is named from the repository
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+_SKIP = ("_ops.py", "nn/modules/module.py", "autograd/graph.py", "autograd/__init__.py", "_tensor.py",
+         "utils/_stats.py", "_contextlib.py", "distributed/tensor/_dispatch.py", "optim/optimizer.py", "_compile.py")
+
+
+def report(finding: Finding, known: dict, run: bool = True, attachment: Path | None = None) -> tuple[str, dict]:
+    """(markdown, {file name: text} to attach)."""
+    case, verdict = finding.case, finding.verdict
+    rc = _root_cause(finding, known)
+    minimal = rc.minimal if rc and rc.minimal and (_ROOT / rc.minimal).exists() else None
+    if minimal:
+        text = (_ROOT / minimal).read_text()
+        name = Path(minimal).name
+        ranks = _ranks_of(text, name)
+    else:
+        text = repro.script(case, summary(verdict), finding.environment)
+        name = attachment.name if attachment and len(text) > INLINE_LIMIT else "repro.py"
+        ranks = max(case.ranks, (case.checkpoint.world_size if case.checkpoint else 0) or 0)
+    command = f"torchrun --nproc-per-node {ranks} {name}" if ranks else f"python {name}"
+    out: list[str] = [f"Title: {title(finding, rc)}", "", "### 🐛 Describe the bug", "", _what(finding, rc), ""]
+    attach: dict[str, str] = {}
+    if minimal:
+        out += [f"A hand-reduced, standalone script (torch only, CPU, gloo): `{command}`", "", "```python",
+                text.rstrip(), "```", ""]
+    elif len(text) <= INLINE_LIMIT:
+        out += [f"A standalone script (torch only; generated from the shrunk case, so it carries the harness "
+                f"that builds the model and compares it): `{command}`", "", "<details><summary>" + name +
+                f" ({text.count(chr(10))} lines)</summary>", "", "```python", text.rstrip(), "```", "</details>", ""]
+    else:
+        attach[name] = text
+        out += [f"A standalone script is attached as `{name}` ({text.count(chr(10))} "
+                "lines, torch only; generated from the shrunk case, so it carries the harness that builds the model "
+                f"and compares it; too long for an issue body): `{command}`", ""]
+    if run:
+        code, printed = _run(text, name, ranks)
+        out += [f"Output on torch {_torch()} (exit code {code}):", "", "```", printed.rstrip(), "```", ""]
+    out += _expected_actual(finding)
+    suspect = suspected_source(finding, rc)
+    if suspect:
+        out += ["**Suspected source**: " + suspect, ""]
+    if rc and rc.upstream and rc.upstream.get("note"):
+        out += [f"Related upstream: {rc.upstream['note']}", ""]
+    out += [_how_found(finding), "", "### Versions", "", "```", _versions(finding, run).rstrip(), "```", ""]
+    return "\n".join(out), attach
+
+
+def title(finding: Finding, rc: RootCause | None) -> str:
+    case, v = finding.case, finding.verdict
+    if rc:
+        return f"[{_component(rc, case.target)}] {rc.title}"
+    component = COMPONENT.get(case.target, case.target)
+    oracle, first = v.get("oracle"), v.get("first") or {}
+    if oracle == "parity":
+        impl = "fused" if case.optim.kwargs.get("fused") else "foreach" if case.optim.kwargs.get("foreach") else "for-loop"
+        what = (f"{first.get('quantity')} of {first['module']}" if first.get("module")
+                else f"{first.get('quantity', '?')} {first.get('fqn', '')}".rstrip())
+        return (f"[{component}] {what} differs from the unsharded model after step {first.get('step', 0)} "
+                f"({case.optim.name}, {impl}, world size {case.world_size})")
+    if oracle == "checkpoint":
+        kind = case.checkpoint.kind if case.checkpoint else "?"
+        return f"[{component}] {kind} checkpoint round trip: {first.get('quantity', '?')} of {first.get('fqn', '?')}"
+    err = v.get("error") if isinstance(v.get("error"), dict) else {}
+    if oracle == "error_parity":
+        return f"[{component}] {err.get('type', 'error')} in {err.get('phase', 'training')} where unsharded torch trains: " \
+               f"{_short(err.get('message', ''), 90)}"
+    return f"[{component}] {summary(v)}"
+
+
+def suspected_source(finding: Finding, rc: RootCause | None) -> str:
+    """"torch/x.py:N (function)" with a link at this torch's tag: the root cause's API where
+    one is recorded, else the innermost telling torch frame of an error or a crash, else the
+    optimizer implementation a step divergence runs (a guess, and said to be one)."""
+    v, case = finding.verdict, finding.case
+    if rc and rc.api:
+        return _link(rc.api)
+    err = v.get("error") if isinstance(v.get("error"), dict) else {}
+    frames = _FRAME.findall(err.get("traceback", "") + "\n" + err.get("log", ""))
+    if v.get("oracle") == "crash":  # faulthandler prints the innermost frame first
+        frames = frames[::-1]
+    for path, line, fn in reversed(frames):
+        rel = _torch_rel(path)
+        if rel and not any(rel.endswith(s) for s in _SKIP):
+            return f"`torch/{rel}:{line}` ({fn}){_url(f'torch/{rel}', int(line))}, the innermost torch frame"
+    if v.get("oracle") == "parity" and (v.get("first") or {}).get("quantity") in ("param", "state"):
+        kw = case.optim.kwargs
+        impl = "_fused" if kw.get("fused") else "_multi_tensor" if kw.get("foreach") else "_single_tensor"
+        module = case.optim.name.lower()
+        return _link(f"torch/optim/{module}.py:{impl}_{module}") + " (a guess: the step implementation the case ran)"
+    return ""
+
+
+def _root_cause(finding: Finding, known: dict) -> RootCause | None:
+    causes = load_root_causes(known)
+    rid = finding.root_cause or (known[finding.signature].root_cause if finding.signature in known else "")
+    if not rid and finding.verdict:  # a new finding: only a unique match on what identifies the bug
+        ids = Matcher(known).suspects(finding.case, finding.verdict)
+        rid = ids[0] if len(ids) == 1 else ""
+    return causes.get(rid)
+
+
+def _component(rc: RootCause, target: str) -> str:
+    return rc.component or COMPONENT.get(target, target)
+
+
+def _what(finding: Finding, rc: RootCause | None) -> str:
+    lines = []
+    if rc:
+        lines.append(rc.title + ".")
+    lines.append(f"fuzzshard's finding `{finding.signature or '(a case file)'}`: {summary(finding.verdict)}")
+    if finding.diagnosis and (not rc or finding.diagnosis != rc.title):
+        lines.append("")
+        lines.append(finding.diagnosis)
+    return "\n".join(lines)
+
+
+def _expected_actual(finding: Finding) -> list[str]:
+    v = finding.verdict
+    oracle = v.get("oracle")
+    if oracle == "parity":
+        rows = ["**Expected**: the sharded run matches the unsharded reference within the derived bound; "
+                "**actual** (first mismatches, sharded vs unsharded):", "",
+                "| quantity | tensor | step | expected (unsharded) | actual (sharded) | max abs err | allowed | bad |",
+                "|---|---|---|---|---|---|---|---|"]
+        for m in v.get("mismatches", [])[:6]:
+            rows.append(f"| {m.get('quantity')} | {m.get('module') or m.get('fqn') or '(loss)'} | {m.get('step')} "
+                        f"| {_num(m.get('want'))} | {_num(m.get('got'))} | {_num(m.get('max_abs'))} "
+                        f"| {_num(m.get('allowed'))} | {m.get('bad', '?')}/{m.get('numel', '?')} |")
+        tol = (v.get("first") or {}).get("tolerance")
+        return rows + ([f"", f"The bound: {tol} (derived from the dtype and the reduction length, not tuned)."]
+                       if tol else []) + [""]
+    if oracle == "checkpoint":
+        rows = ["**Expected**: what was saved is what a load gives back (and a load trains on like the saved run); "
+                "**actual**:", ""]
+        rows += [f"- {m.get('quantity')} of `{m.get('fqn')}` (saved after step {m.get('step')}): {m.get('detail')}"
+                 for m in v.get("mismatches", [])[:6]]
+        return rows + [""]
+    err = v.get("error") if isinstance(v.get("error"), dict) else {}
+    if oracle == "error_parity":
+        tb = err.get("traceback", "").strip().splitlines()
+        return [f"**Expected**: the sharded run trains, as the unsharded one does on the same model and data; "
+                f"**actual**: `{err.get('type')}: {_short(err.get('message', ''), 300)}` in {err.get('phase', '?')}.", "",
+                "<details><summary>traceback</summary>", "", "```", "\n".join(tb[-30:]), "```", "</details>", ""]
+    log = err.get("log", "").strip().splitlines()
+    return [f"**Expected**: every rank finishes; **actual**: {summary(v)}", "", "```", "\n".join(log[-25:]), "```", ""]
+
+
+def _how_found(finding: Finding) -> str:
+    case = finding.case
+    return (f"Found by fuzzshard (property-based differential testing of sharded training): "
+            f"a drawn model, optimizer and data trained sharded ({case.target}, world size {case.world_size}, mesh "
+            f"{tuple(case.mesh_shape)}) and unsharded, compared after every step; shrunk by Hypothesis and "
+            f"confirmed in fresh processes.")
+
+
+def _versions(finding: Finding, collect: bool) -> str:
+    env = finding.environment or {}
+    lines = [f"found on: torch {env.get('torch', '?')}, {env.get('device', finding.case.device)}, backend "
+             f"{env.get('backend', '?')}, python {env.get('python', '?')}, {env.get('platform', '?')}"]
+    import torch
+
+    lines.append(f"this report: torch {torch.__version__} (git {torch.version.git_version[:12]}), python "
+                 f"{platform.python_version()}, {platform.platform()}")
+    if collect:
+        try:
+            from torch.utils.collect_env import get_pretty_env_info
+
+            lines += ["", get_pretty_env_info()]
+        except Exception as e:  # collect_env shells out (pip, lscpu): a missing tool is no reason to fail
+            lines.append(f"(python -m torch.utils.collect_env failed here: {type(e).__name__}: {e})")
+    return "\n".join(lines)
+
+
+def _run(text: str, name: str, ranks: int) -> tuple[int, str]:
+    """Run the script under torchrun in an empty folder; (exit code, its output's tail)."""
+    with tempfile.TemporaryDirectory(prefix="fuzzshard-upstream-") as d:
+        (Path(d) / name).write_text(text)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("FUZZSHARD", "TORCHELASTIC"))}
+        try:
+            launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks else []
+            r = subprocess.run([sys.executable, *launch, name], cwd=d, env=env, capture_output=True, text=True,
+                               timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return 124, f"(still running after {RUN_TIMEOUT} s: stopped)"
+    # what the script printed; torchrun's own report of a failed rank only when the script printed nothing
+    lines = [x for x in (r.stdout or r.stderr).splitlines() if x.strip() and not x.startswith(("W1", "I1", "*****"))]
+    return r.returncode, "\n".join(lines[-40:])
+
+
+def _ranks_of(text: str, name: str) -> int:
+    """The ranks a hand-reduced script says it runs on ("torchrun --nproc-per-node N name" near its
+    top); 0 for one that says "python name" (a single process, no process group)."""
+    m = re.search(r"torchrun --nproc-per-node[ =](\d+) " + re.escape(name), "\n".join(text.splitlines()[:15]))
+    return int(m.group(1)) if m else 0
+
+
+def _link(api: str) -> str:
+    """"torch/optim/adam.py:_single_tensor_adam" -> "`torch/optim/adam.py:123` (_single_tensor_adam) <url>"
+    (the first path:function of a root cause's api, which may name more after it)."""
+    m = re.match(r"(torch/[\w/]+\.py):([\w.]+)", api)
+    line = _line_of(m.group(1), m.group(2)) if m else None
+    if not line:
+        return f"`{api}`"
+    rest = api[m.end():].strip()
+    return f"`{m.group(1)}:{line}` ({m.group(2)}){_url(m.group(1), line)}" + (f" (recorded: `{api}`)" if rest else "")
+
+
+def _line_of(path: str, name: str) -> int | None:
+    """The line of function or Class.method ``name`` in torch's ``path`` (a bare method name is looked
+    up on the module's classes), as installed here."""
+    try:
+        module = importlib.import_module(path[:-3].replace("/", "."))
+        obj = module
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None and "." not in name:
+                obj = next((getattr(c, name) for c in vars(module).values()
+                            if inspect.isclass(c) and c.__module__ == module.__name__ and name in vars(c)), None)
+            if obj is None:
+                return None
+        return inspect.getsourcelines(inspect.unwrap(obj))[1]
+    except Exception:  # a private name moved in this torch: the path alone still says where
+        return None
+
+
+def _url(path: str, line: int | None) -> str:
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    if not line or not re.fullmatch(r"\d+\.\d+\.\d+", version):
+        return ""  # a nightly or local build has no tag to point at
+    return f" — https://github.com/pytorch/pytorch/blob/v{version}/{path}#L{line}"
+
+
+def _torch_rel(path: str) -> str:
+    for marker in ("site-packages/torch/", "dist-packages/torch/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return ""
+
+
+def _torch() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _num(x) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else "?" if x is None else str(x)
+
+
+def _short(text: str, n: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[:n - 1] + "…"
