@@ -59,6 +59,11 @@ class Optim:
     added_groups: int = 0  # the last N groups go in through add_param_group after the constructor
     added_at: int = 0  # ... right before this schedule step (0: right after the constructor)
 
+    @property
+    def implementation(self) -> str:
+        """Which step code runs: "fused", "foreach" or "forloop"."""
+        return "fused" if self.kwargs.get("fused") else "foreach" if self.kwargs.get("foreach") else "forloop"
+
 
 @dataclass(frozen=True)
 class Group:

@@ -414,8 +414,10 @@ def _print_session_report(session, findings, out) -> None:
               f"{st.derived_timeout:.0f}s (--case-timeout {session.pool.case_timeout:.0f}s); {st.slow} provisional "
               f"hang(s) finished at the full timeout (slow, not hung)", file=sys.stderr)
     if st.passed_by_optimizer:
-        cover = ", ".join(f"{k} {v}" for k, v in sorted(st.passed_by_optimizer.items()))
-        print(f"passing cases by optimizer: {cover}", file=sys.stderr)
+        by = st.passed_by_implementation
+        cover = ", ".join(f"{k} {v} ({'·'.join(str(by[k, i]) for i in ('forloop', 'foreach', 'fused'))})"
+                          for k, v in sorted(st.passed_by_optimizer.items()))
+        print(f"passing cases by optimizer (for-loop·foreach·fused): {cover}", file=sys.stderr)
     if st.internal_errors:
         print(f"{st.internal_errors} fuzzshard-internal errors (see above)", file=sys.stderr)
     from .rootcause import grouped

@@ -43,9 +43,8 @@ def _parity_signature(case: Case, verdict: dict) -> str:
         # a grad where the reference has none (or none where it has one) is its own kind of bug
         presence = f".{first['presence']}" if "presence" in first else ""
         return f"{case.target}.parity.{quantity}{presence}"
-    kw = case.optim.kwargs  # the implementation is half a step bug's address
-    impl = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "forloop"
-    return f"{case.target}.parity.{case.optim.name}.{impl}.{quantity}"
+    # the implementation is half a step bug's address
+    return f"{case.target}.parity.{case.optim.name}.{case.optim.implementation}.{quantity}"
 
 
 def _parity_summary(verdict: dict) -> str:

@@ -53,9 +53,9 @@ _without_local_constants()
 
 
 @st.composite
-def optimizers(draw, names=None, device: str = "cpu") -> Optim:
+def optimizers(draw, names=None, device: str = "cpu", implementation: str | None = None) -> Optim:
     name = draw(st.sampled_from(names or default_optimizers()))
-    kwargs = draw(optimizer_kwargs(name, device))
+    kwargs = draw(optimizer_kwargs(name, device, implementation))
     tensor_lr = draw(st.sampled_from(["", "", "", "0d", "1d"]))
     return Optim(name=name, kwargs=kwargs, tensor_lr=tensor_lr, named=draw(st.booleans()))
 
@@ -165,9 +165,11 @@ def cases(
     optimizer_names=None,
     dtypes=DTYPES,
     checkpoint: bool | None = None,
+    implementation: str | None = None,
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
-    into every case, False into none (targets whose spec has checkpoint kinds)."""
+    into every case, False into none (targets whose spec has checkpoint kinds).
+    ``implementation``: only for-loop, foreach or fused steps (where the optimizer has it)."""
     spec = spec_of(target)
     world = draw(st.sampled_from(sorted(world_sizes)))
     # flat: the optimizer may see flattened params (one group, nothing frozen)
@@ -180,7 +182,7 @@ def cases(
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]
-    optim = draw(optimizers(optimizer_names, device))
+    optim = draw(optimizers(optimizer_names, device, implementation))
     if not spec.named_params:
         optim = dataclasses.replace(optim, named=False)
     names = [n for n, s in shapes.items() if len(s) == 2] if optim.name in ONLY_2D else list(shapes)

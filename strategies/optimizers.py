@@ -132,6 +132,10 @@ def register(name: str, kwargs=None, elementwise: bool = True) -> None:
         NOT_ELEMENTWISE.add(name)
 
 
+def implementations(name: str) -> list[str]:
+    return ["foreach", "forloop"] + (["fused"] if accepts(name, "fused") else [])
+
+
 def default_optimizers() -> list[str]:
     return [n for n in available() if n not in OPT_IN]
 
@@ -150,13 +154,14 @@ def accepts(name: str, kwarg: str) -> bool:
 
 
 @st.composite
-def optimizer_kwargs(draw, name: str, device: str = "cpu") -> dict:
-    """Hyperparameters plus the implementation flags (for-loop / foreach / fused)."""
+def optimizer_kwargs(draw, name: str, device: str = "cpu", implementation: str | None = None) -> dict:
+    """Hyperparameters plus the implementation flags (for-loop / foreach / fused);
+    ``implementation``: that one only (a session's round that pins it)."""
     kw = CATALOG[name](draw, name)
     if accepts(name, "maximize"):
         kw["maximize"] = draw(st.booleans())
-    impls = ["foreach", "forloop"] + (["fused"] if accepts(name, "fused") else [])
-    impl = draw(st.sampled_from(impls))
+    impls = implementations(name)
+    impl = draw(st.sampled_from([implementation] if implementation in impls else impls))
     if accepts(name, "foreach"):
         kw["foreach"] = impl == "foreach"
     if impl == "fused":
