@@ -1,19 +1,51 @@
 """``fuzzshard report DIR``: what a soak (or any run with cell logs) covered and found.
 
 Reads OUT/cells/*.jsonl (one line per case, see soak.py) and OUT/findings/.
-Prints coverage tables (cases per target, world size, optimizer, dtype,
-checkpoint kind, processes a cell spans), the findings with first-seen time and hit count, and the
-rate over time; writes the same as a small HTML page with two plots (a
-target x world-size coverage heat map, findings over time).
+A case that failed is either a hit of a *new* finding (one this run wrote to
+OUT/findings/) or a *known* hit (a torch bug in fuzzshard/known/): the two are
+counted apart everywhere. Prints the findings grouped by suspected root cause,
+the known hits by root cause, coverage tables over the dimensions where bugs
+hide (target, world size, optimizer x implementation, param groups, frozen
+params, target options, checkpoint kind x world sizes, ...) and the rate over
+time; writes the same as an HTML page with three labelled charts (a target x
+world-size heat map, new findings over time, cases/s over time).
 """
 from __future__ import annotations
 
 import collections
 import html
 import json
+import re
 from pathlib import Path
 
 BUCKETS = 10
+
+
+def option_tokens(case) -> list[str]:
+    """A case's target options as short "key=value" tokens a coverage table can count (a soak
+    logs them per case): scalars as they are, a config dict by its fields (mp.param_dtype=
+    bfloat16), a dict keyed by module or param name by the distinct values it maps them to
+    (placements=S0, tp=rowwise), a list by whether it is empty (wrap=[] / wrap=[...])."""
+    tokens = set()
+    for k, v in (case.target_options or {}).items():
+        if isinstance(v, (bool, str, int, float)) or v is None:
+            tokens.add(f"{k}={v}")
+        elif isinstance(v, (list, tuple)):
+            tokens.add(f"{k}={'[...]' if v else '[]'}")
+        elif isinstance(v, dict) and all("." not in str(sk) for sk in v) and all(
+                isinstance(sv, (bool, str, int, float)) or sv is None for sv in v.values()) and k != "tp":
+            tokens.update(f"{k}.{sk}={sv}" for sk, sv in v.items())
+        elif isinstance(v, dict):
+            tokens.update(f"{k}={_compact(sv)}" for sv in v.values())
+    return sorted(tokens)
+
+
+def _compact(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return ",".join(_compact(x) for x in v)
+    if isinstance(v, dict):
+        return " ".join(f"{k}:{_compact(x)}" for k, x in sorted(v.items()))
+    return str(v)
 
 
 def load_cases(out: str | Path, prefix: str = "") -> list[dict]:
@@ -35,70 +67,145 @@ def load_cases(out: str | Path, prefix: str = "") -> list[dict]:
 
 
 def load_findings(out: str | Path) -> list[dict]:
+    """This run's findings, each with its suspected root cause (or address) as ``group``."""
+    from .findings import Finding, load_known
+    from .rootcause import Matcher
+
+    matcher = Matcher(load_known())
     found = []
     for p in sorted(Path(out, "findings").glob("*.json")):
         try:
             data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
+            f = Finding.from_dict(data)
+            group = matcher.group(f.case, f.verdict)
+        except Exception:  # a file another tool wrote, or a case from an older fuzzshard: listed, not grouped
+            data, group = (data if isinstance(data, dict) else {}), "(unreadable)"
         found.append({"signature": data.get("signature", p.stem), "summary": data.get("summary", ""),
-                      "origin": data.get("environment", {}).get("origin", {}), "file": p.name,
-                      "deterministic": data.get("deterministic", True)})
+                      "origin": (data.get("environment") or {}).get("origin", {}), "file": p.name,
+                      "deterministic": data.get("deterministic", True), "group": group})
     return found
 
 
+OUTCOMES = ("pass", "invalid", "new finding", "known hit", "error")
+
+
+def _outcome(case: dict, new: set) -> str:
+    status = case.get("status") or "?"
+    if status != "finding":
+        return status
+    return "new finding" if case.get("sig") in new or not case.get("known") else "known hit"
+
+
+# the coverage tables: title -> the rows a case counts in
+TABLES = {
+    "target": lambda c: [c.get("target")],
+    "world size": lambda c: [c.get("world")],
+    "optimizer": lambda c: [c.get("optim")],
+    "optimizer x implementation": lambda c: [f"{c.get('optim')} {c.get('impl', '?')}"],
+    "dtype": lambda c: [c.get("dtype")],
+    "param groups": lambda c: [c.get("groups", "?")],
+    "frozen params": lambda c: ["some" if c.get("frozen") else "none"] if "frozen" in c else ["?"],
+    "target options": lambda c: [f"{c.get('target')}: {t}" for t in c.get("options", ["?"])],
+    "checkpoint kind": lambda c: [c.get("ck")],
+    "checkpoint kind x world sizes (saved -> loaded)":
+        lambda c: [f"{c['ck']} W{c.get('world')} -> W{c.get('ck_world')}"] if c.get("ck") else [],
+    "steps": lambda c: [c.get("steps", "?")],
+    "mesh dims": lambda c: [c.get("mesh")],
+    "processes in the cell": lambda c: [c.get("procs", 1)],
+}
+
+
 def summarize(out: str | Path) -> dict:
+    from .findings import load_known
+    from .rootcause import load_root_causes
+
     cases = load_cases(out)
     findings = load_findings(out)
     if not cases:
-        return {"cases": 0, "findings": findings, "tables": {}, "rate": [], "hits": {}}
+        return {"cases": 0, "findings": findings, "tables": {}, "rate": [], "hits": {}, "groups": {}, "known": []}
+    new = {f["signature"] for f in findings}
+    for c in cases:
+        c["outcome"] = _outcome(c, new)
     t0, t1 = cases[0]["t"], cases[-1]["t"]
     span = max(t1 - t0, 1e-9)
     tables = {}
-    for key, title in (("target", "target"), ("world", "world size"), ("optim", "optimizer"), ("dtype", "dtype"),
-                       ("ck", "checkpoint"), ("mesh", "mesh dims"), ("procs", "processes in the cell")):
+    for title, rows_of in TABLES.items():
         rows = collections.defaultdict(collections.Counter)
         for c in cases:
-            rows[str(c.get(key, 1 if key == "procs" else None))][c.get("status") or "?"] += 1
-        tables[title] = dict(sorted(rows.items()))
+            for row in rows_of(c):
+                rows[str(row)][c["outcome"]] += 1
+        if rows:
+            tables[title] = dict(sorted(rows.items(), key=lambda kv: _natural(kv[0])))
     hits = collections.Counter(c["sig"] for c in cases if c.get("sig"))
     first = {}
     for c in cases:
-        if c.get("sig") and c["sig"] not in first:
+        if c.get("sig") in new and c["sig"] not in first:
             first[c["sig"]] = (c["t"] - t0, c["cell"])
     for f in findings:
         f["count"] = hits.get(f["signature"], 0)
         f["first_seen"], f["cell"] = first.get(f["signature"], (None, f["origin"].get("cell", "?")))
+    groups: dict[str, list] = {}
+    for f in sorted(findings, key=lambda f: (f["first_seen"] is None, f["first_seen"] or 0)):
+        groups.setdefault(f["group"], []).append(f)
+    known = load_known()
+    causes = load_root_causes(known)
+    by_cause: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for c in cases:
+        if c["outcome"] == "known hit" and c.get("sig"):
+            by_cause[known[c["sig"]].root_cause if c["sig"] in known else ""][c["sig"]] += 1
+    known_rows = [{"id": rid or "(no root cause recorded)", "hits": sum(n.values()), "signatures": dict(n),
+                   "title": causes[rid].title if rid in causes else "", "upstream": causes[rid].upstream_text
+                   if rid in causes else ""} for rid, n in sorted(by_cause.items(), key=lambda kv: -sum(kv[1].values()))]
     rate = []
     for b in range(BUCKETS):
         lo, hi = t0 + span * b / BUCKETS, t0 + span * (b + 1) / BUCKETS
         n = sum(1 for c in cases if lo <= c["t"] < hi or (b == BUCKETS - 1 and c["t"] == hi))
         rate.append((round(lo - t0, 1), n / (span / BUCKETS)))
     heat = collections.Counter((c["target"], c["world"]) for c in cases)
-    return {"cases": len(cases), "span": span, "rate": rate, "tables": tables, "findings": findings,
-            "hits": hits, "heat": heat, "firsts": sorted(t for t, _ in first.values()), "cells": len({c["cell"] for c in cases}),
-            "known_hits": sum(1 for c in cases if c.get("known"))}
+    return {"cases": len(cases), "span": span, "rate": rate, "tables": tables, "findings": findings, "groups": groups,
+            "hits": hits, "heat": heat, "firsts": sorted(t for t, _ in first.values()),
+            "cells": len({c["cell"] for c in cases}), "known": known_rows,
+            "known_hits": sum(1 for c in cases if c["outcome"] == "known hit")}
+
+
+def _natural(key: str):
+    """Numbers in order (W2 before W10), then text."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", key)]
+
+
+def headline(s: dict) -> str:
+    return (f"{s['cases']} cases in {s['span'] / 60:.1f} min over {s['cells']} cell runs "
+            f"({s['cases'] / s['span']:.2f} cases/s) · {len(s['findings'])} new findings in {len(s['groups'])} "
+            f"suspected bugs · {s['known_hits']} known-bug hits in {len(s['known'])} root causes")
 
 
 def text(summary: dict) -> str:
     if not summary["cases"]:
         return "no cases recorded yet (OUT/cells/*.jsonl is empty)\n"
     s = summary
-    lines = [f"{s['cases']} cases in {s['span'] / 60:.1f} min over {s['cells']} cell runs "
-             f"({s['cases'] / s['span']:.2f} cases/s) · {len(s['findings'])} findings · {s['known_hits']} known-bug hits", ""]
-    statuses = ["pass", "invalid", "finding", "error"]
-    for title, rows in s["tables"].items():
-        lines.append(f"{title:<14}" + "".join(f"{h:>9}" for h in ["cases"] + statuses))
-        for name, counts in rows.items():
-            lines.append(f"  {name:<12}" + f"{sum(counts.values()):>9}" + "".join(f"{counts.get(h, 0):>9}" for h in statuses))
-        lines.append("")
-    lines.append("findings (first seen: minutes into the run)")
-    for f in s["findings"]:
-        when = f"{f['first_seen'] / 60:6.1f}" if f["first_seen"] is not None else "     ?"
-        lines.append(f"  {when}  x{f['count']:<4} {f['signature']}  [{f['cell']}]  {f['summary'][:100]}")
-    if not s["findings"]:
+    lines = [headline(s), "", "new findings by suspected root cause (first seen: minutes into the run)"]
+    for group, fs in s["groups"].items():
+        lines.append(f"  {group}: {len(fs)} finding(s)")
+        for f in fs:
+            when = f"{f['first_seen'] / 60:6.1f}" if f["first_seen"] is not None else "     ?"
+            lines.append(f"    {when}  x{f['count']:<4} {f['signature']}  [{f['cell']}]  {f['summary'][:100]}")
+    if not s["groups"]:
         lines.append("  none")
-    lines += ["", "cases/s over time"]
+    lines += ["", "known torch bugs hit, by root cause"]
+    for k in s["known"]:
+        lines.append(f"  x{k['hits']:<5} {k['id']}  [{k['upstream']}]  ({len(k['signatures'])} signatures)")
+    if not s["known"]:
+        lines.append("  none")
+    lines.append("")
+    for title, rows in s["tables"].items():
+        width = max(14, max(len(r) for r in rows) + 2)
+        lines.append(f"{title}")
+        lines.append(" " * width + "".join(f"{h:>12}" for h in ("cases",) + OUTCOMES))
+        for name, counts in rows.items():
+            lines.append(f"  {name:<{width - 2}}" + f"{sum(counts.values()):>12}"
+                         + "".join(f"{counts.get(h, 0):>12}" for h in OUTCOMES))
+        lines.append("")
+    lines += ["cases/s over time (seconds into the run)"]
     top = max(r for _, r in s["rate"]) or 1.0
     lines += [f"  +{t:>7.0f}s  {r:6.2f}  {'#' * round(20 * r / top)}" for t, r in s["rate"]]
     return "\n".join(lines) + "\n"
@@ -108,26 +215,51 @@ def html_page(summary: dict, title: str) -> str:
     s = summary
     esc = html.escape
     parts = [f"<!doctype html><meta charset='utf-8'><title>{esc(title)}</title>",
-             "<style>body{font:14px sans-serif;margin:2em}td,th{padding:2px 8px;text-align:right}"
-             "td:first-child,th:first-child{text-align:left}table{border-collapse:collapse;margin:1em 0}"
-             "tr:nth-child(even){background:#f4f4f4}</style>",
-             f"<h1>{esc(title)}</h1><pre>{esc(text(s).split(chr(10))[0])}</pre>"]
-    if s["cases"]:
-        parts += ["<h2>Coverage: cases per target and world size</h2>", _heatmap(s["heat"]),
-                  "<h2>Findings over time</h2>", _timeline(s)]
-        for name, rows in s["tables"].items():
-            parts.append(f"<h3>{esc(name)}</h3><table><tr><th></th><th>cases</th><th>pass</th><th>invalid</th>"
-                         "<th>finding</th><th>error</th></tr>")
-            for k, c in rows.items():
-                parts.append(f"<tr><td>{esc(k)}</td><td>{sum(c.values())}</td>"
-                             + "".join(f"<td>{c.get(h, 0)}</td>" for h in ("pass", "invalid", "finding", "error")) + "</tr>")
-            parts.append("</table>")
-    parts.append("<h2>Findings</h2><table><tr><th>signature</th><th>first seen (min)</th><th>hits</th><th>cell</th><th>summary</th></tr>")
-    for f in s["findings"]:
-        when = f"{f['first_seen'] / 60:.1f}" if f.get("first_seen") is not None else "?"
-        parts.append(f"<tr><td><a href='findings/{esc(f['file'])}'>{esc(f['signature'])}</a></td><td>{when}</td>"
-                     f"<td>{f.get('count', 0)}</td><td>{esc(str(f.get('cell', '')))}</td><td>{esc(f['summary'][:160])}</td></tr>")
-    parts.append("</table>")
+             "<style>body{font:14px sans-serif;margin:2em;max-width:80em}td,th{padding:2px 8px;text-align:right}"
+             "td:first-child,th:first-child{text-align:left}table{border-collapse:collapse;margin:.5em 0 1.5em}"
+             "tr:nth-child(even){background:#f4f4f4}.new{color:#b00}.known{color:#666}"
+             ".charts{display:flex;flex-wrap:wrap;gap:2em}</style>",
+             f"<h1>{esc(title)}</h1>"]
+    if not s["cases"]:
+        return "\n".join(parts + ["<p>no cases recorded yet (OUT/cells/*.jsonl is empty)</p>"]) + "\n"
+    parts.append(f"<p><b>{esc(headline(s))}</b></p>")
+    parts.append("<h2 class='new'>New findings, by suspected root cause</h2>")
+    if not s["groups"]:
+        parts.append("<p>none</p>")
+    for group, fs in s["groups"].items():
+        parts.append(f"<h3>{esc(group)}: {len(fs)} finding(s)</h3><table><tr><th>signature</th>"
+                     "<th>first seen (min)</th><th>hits</th><th>cell</th><th>summary</th></tr>")
+        for f in fs:
+            when = f"{f['first_seen'] / 60:.1f}" if f.get("first_seen") is not None else "?"
+            parts.append(f"<tr><td><a href='findings/{esc(f['file'])}'>{esc(f['signature'])}</a></td><td>{when}</td>"
+                         f"<td>{f.get('count', 0)}</td><td>{esc(str(f.get('cell', '')))}</td>"
+                         f"<td>{esc(f['summary'][:160])}</td></tr>")
+        parts.append("</table>")
+    parts.append("<h2 class='known'>Known torch bugs hit, by root cause</h2>")
+    if s["known"]:
+        parts.append("<table><tr><th>root cause</th><th>hits</th><th>upstream</th><th>signatures</th><th>what</th></tr>")
+        for k in s["known"]:
+            sigs = ", ".join(f"{esc(sig)} ×{n}" for sig, n in sorted(k["signatures"].items()))
+            parts.append(f"<tr><td>{esc(k['id'])}</td><td>{k['hits']}</td><td>{esc(k['upstream'])}</td>"
+                         f"<td>{sigs}</td><td>{esc(k['title'][:160])}</td></tr>")
+        parts.append("</table>")
+    else:
+        parts.append("<p>none</p>")
+    parts += ["<h2>Search</h2><div class='charts'>",
+              "<figure>" + _heatmap(s["heat"]) + "<figcaption>cases per target and world size</figcaption></figure>",
+              "<figure>" + _timeline(s) + "<figcaption>new findings (distinct signatures) by when first seen; "
+              "known-bug hits are not counted</figcaption></figure>",
+              "<figure>" + _rate(s) + "<figcaption>cases/s over the run</figcaption></figure></div>"]
+    parts.append("<h2>Coverage</h2><p>Cases per value of each dimension, by outcome (<span class='new'>new finding"
+                 "</span>: a hit of a finding this run wrote; <span class='known'>known hit</span>: a torch bug in "
+                 "fuzzshard/known/).</p>")
+    for name, rows in s["tables"].items():
+        parts.append(f"<h3>{esc(name)}</h3><table><tr><th></th><th>cases</th>"
+                     + "".join(f"<th>{esc(h)}</th>" for h in OUTCOMES) + "</tr>")
+        for k, c in rows.items():
+            parts.append(f"<tr><td>{esc(k)}</td><td>{sum(c.values())}</td>"
+                         + "".join(f"<td>{c.get(h, 0)}</td>" for h in OUTCOMES) + "</tr>")
+        parts.append("</table>")
     return "\n".join(parts) + "\n"
 
 
@@ -135,12 +267,16 @@ def _heatmap(heat: collections.Counter) -> str:
     targets = sorted({t for t, _ in heat})
     worlds = sorted({w for _, w in heat})
     top = max(heat.values())
-    cell, left = 56, 110
-    out = [f"<svg width='{left + cell * len(worlds) + 10}' height='{30 + cell * len(targets)}' font-size='12'>"]
+    cell, left, top_pad = 56, 130, 40
+    width, height = left + cell * len(worlds) + 10, top_pad + cell * len(targets) + 10
+    out = [f"<svg width='{width}' height='{height}' font-size='12'>",
+           f"<text x='{left + cell * len(worlds) / 2}' y='12' text-anchor='middle' font-weight='bold'>world size</text>",
+           f"<text x='12' y='{top_pad + cell * len(targets) / 2}' text-anchor='middle' font-weight='bold' "
+           f"transform='rotate(-90 12 {top_pad + cell * len(targets) / 2})'>target</text>"]
     for j, w in enumerate(worlds):
-        out.append(f"<text x='{left + j * cell + cell / 2}' y='15' text-anchor='middle'>W{w}</text>")
+        out.append(f"<text x='{left + j * cell + cell / 2}' y='{top_pad - 6}' text-anchor='middle'>{w}</text>")
     for i, t in enumerate(targets):
-        y = 22 + i * cell
+        y = top_pad + i * cell
         out.append(f"<text x='{left - 6}' y='{y + cell / 2}' text-anchor='end'>{html.escape(t)}</text>")
         for j, w in enumerate(worlds):
             n = heat.get((t, w), 0)
@@ -151,13 +287,36 @@ def _heatmap(heat: collections.Counter) -> str:
     return "".join(out) + "</svg>"
 
 
+def _axes(w: int, h: int, x_label: str, y_label: str, x_max: str, y_max: str) -> str:
+    """Both axes of a chart with its plot area in x 50..w-10, y 20..h-40: lines, end values, labels."""
+    return (f"<line x1='50' y1='{h - 40}' x2='{w - 10}' y2='{h - 40}' stroke='#000'/>"
+            f"<line x1='50' y1='20' x2='50' y2='{h - 40}' stroke='#000'/>"
+            f"<text x='50' y='{h - 26}' text-anchor='middle'>0</text>"
+            f"<text x='{w - 10}' y='{h - 26}' text-anchor='end'>{x_max}</text>"
+            f"<text x='44' y='{h - 40}' text-anchor='end'>0</text><text x='44' y='26' text-anchor='end'>{y_max}</text>"
+            f"<text x='{(w + 40) / 2}' y='{h - 8}' text-anchor='middle' font-weight='bold'>{x_label}</text>"
+            f"<text x='14' y='{(h - 20) / 2}' text-anchor='middle' font-weight='bold' "
+            f"transform='rotate(-90 14 {(h - 20) / 2})'>{y_label}</text>")
+
+
 def _timeline(s: dict) -> str:
-    """Distinct signatures (known torch bugs included) by when first seen."""
+    """New findings (distinct signatures this run wrote) by when first seen."""
     firsts = s["firsts"]
-    w, h, span = 600, 160, s["span"]
+    w, h, span = 420, 220, s["span"]
     pts = [(0, 0)] + [(t, i + 1) for i, t in enumerate(firsts)] + [(span, len(firsts))]
     top = max(1, len(firsts))
-    xy = " ".join(f"{40 + (w - 50) * t / span:.1f},{h - 20 - (h - 40) * n / top:.1f}" for t, n in pts)
-    return (f"<svg width='{w}' height='{h}' font-size='12'><polyline fill='none' stroke='#c33' stroke-width='2' "
-            f"points='{xy}'/><text x='40' y='{h - 4}'>0</text><text x='{w - 10}' y='{h - 4}' text-anchor='end'>"
-            f"{span / 60:.1f} min</text><text x='4' y='20'>{top}</text></svg>")
+    xy = " ".join(f"{50 + (w - 60) * t / span:.1f},{h - 40 - (h - 60) * n / top:.1f}" for t, n in pts)
+    return (f"<svg width='{w}' height='{h}' font-size='12'>"
+            + _axes(w, h, "minutes into the run", "new findings", f"{span / 60:.1f}", str(top))
+            + f"<polyline fill='none' stroke='#b00' stroke-width='2' points='{xy}'/></svg>")
+
+
+def _rate(s: dict) -> str:
+    """Cases/s in each tenth of the run, as bars."""
+    w, h, span = 420, 220, s["span"]
+    top = max((r for _, r in s["rate"]), default=0) or 1.0
+    bar = (w - 60) / max(1, len(s["rate"]))
+    bars = "".join(f"<rect x='{50 + i * bar + 1:.1f}' y='{h - 40 - (h - 60) * r / top:.1f}' width='{bar - 2:.1f}' "
+                   f"height='{(h - 60) * r / top:.1f}' fill='#57a'/>" for i, (_, r) in enumerate(s["rate"]))
+    return (f"<svg width='{w}' height='{h}' font-size='12'>"
+            + _axes(w, h, "minutes into the run", "cases/s", f"{span / 60:.1f}", f"{top:.2f}") + bars + "</svg>")

@@ -233,6 +233,7 @@ def run_cell(spec: dict) -> int:
     from . import repro
     from .engine import Session
     from .findings import summary, write_finding
+    from .report import option_tokens
     from .runner import LostRank, Pool, PoolError
 
     class SoakSession(Session):
@@ -242,14 +243,15 @@ def run_cell(spec: dict) -> int:
             ck = case.checkpoint
             line = {"t": round(time.time(), 3), "target": case.target, "world": case.world_size,
                     "mesh": len(case.mesh_shape), "ck": ck.kind if ck else None, "ck_world": ck.world_size if ck else None,
-                    "optim": case.optim.name, "dtype": case.dtype, "steps": len(case.schedule),
+                    "optim": case.optim.name, "impl": case.optim.implementation, "dtype": case.dtype,
+                    "steps": len(case.schedule), "options": option_tokens(case),
                     "groups": len(case.groups), "frozen": bool(case.frozen), "procs": spec.get("procs", 1), "status": verdict.get("status"),
                     "oracle": verdict.get("oracle"), "sig": sig, "known": bool(sig and sig in self.known)}
             with open(self.log, "a") as f:  # one short line per write: O_APPEND keeps lines whole
                 f.write(json.dumps(line) + "\n")
 
-        def _run_round(self, target, n, seed, reuse=True) -> None:
-            super()._run_round(target, n, seed, reuse)
+        def _run_round(self, *args, **kwargs) -> None:
+            super()._run_round(*args, **kwargs)
             self._learn_published()
 
         def _publish(self, sig: str, found: tuple, first: bool) -> bool:

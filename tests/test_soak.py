@@ -67,7 +67,7 @@ def test_cells_share_findings_and_sigterm_then_restart_resumes(tmp_path):
     assert rep.returncode == 0, rep.stderr
     assert "world size" in rep.stdout and "optimizer" in rep.stdout and sigs[0] in rep.stdout
     page = (out / "report.html").read_text()
-    assert page.count("<svg") == 2 and sigs[0] in page
+    assert page.count("<svg") == 3 and sigs[0] in page
 
 
 def _node(pid: int) -> list[int]:

@@ -1,0 +1,59 @@
+"""`fuzzshard report`: new findings and known hits apart everywhere, findings
+grouped by suspected root cause, coverage of the dimensions where bugs hide,
+labelled charts. From a hand-written cells log, so every count is known."""
+import json
+import re
+
+from conftest import run_cli
+
+from fuzzshard.findings import KNOWN_DIR
+
+KNOWN_SIG = "fsdp2.checkpoint.full.loaded.strict"  # root cause dsd-full-load-refills-missing-keys
+NEW_SIG = "dtensor.parity.SGD.forloop.param"  # written by "this run"
+
+
+def _case(t, outcome, optim="SGD", impl="forloop", **more):
+    status, sig, known = {"pass": ("pass", None, False), "invalid": ("invalid", None, False),
+                          "new": ("finding", NEW_SIG, False), "new-again": ("finding", NEW_SIG, True),
+                          "known": ("finding", KNOWN_SIG, True)}[outcome]
+    return {"t": t, "target": more.get("target", "dtensor"), "world": more.get("world", 2), "mesh": 1,
+            "ck": more.get("ck"), "ck_world": more.get("ck_world"), "optim": optim, "impl": impl, "dtype": "float32",
+            "steps": 1, "options": more.get("options", ["placements=S0"]), "groups": more.get("groups", 1),
+            "frozen": more.get("frozen", False), "procs": 1, "status": status, "oracle": None, "sig": sig,
+            "known": known}
+
+
+def test_report_tells_new_findings_from_known_hits_and_groups_them_by_root_cause(tmp_path):
+    out = tmp_path / "soak"
+    (out / "cells").mkdir(parents=True)
+    (out / "findings").mkdir()
+    lines = [_case(0, "pass", "Adam", "foreach"), _case(10, "known", "Adam", "fused", target="fsdp2", ck="full",
+                                                         ck_world=2, options=["reshard_after_forward=True"]),
+             _case(20, "new"), _case(30, "invalid", groups=2, frozen=True), _case(40, "new-again"),
+             _case(60, "pass", "Adamax", "forloop", world=1, ck="dcp", ck_world=2)]
+    (out / "cells" / "e0c0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    finding = json.loads((KNOWN_DIR / "dtensor.parity.Adafactor.forloop.param.json").read_text())
+    finding["signature"] = NEW_SIG
+    finding.pop("root_cause")
+    (out / "findings" / f"{NEW_SIG}.json").write_text(json.dumps(finding))
+
+    r = run_cli("report", out)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    assert "6 cases in 1.0 min" in text and "1 new findings in 1 suspected bugs" in text, text
+    assert "1 known-bug hits in 1 root causes" in text, text
+    # the new finding under its suspected root cause, hit twice (a resumed cell calls its own finding known)
+    assert re.search(r"^  (root cause \S+ \(probably\)|new: .+): 1 finding\(s\)\n +0\.3  x2 +" + re.escape(NEW_SIG),
+                     text, re.M), text
+    assert re.search(r"^  x1 +dsd-full-load-refills-missing-keys +\[", text, re.M), text
+    # columns: cases, pass, invalid, new finding, known hit, error
+    assert re.search(r"^  SGD forloop +3 +0 +1 +2 +0 +0$", text, re.M), text
+    assert re.search(r"^  Adam fused +1 +0 +0 +0 +1 +0$", text, re.M), text
+    assert re.search(r"^  dcp W1 -> W2 +1 +1 +0 +0 +0 +0$", text, re.M), text
+    assert re.search(r"^  fsdp2: reshard_after_forward=True +1 ", text, re.M), text
+    assert re.search(r"^  some +1 +0 +1 +0 +0 +0$", text, re.M), text  # frozen params
+    page = (out / "report.html").read_text()
+    assert page.count("<svg") == 3
+    for label in ("world size", "target", "minutes into the run", "new findings", "cases/s"):
+        assert f"font-weight='bold'>{label}<" in page or f">{label}</text>" in page, label
+    assert NEW_SIG in page and "dsd-full-load-refills-missing-keys" in page
