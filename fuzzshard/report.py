@@ -216,7 +216,7 @@ def html_page(summary: dict, title: str) -> str:
     esc = html.escape
     parts = [f"<!doctype html><meta charset='utf-8'><title>{esc(title)}</title>",
              "<style>body{font:14px sans-serif;margin:2em;max-width:80em}td,th{padding:2px 8px;text-align:right}"
-             "td:first-child,th:first-child{text-align:left}table{border-collapse:collapse;margin:.5em 0 1.5em}"
+             "td:first-child,th:first-child,td.t,th.t{text-align:left}table{border-collapse:collapse;margin:.5em 0 1.5em}"
              "tr:nth-child(even){background:#f4f4f4}.new{color:#b00}.known{color:#666}"
              ".charts{display:flex;flex-wrap:wrap;gap:2em}</style>",
              f"<h1>{esc(title)}</h1>"]
@@ -228,20 +228,21 @@ def html_page(summary: dict, title: str) -> str:
         parts.append("<p>none</p>")
     for group, fs in s["groups"].items():
         parts.append(f"<h3>{esc(group)}: {len(fs)} finding(s)</h3><table><tr><th>signature</th>"
-                     "<th>first seen (min)</th><th>hits</th><th>cell</th><th>summary</th></tr>")
+                     "<th>first seen (min)</th><th>hits</th><th>cell</th><th class='t'>summary</th></tr>")
         for f in fs:
             when = f"{f['first_seen'] / 60:.1f}" if f.get("first_seen") is not None else "?"
             parts.append(f"<tr><td><a href='findings/{esc(f['file'])}'>{esc(f['signature'])}</a></td><td>{when}</td>"
                          f"<td>{f.get('count', 0)}</td><td>{esc(str(f.get('cell', '')))}</td>"
-                         f"<td>{esc(f['summary'][:160])}</td></tr>")
+                         f"<td class='t'>{esc(f['summary'][:160])}</td></tr>")
         parts.append("</table>")
     parts.append("<h2 class='known'>Known torch bugs hit, by root cause</h2>")
     if s["known"]:
-        parts.append("<table><tr><th>root cause</th><th>hits</th><th>upstream</th><th>signatures</th><th>what</th></tr>")
+        parts.append("<table><tr><th>root cause</th><th>hits</th><th class='t'>upstream</th><th class='t'>signatures</th>"
+                     "<th class='t'>what</th></tr>")
         for k in s["known"]:
             sigs = ", ".join(f"{esc(sig)} ×{n}" for sig, n in sorted(k["signatures"].items()))
-            parts.append(f"<tr><td>{esc(k['id'])}</td><td>{k['hits']}</td><td>{esc(k['upstream'])}</td>"
-                         f"<td>{sigs}</td><td>{esc(k['title'][:160])}</td></tr>")
+            parts.append(f"<tr><td>{esc(k['id'])}</td><td>{k['hits']}</td><td class='t'>{esc(k['upstream'])}</td>"
+                         f"<td class='t'>{sigs}</td><td class='t'>{esc(k['title'][:160])}</td></tr>")
         parts.append("</table>")
     else:
         parts.append("<p>none</p>")
@@ -253,13 +254,15 @@ def html_page(summary: dict, title: str) -> str:
     parts.append("<h2>Coverage</h2><p>Cases per value of each dimension, by outcome (<span class='new'>new finding"
                  "</span>: a hit of a finding this run wrote; <span class='known'>known hit</span>: a torch bug in "
                  "fuzzshard/known/).</p>")
+    parts.append("<div class='charts'>")
     for name, rows in s["tables"].items():
-        parts.append(f"<h3>{esc(name)}</h3><table><tr><th></th><th>cases</th>"
+        parts.append(f"<div><h3>{esc(name)}</h3><table><tr><th></th><th>cases</th>"
                      + "".join(f"<th>{esc(h)}</th>" for h in OUTCOMES) + "</tr>")
         for k, c in rows.items():
             parts.append(f"<tr><td>{esc(k)}</td><td>{sum(c.values())}</td>"
                          + "".join(f"<td>{c.get(h, 0)}</td>" for h in OUTCOMES) + "</tr>")
-        parts.append("</table>")
+        parts.append("</table></div>")
+    parts.append("</div>")
     return "\n".join(parts) + "\n"
 
 
@@ -303,7 +306,7 @@ def _timeline(s: dict) -> str:
     """New findings (distinct signatures this run wrote) by when first seen."""
     firsts = s["firsts"]
     w, h, span = 420, 220, s["span"]
-    pts = [(0, 0)] + [(t, i + 1) for i, t in enumerate(firsts)] + [(span, len(firsts))]
+    pts = [(0, 0)] + [p for i, t in enumerate(firsts) for p in ((t, i), (t, i + 1))] + [(span, len(firsts))]  # steps
     top = max(1, len(firsts))
     xy = " ".join(f"{50 + (w - 60) * t / span:.1f},{h - 40 - (h - 60) * n / top:.1f}" for t, n in pts)
     return (f"<svg width='{w}' height='{h}' font-size='12'>"
