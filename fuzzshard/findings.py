@@ -43,8 +43,9 @@ def _parity_signature(case: Case, verdict: dict) -> str:
         # a grad where the reference has none (or none where it has one) is its own kind of bug
         presence = f".{first['presence']}" if "presence" in first else ""
         return f"{case.target}.parity.{quantity}{presence}"
-    # the implementation is half a step bug's address
-    return f"{case.target}.parity.{case.optim.name}.{case.optim.implementation}.{quantity}"
+    # the implementation is half a step bug's address; a fused kernel's, also the layout of the grad it read
+    layout = ".noncontig_grad" if first.get("grad") == "non-contiguous" else ""
+    return f"{case.target}.parity.{case.optim.name}.{case.optim.implementation}.{quantity}{layout}"
 
 
 def _parity_summary(verdict: dict) -> str:

@@ -89,7 +89,9 @@ def address(case, verdict: dict) -> str:
         if quantity in ("loss", "grad"):
             return quantity + (f" {first['presence']}" if "presence" in first else "")
         kw = case.optim.kwargs  # a fused kernel is shared by its optimizers; elsewhere the optimizer is the code
-        return "optimizer step: fused kernel" if kw.get("fused") else f"optimizer step: {case.optim.name}"
+        if kw.get("fused"):
+            return "optimizer step: fused kernel" + (", non-contiguous grad" if first.get("grad") == "non-contiguous" else "")
+        return f"optimizer step: {case.optim.name}"
     return oracle or "?"
 
 

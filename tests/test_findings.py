@@ -65,3 +65,23 @@ def test_a_crash_is_named_by_where_it_died_and_a_crash_elsewhere_is_new():
     assert other == "fsdp1.crash.Killed_by_SIGABRT.run._steps.all_reduce" and not is_known(other, f.case, known)
     nowhere = {k: v for k, v in f.verdict.items() if k != "where"}  # no stack came back: the bare signal, not known
     assert not is_known(signature(f.case, nowhere), f.case, known)
+
+
+def test_a_fused_step_divergence_says_whether_the_grad_it_read_was_contiguous():
+    """The known fused-Adam bug (a non-contiguous grad read as contiguous) hides
+    only itself: a fused divergence on grads laid out as the kernel expects is new,
+    and it no longer matches that root cause."""
+    from fuzzshard.findings import is_known, signature
+    from fuzzshard.rootcause import Matcher
+
+    known = load_known()
+    sig = "dtensor.parity.Adam.fused.param.noncontig_grad"
+    f = known[sig]
+    assert f.verdict["first"]["grad"] == "non-contiguous" and signature(f.case, f.verdict) == sig
+    matcher = Matcher(known)
+    assert matcher.suspects(f.case, f.verdict) == ["cpu-fused-optim-noncontiguous-grad"]
+    first = {k: v for k, v in f.verdict["first"].items() if k != "grad"}
+    contiguous = {**f.verdict, "first": first, "mismatches": [first]}
+    other = signature(f.case, contiguous)
+    assert other == "dtensor.parity.Adam.fused.param" and not is_known(other, f.case, known)
+    assert matcher.suspects(f.case, contiguous) == []

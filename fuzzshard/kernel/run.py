@@ -252,7 +252,9 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
 
     def observe_grads() -> dict:  # collectives over the job, after backward
         with clock("gathers"):
-            return {"grads": target.grads(model), "grad_spread": target.grad_spreads(model)}
+            # a fused kernel's divergence is told apart by the layout of the grads it read
+            layout = {"noncontig": target.noncontiguous_grads(model)} if case.optim.implementation == "fused" else {}
+            return {"grads": target.grads(model), "grad_spread": target.grad_spreads(model), **layout}
 
     def observe_step() -> dict:  # collectives over the job, after the step
         with clock("gathers"):

@@ -163,6 +163,30 @@ class Target:
             out[n] = None if g is None else g.detach().clone()
         return out
 
+    def noncontiguous_grads(self, model: nn.Module) -> list[str]:
+        """The params whose grad, as some rank's step kernel reads it, is not
+        contiguous: what a fused kernel that assumes contiguity misreads. A
+        DTensor grad placed otherwise than its param is read as the step's
+        sharding strategy redistributes it (to the param's placements), so it is
+        redistributed here the same way to look. Collectives over the case's
+        mesh (every rank calls them, in the same order)."""
+        from torch.distributed.tensor import DTensor, Partial
+
+        params = named_params(model)
+
+        def as_read(p):
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+                with torch.no_grad():
+                    g = g.redistribute(p.device_mesh, p.placements)
+            return g.to_local() if isinstance(g, DTensor) else g
+
+        local = [as_read(p) for p in params.values()]
+        flags = torch.tensor([float(g is not None and not g.is_contiguous()) for g in local] or [0.0],
+                             device=self.mesh.device_type)
+        total = DTensor.from_local(flags, self.mesh, [Partial()] * self.mesh.ndim, run_check=False).full_tensor()
+        return [n for n, f in zip(params, total.tolist()) if f > 0]
+
     def grad_spreads(self, model: nn.Module) -> dict:
         """{fqn: (sum of |partial grads|, number of partials)} for grads the
         optimizer may reduce in another order than the gather did (dtensor)."""
