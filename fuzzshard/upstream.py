@@ -25,8 +25,6 @@ from . import repro
 from .findings import Finding, summary
 from .rootcause import Matcher, RootCause, load_root_causes
 
-COMPONENT = {"dtensor": "DTensor", "fsdp2": "FSDP2", "fsdp1": "FSDP", "zero": "ZeroRedundancyOptimizer",
-             "sharded_optim": "ShardedOptimizer"}
 RUN_TIMEOUT = 300  # seconds for the script's run here
 INLINE_LIMIT = 40_000  # GitHub refuses an issue body over 65,536 characters
 _ROOT = Path(__file__).resolve().parent.parent  # a root cause's minimal script is named from the repository
@@ -80,7 +78,7 @@ def title(finding: Finding, rc: RootCause | None) -> str:
     case, v = finding.case, finding.verdict
     if rc:
         return f"[{_component(rc, case.target)}] {rc.title}"
-    component = COMPONENT.get(case.target, case.target)
+    component = _component(None, case.target)
     oracle, first = v.get("oracle"), v.get("first") or {}
     if oracle == "parity":
         impl = "fused" if case.optim.kwargs.get("fused") else "foreach" if case.optim.kwargs.get("foreach") else "for-loop"
@@ -130,8 +128,13 @@ def _root_cause(finding: Finding, known: dict) -> RootCause | None:
     return causes.get(rid)
 
 
-def _component(rc: RootCause, target: str) -> str:
-    return rc.component or COMPONENT.get(target, target)
+def _component(rc: RootCause | None, target: str) -> str:
+    """What the title's [brackets] name: the root cause's component, else the target's (its spec says)."""
+    from . import targets
+
+    if rc and rc.component:
+        return rc.component
+    return (targets.get(target).spec.component if target in targets.names() else "") or target
 
 
 def _what(finding: Finding, rc: RootCause | None) -> str:

@@ -50,6 +50,7 @@ class Spec:
     check: Callable | None = None  # (case) -> what makes the case impossible for this target, or None
     facts: Callable | None = None  # (case) -> {name: value}: derived facts a known finding's trigger can name
     models: tuple = ()  # a plugin's models this target takes, and only those (a parallelism written for them)
+    component: str = ""  # the system under test as PyTorch's issue titles name it ("[FSDP2] ..."; upstream.py)
 
 
 class Target:

@@ -37,7 +37,7 @@ def parse_placement(text: str):
 
 class DTensorTarget(Target):
     name = "dtensor"
-    spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True)
+    spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, component="DTensor")
 
     def shard(self, model: nn.Module) -> nn.Module:
         placements = self.case.target_options.get("placements", {})

@@ -101,7 +101,7 @@ class FSDP1Target(Target):
     name = "fsdp1"
     # FSDP1 records requires_grad when it wraps; it steps each rank's flat 1-D slice of a param
     spec = Spec(options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
-                may_flatten=True, flags_fixed=lambda options: True)
+                may_flatten=True, flags_fixed=lambda options: True, component="FSDP")
     localizable = False  # wrapped module names differ from the reference's
     freeze_before_shard = True  # FSDP records requires_grad per original param when it flattens
 

@@ -202,7 +202,7 @@ def _cast(tree, dtype):
 class FSDP2Target(Target):
     name = "fsdp2"
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
-                to_dtype=True, nonroot=True, check=check, facts=facts)
+                to_dtype=True, nonroot=True, check=check, facts=facts, component="FSDP2")
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:

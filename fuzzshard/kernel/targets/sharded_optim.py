@@ -66,7 +66,8 @@ def _shard_slices(md) -> tuple:
 class ShardedOptimTarget(Target):
     name = "sharded_optim"
     # ShardedOptimizer takes one flat set of params, steps each local shard on its own
-    spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True)
+    spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True,
+                component="ShardedOptimizer")
     localizable = False  # the forward runs on gathered copies, not on the module's params
 
     def __init__(self, case, mesh):

@@ -124,7 +124,8 @@ class ZeroTarget(Target):
     spec = Spec(options=draw_options, data_parallel=True, flat_mesh=True, add_param_group=True, generator_groups=True,
                 checkpoint_kinds={"consolidate": "consolidate_state_dict + state_dict(), torch.save; "
                                                  "load_state_dict on every rank"},
-                flags_fixed=lambda options: "ddp" in options, joinable=joinable, check=check)
+                flags_fixed=lambda options: "ddp" in options, joinable=joinable, check=check,
+                component="ZeroRedundancyOptimizer")
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
 
     @classmethod
