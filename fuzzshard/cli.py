@@ -146,6 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("known", help="list the known findings in torch; --check replays them")
     k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
+    k.add_argument("--minimal", nargs="*", metavar="ROOT_CAUSE",
+                   help="run the hand-reduced scripts of these root causes (none named: all) under torchrun here and "
+                        "say, per root cause, whether each still reproduces (a quick check of another torch version)")
     _pool_args(k)
 
     b = sub.add_parser("bench", help="warm pool vs a fresh process group per case and vs the bare training loop, "
@@ -592,6 +595,8 @@ def cmd_known(args) -> int:
         print(known_markdown(known))
         return 0
     causes = load_root_causes(known)
+    if args.minimal is not None:
+        return _check_minimal(causes, args.minimal)
     pool = None
     if args.check:
         _check_pool_args(args)
@@ -637,6 +642,24 @@ def cmd_known(args) -> int:
             verdict = ("still reproduces" if n["reproduces"] else "FIXED" if n["fixed"] else
                        "NOW FAILS DIFFERENTLY" if n["differs"] else "skipped")
             print(f"  {rid:55} {verdict:22} {n['reproduces']} / {n['fixed']} / {n['differs']} / {n['skipped']}")
+    return 0
+
+
+def _check_minimal(causes: dict, only: list) -> int:
+    """Each root cause's hand-reduced script, run here: exit 1 (and BUG REPRODUCED) is the bug."""
+    from .upstream import run_minimal
+
+    unknown = sorted(set(only) - set(causes))
+    if unknown:
+        raise UsageError(f"unknown root cause(s) {', '.join(unknown)} (see `fuzzshard known`)")
+    chosen = [rc for rid, rc in sorted(causes.items()) if rc.minimal and (not only or rid in only)]
+    print(f"hand-reduced scripts of {len(chosen)} root causes on torch {_torch_version()}: exit 1 = still "
+          f"reproduces, 0 = does not, other = fails otherwise (a script may need a GPU: it says so at its top)", flush=True)
+    for rc in chosen:
+        code, printed = run_minimal(rc)
+        verdict = {1: "still reproduces", 0: "DOES NOT REPRODUCE"}.get(code, f"fails otherwise (exit {code})")
+        last = printed.strip().splitlines()[-1:] or [""]
+        print(f"  {rc.id:55} {verdict:30} {last[0][:80]}", flush=True)
     return 0
 
 

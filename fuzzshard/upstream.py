@@ -205,6 +205,13 @@ def _versions(finding: Finding, collect: bool) -> str:
     return "\n".join(lines)
 
 
+def run_minimal(rc: RootCause) -> tuple[int, str]:
+    """Run a root cause's hand-reduced script here, as its top line says: (exit code, output tail)."""
+    text = (_ROOT / rc.minimal).read_text()
+    name = Path(rc.minimal).name
+    return _run(text, name, _ranks_of(text, name))
+
+
 def _run(text: str, name: str, ranks: int) -> tuple[int, str]:
     """Run the script under torchrun in an empty folder; (exit code, its output's tail)."""
     with tempfile.TemporaryDirectory(prefix="fuzzshard-upstream-") as d:

@@ -55,3 +55,11 @@ def test_every_silent_root_cause_has_a_hand_reduced_script_that_says_how_to_run_
             top = "\n".join((_ROOT / rc.minimal).read_text().splitlines()[:15])
             name = re.escape(rc.minimal.rsplit("/", 1)[1])
             assert re.search(rf"(torchrun --nproc-per-node \d+|python) {name}", top), rc.id
+
+
+def test_known_minimal_runs_a_root_causes_hand_reduced_script_and_says_it_still_reproduces():
+    r = run_cli("known", "--minimal", "zero-generator-param-group-consumed")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"zero-generator-param-group-consumed +still reproduces +BUG REPRODUCED", r.stdout), r.stdout
+    bad = run_cli("known", "--minimal", "no-such-root-cause")
+    assert bad.returncode == 2 and "unknown root cause(s) no-such-root-cause" in bad.stderr
