@@ -16,6 +16,8 @@ examples:
   fuzzshard fuzz --target dtensor --worker-setup my_patch.py   # patch torch / register a target
   fuzzshard replay findings/dtensor.parity.Adam.param.json    # 0 passes now, 1 still fails
   torchrun --nproc-per-node 2 findings/dtensor.parity.Adam.param.py   # no fuzzshard needed
+  fuzzshard upstream findings/dtensor.parity.Adam.param.json -o issue.md   # an issue for pytorch/pytorch
+  fuzzshard known --minimal                                   # which known torch bugs this torch still has
   fuzzshard show findings/dtensor.parity.Adam.param.json
   fuzzshard script fuzzshard/known/dtensor.parity.forward.Conv1d.json -o conv.py   # a repro to paste upstream
   fuzzshard known --check                                       # do known torch bugs still reproduce?
@@ -143,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
                     "written beside it as OUTPUT.repro.py); default: standard output, the script into the current folder")
     up.add_argument("--no-run", action="store_true", help="do not run the script (nor collect_env) first")
 
-    k = sub.add_parser("known", help="list the known findings in torch; --check replays them")
+    k = sub.add_parser("known", help="the known findings in torch, by root cause; --check replays them, "
+                                     "--minimal runs the hand-reduced scripts")
     k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
     k.add_argument("--minimal", nargs="*", metavar="ROOT_CAUSE",
