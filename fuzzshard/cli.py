@@ -17,7 +17,7 @@ examples:
   fuzzshard replay findings/dtensor.parity.Adam.param.json    # 0 passes now, 1 still fails
   torchrun --nproc-per-node 2 findings/dtensor.parity.Adam.param.py   # no fuzzshard needed
   fuzzshard upstream findings/dtensor.parity.Adam.param.json -o issue.md   # an issue for pytorch/pytorch
-  fuzzshard known --minimal                                   # which known torch bugs this torch still has
+  fuzzshard known --minimal                                     # which known torch bugs this torch still has
   fuzzshard show findings/dtensor.parity.Adam.param.json
   fuzzshard script fuzzshard/known/dtensor.parity.forward.Conv1d.json -o conv.py   # a repro to paste upstream
   fuzzshard known --check                                       # do known torch bugs still reproduce?
