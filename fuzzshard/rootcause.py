@@ -22,7 +22,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .findings import KNOWN_DIR, ROOT_CAUSES, Finding, signature
+from .findings import _NO_STRATEGY, KNOWN_DIR, ROOT_CAUSES, Finding, signature
 
 # frames that pass an error along rather than make it: the address is the innermost frame that is not one
 _PASSING = ("_ops.py", "nn/modules/module.py", "autograd/graph.py", "autograd/__init__.py", "_tensor.py",
@@ -73,7 +73,9 @@ def address(case, verdict: dict) -> str:
     oracle = verdict.get("oracle", "")
     err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
     if oracle == "error_parity":
-        return f"raises {err.get('type', 'Error')} in {_innermost(err.get('traceback', ''))}"
+        op = _NO_STRATEGY.search(err.get("message", ""))  # a missing sharding strategy: the op is the bug
+        return f"raises {err.get('type', 'Error')} in {_innermost(err.get('traceback', ''))}" + \
+            (f" (no sharding strategy for aten.{op.group(1)})" if op else "")
     if oracle in ("crash", "hang"):
         where = verdict.get("where") or {}
         return f"{oracle} ({err.get('type', '?')}) at {where[min(where)] if where else 'an unknown place'}"

@@ -26,7 +26,7 @@ def test_a_silent_known_finding_reports_its_hand_reduced_script_and_the_script_r
 
 def test_a_finding_without_a_reduced_script_attaches_the_generated_one(tmp_path):
     out = tmp_path / "issue.md"
-    r = run_cli("upstream", KNOWN_DIR / "fsdp2.error.step.NotImplementedError.af1d5b0d.json", "-o", out, "--no-run")
+    r = run_cli("upstream", KNOWN_DIR / "fsdp2.error.step.NotImplementedError.af1d5b0d._fused_sgd_.json", "-o", out, "--no-run")
     assert r.returncode == 0, r.stderr[-2000:]
     text = out.read_text()
     attached = tmp_path / "issue.repro.py"
