@@ -656,11 +656,13 @@ def _check_minimal(causes: dict, only: list) -> int:
     if unknown:
         raise UsageError(f"unknown root cause(s) {', '.join(unknown)} (see `fuzzshard known`)")
     chosen = [rc for rid, rc in sorted(causes.items()) if rc.minimal and (not only or rid in only)]
-    print(f"hand-reduced scripts of {len(chosen)} root causes on torch {_torch_version()}: exit 1 = still "
-          f"reproduces, 0 = does not, other = fails otherwise (a script may need a GPU: it says so at its top)", flush=True)
+    print(f"hand-reduced scripts of {len(chosen)} root causes on torch {_torch_version()}: a failing exit with a "
+          f"'BUG' line = still reproduces, 0 = does not, else fails otherwise (a script may need a GPU: it says so "
+          f"at its top; an uncaught exception exits 1 too, without the line)", flush=True)
     for rc in chosen:
         code, printed = run_minimal(rc)
-        verdict = {1: "still reproduces", 0: "DOES NOT REPRODUCE"}.get(code, f"fails otherwise (exit {code})")
+        verdict = ("DOES NOT REPRODUCE" if code == 0 else "still reproduces" if re.search(r"\bBUG\b", printed)
+                   else f"fails otherwise (exit {code})")
         last = printed.strip().splitlines()[-1:] or [""]
         print(f"  {rc.id:55} {verdict:30} {last[0][:80]}", flush=True)
     return 0
