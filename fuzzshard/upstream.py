@@ -77,7 +77,9 @@ def report(finding: Finding, known: dict, run: bool = True, attachment: Path | N
 def title(finding: Finding, rc: RootCause | None) -> str:
     case, v = finding.case, finding.verdict
     if rc:
-        return f"[{_component(rc, case.target)}] {rc.title}"
+        component = _component(rc, case.target)
+        words = rc.title.split(" ", 1)  # "[FSDP1] FSDP1 FULL_STATE_DICT ...": the component once
+        return f"[{component}] {words[1] if words[0] == component and len(words) > 1 else rc.title}"
     component = _component(None, case.target)
     oracle, first = v.get("oracle"), v.get("first") or {}
     if oracle == "parity":
@@ -175,7 +177,7 @@ def _expected_actual(finding: Finding) -> list[str]:
         return [f"**Expected**: the sharded run trains, as the unsharded one does on the same model and data; "
                 f"**actual**: `{err.get('type')}: {_short(err.get('message', ''), 300)}` in {err.get('phase', '?')}.", "",
                 "<details><summary>traceback</summary>", "", "```", "\n".join(tb[-30:]), "```", "</details>", ""]
-    log = err.get("log", "").strip().splitlines()
+    log = [x for x in err.get("log", "").strip().splitlines() if not x.startswith("Extension modules:")]
     return [f"**Expected**: every rank finishes; **actual**: {summary(v)}", "", "```", "\n".join(log[-25:]), "```", ""]
 
 
