@@ -415,6 +415,10 @@ def _print_session_report(session, findings, out) -> None:
     if session.stop_reason:
         length += f", stopped by {session.stop_reason}"
     print(length, file=sys.stderr)
+    pool = session.pool
+    if pool.restarts:  # what hangs, crashes and ranks stuck after another rank raised cost the session
+        print(f"pool restarts: {pool.restarts} ({pool.stuck_seconds:.0f}s waiting for ranks stuck after another "
+              f"raised, {pool.restart_seconds:.0f}s restarting)", file=sys.stderr)
     if st.derived_timeouts or st.slow:
         print(f"while a hang shrank: {st.derived_timeouts} case(s) ran under a derived timeout of "
               f"{st.derived_timeout:.0f}s (--case-timeout {session.pool.case_timeout:.0f}s); {st.slow} provisional "

@@ -466,7 +466,8 @@ class Session:
         if st.contaminated:
             line += f" · contaminated {st.contaminated}"
         if self.pool.restarts:
-            line += f" · pool restarts {self.pool.restarts}"
+            line += (f" · pool restarts {self.pool.restarts} ({self.pool.stuck_seconds:.0f}s waiting for stuck ranks, "
+                     f"{self.pool.restart_seconds:.0f}s restarting)")
         print(line, file=self.progress, flush=True)
 
 

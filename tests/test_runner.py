@@ -48,3 +48,21 @@ def test_planted_crash_becomes_a_crash_result_and_the_session_goes_on(planted_po
     assert v["oracle"] == "crash" and 1 in v["dead_ranks"], v
     assert "SIGABRT" in v["error"]["type"]
     assert planted_pool.run(simple_case(3)).verdict == {"status": "pass"}
+
+
+def test_a_rank_that_raises_alone_costs_a_short_wait_and_a_restart_not_the_case_timeout(fuzz_pool):
+    """Row-wise Embedding(6, 5) over 4 ranks (a known torch bug): rank 3's shard is
+    empty and it raises; ranks 0-2 wait in a collective for it. The verdict is rank 3's
+    error with the others stuck, after GRACE_AFTER_ERROR, not the case timeout."""
+    from fuzzshard.findings import KNOWN_DIR, load_finding
+    from fuzzshard.runner import GRACE_AFTER_ERROR
+
+    case = load_finding(KNOWN_DIR / "dtensor.error.fwdbwd.RuntimeError.a009374a.json").case
+    restarts, stuck = fuzz_pool.restarts, fuzz_pool.stuck_seconds
+    r = fuzz_pool.run(case)
+    v = r.verdict
+    assert v["oracle"] == "error_parity" and v["rank"] == 3 and v["stuck_ranks"] == [0, 1, 2], v
+    assert signature(case, v) == "dtensor.error.fwdbwd.RuntimeError.a009374a"
+    assert fuzz_pool.restarts == restarts + 1
+    assert 0 < fuzz_pool.stuck_seconds - stuck < GRACE_AFTER_ERROR + 1.0 and r.seconds < fuzz_pool.case_timeout
+    assert fuzz_pool.run(simple_case(4)).verdict == {"status": "pass"}  # the fresh set runs the next case
