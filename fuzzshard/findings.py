@@ -82,14 +82,20 @@ def _checkpoint_summary(verdict: dict) -> str:
 _NO_STRATEGY = re.compile(r"Operator aten\.(\w+)(?:\.\w+)? does not have a sharding strategy registered")
 
 
+def missing_strategy_op(message: str) -> str | None:
+    """The op DTensor says it has no sharding strategy for ("_fused_sgd_"), if that is what ``message`` says."""
+    m = _NO_STRATEGY.search(message or "")
+    return m.group(1) if m else None
+
+
 def _error_signature(case: Case, verdict: dict) -> str:
     """The root cause is the message template, not which optimizer or op surfaced it
     (but a missing sharding strategy names its op)."""
     err = verdict.get("error") or {}
     phase = err.get("stage") or _phase_kind(err.get("phase", ""))  # (records older than "stage")
     digest = _digest(err.get("message", ""), names=phase in ("save", "load"))
-    op = _NO_STRATEGY.search(err.get("message", ""))
-    return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{digest}" + (f".{op.group(1)}" if op else "")
+    op = missing_strategy_op(err.get("message", ""))
+    return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{digest}" + (f".{op}" if op else "")
 
 
 def _error_summary(verdict: dict) -> str:

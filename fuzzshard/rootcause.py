@@ -22,13 +22,14 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .findings import _NO_STRATEGY, KNOWN_DIR, ROOT_CAUSES, Finding, signature
+from .findings import KNOWN_DIR, ROOT_CAUSES, Finding, missing_strategy_op, signature
 
 # frames that pass an error along rather than make it: the address is the innermost frame that is not one
 _PASSING = ("_ops.py", "nn/modules/module.py", "autograd/graph.py", "autograd/__init__.py", "_tensor.py",
-            "utils/_stats.py", "_compile.py", "_dynamo/", "__init__.py", "distributed/utils.py",
-            "distributed/tensor/_dispatch.py", "optim/optimizer.py")
-_FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
+            "utils/_stats.py", "utils/_contextlib.py", "_compile.py", "_dynamo/", "__init__.py",
+            "distributed/utils.py", "distributed/tensor/_dispatch.py", "optim/optimizer.py")
+# a traceback's frame line ("line N, in f") and faulthandler's ("line N in f")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 _DSD_KINDS = ("full", "dcp", "broadcast")  # the kinds that go through torch.distributed.checkpoint.state_dict
 
 
@@ -73,9 +74,9 @@ def address(case, verdict: dict) -> str:
     oracle = verdict.get("oracle", "")
     err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
     if oracle == "error_parity":
-        op = _NO_STRATEGY.search(err.get("message", ""))  # a missing sharding strategy: the op is the bug
+        op = missing_strategy_op(err.get("message", ""))  # a missing sharding strategy: the op is the bug
         return f"raises {err.get('type', 'Error')} in {_innermost(err.get('traceback', ''))}" + \
-            (f" (no sharding strategy for aten.{op.group(1)})" if op else "")
+            (f" (no sharding strategy for aten.{op})" if op else "")
     if oracle in ("crash", "hang"):
         where = verdict.get("where") or {}
         return f"{oracle} ({err.get('type', '?')}) at {where[min(where)] if where else 'an unknown place'}"
@@ -97,13 +98,27 @@ def address(case, verdict: dict) -> str:
     return oracle or "?"
 
 
+def torch_frames(text: str, innermost_first: bool = False) -> list[tuple[str, int, str]]:
+    """The torch frames of a traceback (or of a faulthandler dump: ``innermost_first``),
+    innermost first, as (path under torch/, line, function)."""
+    frames = [(p, int(line), fn) for p, line, fn in _FRAME.findall(text or "") if "/torch/" in p]
+    frames = frames if innermost_first else frames[::-1]
+    return [(p.split("site-packages/torch/", 1)[1] if "site-packages/torch/" in p else p.rsplit("/torch/", 1)[1],
+             line, fn) for p, line, fn in frames]
+
+
+def telling_frame(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | None:
+    """The innermost of ``frames`` that makes an error rather than passes one along."""
+    return next((f for f in frames if not any(f[0] == g or f[0].startswith(g) or f[0].endswith("/" + g)
+                                              for g in _PASSING)), None)
+
+
 def _innermost(traceback_text: str) -> str:
     """The innermost torch frame that makes an error, as "torch/PATH:function"."""
-    frames = [(p, fn) for p, fn in _FRAME.findall(traceback_text or "") if "/torch/" in p]
-    for p, fn in reversed(frames):
-        rel = p.split("site-packages/torch/", 1)[1] if "site-packages/torch/" in p else p.rsplit("/torch/", 1)[1]
-        if not any(rel == g or rel.startswith(g) or rel.endswith("/" + g) for g in _PASSING):
-            return f"torch/{rel}:{fn}"
+    frames = torch_frames(traceback_text)
+    made = telling_frame(frames)
+    if made:
+        return f"torch/{made[0]}:{made[2]}"
     return "torch (no telling frame)" if frames else "fuzzshard or the test (no torch frame)"
 
 

@@ -23,14 +23,11 @@ from pathlib import Path
 
 from . import repro
 from .findings import Finding, summary
-from .rootcause import Matcher, RootCause, load_root_causes
+from .rootcause import Matcher, RootCause, telling_frame, torch_frames
 
 RUN_TIMEOUT = 300  # seconds for the script's run here
 INLINE_LIMIT = 40_000  # GitHub refuses an issue body over 65,536 characters
 _ROOT = Path(__file__).resolve().parent.parent  # a root cause's minimal script is named from the repository
-_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
-_SKIP = ("_ops.py", "nn/modules/module.py", "autograd/graph.py", "autograd/__init__.py", "_tensor.py",
-         "utils/_stats.py", "_contextlib.py", "distributed/tensor/_dispatch.py", "optim/optimizer.py", "_compile.py")
 
 
 def report(finding: Finding, known: dict, run: bool = True, attachment: Path | None = None) -> tuple[str, dict]:
@@ -106,28 +103,26 @@ def suspected_source(finding: Finding, rc: RootCause | None) -> str:
     if rc and rc.api:
         return _link(rc.api)
     err = v.get("error") if isinstance(v.get("error"), dict) else {}
-    frames = _FRAME.findall(err.get("traceback", "") + "\n" + err.get("log", ""))
-    if v.get("oracle") == "crash":  # faulthandler prints the innermost frame first
-        frames = frames[::-1]
-    for path, line, fn in reversed(frames):
-        rel = _torch_rel(path)
-        if rel and not any(rel.endswith(s) for s in _SKIP):
-            return f"`torch/{rel}:{line}` ({fn}){_url(f'torch/{rel}', int(line))}, the innermost torch frame"
+    # an error's traceback, or the stack faulthandler dumped for a crash (innermost frame first)
+    made = telling_frame(torch_frames(err.get("traceback", "") + "\n" + err.get("log", ""),
+                                      innermost_first=v.get("oracle") == "crash"))
+    if made:
+        rel, line, fn = made
+        return f"`torch/{rel}:{line}` ({fn}){_url(f'torch/{rel}', line)}, the innermost torch frame"
     if v.get("oracle") == "parity" and (v.get("first") or {}).get("quantity") in ("param", "state"):
-        kw = case.optim.kwargs
-        impl = "_fused" if kw.get("fused") else "_multi_tensor" if kw.get("foreach") else "_single_tensor"
+        impl = {"fused": "_fused", "foreach": "_multi_tensor", "forloop": "_single_tensor"}[case.optim.implementation]
         module = case.optim.name.lower()
         return _link(f"torch/optim/{module}.py:{impl}_{module}") + " (a guess: the step implementation the case ran)"
     return ""
 
 
 def _root_cause(finding: Finding, known: dict) -> RootCause | None:
-    causes = load_root_causes(known)
+    matcher = Matcher(known)  # (it holds the root causes too)
     rid = finding.root_cause or (known[finding.signature].root_cause if finding.signature in known else "")
     if not rid and finding.verdict:  # a new finding: only a unique match on what identifies the bug
-        ids = Matcher(known).suspects(finding.case, finding.verdict)
+        ids = matcher.suspects(finding.case, finding.verdict)
         rid = ids[0] if len(ids) == 1 else ""
-    return causes.get(rid)
+    return matcher.causes.get(rid)
 
 
 def _component(rc: RootCause | None, target: str) -> str:
@@ -273,13 +268,6 @@ def _url(path: str, line: int | None) -> str:
     if not line or not re.fullmatch(r"\d+\.\d+\.\d+", version):
         return ""  # a nightly or local build has no tag to point at
     return f" — https://github.com/pytorch/pytorch/blob/v{version}/{path}#L{line}"
-
-
-def _torch_rel(path: str) -> str:
-    for marker in ("site-packages/torch/", "dist-packages/torch/"):
-        if marker in path:
-            return path.split(marker, 1)[1]
-    return ""
 
 
 def _torch() -> str:
