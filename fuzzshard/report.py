@@ -66,12 +66,13 @@ def load_cases(out: str | Path, prefix: str = "") -> list[dict]:
     return cases
 
 
-def load_findings(out: str | Path) -> list[dict]:
-    """This run's findings, each with its suspected root cause (or address) as ``group``."""
+def load_findings(out: str | Path, matcher=None) -> list[dict]:
+    """This run's findings, each with its suspected root cause (or address) as ``group``
+    (``matcher``: a rootcause.Matcher over the known findings; built here if not given)."""
     from .findings import Finding, load_known
     from .rootcause import Matcher
 
-    matcher = Matcher(load_known())
+    matcher = matcher or Matcher(load_known())
     found = []
     for p in sorted(Path(out, "findings").glob("*.json")):
         try:
@@ -117,10 +118,12 @@ TABLES = {
 
 def summarize(out: str | Path) -> dict:
     from .findings import load_known
-    from .rootcause import load_root_causes
+    from .rootcause import Matcher
 
+    known = load_known()
+    matcher = Matcher(known)  # the known findings' root causes, read once
     cases = load_cases(out)
-    findings = load_findings(out)
+    findings = load_findings(out, matcher)
     if not cases:
         return {"cases": 0, "findings": findings, "tables": {}, "rate": [], "hits": {}, "groups": {}, "known": []}
     new = {f["signature"] for f in findings}
@@ -147,8 +150,7 @@ def summarize(out: str | Path) -> dict:
     groups: dict[str, list] = {}
     for f in sorted(findings, key=lambda f: (f["first_seen"] is None, f["first_seen"] or 0)):
         groups.setdefault(f["group"], []).append(f)
-    known = load_known()
-    causes = load_root_causes(known)
+    causes = matcher.causes
     by_cause: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for c in cases:
         if c["outcome"] == "known hit" and c.get("sig"):
