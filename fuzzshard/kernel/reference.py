@@ -170,15 +170,17 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
         with part("compare"):
             rel = _grad_uncertainty(case, rec)
             model_s, opt_s = stepper
+            stepped = []
             for n, p in model_s.named_parameters():
                 extra = None if n not in rel else \
                     PARTIAL_GRAD_READS * rel[n] * (p.detach() - prev["params"][n].to(p.device)).abs()
-                mismatches.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol, extra=extra))
-            mismatches += _compare_state(k, rec["state"], state_by_fqn(opt_s, model_s, lambda t: t), step_tol, rel)
-            mismatches.append(compare_hparams(k, rec["groups"], group_hparams(opt_s)))
-            for m in mismatches:  # a fused step that read a non-contiguous grad: part of what names the bug
-                if m and m["step"] == k and m["fqn"] in rec.get("noncontig", ()):
+                stepped.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol, extra=extra))
+            stepped += _compare_state(k, rec["state"], state_by_fqn(opt_s, model_s, lambda t: t), step_tol, rel)
+            stepped.append(compare_hparams(k, rec["groups"], group_hparams(opt_s)))
+            for m in stepped:  # a fused step that read a non-contiguous grad: part of what names the bug
+                if m and m["fqn"] in rec.get("noncontig", ()):
                     m["grad"] = "non-contiguous"
+            mismatches += stepped
         prev = rec
     mismatches = [m for m in mismatches if m]
     return finding("parity", mismatches) if mismatches else passing()
