@@ -30,7 +30,6 @@ _PASSING = ("_ops.py", "nn/modules/module.py", "autograd/graph.py", "autograd/__
             "distributed/utils.py", "distributed/tensor/_dispatch.py", "optim/optimizer.py")
 # a traceback's frame line ("line N, in f") and faulthandler's ("line N in f")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
-_DSD_KINDS = ("full", "dcp", "broadcast")  # the kinds that go through torch.distributed.checkpoint.state_dict
 
 
 @dataclass
@@ -82,7 +81,9 @@ def address(case, verdict: dict) -> str:
         return f"{oracle} ({err.get('type', '?')}) at {where[min(where)] if where else 'an unknown place'}"
     if oracle == "checkpoint":
         kind = case.checkpoint.kind if case.checkpoint else "?"
-        family = "state-dict API" if kind in _DSD_KINDS else kind
+        from .kernel.state_io import STATE_DICT_KINDS  # the kinds that go through DCP's state_dict API
+
+        family = "state-dict API" if kind in STATE_DICT_KINDS else kind
         return f"checkpoint through {family}: {signature(case, verdict).split(f'.checkpoint.{kind}.', 1)[-1]}"
     if oracle == "parity":
         first = verdict.get("first") or {}
