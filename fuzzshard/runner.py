@@ -273,7 +273,7 @@ class Pool:
     def _combine(self, w: int, answers: dict, dead: dict, seconds: float) -> dict:
         if dead:
             r = min(dead)
-            where = {d: w for d in sorted(dead) if dead[d] is not None and dead[d] < 0 and (w := self._where_died(d))}
+            where = {d: at for d in sorted(dead) if dead[d] is not None and dead[d] < 0 and (at := self._where_died(d))}
             return finding("crash", error=ErrorRecord(_exit_name(dead[r]), f"rank {r} died",
                                                       extra={"log": self._log_tail(r)}).to_dict(),
                            dead_ranks=sorted(dead), exitcode=dead[r], **({"where": where} if where else {}))
