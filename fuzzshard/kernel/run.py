@@ -85,16 +85,11 @@ def run_bare(case: Case, meshes, target_cls, device: str, reporter: bool, timing
                     target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
                     model, _ = _sharded_model(target, case, case.seed, device, flags=())
                     opt = target.optimizer(model)
-                    nothing = dict
+                    nothing = dict  # the same steps as a checked run, observing nothing
                     with target.uneven(model, opt, nothing, nothing, lambda rec: None) as runs:
-                        for k in [k for k in range(len(case.schedule)) if runs(k)]:
-                            target.apply_flags(model, case.schedule[k])
-                            if adds_groups_before(case, k):
-                                target.add_groups(opt, model)
-                            opt.zero_grad(set_to_none=case.schedule[k].set_to_none)
-                            x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
-                            target.forward_backward(model, x, y)
-                            opt.step()
+                        _steps(case, target, model, opt, [k for k in range(len(case.schedule)) if runs(k)], device,
+                               keep=False, trace=None, phase=lambda kind, name: None, out=[],
+                               observe_grads=nothing, observe_step=nothing)
     except Exception as e:
         return invalid(f"bare run raised: {error_record(e)['text']}")
     return passing() if reporter else None
