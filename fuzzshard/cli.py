@@ -173,6 +173,11 @@ def _parser() -> argparse.ArgumentParser:
 def _draw_args(p) -> None:
     p.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes to draw from (default 1,2,3,4)")
     p.add_argument("--optimizers", default=None, help="restrict to these torch.optim classes, comma-separated")
+    p.add_argument("--models", default=None, metavar="FAMILIES",
+                   help="model families to draw, comma-separated: topologies (random trees of Linear, Embedding, "
+                        "LayerNorm, Conv1d; the default), decoder (a Llama-style transformer: SDPA attention with "
+                        "rotary embeddings and grouped-query heads, SwiGLU or GELU MLP, RMSNorm or LayerNorm, tied "
+                        "head or not, cross-entropy on token targets; fsdp2 draws torchtitan-style TP plans for it)")
     p.add_argument("--checkpoints", choices=["some", "all", "none"], default="some",
                    help="save mid-schedule and resume from a fresh model (full state dict, broadcast from rank 0, or "
                         "DCP files, at any of the world sizes) in some cases (default), every case, or none")
@@ -353,6 +358,14 @@ def _strategy_kwargs(args) -> dict:
         if bad:
             raise UsageError(f"unknown optimizer(s) {bad} (known: {', '.join(available())})")
         out["optimizer_names"] = opts
+    if args.models:
+        from fuzzshard.strategies.models import FAMILIES
+
+        families = [m.strip() for m in args.models.split(",") if m.strip()]
+        bad = [m for m in families if m not in FAMILIES]
+        if bad or not families:
+            raise UsageError(f"unknown model family {bad or args.models!r} (known: {', '.join(FAMILIES)})")
+        out["models"] = families
     return out
 
 

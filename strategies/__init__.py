@@ -20,7 +20,7 @@ from hypothesis import assume
 
 from fuzzshard.case import Case, Checkpoint, Group, Optim, Step, mesh_shapes
 from fuzzshard.kernel.state_io import STATE_DICT_KINDS
-from fuzzshard.kernel.model import param_shapes
+from fuzzshard.kernel.model import param_shapes, tied_modules
 
 from .models import models
 from .optimizers import NOT_ELEMENTWISE, ONLY_2D, default_optimizers, group_overrides, optimizer_kwargs
@@ -142,15 +142,17 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
 
 
 @st.composite
-def _model(draw, spec, depth: int):
-    """A drawn topology, or a plugin's model (only those a target names in
-    ``spec.models``, if it does). No plugin model: the draw is as it always was."""
-    from .models import USER, user_models
+def _model(draw, spec, depth: int, families=("topologies",)):
+    """A plugin's model (only those a target names in ``spec.models``, if it
+    does), or one of ``families``: a drawn topology, the decoder transformer.
+    No plugin model and topologies alone: the draw is as it always was."""
+    from .models import USER, decoders, user_models
 
     names = [n for n in USER if n in spec.models] if spec.models else list(USER)
     if names and (spec.models or draw(st.booleans())):
         return draw(user_models(names))
-    return draw(models(depth))
+    family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
+    return draw(decoders()) if family == "decoder" else draw(models(depth))
 
 
 @st.composite
@@ -166,10 +168,12 @@ def cases(
     dtypes=DTYPES,
     checkpoint: bool | None = None,
     implementation: str | None = None,
+    models=("topologies",),
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
     into every case, False into none (targets whose spec has checkpoint kinds).
-    ``implementation``: only for-loop, foreach or fused steps (where the optimizer has it)."""
+    ``implementation``: only for-loop, foreach or fused steps (where the optimizer has it).
+    ``models``: the model families drawn ("topologies", "decoder"; strategies/models.py)."""
     spec = spec_of(target)
     world = draw(st.sampled_from(sorted(world_sizes)))
     # flat: the optimizer may see flattened params (one group, nothing frozen)
@@ -178,7 +182,7 @@ def cases(
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from(_meshes(spec, world)))
-    model = draw(_model(spec, depth))
+    model = draw(_model(spec, depth, tuple(models)))
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]
@@ -190,7 +194,7 @@ def cases(
     if spec.single_group or flat:
         assume(groups[0].params)  # an empty flat param list is refused by the plain optimizer too
     frozen = () if flat else tuple(n for n in shapes if draw(st.sampled_from([False] * 5 + [True])))
-    tied = ("layers.0",) if model.tie_head else ()  # modules that own a tied param
+    tied = tied_modules(model)  # modules that own a tied param
     context = {"model": model, "n_groups": n_groups}
     if spec.may_flatten:
         context["flat"] = flat

@@ -2,8 +2,9 @@
 Conv1d and activations, with residual blocks, a block called twice, tied
 weights, an unused submodule and a buffer.
 
-A plugin's models (``fuzzshard.plugin.model``) are drawn beside them:
-``user_models``.
+``decoders``: the built-in decoder transformer (kernel/decoder.py), drawn
+where a session asks for it (``--models decoder``). A plugin's models
+(``fuzzshard.plugin.model``) are drawn beside them: ``user_models``.
 
 Dims come from a small range so that many are not divisible by the world
 size and some are smaller than it (empty shards). Smaller dims, fewer layers
@@ -77,6 +78,32 @@ def models(draw, depth: int, max_dim: int = 9) -> Model:
         unused=draw(st.booleans()),
         buffer=draw(st.booleans()),
     )
+
+
+FAMILIES = ("topologies", "decoder")  # what --models names
+
+
+@st.composite
+def decoders(draw) -> Model:
+    """The decoder's sizes (kernel/decoder.py's DECODER_SIZES). Each shrinks to
+    the smallest: one block, one head, head dim 1, a SwiGLU MLP of width 1,
+    RMSNorm, non-causal, untied. Head counts are drawn small, so some do not
+    divide a TP degree (TP then leaves attention whole: strategies draw the plan)."""
+    n_layers = draw(st.integers(1, 2))
+    n_heads = draw(st.integers(1, 4))
+    n_kv_heads = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
+    head_dim = draw(st.integers(1, 4))
+    sizes = {
+        "d_in": draw(st.integers(2, 9)),  # the vocabulary
+        "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
+        "hidden": draw(st.integers(1, 8)),
+        "mlp": draw(st.sampled_from(["swiglu", "gelu"])),
+        # LayerNorm over one feature outputs its bias whatever the input (grads through it are rounding noise)
+        "norm": draw(st.sampled_from(["rms", "layer"])) if n_heads * head_dim > 1 else "rms",
+        "causal": draw(st.booleans()),
+        "tied": draw(st.booleans()),
+    }
+    return Model(input="tokens", d_in=sizes["d_in"], layers=(), factory="decoder", sizes=sizes)
 
 
 # a plugin's models: name -> (strategy of its sizes dicts, whether it takes token ids)

@@ -88,8 +88,8 @@ def test_a_fused_step_divergence_says_whether_the_grad_it_read_was_contiguous():
 
 
 def test_a_missing_sharding_strategy_is_named_by_its_op():
-    """DTensor's 'no sharding strategy' is a gap of one op: a new op's gap (SDPA's
-    CPU kernel, say) is a new finding, not a hit of the known optimizer-ops one."""
+    """DTensor's 'no sharding strategy' is a gap of one op: a new op's gap (an int8
+    matmul, say) is a new finding, not a hit of the known optimizer-ops one."""
     from fuzzshard.findings import is_known, signature
     from fuzzshard.rootcause import Matcher
 
@@ -97,8 +97,8 @@ def test_a_missing_sharding_strategy_is_named_by_its_op():
     sig = "dtensor.error.step.NotImplementedError.af1d5b0d._foreach_copy_"
     f = known[sig]
     assert signature(f.case, f.verdict) == sig
-    message = f.verdict["error"]["message"].replace("_foreach_copy_", "_scaled_dot_product_flash_attention_for_cpu")
+    message = f.verdict["error"]["message"].replace("_foreach_copy_", "_weight_int8pack_mm")
     other = {**f.verdict, "error": {**f.verdict["error"], "message": message}}
     new = signature(f.case, other)
-    assert new == "dtensor.error.step.NotImplementedError.af1d5b0d._scaled_dot_product_flash_attention_for_cpu"
+    assert new == "dtensor.error.step.NotImplementedError.af1d5b0d._weight_int8pack_mm"
     assert not is_known(new, f.case, known) and Matcher(known).suspects(f.case, other) == []

@@ -1,6 +1,8 @@
 """Build a model from a Case's ``Model`` spec, deterministically from a seed:
-a drawn topology (``layers``), or a plugin's model (``factory``: a function
-registered with ``fuzzshard.plugin.model``, called with the drawn sizes)."""
+a drawn topology (``layers``), the built-in decoder transformer
+(``factory="decoder"``, decoder.py), or a plugin's model (``factory``: a
+function registered with ``fuzzshard.plugin.model``, called with the drawn
+sizes)."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..case import Layer, Model
+from .decoder import decoder
 
 # modules torch puts between a module and its children (FSDP1's unit, the
 # activation-checkpoint wrapper); FQNs leave them out, as DSD's state dicts do
@@ -38,9 +41,25 @@ def submodule(model: nn.Module, fqn: str) -> nn.Module:
 # a plugin's models: name -> build(**sizes) -> nn.Module taking [B, L, d_in] floats
 # (or [B, L] token ids below d_in) and giving [B, L, d_out]
 USER_MODELS: dict = {}
+# fuzzshard's own factories: trained on token targets with cross-entropy (loss_fn)
+BUILTIN_MODELS = {"decoder": decoder}
+
+
+def token_targets(spec: Model) -> bool:
+    """Whether the model is trained on token targets (cross-entropy), not on drawn floats (mean squared error)."""
+    return spec.factory in BUILTIN_MODELS
+
+
+def tied_modules(spec: Model) -> tuple[str, ...]:
+    """The modules that own a tied param (a target keeps them whole, or in the root's unit)."""
+    if spec.factory == "decoder":
+        return ("output", "tok_embeddings") if spec.sizes.get("tied") else ()
+    return ("layers.0",) if spec.tie_head else ()
 
 
 def _user_model(spec: Model) -> nn.Module:
+    if spec.factory in BUILTIN_MODELS:
+        return BUILTIN_MODELS[spec.factory](**spec.sizes)
     if spec.factory not in USER_MODELS:
         raise ValueError(f"model {spec.factory!r} is a plugin's: pass its file (--plugin / --setup)")
     return USER_MODELS[spec.factory](**spec.sizes)
@@ -225,11 +244,17 @@ def make_batch(spec: Model, seed: int, step: int, batch: int, seq: int, device: 
         x = torch.randint(0, spec.d_in, (batch, seq), generator=g)
     else:
         x = torch.randn(batch, seq, spec.d_in, generator=g).to(dtype)
-    y = torch.randn(batch, seq, out_dim(spec), generator=g).to(dtype)
+    if token_targets(spec):  # the next tokens, as drawn: any of the vocabulary
+        y = torch.randint(0, out_dim(spec), (batch, seq), generator=g)
+    else:
+        y = torch.randn(batch, seq, out_dim(spec), generator=g).to(dtype)
     return x.to(device), y.to(device)
 
 
 def loss_fn(out, target):
+    """Cross-entropy over the vocabulary for token targets, else mean squared error; a mean over all positions."""
+    if not target.is_floating_point():
+        return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
     return ((out - target) ** 2).mean()
 
 

@@ -1,0 +1,126 @@
+"""The built-in decoder transformer: the model people shard with FSDP2 and TP.
+
+Token embedding, ``n_layers`` pre-norm residual blocks of [norm -> self-
+attention through ``F.scaled_dot_product_attention`` (causal or not, rotary
+position embeddings on q and k, grouped-query: ``n_kv_heads`` divides
+``n_heads``) -> residual, norm -> MLP (SwiGLU: w1, w3, w2; or GELU: w1, w2)
+-> residual], a final norm and an output head over the vocabulary (tied to
+the embedding or not). The module names are torchtitan's Llama's, so a TP
+plan reads as torchtitan's does. Trained with cross-entropy on token targets
+(model.loss_fn).
+
+The Case holds it as ``Model(factory="decoder", sizes={...})``; its sizes
+are drawn in strategies/decoders.py. Everything here is plain torch: under
+TP each rank sees its own heads (views with -1 heads), as torchtitan's do.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over [B, L, H, D]: the first 2*(D//2) features
+    rotate in pairs (i, i + D//2); an odd last feature stays."""
+    B, L, H, D = x.shape
+    half = D // 2
+    if half == 0:
+        return x
+    pos = torch.arange(L, dtype=x.dtype, device=x.device)[:, None]
+    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=x.dtype, device=x.device) / half))
+    angle = (pos * freqs)[None, :, None, :]  # [1, L, 1, half]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    cos, sin = angle.cos(), angle.sin()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, causal: bool):
+        super().__init__()
+        self.head_dim, self.n_rep, self.causal = head_dim, n_heads // n_kv_heads, causal
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, k, v = (w(x).view(B, L, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = rotary(q), rotary(k)
+        # grouped-query: each KV head serves n_rep query heads (Llama's repeat_kv)
+        k, v = (t.repeat_interleave(self.n_rep, dim=2) if self.n_rep > 1 else t for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=self.causal)
+        return self.wo(out.transpose(1, 2).reshape(B, L, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int, swiglu: bool):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        if swiglu:
+            self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        h = F.silu(self.w1(x)) * self.w3(x) if hasattr(self, "w3") else F.gelu(self.w1(x))
+        return self.w2(h)
+
+
+def _norm(kind: str, dim: int) -> nn.Module:
+    return nn.RMSNorm(dim) if kind == "rms" else nn.LayerNorm(dim)
+
+
+class Block(nn.Module):
+    def __init__(self, sizes: dict):
+        super().__init__()
+        dim = sizes["n_heads"] * sizes["head_dim"]
+        self.attention_norm = _norm(sizes["norm"], dim)
+        self.attention = Attention(dim, sizes["n_heads"], sizes["n_kv_heads"], sizes["head_dim"], sizes["causal"])
+        self.ffn_norm = _norm(sizes["norm"], dim)
+        self.feed_forward = FeedForward(dim, sizes["hidden"], sizes["mlp"] == "swiglu")
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, sizes: dict):
+        super().__init__()
+        dim = sizes["n_heads"] * sizes["head_dim"]
+        self.tok_embeddings = nn.Embedding(sizes["d_in"], dim)
+        self.layers = nn.ModuleDict({str(i): Block(sizes) for i in range(sizes["n_layers"])})
+        self.norm = _norm(sizes["norm"], dim)
+        self.output = nn.Linear(dim, sizes["d_in"], bias=False)
+        if sizes["tied"]:
+            self.output.weight = self.tok_embeddings.weight  # one Parameter, two modules
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h)
+        return self.output(self.norm(h))
+
+
+# the keys of a decoder's sizes, and what each is
+DECODER_SIZES = {
+    "d_in": "the vocabulary",
+    "n_layers": "blocks",
+    "n_heads": "query heads (the model dim is n_heads * head_dim)",
+    "n_kv_heads": "key/value heads (divides n_heads: grouped-query attention)",
+    "head_dim": "features per head",
+    "hidden": "the MLP's hidden width",
+    "mlp": '"swiglu" (w1, w3, w2) or "gelu" (w1, w2)',
+    "norm": '"rms" (nn.RMSNorm) or "layer" (nn.LayerNorm)',
+    "causal": "causal attention",
+    "tied": "the output head shares the embedding's weight",
+}
+
+
+def decoder(**sizes) -> Decoder:
+    missing = sorted(set(DECODER_SIZES) - set(sizes))
+    if missing:
+        raise ValueError(f"decoder sizes lack {missing}")
+    return Decoder(sizes)
