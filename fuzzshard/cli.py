@@ -441,6 +441,9 @@ def _print_session_report(session, findings, out) -> None:
         cover = ", ".join(f"{k} {v} ({'·'.join(str(by[k, i]) for i in ('forloop', 'foreach', 'fused'))})"
                           for k, v in sorted(st.passed_by_optimizer.items()))
         print(f"passing cases by optimizer (for-loop·foreach·fused): {cover}", file=sys.stderr)
+    if st.passed_decoder:
+        cover = ", ".join(f"{k} {v}" for k, v in st.passed_decoder.most_common())
+        print(f"passing decoder cases by TP plan element: {cover}", file=sys.stderr)
     if st.internal_errors:
         print(f"{st.internal_errors} fuzzshard-internal errors (see above)", file=sys.stderr)
     from .rootcause import grouped

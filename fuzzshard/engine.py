@@ -71,6 +71,18 @@ def finding_class(sig: str) -> type:
     return _CLASSES[sig]
 
 
+def decoder_coverage(case) -> set[str]:
+    """What a decoder case covered of the TP plan: its elements' styles (heads, mlp, the
+    embedding rowwise, the head colwise), sp, loss_parallel, a checkpoint; "no TP" without one."""
+    opts = case.target_options
+    out = {"cases"} | set((opts.get("tp") or {}).values()) | {k for k in ("sp", "loss_parallel") if opts.get(k)}
+    if not opts.get("tp"):
+        out.add("no TP")
+    if case.checkpoint:
+        out.add("checkpoint")
+    return out
+
+
 @dataclass
 class Stats:
     cases: int = 0
@@ -85,6 +97,7 @@ class Stats:
     per_target: collections.Counter = field(default_factory=collections.Counter)
     passed_by_optimizer: collections.Counter = field(default_factory=collections.Counter)  # coverage
     passed_by_implementation: collections.Counter = field(default_factory=collections.Counter)  # (name, impl)
+    passed_decoder: collections.Counter = field(default_factory=collections.Counter)  # decoder cases by TP element
     started: float = field(default_factory=time.monotonic)
     seconds_in_cases: float = 0.0
     timings: collections.Counter = field(default_factory=collections.Counter)
@@ -308,6 +321,8 @@ class Session:
         if v["status"] != "finding":
             st.passed_by_optimizer[case.optim.name] += 1
             st.passed_by_implementation[case.optim.name, case.optim.implementation] += 1
+            if case.model.factory == "decoder":
+                st.passed_decoder.update(decoder_coverage(case))
             size = (case.target, case.ranks, bool(case.checkpoint))
             self._pass_seconds[size] = max(self._pass_seconds.get(size, 0.0), j.seconds)
             self.on_case(case, v, None)

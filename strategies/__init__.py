@@ -107,6 +107,14 @@ def _meshes(spec, world: int) -> list[tuple[int, ...]]:
     return [(world,)] if spec.flat_mesh else mesh_shapes(world)
 
 
+def _seq_multiple(spec, options: dict, mesh_shape: tuple, ck) -> int:
+    """What the sequence length must be a multiple of, on either side of a checkpoint (1 for most)."""
+    if not spec.seq_multiple:
+        return 1
+    return math.lcm(spec.seq_multiple(options, mesh_shape),
+                    spec.seq_multiple(ck.target_options, ck.mesh_shape) if ck else 1)
+
+
 def _flips_allowed(spec, options: dict, ck) -> bool:
     """A target that records which params require grad when it wraps (DDP,
     FSDP1) supports no requires_grad flips later."""
@@ -215,7 +223,7 @@ def cases(
         schedule=draw(schedules(n_steps, list(shapes) if _flips_allowed(spec, options, ck) else [])),
         frozen=frozen,
         batch=draw(st.integers(1, 2)) * ranks_per_sample if spec.data_parallel else draw(st.integers(1, 4)),
-        seq=draw(st.integers(1, 3)),
+        seq=draw(st.integers(1, 3)) * _seq_multiple(spec, options, mesh_shape, ck),
         dtype=draw(st.sampled_from(list(dtypes))),
         device=device,
         target_options=options,
@@ -225,7 +233,7 @@ def cases(
     if spec.to_dtype and draw(st.integers(0, 3)) == 3:  # drawn last: the draws before stay as they were
         other = "float64" if case.dtype == "float32" else "float32"
         case = dataclasses.replace(case, target_options={**case.target_options, "built_as": other})
-    if spec.nonroot and "layers.0" in options.get("wrap", ()) and draw(st.booleans()):
+    if spec.nonroot and not model.factory and "layers.0" in options.get("wrap", ()) and draw(st.booleans()):
         # a forward of the layers.0 unit from outside the root's (adds to the loss; see model.objective)
         case = dataclasses.replace(case, target_options={**case.target_options, "nonroot": True})
     if not spec.add_param_group:

@@ -124,3 +124,69 @@ def decoder(**sizes) -> Decoder:
     if missing:
         raise ValueError(f"decoder sizes lack {missing}")
     return Decoder(sizes)
+
+
+# TP plan elements, torchtitan's: module FQN -> style (fsdp2's "tp" option for a decoder)
+TP_STYLES = {
+    "rowwise": "the embedding, row-wise (vocabulary-sharded), its output replicated or sequence-sharded",
+    "heads": "attention: wq/wk/wv column-wise (each rank its own query and KV heads), wo row-wise",
+    "mlp": "MLP: w1 (and w3) column-wise, w2 row-wise",
+    "colwise": "the output head, column-wise (vocabulary-sharded logits, gathered unless loss_parallel)",
+}
+
+
+def parallelize_decoder(model: Decoder, tp_mesh, plan: dict, sp: bool = False, loss_parallel: bool = False) -> None:
+    """Tensor parallelism on ``tp_mesh`` as torchtitan's ``apply_tp`` does it,
+    for the plan's elements (``TP_STYLES``). Between blocks the activation is
+    replicated, or with ``sp`` (sequence parallelism) sharded on the sequence
+    dim: the norms ``SequenceParallel``, a ``PrepareModuleInput`` gathering the
+    sequence in front of a sharded attention or MLP, and around an element left
+    whole a ``PrepareModuleInputOutput`` that gathers its input and scatters its
+    output again. ``loss_parallel``: the logits stay vocabulary-sharded DTensors
+    for ``torch.distributed.tensor.parallel.loss_parallel``'s cross-entropy."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    between = Shard(1) if sp else Replicate()
+
+    def whole():  # an element left unsharded, under SP: the full sequence in, this rank's part out
+        return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_input=True, output_layouts=(Replicate(),),
+                                        desired_output_layouts=(Shard(1),), use_local_output=True)
+
+    top = {}
+    if "tok_embeddings" in plan:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    elif sp:  # a replicated embedding: its output scattered over the sequence
+        top["tok_embeddings"] = PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))
+    if sp:
+        top["norm"] = SequenceParallel()
+    if "output" in plan:
+        top["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                        use_local_output=not loss_parallel)
+    elif sp:  # a replicated head: the final norm's sequence shards gathered into it
+        top["output"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                           use_local_output=True)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for name, block in model.layers.items():
+        inner = {}
+        for part, style, col, row in (("attention", "heads", ("wq", "wk", "wv"), "wo"),
+                                      ("feed_forward", "mlp", ("w1", "w3"), "w2")):
+            if plan.get(f"layers.{name}.{part}") != style:
+                if sp:
+                    inner[part] = whole()
+                continue
+            if sp:
+                inner[part] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            for w in col:
+                if hasattr(block.get_submodule(part), w):
+                    inner[f"{part}.{w}"] = ColwiseParallel()
+            inner[f"{part}.{row}"] = RowwiseParallel(output_layouts=between)
+        if sp:
+            inner["attention_norm"] = SequenceParallel()
+            inner["ffn_norm"] = SequenceParallel()
+        if inner:
+            parallelize_module(block, tp_mesh, inner)

@@ -48,6 +48,7 @@ class Spec:
     flags_fixed: Callable | None = None
     joinable: Callable | None = None  # (case) -> whether it may draw uneven inputs under Join
     check: Callable | None = None  # (case) -> what makes the case impossible for this target, or None
+    seq_multiple: Callable | None = None  # (options, mesh_shape) -> the sequence length is a multiple of this
     facts: Callable | None = None  # (case) -> {name: value}: derived facts a known finding's trigger can name
     models: tuple = ()  # a plugin's models this target takes, and only those (a parallelism written for them)
     component: str = ""  # the system under test as PyTorch's issue titles name it ("[FSDP2] ..."; upstream.py)

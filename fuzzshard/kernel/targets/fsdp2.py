@@ -7,7 +7,9 @@ dtype and moved to the case's with ``model.to`` after ``fully_shard``), ``mp`` (
 unit, replayed in the reference by mixed_precision_reference below), ``ac`` (submodules under composable activation
 checkpointing, or with ``ac_wrapper`` under ``apply_activation_checkpointing``'s CheckpointWrapper), ``microbatches`` (gradient accumulation: every microbatch
 but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
-(tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}) and
+(tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}; for the
+decoder transformer torchtitan's plan, {module FQN: decoder.TP_STYLES key},
+with ``sp`` (sequence parallelism) and ``loss_parallel``) and
 ``nonroot`` (the loss also calls the wrapped layers.0 from outside the root's
 forward: FSDP2's non-root forward; see model.objective).
 A 2-D mesh means HSDP (replicate x shard), or with ``tp`` TP + FSDP2:
@@ -18,6 +20,7 @@ of the global mean loss the reference computes on the whole batch.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -28,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ...case import Case
+from ..decoder import parallelize_decoder
 from ..model import objective, param_shapes, submodule
 from ..oracles import mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
@@ -44,14 +48,19 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
 
     owners = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
     # on a 2-D mesh: HSDP (replicate x shard), or TP on the inner dim + FSDP2 on the outer
-    tp = draw(st.composite(draw_tp_plan)(shapes, tied, context["model"])) \
+    tp = draw(st.composite(draw_tp_plan)(shapes, tied, context["model"], mesh_shape[-1])) \
         if len(mesh_shape) == 2 and draw(st.booleans()) else {}
+    if "tp" in tp:  # the decoder's: the plan and its sp / loss_parallel
+        tp, layouts = tp["tp"], {k: v for k, v in tp.items() if k != "tp"}
+    else:
+        layouts = {}
     wrap = [m for m in owners if m not in tied and draw(st.booleans())]
     shard = mesh_shape[0] if tp else mesh_shape[-1]
     raf = draw(st.sampled_from([True, False] + [d for d in range(2, shard) if shard % d == 0]))
     out = {"wrap": wrap, "reshard_after_forward": raf}
     if tp:
         out["tp"] = tp
+        out.update(layouts)
     # extras, drawn off first so a shrunk case drops them
     if draw(st.booleans()):
         out["offload"] = True  # CPUOffloadPolicy(pin_memory=False)
@@ -69,12 +78,15 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     return out
 
 
-def draw_tp_plan(draw, shapes: dict, tied: tuple, model) -> dict:
+def draw_tp_plan(draw, shapes: dict, tied: tuple, model, tp: int = 1) -> dict:
     """A TP style per Linear (colwise or rowwise, or none) and for the input
     Embedding (colwise or none; row-wise Embedding sharding is the dtensor
-    target's); a module holding a tied param keeps it whole."""
+    target's); a module holding a tied param keeps it whole. The decoder
+    transformer gets torchtitan's plan instead: ``draw_decoder_tp``."""
     import hypothesis.strategies as st
 
+    if model.factory == "decoder":
+        return draw_decoder_tp(draw, model.sizes, tp)
     plan = {}
     for name, shape in shapes.items():
         fqn = name.rsplit(".", 1)[0]
@@ -85,6 +97,40 @@ def draw_tp_plan(draw, shapes: dict, tied: tuple, model) -> dict:
         if style:
             plan[fqn] = style
     return plan
+
+
+def draw_decoder_tp(draw, sizes: dict, tp: int) -> dict:
+    """torchtitan's TP plan, drawn per element (decoder.TP_STYLES): the
+    embedding row-wise, each block's attention (where the query and KV head
+    counts divide by the TP degree, as torchtitan requires) and MLP, the
+    output head; sequence parallelism (``sp``: the norms too, the elements
+    left whole gather and scatter the sequence around them), and
+    ``loss_parallel`` where the head is sharded. A tied embedding and head stay
+    whole. Returns {"tp": plan} plus "sp" / "loss_parallel" when set."""
+    import hypothesis.strategies as st
+
+    heads = sizes["n_heads"] % tp == 0 and sizes["n_kv_heads"] % tp == 0
+    # w1's column-wise output goes into w2's row-wise input as a local tensor, which RowwiseParallel reads
+    # as an even shard (DTensor.from_local without a shape): an uneven MLP width raises (a recorded torch
+    # finding, tp-rowwise-local-input-assumes-even). Drawn rarely, so it stays covered without costing cases
+    mlp = sizes["hidden"] % tp == 0 or draw(st.integers(0, 7)) == 7
+    sp = draw(st.booleans())
+    plan = {}
+    if not sizes["tied"] and draw(st.booleans()):
+        plan["tok_embeddings"] = "rowwise"
+    for i in range(sizes["n_layers"]):
+        if heads and draw(st.booleans()):
+            plan[f"layers.{i}.attention"] = "heads"
+        if mlp and draw(st.booleans()):
+            plan[f"layers.{i}.feed_forward"] = "mlp"
+    if not sizes["tied"] and draw(st.booleans()):
+        plan["output"] = "colwise"
+    out = {"tp": plan}
+    if sp:
+        out["sp"] = True
+    if "output" in plan and draw(st.booleans()):
+        out["loss_parallel"] = True
+    return out
 
 
 def draw_mp_policy(draw) -> dict:
@@ -111,7 +157,19 @@ def check(case) -> str | None:
             return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
         if options.get("tp") and len(mesh) != 2:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
+        if (options.get("sp") or options.get("loss_parallel")) and case.model.factory != "decoder":
+            return f"{what}sp and loss_parallel are the decoder transformer's TP plan options"
+        if options.get("sp") and case.seq % mesh[-1]:
+            return f"{what}sequence parallelism shards the sequence ({case.seq}) over the TP degree ({mesh[-1]}): " \
+                   "it must divide (torchtitan's rule)"
+        if options.get("loss_parallel") and (options.get("tp") or {}).get("output") != "colwise":
+            return f"{what}loss_parallel needs the output head column-wise"
     return None
+
+
+def seq_multiple(options: dict, mesh_shape: tuple) -> int:
+    """Sequence parallelism shards the sequence over the TP ranks: its length is a multiple of the TP degree."""
+    return mesh_shape[-1] if options.get("sp") else 1
 
 
 def facts(case) -> dict:
@@ -124,6 +182,11 @@ def facts(case) -> dict:
         sides.append((case.checkpoint.mesh_shape, case.checkpoint.target_options))
     empty = False
     for mesh, options in sides:
+        if case.model.factory == "decoder":  # the heads divide the degree: the vocabulary or the MLP may not
+            sizes = case.model.sizes
+            width = {"rowwise": sizes["d_in"], "colwise": sizes["d_in"], "mlp": sizes["hidden"], "heads": mesh[-1]}
+            empty |= any(width[style] < mesh[-1] for style in (options.get("tp") or {}).values())
+            continue
         for fqn, style in (options.get("tp") or {}).items():
             shape = shapes.get(f"{fqn}.weight")
             embedding = fqn == "layers.0" and case.model.input == "tokens"
@@ -202,7 +265,7 @@ def _cast(tree, dtype):
 class FSDP2Target(Target):
     name = "fsdp2"
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
-                to_dtype=True, nonroot=True, check=check, facts=facts, component="FSDP2")
+                to_dtype=True, nonroot=True, check=check, facts=facts, seq_multiple=seq_multiple, component="FSDP2")
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:
@@ -221,7 +284,10 @@ class FSDP2Target(Target):
     def localizable(self) -> bool:
         """Per-module traces line up with the reference's only with one forward
         per step, and in the same dtype."""
-        return self.microbatches == 1 and not self.case.target_options.get("mp")
+        opts = self.case.target_options
+        # the decoder's TP leaves its activations sharded inside attention and the MLP (heads, hidden)
+        decoder_tp = self.case.model.factory == "decoder" and opts.get("tp")
+        return self.microbatches == 1 and not opts.get("mp") and not decoder_tp
 
     @property
     def dp_dims(self) -> list[int]:
@@ -240,7 +306,10 @@ class FSDP2Target(Target):
 
             style = {"colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
                      "rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
-            parallelize_module(model, mesh["d1"], {fqn: style[s]() for fqn, s in opts["tp"].items()})
+            if self.case.model.factory == "decoder":
+                parallelize_decoder(model, mesh["d1"], opts["tp"], opts.get("sp", False), opts.get("loss_parallel", False))
+            else:
+                parallelize_module(model, mesh["d1"], {fqn: style[s]() for fqn, s in opts["tp"].items()})
             mesh = mesh["d0"]
         if opts.get("ac"):
             if opts.get("ac_wrapper"):
@@ -287,13 +356,24 @@ class FSDP2Target(Target):
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             if k > 1:
                 model.set_requires_gradient_sync(i == k - 1)
-            loss = objective(model, xm, ym, self.case.target_options) / k
-            loss.backward()
-            losses.append(loss.detach())
-        full = torch.stack(losses).sum()
+            with self._loss_context():
+                loss = objective(model, xm, ym, self.case.target_options) / k
+                loss.backward()
+            losses.append(loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach())
+        # the global mean is an observation, summed in float64: a bfloat16 loss (mixed precision) summed in
+        # its own dtype over the ranks would round where the reference's does not
+        full = torch.stack(losses).double().sum()
         for dim in self.dp_dims:
             dist.all_reduce(full, group=self.mesh.get_group(dim))
-        return full / world
+        return (full / world).to(getattr(torch, self.case.dtype))
+
+    def _loss_context(self):
+        """loss_parallel: cross-entropy on the vocabulary-sharded logits, forward and backward."""
+        if self.case.target_options.get("loss_parallel"):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):
