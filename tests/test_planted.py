@@ -278,3 +278,42 @@ def test_a_saved_state_dict_that_drops_frozen_params_state_is_caught_at_save(tmp
     buggy = run_cli("replay", path, setup="ckpt_drop_frozen_state.py")
     assert "FAIL: fsdp2.checkpoint.full.saved.optim.state.missing" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
     assert "layers.2.weight" in buggy.stdout, buggy.stdout
+
+
+DECODER_BUGS = [
+    # bug file, the finding's file pattern, what the shrunk case must hold (one block either way)
+    ("sp_norm_grad_unsummed.py", "fsdp2.parity.grad.json",
+     lambda c, v: c["target_options"].get("sp") is True and v["first"]["fqn"].endswith("norm.weight")),
+    ("rowwise_partials_averaged.py", "fsdp2.parity.*.json",
+     lambda c, v: {"heads", "mlp"} & set(c["target_options"]["tp"].values())),
+]
+
+
+@pytest.mark.parametrize("bug, pattern, holds", DECODER_BUGS, ids=[b[0][:-3] for b in DECODER_BUGS])
+def test_planted_tp_bug_in_the_decoder_is_found_shrunk_to_one_block_and_replays(tmp_path, bug, pattern, holds):
+    """torchtitan's TP plan on the decoder transformer (fsdp2 on a 2 x 2 mesh):
+    a SequenceParallel norm whose weight grad misses the TP sum on one rank, and
+    a row-wise projection that averages its partial sums, are each found by the
+    search, shrunk to one block, and replay as themselves, through fuzzshard
+    and standalone; the same cases pass on unmodified torch."""
+    out = tmp_path / "out"
+    r = run_cli("fuzz", "--target", "fsdp2", "--models", "decoder", "--world-sizes", 4, "--checkpoints", "none",
+                "--optimizers", "SGD,Adam", "--max-examples", 40, "--seed", 0, "--case-timeout", 60, "--out", out,
+                setup=bug)
+    found = sorted(out.glob(pattern))
+    assert r.returncode == 1 and found, r.stderr[-3000:]
+    finding = json.loads(found[0].read_text())
+    case, sig = finding["case"], finding["signature"]
+    assert finding["stage"] == "confirmed" and finding["deterministic"] is True
+    assert case["model"]["factory"] == "decoder" and case["model"]["sizes"]["n_layers"] == 1, case  # one block
+    assert case["mesh_shape"] == [2, 2] and holds(case, finding["verdict"]), (case, finding["verdict"]["first"])
+    assert len(case["schedule"]) == 1
+    buggy = run_cli("replay", found[0], setup=bug)
+    assert buggy.returncode == 1 and f"FAIL: {sig}" in buggy.stdout, buggy.stdout
+    clean = run_cli("replay", found[0])
+    assert clean.returncode == 0 and f"({sig})" in clean.stdout, clean.stdout + clean.stderr[-2000:]
+    script = found[0].with_suffix(".py")
+    buggy = torchrun(script, 4, "--setup", PLANTED / bug, cwd=tmp_path)
+    assert buggy.returncode != 0 and "FINDING" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(script, 4, cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
