@@ -17,12 +17,13 @@ def render(finding: Finding) -> str:
         if finding.environment:
             lines.append("found on  " + ", ".join(f"{k} {v}" for k, v in finding.environment.items() if v))
         lines.append("")
+    whose = "the built-in" if c.model.factory == "decoder" else "the plugin's"
     lines += [
         f"target    {c.target} on {c.world_size} rank(s), mesh {c.mesh_shape}, {c.device}, {c.dtype}, seed {c.seed}",
         f"model     input {c.model.input}[{c.model.d_in}]"
         + (", tied head" if c.model.tie_head else "") + (", unused submodule" if c.model.unused else "")
         + (", buffer" if c.model.buffer else "")
-        + (f", the plugin's {c.model.factory}({', '.join(f'{k}={v}' for k, v in sorted(c.model.sizes.items()))})"
+        + (f", {whose} {c.model.factory}({', '.join(f'{k}={v}' for k, v in sorted(c.model.sizes.items()))})"
            if c.model.factory else ""),
     ]
     for i, layer in enumerate(c.model.layers):
