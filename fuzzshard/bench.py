@@ -17,8 +17,9 @@ from hypothesis import seed as hseed
 from .runner import Pool
 
 
-def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor", device: str = "cpu") -> list:
-    """The same n cases for a given seed, drawn by the fuzzer's own strategy."""
+def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor", device: str = "cpu",
+                models=("topologies",)) -> list:
+    """The same n cases for a given seed, drawn by the fuzzer's own strategy (``models``: its families)."""
     import fuzzshard.strategies as fst
 
     out = []
@@ -26,7 +27,7 @@ def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor", device: 
     @hseed(seed)
     @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(fst.cases(target=target, world_sizes=[world], checkpoint=False, device=device))
+    @given(fst.cases(target=target, world_sizes=[world], checkpoint=False, device=device, models=models))
     def collect(case):
         if len(out) < n:
             out.append(case)
@@ -58,12 +59,14 @@ def measure(pool, case) -> dict:
     return row
 
 
-def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print, device: str = "cpu") -> dict:
+def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print, device: str = "cpu",
+              models=("topologies",)) -> dict:
     """On the same cases: the warm pool (fuzzshard's case), the bare loop in
     the same pool (the case's sharded training alone: the floor) and a fresh
     process group per case (what a unittest-style harness pays)."""
-    *cases, spare = fixed_cases(n + 1, world, seed, target, device)
-    echo(f"bench: {len(cases)} {target} cases at world size {world} on {device} (seed {seed}): warm, bare, fresh")
+    *cases, spare = fixed_cases(n + 1, world, seed, target, device, models)
+    echo(f"bench: {len(cases)} {target} cases ({','.join(models)}) at world size {world} on {device} (seed {seed}): "
+         "warm, bare, fresh")
 
     t0 = time.perf_counter()
     pool = Pool(world, device=device).start()
@@ -114,7 +117,7 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
 
 
 def run_scaling(n: int, seed: int, target: str = "dtensor", echo=print, device: str = "cpu",
-                worlds=(1, 2, 3, 4)) -> list[dict]:
+                worlds=(1, 2, 3, 4), models=("topologies",)) -> list[dict]:
     """How a case's cost grows: ``n`` cases per world size on one warm pool
     of max(worlds) ranks, each measured as bench measures it; then the same
     runs by model depth (modules holding params) and by steps."""
@@ -124,7 +127,7 @@ def run_scaling(n: int, seed: int, target: str = "dtensor", echo=print, device: 
     rows = []
     try:
         for w in worlds:
-            *cases, spare = fixed_cases(n + 1, w, seed, target, device)
+            *cases, spare = fixed_cases(n + 1, w, seed, target, device, models)
             measure(pool, spare)  # first-call costs of this world size (its subgroup, lazy imports)
             for case in cases:
                 depth = len({fqn.rsplit(".", 1)[0] for fqn in param_shapes(case.model)})

@@ -160,6 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--world-size", type=int, default=2)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--target", default="dtensor", help="which target's cases to run (default dtensor)")
+    b.add_argument("--models", default=None, metavar="FAMILIES",
+                   help="model families of the cases, as fuzz takes them (default topologies; decoder: transformers)")
     b.add_argument("--scaling", action="store_true",
                    help="instead: cases/s and the per-case split against world size 1-4, model depth and steps "
                         "(--cases per world size)")
@@ -359,14 +361,18 @@ def _strategy_kwargs(args) -> dict:
             raise UsageError(f"unknown optimizer(s) {bad} (known: {', '.join(available())})")
         out["optimizer_names"] = opts
     if args.models:
-        from fuzzshard.strategies.models import FAMILIES
-
-        families = [m.strip() for m in args.models.split(",") if m.strip()]
-        bad = [m for m in families if m not in FAMILIES]
-        if bad or not families:
-            raise UsageError(f"unknown model family {bad or args.models!r} (known: {', '.join(FAMILIES)})")
-        out["models"] = families
+        out["models"] = _model_families(args.models)
     return out
+
+
+def _model_families(text: str) -> list[str]:
+    from fuzzshard.strategies.models import FAMILIES
+
+    families = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in families if m not in FAMILIES]
+    if bad or not families:
+        raise UsageError(f"unknown model family {bad or text!r} (known: {', '.join(FAMILIES)})")
+    return families
 
 
 def cmd_soak(args) -> int:
@@ -731,6 +737,7 @@ def cmd_bench(args) -> int:
     names = _resolve_targets(args.target)
     if len(names) != 1:
         raise UsageError("bench measures one target at a time")
+    models = tuple(_model_families(args.models)) if args.models else ("topologies",)
     if args.soak:
         from .bench import run_soak_bench
 
@@ -745,9 +752,9 @@ def cmd_bench(args) -> int:
     if args.scaling:
         from .bench import run_scaling
 
-        run_scaling(args.cases, args.seed, names[0], device=args.device)
+        run_scaling(args.cases, args.seed, names[0], device=args.device, models=models)
         return 0
-    run_bench(args.cases, args.world_size, args.seed, names[0], device=args.device)
+    run_bench(args.cases, args.world_size, args.seed, names[0], device=args.device, models=models)
     return 0
 
 

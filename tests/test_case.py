@@ -146,3 +146,21 @@ def test_a_non_root_forward_of_an_unwrapped_module_raises_a_clear_case_error():
     data["target_options"] = {"nonroot": True, "wrap": []}
     with pytest.raises(CaseError, match="nonroot calls layers.0 from outside the root"):
         Case.from_dict(data).check_world()
+
+
+def test_sequence_parallel_on_a_sequence_the_tp_degree_does_not_divide_raises_a_clear_case_error():
+    """fsdp2's decoder TP: SP shards the sequence over the TP ranks (the
+    strategy draws it a multiple of the degree; a hand-edited case may not)."""
+    from cases import simple_case
+
+    data = simple_case(4).to_dict()
+    data.update(target="fsdp2", mesh_shape=[2, 2], seq=3, batch=4)
+    data["model"] = {"input": "tokens", "d_in": 4, "layers": [], "factory": "decoder",
+                     "sizes": {"d_in": 4, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "head_dim": 1, "hidden": 2,
+                               "mlp": "swiglu", "norm": "rms", "causal": True, "tied": False}}
+    data["groups"] = [{"params": [], "overrides": {}}]
+    data["frozen"] = []
+    data["schedule"] = [{"set_to_none": True, "freeze": [], "unfreeze": []}]
+    data["target_options"] = {"tp": {"layers.0.attention": "heads"}, "sp": True, "wrap": []}
+    with pytest.raises(CaseError, match="sequence parallelism shards the sequence"):
+        Case.from_dict(data).check_world()

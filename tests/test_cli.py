@@ -24,6 +24,11 @@ def test_unknown_target():
     _one_line_error(run_cli("fuzz", "--target", "nope", "--max-examples", 1), "unknown target", "nope")
 
 
+def test_unknown_model_family():
+    _one_line_error(run_cli("fuzz", "--models", "decoder,gpt", "--max-examples", 1), "unknown model family", "gpt")
+    _one_line_error(run_cli("bench", "--models", "llama"), "unknown model family", "llama")
+
+
 def test_impossible_world_sizes(tmp_path):
     _one_line_error(run_cli("fuzz", "--world-sizes", "0", "--max-examples", 1), "world sizes must be >= 1")
     _one_line_error(run_cli("fuzz", "--world-sizes", "two", "--max-examples", 1), "comma-separated integers")
