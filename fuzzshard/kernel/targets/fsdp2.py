@@ -48,8 +48,11 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
 
     owners = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
     # on a 2-D mesh: HSDP (replicate x shard), or TP on the inner dim + FSDP2 on the outer
+    # the decoder is drawn for its TP plan: three in four of its 2-D meshes get one (shrinking: none, HSDP)
+    decoder = context["model"].factory == "decoder"
     tp = draw(st.composite(draw_tp_plan)(shapes, tied, context["model"], mesh_shape[-1])) \
-        if len(mesh_shape) == 2 and draw(st.booleans()) else {}
+        if len(mesh_shape) == 2 and draw(st.sampled_from([False, True, True, True]) if decoder else st.booleans()) \
+        else {}
     if "tp" in tp:  # the decoder's: the plan and its sp / loss_parallel
         tp, layouts = tp["tp"], {k: v for k, v in tp.items() if k != "tp"}
     else:
