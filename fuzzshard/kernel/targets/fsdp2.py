@@ -104,7 +104,7 @@ def draw_tp_plan(draw, shapes: dict, tied: tuple, model, tp: int = 1) -> dict:
 
 def draw_decoder_tp(draw, sizes: dict, tp: int) -> dict:
     """torchtitan's TP plan, drawn per element (decoder.TP_STYLES): the
-    embedding row-wise, each block's attention (where the query and KV head
+    embedding row-wise, the blocks' attention (where the query and KV head
     counts divide by the TP degree, as torchtitan requires) and MLP, the
     output head; sequence parallelism (``sp``: the norms too, the elements
     left whole gather and scatter the sequence around them), and
@@ -118,15 +118,18 @@ def draw_decoder_tp(draw, sizes: dict, tp: int) -> dict:
     # finding, tp-rowwise-local-input-assumes-even). Drawn rarely, so it stays covered without costing cases
     mlp = sizes["hidden"] % tp == 0 or draw(st.integers(0, 7)) == 7
     sp = draw(st.booleans())
+    often = st.sampled_from([False, True, True, True])  # each element three times in four (shrinks to left whole)
     plan = {}
-    if not sizes["tied"] and draw(st.booleans()):
+    if not sizes["tied"] and draw(often):
         plan["tok_embeddings"] = "rowwise"
+    # one plan for every block, as torchtitan's (and a block count that shrinks without moving the draws after it)
+    attention, feed_forward = heads and draw(often), mlp and draw(often)
     for i in range(sizes["n_layers"]):
-        if heads and draw(st.booleans()):
+        if attention:
             plan[f"layers.{i}.attention"] = "heads"
-        if mlp and draw(st.booleans()):
+        if feed_forward:
             plan[f"layers.{i}.feed_forward"] = "mlp"
-    if not sizes["tied"] and draw(st.booleans()):
+    if not sizes["tied"] and draw(often):
         plan["output"] = "colwise"
     out = {"tp": plan}
     if sp:
