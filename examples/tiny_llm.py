@@ -15,11 +15,27 @@ built from the same seed. examples/titan_parallelize.py shards it the way
 torchtitan does.
 """
 import hypothesis.strategies as st
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fuzzshard import plugin
-from fuzzshard.kernel.decoder import rotary  # rotary position embedding over [B, L, H, D]
+
+
+# (its own copy of fuzzshard.kernel.decoder.rotary: a plugin runs in a standalone repro script's world too,
+# where the only fuzzshard module is the script's plugin shim)
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over [B, L, H, D] (D even: pairs rotate; an odd last dim stays)."""
+    B, L, H, D = x.shape
+    half = D // 2
+    if half == 0:
+        return x
+    pos = torch.arange(L, dtype=x.dtype, device=x.device)[:, None]
+    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=x.dtype, device=x.device) / half))
+    angle = (pos * freqs)[None, :, None, :]  # [1, L, 1, half]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    cos, sin = angle.cos(), angle.sin()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 
 
 class Attention(nn.Module):
