@@ -49,14 +49,15 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     owners = sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
     # on a 2-D mesh: HSDP (replicate x shard), or TP on the inner dim + FSDP2 on the outer
     # the decoder is drawn for its TP plan: three in four of its 2-D meshes get one (shrinking: none, HSDP)
-    decoder = context["model"].factory == "decoder"
-    tp = draw(st.composite(draw_tp_plan)(shapes, tied, context["model"], mesh_shape[-1])) \
-        if len(mesh_shape) == 2 and draw(st.sampled_from([False, True, True, True]) if decoder else st.booleans()) \
-        else {}
-    if "tp" in tp:  # the decoder's: the plan and its sp / loss_parallel
-        tp, layouts = tp["tp"], {k: v for k, v in tp.items() if k != "tp"}
-    else:
-        layouts = {}
+    model = context["model"]
+    decoder = model.factory == "decoder"
+    tp, layouts = {}, {}  # the plan, and the decoder's sp / loss_parallel
+    if len(mesh_shape) == 2 and draw(st.sampled_from([False, True, True, True]) if decoder else st.booleans()):
+        if decoder:
+            layouts = draw(st.composite(draw_decoder_tp)(model.sizes, mesh_shape[-1]))
+            tp = layouts.pop("tp")
+        else:
+            tp = draw(st.composite(draw_tp_plan)(shapes, tied, model))
     wrap = [m for m in owners if m not in tied and draw(st.booleans())]
     shard = mesh_shape[0] if tp else mesh_shape[-1]
     raf = draw(st.sampled_from([True, False] + [d for d in range(2, shard) if shard % d == 0]))
@@ -81,15 +82,13 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     return out
 
 
-def draw_tp_plan(draw, shapes: dict, tied: tuple, model, tp: int = 1) -> dict:
+def draw_tp_plan(draw, shapes: dict, tied: tuple, model) -> dict:
     """A TP style per Linear (colwise or rowwise, or none) and for the input
     Embedding (colwise or none; row-wise Embedding sharding is the dtensor
     target's); a module holding a tied param keeps it whole. The decoder
     transformer gets torchtitan's plan instead: ``draw_decoder_tp``."""
     import hypothesis.strategies as st
 
-    if model.factory == "decoder":
-        return draw_decoder_tp(draw, model.sizes, tp)
     plan = {}
     for name, shape in shapes.items():
         fqn = name.rsplit(".", 1)[0]
@@ -165,7 +164,7 @@ def check(case) -> str | None:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
         if (options.get("sp") or options.get("loss_parallel")) and case.model.factory != "decoder":
             return f"{what}sp and loss_parallel are the decoder transformer's TP plan options"
-        if options.get("sp") and case.seq % mesh[-1]:
+        if case.seq % seq_multiple(options, mesh):
             return f"{what}sequence parallelism shards the sequence ({case.seq}) over the TP degree ({mesh[-1]}): " \
                    "it must divide (torchtitan's rule)"
         if options.get("loss_parallel") and (options.get("tp") or {}).get("output") != "colwise":
@@ -190,8 +189,8 @@ def facts(case) -> dict:
     for mesh, options in sides:
         if case.model.factory == "decoder":  # the heads divide the degree: the vocabulary or the MLP may not
             sizes = case.model.sizes
-            width = {"rowwise": sizes["d_in"], "colwise": sizes["d_in"], "mlp": sizes["hidden"], "heads": mesh[-1]}
-            empty |= any(width[style] < mesh[-1] for style in (options.get("tp") or {}).values())
+            width = {"rowwise": sizes["d_in"], "colwise": sizes["d_in"], "mlp": sizes["hidden"]}
+            empty |= any(width.get(style, mesh[-1]) < mesh[-1] for style in (options.get("tp") or {}).values())
             continue
         for fqn, style in (options.get("tp") or {}).items():
             shape = shapes.get(f"{fqn}.weight")
@@ -371,7 +370,7 @@ class FSDP2Target(Target):
         full = torch.stack(losses).double().sum()
         for dim in self.dp_dims:
             dist.all_reduce(full, group=self.mesh.get_group(dim))
-        return (full / world).to(getattr(torch, self.case.dtype))
+        return (full / world).to(torch_dtype(self.case))
 
     def _loss_context(self):
         """loss_parallel: cross-entropy on the vocabulary-sharded logits, forward and backward."""
