@@ -135,6 +135,16 @@ TP_STYLES = {
 }
 
 
+def plan_element(fqn: str) -> bool:
+    """A TP plan's unit, by plain FQN: the embedding, a block's norms, attention
+    and MLP, the final norm, the head (what localizing traces under TP)."""
+    parts = fqn.split(".")
+    if len(parts) == 1:
+        return fqn in ("tok_embeddings", "norm", "output")
+    return len(parts) == 3 and parts[0] == "layers" and parts[2] in ("attention_norm", "attention", "ffn_norm",
+                                                                    "feed_forward")
+
+
 def parallelize_decoder(model: Decoder, tp_mesh, plan: dict, sp: bool = False, loss_parallel: bool = False) -> None:
     """Tensor parallelism on ``tp_mesh`` as torchtitan's ``apply_tp`` does it,
     for the plan's elements (``TP_STYLES``). Between blocks the activation is

@@ -8,25 +8,34 @@ from .oracles import compare
 
 
 class Trace:
-    """Records each leaf module's output (forward order) and the grad of that
-    output (backward order), as full tensors. Used only to name the first
+    """Records each traced module's output (forward order) and the grad of
+    that output (backward order), as full tensors. Used only to name the first
     diverging module once a loss or grad divergence is known: it decides no
-    verdict, so its tolerance cannot cause a false positive."""
+    verdict, so its tolerance cannot cause a false positive.
 
-    def __init__(self, model, full, full_grad):
+    ``points``: which modules, by plain FQN (Target.trace_points); None: every
+    leaf. ``full(t, fqn)`` / ``full_grad(g, fqn)``: the whole-batch plain
+    tensor of a module's output or its grad, as the reference has it."""
+
+    def __init__(self, model, full, full_grad, points=None):
         self.full, self.full_grad, self.fwd, self.bwd, self.handles = full, full_grad, [], [], []
+        seen = set()
         for name, mod in model.named_modules():
-            if not list(mod.children()) and name:
-                kind = type(mod).__name__
-                kind = kind[4:] if kind.startswith("FSDP") else kind  # fully_shard renames the class
-                self.handles.append(mod.register_forward_hook(self._hook(plain_fqn(name), kind)))
+            fqn = plain_fqn(name)
+            if not name or fqn in seen or not (points(fqn) if points else not list(mod.children())):
+                continue
+            seen.add(fqn)  # a wrapper and the module it wraps share a plain FQN: the outer one is traced
+            kind = type(mod).__name__
+            kind = kind[4:] if kind.startswith("FSDP") else kind  # fully_shard renames the class
+            kind = type(getattr(mod, "_checkpoint_wrapped_module", mod)).__name__ if kind == "CheckpointWrapper" else kind
+            self.handles.append(mod.register_forward_hook(self._hook(fqn, kind)))
 
     def _hook(self, name, kind):
         def hook(mod, args, out):
             if isinstance(out, torch.Tensor):
-                self.fwd.append((name, kind, self.full(out).detach().clone()))
+                self.fwd.append((name, kind, self.full(out, name).detach().clone()))
                 if out.requires_grad:
-                    out.register_hook(lambda g: self.bwd.append((name, kind, self.full_grad(g).detach().clone())))
+                    out.register_hook(lambda g: self.bwd.append((name, kind, self.full_grad(g, name).detach().clone())))
 
         return hook
 

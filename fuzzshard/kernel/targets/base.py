@@ -49,6 +49,7 @@ class Spec:
     joinable: Callable | None = None  # (case) -> whether it may draw uneven inputs under Join
     check: Callable | None = None  # (case) -> what makes the case impossible for this target, or None
     seq_multiple: Callable | None = None  # (options, mesh_shape) -> the sequence length is a multiple of this
+    compiled: Callable | None = None  # (case) -> "" or a tag for what runs under torch.compile (in signatures)
     facts: Callable | None = None  # (case) -> {name: value}: derived facts a known finding's trigger can name
     models: tuple = ()  # a plugin's models this target takes, and only those (a parallelism written for them)
     component: str = ""  # the system under test as PyTorch's issue titles name it ("[FSDP2] ..."; upstream.py)
@@ -143,11 +144,17 @@ class Target:
         """A full plain copy of a param, grad or state tensor."""
         return t
 
-    def full_activation(self, t: torch.Tensor) -> torch.Tensor:
-        """A module output as the reference sees it (the whole batch), for localizing."""
+    @classmethod
+    def trace_points(cls, case: Case):
+        """The modules localizing traces, as a predicate on plain FQNs; None:
+        every leaf module. The sharded run and the reference trace the same ones."""
+        return None
+
+    def full_activation(self, t: torch.Tensor, fqn: str = "") -> torch.Tensor:
+        """Module ``fqn``'s output as the reference sees it (the whole batch), for localizing."""
         return self.full(t)
 
-    def full_activation_grad(self, g: torch.Tensor) -> torch.Tensor:
+    def full_activation_grad(self, g: torch.Tensor, fqn: str = "") -> torch.Tensor:
         return self.full(g)
 
     def full_grad(self, p: torch.Tensor) -> torch.Tensor | None:
