@@ -180,6 +180,10 @@ def _draw_args(p) -> None:
                         "LayerNorm, Conv1d; the default), decoder (a Llama-style transformer: SDPA attention with "
                         "rotary embeddings and grouped-query heads, SwiGLU or GELU MLP, RMSNorm or LayerNorm, tied "
                         "head or not, cross-entropy on token targets; fsdp2 draws torchtitan-style TP plans for it)")
+    p.add_argument("--compile", action="store_true",
+                   help="fsdp2 also draws torch.compile (inductor) of each block, before or after fully_shard as "
+                        "torchtitan does, and of the optimizer step; the reference stays eager. Off by default: a "
+                        "compile costs seconds a case")
     p.add_argument("--checkpoints", choices=["some", "all", "none"], default="some",
                    help="save mid-schedule and resume from a fresh model (full state dict, broadcast from rank 0, or "
                         "DCP files, at any of the world sizes) in some cases (default), every case, or none")
@@ -291,6 +295,11 @@ def cmd_fuzz(args) -> int:
     _check_gpus(args, max(sizes))
     names = _resolve_targets(args.target)
     strategy_kwargs = _strategy_kwargs(args)
+    from . import targets
+
+    if args.compile and not any(targets.get(n).spec.compiled for n in names):
+        compiling = [n for n in targets.names() if targets.get(n).spec.compiled]
+        raise UsageError(f"--compile: none of {', '.join(names)} draws torch.compile (these do: {', '.join(compiling)})")
     database = _redis(args.redis) if args.redis else None
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     os.makedirs(args.out, exist_ok=True)
@@ -362,6 +371,8 @@ def _strategy_kwargs(args) -> dict:
         out["optimizer_names"] = opts
     if args.models:
         out["models"] = _model_families(args.models)
+    if args.compile:
+        out["compile"] = True
     return out
 
 

@@ -25,7 +25,18 @@ ROOT_CAUSES = "root_causes.json"  # known/: root cause id -> title, kind, upstre
 def signature(case: Case, verdict: dict) -> str:
     """The finding's name: target, oracle and what identifies the bug (see ORACLES)."""
     oracle = ORACLES.get(verdict.get("oracle", ""))
-    return oracle.signature(case, verdict) if oracle else f"{case.target}.{verdict.get('oracle', 'unknown')}"
+    sig = oracle.signature(case, verdict) if oracle else f"{case.target}.{verdict.get('oracle', 'unknown')}"
+    # a compiled run's bug is compile's until an eager run shows it too: its own name, never an eager one's
+    tag = compiled_tag(case)
+    return sig.replace(f"{case.target}.", f"{case.target}.{tag}.", 1) if tag else sig
+
+
+def compiled_tag(case: Case) -> str:
+    """What ran under torch.compile, as its target's spec names it ("" for nothing)."""
+    from . import targets
+
+    tag = targets.get(case.target).spec.compiled if case.target in targets.names() else None
+    return tag(case) if tag else ""
 
 
 def summary(verdict: dict) -> str:
@@ -306,12 +317,22 @@ def known_signature(sig: str, case: Case, known: dict[str, Finding]) -> str | No
     from . import targets
 
     family = getattr(targets.get(case.target), "known_as", ()) if case.target in targets.names() else ()
-    rest = sig[len(case.target):] if sig.startswith(case.target + ".") else None
-    for s in [sig] + ([t + rest for t in family] if rest else []):
+    sigs = [sig]
+    tag = compiled_tag(case)
+    head = f"{case.target}.{tag}."
+    if tag and sig.startswith(head) and sig[len(head):].split(".")[0] in ("error", "crash", "hang"):
+        # a compiled run that raises as a known eager bug does is that bug (unless recorded as compile's own)
+        sigs.append(sig.replace(f".{tag}.", ".", 1))
+    for s in [x for one in sigs for x in [one] + _as_family(one, case.target, family)]:
         f = known.get(s)
         if f is not None and (not f.devices or case.device in f.devices):
             return s
     return None
+
+
+def _as_family(sig: str, target: str, family) -> list[str]:
+    rest = sig[len(target):] if sig.startswith(target + ".") else None
+    return [t + rest for t in family] if rest else []
 
 
 def triggered(case: Case, known: dict[str, Finding]) -> str | None:

@@ -29,6 +29,9 @@ def flatten(modules: list[str]) -> str:
         aliased = [ln for ln in src.splitlines() if _RELATIVE_IMPORT.match(ln) and " as " in ln]
         if aliased:  # a dropped line cannot bind the alias in the one flat namespace
             raise ValueError(f"{name}: an aliased relative import cannot be flattened: {aliased[0]}")
+        spread = [ln for ln in src.splitlines() if re.match(r"^from \.+[\w.]* import \(", ln)]
+        if spread:  # it would stay in the script and fail there, outside any package
+            raise ValueError(f"{name}: a relative import over several lines cannot be flattened: {spread[0]}")
         lines = [ln for ln in src.splitlines() if not _RELATIVE_IMPORT.match(ln) and ln != "from __future__ import annotations"]
         parts.append(f"# ---- {name} " + "-" * max(0, 70 - len(name)) + "\n" + "\n".join(lines).strip() + "\n")
     return "\n\n".join(parts)

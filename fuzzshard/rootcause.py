@@ -22,7 +22,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .findings import KNOWN_DIR, ROOT_CAUSES, Finding, missing_strategy_op, signature
+from .findings import KNOWN_DIR, ROOT_CAUSES, Finding, compiled_tag, missing_strategy_op, signature
 
 # frames that pass an error along rather than make it: the address is the innermost frame that is not one
 _PASSING = ("_ops.py", "nn/modules/module.py", "autograd/graph.py", "autograd/__init__.py", "_tensor.py",
@@ -69,7 +69,13 @@ def load_root_causes(known: dict[str, Finding] | None = None) -> dict[str, RootC
 
 
 def address(case, verdict: dict) -> str:
-    """What identifies the bug behind a finding, whatever surfaced it."""
+    """What identifies the bug behind a finding, whatever surfaced it (a
+    compiled run's, with what ran compiled: compile's bugs are its own)."""
+    tag = compiled_tag(case)
+    return f"{tag}: {_address(case, verdict)}" if tag else _address(case, verdict)
+
+
+def _address(case, verdict: dict) -> str:
     oracle = verdict.get("oracle", "")
     err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
     if oracle == "error_parity":

@@ -88,6 +88,8 @@ def main() -> None:
         except Exception as e:  # a bug in fuzzshard or the setup file, not in the case
             verdict = failure(f"{type(e).__name__}: {e}", traceback.format_exc())
             timings = {}
+        if "torch._dynamo" in sys.modules:  # a case compiled something (--compile, a plugin): its guards and
+            torch._dynamo.reset()  # graphs would stay with the process and reach the next case (10 us)
         print(f"case done in {time.perf_counter() - t0:.3f}s: {verdict and verdict.get('status')}", flush=True)
         conn.send(("verdict", verdict, timings))
 

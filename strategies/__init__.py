@@ -177,11 +177,13 @@ def cases(
     checkpoint: bool | None = None,
     implementation: str | None = None,
     models=("topologies",),
+    compile: bool = False,
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
     into every case, False into none (targets whose spec has checkpoint kinds).
     ``implementation``: only for-loop, foreach or fused steps (where the optimizer has it).
-    ``models``: the model families drawn ("topologies", "decoder"; strategies/models.py)."""
+    ``models``: the model families drawn ("topologies", "decoder"; strategies/models.py).
+    ``compile``: targets that can (fsdp2) also draw torch.compile of blocks and of the optimizer step."""
     spec = spec_of(target)
     world = draw(st.sampled_from(sorted(world_sizes)))
     # flat: the optimizer may see flattened params (one group, nothing frozen)
@@ -204,6 +206,8 @@ def cases(
     frozen = () if flat else tuple(n for n in shapes if draw(st.sampled_from([False] * 5 + [True])))
     tied = tied_modules(model)  # modules that own a tied param
     context = {"model": model, "n_groups": n_groups}
+    if compile and spec.compiled:  # the targets that draw torch.compile say how they name it
+        context["compile"] = True
     if spec.may_flatten:
         context["flat"] = flat
     options = draw(target_options(target, shapes, mesh_shape, tied, **context))

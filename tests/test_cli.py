@@ -27,6 +27,7 @@ def test_unknown_target():
 def test_unknown_model_family():
     _one_line_error(run_cli("fuzz", "--models", "decoder,gpt", "--max-examples", 1), "unknown model family", "gpt")
     _one_line_error(run_cli("bench", "--models", "llama"), "unknown model family", "llama")
+    _one_line_error(run_cli("fuzz", "--target", "dtensor", "--compile", "--max-examples", 1), "--compile", "fsdp2")
 
 
 def test_impossible_world_sizes(tmp_path):

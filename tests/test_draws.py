@@ -50,3 +50,26 @@ def test_a_timed_session_turns_through_every_optimizer_and_implementation(tmp_pa
 
     draw()
     assert seen == {("Adamax", "forloop")}
+
+
+def test_compile_is_drawn_only_when_asked_and_then_in_every_fsdp2_case():
+    """--compile: every fsdp2 case compiles its blocks, before or after
+    fully_shard, half of them the step too; without it nothing compiles."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    import fuzzshard.strategies as fst
+
+    seen = {True: [], False: []}
+    for asked in (True, False):
+        @hseed(0)
+        @settings(max_examples=30, database=None, phases=[Phase.generate], deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(fst.cases(target="fsdp2", world_sizes=[1, 2], models=("decoder",), compile=asked))
+        def collect(case):
+            seen[asked].append(case.target_options)
+
+        collect()
+    assert {o.get("compile") for o in seen[True]} == {"before", "after"}
+    assert {bool(o.get("compile_step")) for o in seen[True]} == {True, False}
+    assert not any(o.get("compile") or o.get("compile_step") for o in seen[False])

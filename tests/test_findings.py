@@ -4,8 +4,9 @@ import dataclasses
 import pytest
 import torch
 
-from fuzzshard.findings import load_known, triggered
+from fuzzshard.findings import is_known, known_signature, load_known, signature, triggered
 from fuzzshard.kernel.model import named_params, submodule
+from fuzzshard.rootcause import Matcher
 
 
 def test_every_known_trigger_matches_its_own_case_and_the_tp_one_only_empty_shards():
@@ -102,3 +103,23 @@ def test_a_missing_sharding_strategy_is_named_by_its_op():
     new = signature(f.case, other)
     assert new == "dtensor.error.step.NotImplementedError.af1d5b0d._weight_int8pack_mm"
     assert not is_known(new, f.case, known) and Matcher(known).suspects(f.case, other) == []
+
+
+def test_a_compiled_case_is_named_as_compiled_and_meets_known_eager_errors_only():
+    """--compile: a compiled run's divergence is compile's own (its signature and
+    address say so); an error it raises the way a known eager one does is that one."""
+    known = load_known()
+    eager = known["fsdp2.error.step.RuntimeError.61658fa9"]
+    case = dataclasses.replace(eager.case, target_options={**eager.case.target_options, "compile": "after"})
+    sig = signature(case, eager.verdict)
+    assert sig == "fsdp2.compiled.error.step.RuntimeError.61658fa9"
+    assert known_signature(sig, case, known) == "fsdp2.error.step.RuntimeError.61658fa9"
+    ckpt = known["fsdp2.compiled_ckpt.parity.grad"]
+    assert signature(ckpt.case, ckpt.verdict) == "fsdp2.compiled_ckpt.parity.grad" and is_known(
+        "fsdp2.compiled_ckpt.parity.grad", ckpt.case, known)
+    plain = dataclasses.replace(ckpt.case, target_options={k: v for k, v in ckpt.case.target_options.items()
+                                                            if k not in ("compile", "compile_step")})
+    assert signature(plain, ckpt.verdict) == "fsdp2.parity.grad"  # eager: not compile's bug, not known as it
+    assert not is_known("fsdp2.parity.grad", plain, known)
+    assert Matcher(known).suspects(ckpt.case, ckpt.verdict) == ["compile-composable-checkpoint-wrong-grads"]
+    assert "compile-composable-checkpoint-wrong-grads" not in Matcher(known).suspects(plain, ckpt.verdict)

@@ -3,7 +3,8 @@ import torch
 
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 from fuzzshard.findings import _digest, signature
-from fuzzshard.kernel.oracles import UNIT_ROUNDOFF, compare, compare_hparams, reduction_tolerance, step_tolerance
+from fuzzshard.kernel.oracles import (UNIT_ROUNDOFF, compare, compare_hparams, compiled_step_tolerance, reduction_tolerance,
+                                      step_tolerance)
 
 
 def test_step_tolerance_allows_rounding_and_rejects_real_differences():
@@ -16,6 +17,32 @@ def test_step_tolerance_allows_rounding_and_rejects_real_differences():
     bad[7] += 1e-3
     m = compare("param", 0, "w", bad, want, tol)
     assert m is not None and m["at"] == (7,) and m["bad"] == 1 and "16 ulps of float32" in m["tolerance"]
+
+
+def test_compiled_step_bound_covers_float32_bias_corrections_and_no_more():
+    """A compiled Adam step computes 1 - beta^t in float32 tensors where eager
+    uses Python doubles. Emulated here, without compiling: at t = 1 with
+    beta2 = 0.999 the update differs by far more than the 16-ulp elementwise
+    bound, and within the derived allowance; a wrong update is still caught."""
+    torch.manual_seed(0)
+    p = torch.randn(1000)
+    m, v = torch.randn(1000) * 0.1, torch.rand(1000) * 0.01
+    lr, (b1, b2), eps, t = 1.0, (0.9, 0.999), 1e-8, 1
+
+    def update(bc1, bc2):
+        return p - lr / bc1 * m / (v.sqrt() / bc2 ** 0.5 + eps)
+
+    eager = update(1 - b1 ** t, 1 - b2 ** t)  # Python doubles
+    step = torch.tensor(float(t))
+    f32 = update(1 - torch.tensor(b1) ** step, 1 - torch.tensor(b2) ** step)  # float32 tensors, as compiled
+    plain = step_tolerance("float32")
+    assert compare("param", 0, "w", f32, eager, plain) is not None  # the elementwise bound alone: a false positive
+    tol = compiled_step_tolerance(plain, "float32", (b1, b2))
+    extra = tol["update_rel"] * (eager - p).abs()
+    assert compare("param", 0, "w", f32, eager, tol, extra=extra) is None
+    assert "compiled step" in tol["why"]
+    wrong = update(1 - b1 ** t, 1 - b2 ** (t + 1))  # a bias correction one step off
+    assert compare("param", 0, "w", wrong, eager, tol, extra=extra) is not None
 
 
 def test_tolerance_follows_the_dtype():

@@ -44,6 +44,24 @@ def step_tolerance(dtype: str, reduce_len: int = 1) -> dict:
     return {"k_ulps": k, "u": UNIT_ROUNDOFF[dtype], "why": f"same inputs, elementwise rounding: {k} ulps of {dtype}"}
 
 
+def compiled_step_tolerance(tol: dict, dtype: str, betas) -> dict:
+    """``tol`` for an optimizer step run under torch.compile. Eager evaluates a
+    step's scalar factors (Adam's bias corrections 1 - beta^t, their square
+    roots, lr / correction) as Python doubles; compiled, they are ``dtype``
+    tensors: beta rounds to ``dtype`` (u), its t-th power errs by t u more
+    (plus u), and 1 - beta^t cancels, so its relative error is
+    ((t + 2) beta^t / (1 - beta^t) + 1) u, largest at t = 1: 3 beta / (1 - beta) + 1
+    (beta2 = 0.999: about 3000 u). Each correction enters the update at most
+    once; a few more roundings (lr, the product, the square root, eps) add 4 u.
+    The param may then differ by that relative error of its update,
+    ``update_rel * |update|`` per element, on top of the elementwise bound."""
+    u = UNIT_ROUNDOFF[dtype]
+    rel = (sum(3 * b / (1 - b) + 1 for b in betas if 0 < b < 1) + 4) * u
+    return {**tol, "update_rel": rel,
+            "why": tol["why"] + f"; compiled step: + {rel:.3g} x |update| (its scalar factors in {dtype}: "
+                                f"1 - beta^t for betas {list(betas)}, at t = 1)"}
+
+
 def reduction_tolerance(dtype: str, n: int) -> dict:
     k = 2 * n
     return {

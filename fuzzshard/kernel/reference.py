@@ -18,7 +18,7 @@ from ..verdict import Mismatch, error_record, finding, invalid, passing
 from .localize import Trace, localize_divergence
 from .model import make_batch, objective, out_dim, param_shapes
 from .optim import group_hparams, resume_defaults, state_by_fqn
-from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, reduction_tolerance, step_tolerance
+from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, compiled_step_tolerance, reduction_tolerance, step_tolerance
 from .plain import anchor, before_step, options_at, sensitivity, setup, torch_dtype
 
 
@@ -29,7 +29,10 @@ def step_tolerance_for(case: Case, numel: int) -> dict:
         return step_tolerance(case.dtype, 4 * numel)
     if case.optim.name == "Muon":
         return step_tolerance("bfloat16", case.optim.kwargs.get("ns_steps", 5))
-    return step_tolerance(case.dtype)
+    tol = step_tolerance(case.dtype)
+    if case.target_options.get("compile_step"):
+        return compiled_step_tolerance(tol, case.dtype, case.optim.kwargs.get("betas", ()))
+    return tol
 
 
 def reference_error(case: Case, device: str, target_cls) -> dict | None:
@@ -138,7 +141,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             else:
                 x, y, scale = target_cls.reference_batch(case, k, x, y)
                 sens = sensitivity(model, params, x, y, options, scale)
-                trace = Trace(model, lambda t: t, lambda t: t) if localize and rec["trace"] else None
+                trace = Trace(model, lambda t, fqn: t, lambda t, fqn: t, target_cls.trace_points(case)) if localize and rec["trace"] else None
                 loss = objective(model, x, y, options) * scale
                 loss.backward()
                 grads, tol = {n: p.grad for n, p in params.items()}, red_tol
@@ -172,8 +175,10 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             model_s, opt_s = stepper
             stepped = []
             for n, p in model_s.named_parameters():
-                extra = None if n not in rel else \
-                    PARTIAL_GRAD_READS * rel[n] * (p.detach() - prev["params"][n].to(p.device)).abs()
+                update = (p.detach() - prev["params"][n].to(p.device)).abs()
+                extra = None if n not in rel else PARTIAL_GRAD_READS * rel[n] * update
+                if "update_rel" in step_tol:  # a compiled step (oracles.compiled_step_tolerance)
+                    extra = step_tol["update_rel"] * update + (0 if extra is None else extra)
                 stepped.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol, extra=extra))
             stepped += _compare_state(k, rec["state"], state_by_fqn(opt_s, model_s, lambda t: t), step_tol, rel)
             stepped.append(compare_hparams(k, rec["groups"], group_hparams(opt_s)))

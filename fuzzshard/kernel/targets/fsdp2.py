@@ -11,7 +11,10 @@ but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
 decoder transformer torchtitan's plan, {module FQN: decoder.TP_STYLES key},
 with ``sp`` (sequence parallelism) and ``loss_parallel``) and
 ``nonroot`` (the loss also calls the wrapped layers.0 from outside the root's
-forward: FSDP2's non-root forward; see model.objective).
+forward: FSDP2's non-root forward; see model.objective), and with ``--compile``
+``compile`` (each block ``module.compile()``d "before" or "after"
+``fully_shard``) and ``compile_step`` (the optimizer step under torch.compile);
+the reference stays eager.
 A 2-D mesh means HSDP (replicate x shard), or with ``tp`` TP + FSDP2:
 ``parallelize_module`` on the inner dim, ``fully_shard`` on the outer. Each
 data-parallel rank trains on its slice of the global batch (the TP ranks of
@@ -31,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ...case import Case
-from ..decoder import parallelize_decoder
+from ..decoder import parallelize_decoder, plan_element
 from ..model import objective, param_shapes, submodule
 from ..oracles import mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
@@ -79,6 +82,10 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     if not tp and draw(st.sampled_from([False, False, True])):
         # (not with TP: its low-precision partial sums are not replayed yet)
         out["mp"] = draw(st.composite(draw_mp_policy)())
+    if context.get("compile"):  # --compile: each block compiled, before fully_shard (torchtitan's order) or after
+        out["compile"] = draw(st.sampled_from(["before", "after"]))
+        if draw(st.booleans()):
+            out["compile_step"] = True  # and the optimizer step
     return out
 
 
@@ -201,6 +208,16 @@ def facts(case) -> dict:
     return {"tp_empty_shard": empty}
 
 
+def compiled(case) -> str:
+    """--compile's draws, for signatures: "compiled" (blocks or the step), or
+    "compiled_ckpt" where a compiled block holds a module under the composable
+    checkpoint (a torch bug of its own: known/, compile-composable-checkpoint-wrong-grads)."""
+    opts = case.target_options
+    if not (opts.get("compile") or opts.get("compile_step")):
+        return ""
+    return "compiled_ckpt" if opts.get("compile") and opts.get("ac") and not opts.get("ac_wrapper") else "compiled"
+
+
 def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y) -> tuple:
     """fsdp2's MixedPrecisionPolicy, replayed with the same casts: each
     data-parallel rank's slice runs forward/backward on a copy of the model
@@ -270,7 +287,8 @@ def _cast(tree, dtype):
 class FSDP2Target(Target):
     name = "fsdp2"
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
-                to_dtype=True, nonroot=True, check=check, facts=facts, seq_multiple=seq_multiple, component="FSDP2")
+                to_dtype=True, nonroot=True, check=check, facts=facts, compiled=compiled, seq_multiple=seq_multiple,
+                component="FSDP2")
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:
@@ -290,9 +308,16 @@ class FSDP2Target(Target):
         """Per-module traces line up with the reference's only with one forward
         per step, and in the same dtype."""
         opts = self.case.target_options
-        # the decoder's TP leaves its activations sharded inside attention and the MLP (heads, hidden)
-        decoder_tp = self.case.model.factory == "decoder" and opts.get("tp")
-        return self.microbatches == 1 and not opts.get("mp") and not decoder_tp
+        # (a compiled block's submodules run inside its graph: no hooks of their own)
+        return self.microbatches == 1 and not opts.get("mp") and not opts.get("compile")
+
+    @classmethod
+    def trace_points(cls, case: Case):
+        """A decoder under TP is traced at its plan's elements (the embedding,
+        each block's norms, attention and MLP, the final norm, the head): inside
+        attention and the MLP the activations are head- or hidden-sharded, at
+        their boundaries whole or sequence-sharded (full_activation gathers them)."""
+        return plan_element if case.model.factory == "decoder" and case.target_options.get("tp") else None
 
     @property
     def dp_dims(self) -> list[int]:
@@ -342,9 +367,13 @@ class FSDP2Target(Target):
             kw["mp_policy"] = MixedPrecisionPolicy(
                 **{k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "output_dtype")},
                 cast_forward_inputs=mp["cast_forward_inputs"])
+        if opts.get("compile") == "before":
+            self._compile_blocks(model)
         for fqn in sorted(opts.get("wrap", []), key=lambda n: (-n.count("."), n)):  # children before parents
             fully_shard(submodule(model, fqn), **kw)
         fully_shard(model, **kw)
+        if opts.get("compile") == "after":
+            self._compile_blocks(model)
         if opts.get("built_as"):  # model.to(dtype) after fully_shard: FSDP2 re-registers its sharded params
             model.to(getattr(torch, self.case.dtype))
         return model
@@ -372,6 +401,21 @@ class FSDP2Target(Target):
             dist.all_reduce(full, group=self.mesh.get_group(dim))
         return (full / world).to(torch_dtype(self.case))
 
+    @staticmethod
+    def _compile_blocks(model: nn.Module) -> None:
+        """torch.compile each block (``layers.*``; a model without them whole)
+        in place, as torchtitan does (``module.compile()``: FQNs and hooks stay)."""
+        blocks = list(submodule(model, "layers").children()) if hasattr(model, "layers") else [model]
+        for block in blocks:
+            block.compile()
+
+    def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
+        opt = super().optimizer(model, lr_scale)
+        if self.case.target_options.get("compile_step"):  # the step compiled, as torch's compiled-optimizer recipe
+            eager = opt.step
+            opt.step = torch.compile(lambda closure=None: eager(), fullgraph=False)
+        return opt
+
     def _loss_context(self):
         """loss_parallel: cross-entropy on the vocabulary-sharded logits, forward and backward."""
         if self.case.target_options.get("loss_parallel"):
@@ -397,9 +441,22 @@ class FSDP2Target(Target):
             parts = gathered
         return torch.cat(parts)
 
-    def full_activation(self, t: torch.Tensor) -> torch.Tensor:
-        return self._gather_batch(self.full(t))
+    def full_activation(self, t: torch.Tensor, fqn: str = "") -> torch.Tensor:
+        return self._gather_batch(self._gather_sequence(t, fqn))
 
-    def full_activation_grad(self, g: torch.Tensor) -> torch.Tensor:
+    def full_activation_grad(self, g: torch.Tensor, fqn: str = "") -> torch.Tensor:
         # each rank's loss is a mean over its slice: its output grads are world x the global ones
-        return self._gather_batch(self.full(g)) / self.dp_size()
+        return self._gather_batch(self._gather_sequence(g, fqn)) / self.dp_size()
+
+    def _gather_sequence(self, t: torch.Tensor, fqn: str) -> torch.Tensor:
+        """Under sequence parallelism a decoder element's plain output (and its
+        grad) is this TP rank's part of the sequence (dim 1), but the head's,
+        whose input is gathered: the whole sequence, in TP rank order. A
+        DTensor (a SequenceParallel norm's output, loss_parallel's logits) says
+        its own layout."""
+        if isinstance(t, DTensor) or not self.case.target_options.get("sp") or fqn == "output":
+            return self.full(t)
+        group = self.mesh.get_group(1)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
