@@ -218,6 +218,13 @@ def compiled(case) -> str:
     return "compiled_ckpt" if opts.get("compile") and opts.get("ac") and not opts.get("ac_wrapper") else "compiled"
 
 
+def _gather_along(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Every rank of ``group``'s ``t``, concatenated along ``dim`` in group rank order."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y) -> tuple:
     """fsdp2's MixedPrecisionPolicy, replayed with the same casts: each
     data-parallel rank's slice runs forward/backward on a copy of the model
@@ -433,13 +440,9 @@ class FSDP2Target(Target):
 
     def _gather_batch(self, t: torch.Tensor) -> torch.Tensor:
         """The global-batch tensor from every rank's slice, in data-parallel rank order."""
-        parts = [t.contiguous()]
         for dim in reversed(self.dp_dims):  # innermost dim first: rank = c0 * size1 + c1
-            group = self.mesh.get_group(dim)
-            gathered = [torch.empty_like(parts[0]) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(gathered, torch.cat(parts) if len(parts) > 1 else parts[0], group=group)
-            parts = gathered
-        return torch.cat(parts)
+            t = _gather_along(t, self.mesh.get_group(dim), 0)
+        return t
 
     def full_activation(self, t: torch.Tensor, fqn: str = "") -> torch.Tensor:
         return self._gather_batch(self._gather_sequence(t, fqn))
@@ -456,7 +459,4 @@ class FSDP2Target(Target):
         its own layout."""
         if isinstance(t, DTensor) or not self.case.target_options.get("sp") or fqn == "output":
             return self.full(t)
-        group = self.mesh.get_group(1)
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        return _gather_along(t, self.mesh.get_group(1), 1)
