@@ -151,16 +151,34 @@ def test_a_non_root_forward_of_an_unwrapped_module_raises_a_clear_case_error():
 def test_sequence_parallel_on_a_sequence_the_tp_degree_does_not_divide_raises_a_clear_case_error():
     """fsdp2's decoder TP: SP shards the sequence over the TP ranks (the
     strategy draws it a multiple of the degree; a hand-edited case may not)."""
-    from cases import simple_case
-
-    data = simple_case(4).to_dict()
-    data.update(target="fsdp2", mesh_shape=[2, 2], seq=3, batch=4)
-    data["model"] = {"input": "tokens", "d_in": 4, "layers": [], "factory": "decoder",
-                     "sizes": {"d_in": 4, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "head_dim": 1, "hidden": 2,
-                               "mlp": "swiglu", "norm": "rms", "causal": True, "tied": False}}
-    data["groups"] = [{"params": [], "overrides": {}}]
-    data["frozen"] = []
-    data["schedule"] = [{"set_to_none": True, "freeze": [], "unfreeze": []}]
+    data = _decoder_case(seq=3, tied=False)
     data["target_options"] = {"tp": {"layers.0.attention": "heads"}, "sp": True, "wrap": []}
     with pytest.raises(CaseError, match="sequence parallelism shards the sequence"):
         Case.from_dict(data).check_world()
+
+
+def test_tensor_parallel_on_a_tied_embedding_raises_a_clear_case_error():
+    """parallelize_module replaces the embedding's weight with a DTensor param,
+    so the head keeps the old one: the model is no longer tied (the strategy
+    keeps tied owners whole; a hand-edited case once read as a false grad finding)."""
+    data = _decoder_case(seq=2, tied=True)
+    data["target_options"] = {"tp": {"tok_embeddings": "rowwise"}, "wrap": []}
+    with pytest.raises(CaseError, match=r"tensor parallel on \['tok_embeddings'\], which own a tied param"):
+        Case.from_dict(data).check_world()
+    data["model"]["sizes"]["tied"] = False
+    Case.from_dict(data).check_world()
+
+
+def _decoder_case(seq: int, tied: bool) -> dict:
+    """A one-block decoder fsdp2 case on a 2 x 2 mesh, as a dict to edit."""
+    from cases import simple_case
+
+    data = simple_case(4).to_dict()
+    data.update(target="fsdp2", mesh_shape=[2, 2], seq=seq, batch=4)
+    data["model"] = {"input": "tokens", "d_in": 4, "layers": [], "factory": "decoder",
+                     "sizes": {"d_in": 4, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "head_dim": 1, "hidden": 2,
+                               "mlp": "swiglu", "norm": "rms", "causal": True, "tied": tied}}
+    data["groups"] = [{"params": [], "overrides": {}}]
+    data["frozen"] = []
+    data["schedule"] = [{"set_to_none": True, "freeze": [], "unfreeze": []}]
+    return data

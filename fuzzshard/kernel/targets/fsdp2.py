@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_map_only
 
 from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
-from ..model import objective, param_shapes, submodule
+from ..model import objective, param_shapes, submodule, tied_modules
 from ..oracles import mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..state_io import STATE_DICT_KINDS
@@ -169,6 +169,9 @@ def check(case) -> str | None:
             return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
         if options.get("tp") and len(mesh) != 2:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
+        tied = sorted(set(options.get("tp") or ()) & set(tied_modules(case.model)))
+        if tied:  # as the strategy draws them: parallelize_module gives one owner a DTensor, the other keeps the old param
+            return f"{what}tensor parallel on {tied}, which own a tied param: parallelize_module would untie it"
         if (options.get("sp") or options.get("loss_parallel")) and case.model.factory != "decoder":
             return f"{what}sp and loss_parallel are the decoder transformer's TP plan options"
         if case.seq % seq_multiple(options, mesh):
