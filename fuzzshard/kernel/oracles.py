@@ -54,7 +54,10 @@ def compiled_step_tolerance(tol: dict, dtype: str, betas) -> dict:
     (beta2 = 0.999: about 3000 u). Each correction enters the update at most
     once; a few more roundings (lr, the product, the square root, eps) add 4 u.
     The param may then differ by that relative error of its update,
-    ``update_rel * |update|`` per element, on top of the elementwise bound."""
+    ``update_rel * |update|`` per element, on top of the elementwise bound.
+    Not covered: RAdam's rectification, whose rho_t = rho_inf - 2 t beta2^t /
+    (1 - beta2^t) cancels far worse; it applies from rho_t > 5 (step 5 or
+    later), past the strategies' three steps, and needs its own bound first."""
     u = UNIT_ROUNDOFF[dtype]
     rel = (sum(3 * b / (1 - b) + 1 for b in betas if 0 < b < 1) + 4) * u
     return {**tol, "update_rel": rel,
