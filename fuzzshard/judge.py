@@ -29,11 +29,28 @@ def judge(pool, case, known: dict | None = None, timeout: float | None = None) -
     """``known``: the known-findings list (a matching hang trigger is counted
     without running the case: it would cost the whole timeout); ``timeout``: a
     shorter limit than the pool's (see Pool.run)."""
+    return judge_many(pool, [case], known, [timeout])[0]
+
+
+def judge_many(pool, cases: list, known: dict | None = None, timeouts: list | None = None) -> list[Judgement]:
+    """judge() for cases run side by side (Pool.run_many), in order; a
+    divergence is localized afterwards, on its own."""
     known = known or {}
-    hang = triggered(case, known)
-    if hang:
-        return Judgement(finding("hang", known_trigger=hang), hang, True, ran=False)
-    result = pool.run(case, timeout=timeout)
+    timeouts = timeouts or [None] * len(cases)
+    out: list = [None] * len(cases)
+    run = []
+    for i, case in enumerate(cases):
+        hang = triggered(case, known)
+        if hang:
+            out[i] = Judgement(finding("hang", known_trigger=hang), hang, True, ran=False)
+        else:
+            run.append(i)
+    for i, result in zip(run, pool.run_many([cases[i] for i in run], [timeouts[i] for i in run])):
+        out[i] = _signed(pool, cases[i], result, known, timeouts[i])
+    return out
+
+
+def _signed(pool, case, result, known: dict, timeout: float | None) -> Judgement:
     verdict = result.verdict
     if verdict.get("status") != "finding":
         return Judgement(verdict, seconds=result.seconds, timings=result.timings)

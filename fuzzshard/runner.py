@@ -2,7 +2,9 @@
 
 Workers are spawned once per session and form one real process group
 (gloo on CPU, NCCL on GPUs). ``Pool.run(case)`` sends the case to ranks
-0..W-1 (W: the larger of a checkpoint's saving and loading world) and waits at most ``case_timeout`` seconds. A rank that never answers
+0..W-1 (W: the larger of a checkpoint's saving and loading world) and waits at
+most ``case_timeout`` seconds; ``Pool.run_many(cases)`` runs several side by
+side on disjoint ranks of a ``placed`` pool. A rank that never answers
 makes a ``hang`` verdict, a rank that dies a ``crash`` verdict; either way the
 pool is torn down and rebuilt, and the session goes on.
 """
@@ -48,6 +50,7 @@ class Result:
     verdict: dict
     seconds: float
     timings: dict = field(default_factory=dict)
+    offset: int = 0  # the pool rank the case's rank 0 ran on
 
 
 class Pool:
@@ -64,6 +67,7 @@ class Pool:
         link=None,
         scratch: str | None = None,
         zygote: bool = True,
+        placed: bool = False,
     ):
         if size < 1:
             raise ValueError("a pool needs at least one worker")
@@ -84,6 +88,8 @@ class Pool:
             "collective_timeout": max(60.0, 2 * case_timeout),
             # workers forked from a process that has imported torch (zygote.py), not each importing it
             "zygote": zygote and os.environ.get("FUZZSHARD_ZYGOTE", "1") != "0",
+            # subgroups for cases placed at any offset, so run_many runs them side by side
+            "placed": placed and size > 1,
         }
         # a cell spanning processes (span.Link): ranks from link.local on are
         # spawned elsewhere; it has no spare set, and its checkpoints go to a
@@ -205,57 +211,103 @@ class Pool:
         ``bare``: its sharded training alone, nothing checked (bench's floor).
         ``timeout``: a shorter limit than ``case_timeout`` (a hang verdict then
         records it as ``timeout``, so callers can re-check it at the full one)."""
+        return self.run_many([case], [timeout], localize=localize, bare=bare)[0]
+
+    def run_many(self, cases: list[Case], timeouts: list | None = None, localize: bool = False,
+                 bare: bool = False) -> list[Result]:
+        """Run cases side by side on disjoint ranks, each as soon as a block of
+        ranks it fits is free (in order; a smaller one may pass a larger one
+        that waits), and return their results in order. A rank is free again
+        once it has answered, so the next case starts there while the reporting
+        rank still checks the last one against its reference. Without
+        ``placed`` workers every case starts at rank 0, one at a time. A hang
+        or a crash restarts the pool once the cases running beside it have
+        finished (they use other ranks and groups); the rest start in the new
+        workers."""
         if self.lost:
             raise LostRank(self.lost)
-        w = case.ranks
-        if not 1 <= w <= self.size:
-            raise ValueError(f"case needs world size {w}, the pool has {self.size} workers")
-        # checkpoint files live in a per-case directory, removed whatever happens
-        ckpt_dir = tempfile.mkdtemp(prefix="fuzzshard-ckpt-", dir=self.scratch) if case.checkpoint else None
+        for case in cases:
+            if not 1 <= case.ranks <= self.size:
+                raise ValueError(f"case needs world size {case.ranks}, the pool has {self.size} workers")
+        timeouts = timeouts or [None] * len(cases)
+        queue = [_Job(i, c, (localize, bare), min(t or self.case_timeout, self.case_timeout))
+                 for i, (c, t) in enumerate(zip(cases, timeouts))]
+        results: list = [None] * len(cases)
+        running: list[_Job] = []
+        busy: dict[int, _Job] = {}  # global rank -> the job it still owes an answer
+        broken = False  # a case left stuck or dead ranks: the ones beside it finish, then new workers
         try:
-            return self._run(case, w, (localize, ckpt_dir, bare), min(timeout or self.case_timeout, self.case_timeout))
+            while queue or running:
+                for job in [] if broken else list(queue):
+                    offset = self._free_block(job.case.ranks, busy, placeable(job.case))
+                    if offset is not None:
+                        queue.remove(job)
+                        running.append(job)
+                        self._start(job, offset, busy)
+                self._collect(running, busy)
+                for job in [j for j in running if j.over()]:
+                    running.remove(job)
+                    for r in job.waiting:
+                        del busy[r]
+                    results[job.index] = self._finish(job)
+                    broken = broken or bool(job.dead or job.waiting)
+                if broken and not running:  # the cases beside it ran on other ranks and groups: kept
+                    self.restart()
+                    broken, busy = False, {}
         finally:
-            if ckpt_dir:
-                shutil.rmtree(ckpt_dir, ignore_errors=True)
+            for job in running + queue:
+                job.reset()
+        return results
 
-    def _run(self, case: Case, w: int, how: tuple, timeout: float) -> Result:
-        t0 = time.monotonic()
-        text = case.to_json()
-        answers: dict[int, tuple] = {}
-        dead: dict[int, int] = {}
-        for r in range(w):
+    def _free_block(self, w: int, busy: dict, placeable: bool = True) -> int | None:
+        """The lowest offset o with ranks o..o+w-1 all free (0 only, without placed workers)."""
+        offsets = range(self.size - w + 1) if self.options["placed"] and placeable else [0]
+        return next((o for o in offsets if not any(r in busy for r in range(o, o + w))), None)
+
+    def _start(self, job: _Job, offset: int, busy: dict) -> None:
+        # checkpoint files live in a per-case directory, removed whatever happens
+        job.ckpt_dir = tempfile.mkdtemp(prefix="fuzzshard-ckpt-", dir=self.scratch) if job.case.checkpoint else None
+        job.offset, job.t0 = offset, time.monotonic()
+        job.deadline = job.t0 + job.timeout
+        localize, bare = job.how
+        text = job.case.to_json()
+        for r in range(offset, offset + job.case.ranks):
             try:
-                self.conns[r].send(("case", text, *how))
+                self.conns[r].send(("case", text, localize, job.ckpt_dir, bare, offset))
+                job.waiting.add(r)
+                busy[r] = job
             except OSError:  # it died between cases
-                dead[r] = self._exit_code(r)
-        waiting = {self.conns[r]: r for r in range(w) if r not in dead}
-        deadline = t0 + timeout
-        raised_at = None
-        while waiting and not dead:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for conn in mpc.wait(list(waiting), timeout=left):
-                r = waiting.pop(conn)
-                try:
-                    _, verdict, timings = conn.recv()
-                    answers[r] = (verdict, timings)
-                    if verdict is not None and (verdict.get("oracle") == "error_parity" or verdict["status"] == "invalid"):
-                        raised_at = raised_at or time.monotonic()
-                        deadline = min(deadline, time.monotonic() + GRACE_AFTER_ERROR)
-                except (EOFError, OSError):  # the worker's socket closed: it died
-                    dead[r] = self._exit_code(r)
-        seconds = time.monotonic() - t0
-        if waiting and raised_at is not None:
-            self.stuck_seconds += time.monotonic() - raised_at
-        verdict = self._combine(w, answers, dead, seconds)
-        if verdict.get("oracle") == "hang" and timeout < self.case_timeout:
-            verdict["timeout"] = round(timeout, 1)  # a shortened limit: provisional until re-run at the full one
-        self.history.append((case, verdict))
-        if dead or waiting:
-            self.restart()
-        timings = answers.get(0, (None, {}))[1]
-        return Result(verdict, seconds, timings)
+                job.dead[r - offset] = self._exit_code(r)
+
+    def _collect(self, running: list, busy: dict) -> None:
+        """Wait for the next answers (or the nearest deadline) and file them with their jobs."""
+        waiting = {self.conns[r]: r for job in running for r in job.waiting}
+        left = min((j.deadline for j in running), default=0.0) - time.monotonic()
+        if not waiting or left <= 0 or any(j.dead for j in running):
+            return
+        for conn in mpc.wait(list(waiting), timeout=left):
+            r = waiting[conn]
+            job = busy.pop(r)
+            job.waiting.discard(r)
+            try:
+                _, verdict, timings = conn.recv()
+                job.answers[r - job.offset] = (verdict, timings)
+                if verdict is not None and (verdict.get("oracle") == "error_parity" or verdict["status"] == "invalid"):
+                    job.raised_at = job.raised_at or time.monotonic()
+                    job.deadline = min(job.deadline, time.monotonic() + GRACE_AFTER_ERROR)
+            except (EOFError, OSError):  # the worker's socket closed: it died
+                job.dead[r - job.offset] = self._exit_code(r)
+
+    def _finish(self, job: _Job) -> Result:
+        seconds = time.monotonic() - job.t0
+        if job.waiting and job.raised_at is not None:
+            self.stuck_seconds += time.monotonic() - job.raised_at
+        verdict = self._combine(job.case.ranks, job.answers, job.dead, seconds, job.offset)
+        if verdict.get("oracle") == "hang" and job.timeout < self.case_timeout:
+            verdict["timeout"] = round(job.timeout, 1)  # a shortened limit: provisional until re-run at the full one
+        self.history.append((job.case, verdict))
+        job.reset(keep_answers=True)
+        return Result(verdict, seconds, job.answers.get(0, (None, {}))[1], job.offset)
 
     def _exit_code(self, r: int) -> int | None:
         if self.procs[r].pid is None:  # another process spawned it and says how it ended
@@ -270,12 +322,16 @@ class Pool:
         except subprocess.TimeoutExpired:
             return None
 
-    def _combine(self, w: int, answers: dict, dead: dict, seconds: float) -> dict:
+    def _combine(self, w: int, answers: dict, dead: dict, seconds: float, offset: int = 0) -> dict:
+        """One verdict from a case's ranks; ``answers``, ``dead`` and what the
+        verdict says are by the case's own ranks 0..w-1 (the pool's
+        offset..offset+w-1), as a run at offset 0 or under torchrun says them."""
         if dead:
             r = min(dead)
-            where = {d: at for d in sorted(dead) if dead[d] is not None and dead[d] < 0 and (at := self._where_died(d))}
+            where = {d: at for d in sorted(dead)
+                     if dead[d] is not None and dead[d] < 0 and (at := self._where_died(d + offset))}
             return finding("crash", error=ErrorRecord(_exit_name(dead[r]), f"rank {r} died",
-                                                      extra={"log": self._log_tail(r)}).to_dict(),
+                                                      extra={"log": self._log_tail(r + offset)}).to_dict(),
                            dead_ranks=sorted(dead), exitcode=dead[r], **({"where": where} if where else {}))
         verdicts = {r: v for r, (v, _) in answers.items() if v is not None}
         for r in sorted(verdicts):  # any fuzzshard-internal error surfaces as such
@@ -292,12 +348,46 @@ class Pool:
                 return out
         if len(answers) < w:
             stuck = sorted(set(range(w)) - set(answers))
-            where = {r: self._where_stuck(r) for r in stuck}
+            where = {r: self._where_stuck(r + offset) for r in stuck}
             waits = "; ".join(f"rank {r}: {where[r] or '?'}" for r in stuck)
             return finding("hang", error=ErrorRecord("Hang", f"ranks {stuck} still running after {seconds:.0f}s, in "
                                                      + waits).to_dict(), stuck_ranks=stuck, where=where)
         return verdicts.get(0, failure("rank 0 returned no verdict"))
 
+
+
+def placeable(case: Case) -> bool:
+    """Whether a case may run at an offset: its meshes are 1-D (kernel/mesh.py, Meshes.mesh, says why)."""
+    ck = case.checkpoint
+    return len(case.mesh_shape) == 1 and (ck is None or len(ck.mesh_shape) == 1)
+
+
+@dataclass(eq=False)
+class _Job:
+    """One case of a run_many call: where it runs and what its ranks said."""
+    index: int
+    case: Case
+    how: tuple  # (localize, bare)
+    timeout: float
+    offset: int = 0
+    t0: float = 0.0
+    deadline: float = 0.0
+    raised_at: float | None = None  # when its first rank raised
+    ckpt_dir: str | None = None
+    waiting: set = field(default_factory=set)  # pool ranks that owe an answer
+    answers: dict = field(default_factory=dict)  # case rank -> (verdict, timings)
+    dead: dict = field(default_factory=dict)  # case rank -> exit code
+
+    def over(self) -> bool:
+        return not self.waiting or bool(self.dead) or time.monotonic() >= self.deadline
+
+    def reset(self, keep_answers: bool = False) -> None:
+        """Its checkpoint folder removed; unless ``keep_answers``, as if never started."""
+        if self.ckpt_dir:
+            shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+            self.ckpt_dir = None
+        if not keep_answers:
+            self.waiting, self.answers, self.dead, self.raised_at = set(), {}, {}, None
 
 
 class _Generation:

@@ -1,7 +1,8 @@
 """One rank of the persistent pool: joins the process group once, then runs
 the cases the driver sends until told to stop.
 
-A case of world size W runs on ranks 0..W-1 on DeviceMeshes built for that
+A case of world size W runs on ranks o..o+W-1 (o: the offset the driver
+placed it at, 0 unless cases run side by side) on DeviceMeshes built for that
 case from subgroups of exactly those ranks (kernel/mesh.py). Subgroups are
 created once per rank set and reused: gloo groups hold no state between
 collectives, and a case that leaves one in a bad state (a hang, a crash)
@@ -59,7 +60,7 @@ def main() -> None:
     else:  # a cell of this machine: a file store in the driver's temp folder
         where = {"init_method": f"file://{store}"}
     dist.init_process_group(options["backend"], rank=rank, world_size=size, timeout=timeout, **where)
-    meshes = Meshes(size, options["mesh_device"])
+    meshes = Meshes(size, options["mesh_device"], placed=options.get("placed", False))
     # Connect last: a spare generation gets fully ready before the driver needs it.
     conn = Client(tuple(options["address"]), authkey=bytes.fromhex(os.environ["FUZZSHARD_AUTHKEY"]))
     info = {"rank": rank, "torch": torch.__version__, "targets": targets.names()}
@@ -75,16 +76,18 @@ def main() -> None:
         if msg[0] == "exit":
             dist.destroy_process_group()
             return
-        _, case_json, localize, ckpt_dir, bare = msg
+        _, case_json, localize, ckpt_dir, bare, offset = msg
         t0 = time.perf_counter()
         try:
             case = Case.from_json(case_json)
             timings: dict = {}
-            if bare:  # bench's floor: the sharded training alone
-                verdict = run_bare(case, meshes, targets.get(case.target), device, reporter=rank == 0, timings=timings)
-            else:
-                verdict = run_case(case, meshes, targets.get(case.target), device, reporter=rank == 0,
-                                   timings=timings, localize=localize, ckpt_dir=ckpt_dir)
+            with meshes.placed(offset, case.ranks):
+                if bare:  # bench's floor: the sharded training alone
+                    verdict = run_bare(case, meshes, targets.get(case.target), device, reporter=rank == offset,
+                                       timings=timings)
+                else:
+                    verdict = run_case(case, meshes, targets.get(case.target), device, reporter=rank == offset,
+                                       timings=timings, localize=localize, ckpt_dir=ckpt_dir)
         except Exception as e:  # a bug in fuzzshard or the setup file, not in the case
             verdict = failure(f"{type(e).__name__}: {e}", traceback.format_exc())
             timings = {}

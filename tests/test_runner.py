@@ -66,3 +66,44 @@ def test_a_rank_that_raises_alone_costs_a_short_wait_and_a_restart_not_the_case_
     assert fuzz_pool.restarts == restarts + 1
     assert 0 < fuzz_pool.stuck_seconds - stuck < GRACE_AFTER_ERROR + 1.0 and r.seconds < fuzz_pool.case_timeout
     assert fuzz_pool.run(simple_case(4)).verdict == {"status": "pass"}  # the fresh set runs the next case
+
+
+@pytest.fixture(scope="module")
+def side_by_side_pool():
+    with Pool(4, placed=True, worker_setup=str(PLANTED / "hang_or_crash.py"), case_timeout=20) as pool:
+        yield pool
+
+
+def test_cases_side_by_side_run_on_disjoint_ranks_and_give_the_verdicts_they_give_alone(side_by_side_pool):
+    """A placed case sees ranks 0..W-1 by every name torch has for a rank: a DCP
+    round trip (its coordinator, the default group) passes at an offset, and a
+    known DCP finding keeps its signature there."""
+    import dataclasses
+
+    from fuzzshard.case import Checkpoint
+    from fuzzshard.findings import KNOWN_DIR, load_finding
+    from fuzzshard.judge import label
+
+    pool = side_by_side_pool
+    dcp = dataclasses.replace(simple_case(2, optim="Adam"),
+                              checkpoint=Checkpoint(after=0, kind="dcp", world_size=1, mesh_shape=(1,)))
+    known = load_finding(KNOWN_DIR / "dtensor.checkpoint.dcp.loaded.state.missing.json").case
+    cases = [simple_case(1), dcp, known, simple_case(3)]
+    side = pool.run_many(cases)
+    assert [r.offset for r in side[:3]] == [0, 1, 3]  # the 3-rank case waits for three free ranks in a row
+    alone = [pool.run(c) for c in cases]
+    assert {r.offset for r in alone} == {0}
+    assert side[1].verdict == {"status": "pass"}
+    assert label(known, side[2].verdict) == "dtensor.checkpoint.dcp.loaded.state.missing"
+    assert [label(c, r.verdict) for c, r in zip(cases, side)] == [label(c, r.verdict) for c, r in zip(cases, alone)]
+
+
+def test_a_hang_beside_other_cases_costs_them_nothing(side_by_side_pool):
+    """The cases beside a hang use other ranks and groups: they finish, then the pool restarts once."""
+    pool = side_by_side_pool
+    restarts = pool.restarts
+    side = pool.run_many([simple_case(2, lr=0.123), simple_case(1), simple_case(2)])
+    assert side[0].verdict["oracle"] == "hang" and 1 in side[0].verdict["stuck_ranks"], side[0].verdict
+    # the 1-rank case runs on rank 2, then the 2-rank one on ranks 2-3, while ranks 0-1 hang
+    assert [(r.offset, r.verdict) for r in side[1:]] == [(2, {"status": "pass"}), (2, {"status": "pass"})]
+    assert pool.restarts == restarts + 1

@@ -7,6 +7,11 @@ case deadlocks once ranks have made different numbers of groups. Each case
 gets fresh DeviceMeshes over those groups, and ``job(w)`` makes ranks 0..w-1
 the default group for the phase that runs on them, so torch code that uses
 the default group (DCP, broadcast_from_rank0) sees a job of exactly w ranks.
+
+A pool that runs cases side by side (runner.Pool.run_many) places a case on
+ranks o..o+W-1 instead: ``placed(o, W)`` makes those ranks the world the case
+sees, ranks 0..W-1 by every name torch has for a rank, so the case runs as it
+would on ranks 0..W-1 and as its repro runs it under torchrun.
 """
 from __future__ import annotations
 
@@ -25,39 +30,52 @@ def _slices(shape: tuple[int, ...]) -> list[list[list[int]]]:
     return [ranks.movedim(d, -1).reshape(-1, shape[d]).tolist() for d in range(len(shape))]
 
 
-def rank_sets(size: int) -> list[tuple[int, ...]]:
+def rank_sets(size: int, placed: bool = False) -> list[tuple[int, ...]]:
     """Every rank set a case on ``size`` ranks can need as a mesh dim or a job
-    (0..w-1 is the 1-D mesh of w), in a fixed order."""
+    (0..w-1 is the 1-D mesh of w), in a fixed order; ``placed``: on ranks
+    o..o+w-1 too, for every offset o that fits."""
     out = set()
     for w in range(1, size + 1):
-        for shape in mesh_shapes(w):
-            for dim in _slices(shape):
-                out.update(tuple(s) for s in dim)
+        for o in range(size - w + 1 if placed else 1):
+            for shape in mesh_shapes(w):
+                for dim in _slices(shape):
+                    out.update(tuple(r + o for r in s) for s in dim)
     return sorted(out, key=lambda s: (len(s), s))
 
 
 class Meshes:
     """Every subgroup a case can need, created collectively once."""
 
-    def __init__(self, size: int, device_type: str):
+    def __init__(self, size: int, device_type: str, placed: bool = False):
         self.device_type = device_type
-        self.groups = {ranks: dist.new_group(list(ranks)) for ranks in rank_sets(size)}
+        self.groups = {ranks: dist.new_group(list(ranks)) for ranks in rank_sets(size, placed)}
+        self.offset = 0  # the case's rank 0 in the real world (placed())
 
     def group(self, w: int):
-        return self.groups[tuple(range(w))]
+        return self.groups[tuple(range(self.offset, self.offset + w))]
 
     def mesh(self, w: int, shape: tuple[int, ...]):
         """A fresh DeviceMesh over ranks 0..w-1 (never init_device_mesh, which
         would take the whole world)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        me = dist.get_rank()
-        dim_groups = [self.groups[tuple(next(s for s in dim if me in s))] for dim in _slices(shape)]
+        me, o = dist.get_rank(), self.offset  # the rank in the case's own world (placed())
+        dim_groups = [self.groups[tuple(r + o for r in next(s for s in dim if me in s))] for dim in _slices(shape)]
         ranks = torch.arange(w).view(*shape)
         if len(dim_groups) == 1:
-            return DeviceMesh.from_group(dim_groups[0], self.device_type, mesh=ranks)
-        names = tuple(f"d{i}" for i in range(len(dim_groups)))
-        return DeviceMesh.from_group(dim_groups, self.device_type, mesh=ranks, mesh_dim_names=names)
+            mesh = DeviceMesh.from_group(dim_groups[0], self.device_type, mesh=ranks)
+        else:
+            names = tuple(f"d{i}" for i in range(len(dim_groups)))
+            mesh = DeviceMesh.from_group(dim_groups, self.device_type, mesh=ranks, mesh_dim_names=names)
+        if o:
+            # DTensor caches sharding decisions by mesh equality, and a cached spec keeps the first mesh
+            # object, its groups and this process's coordinate in it: torch takes both to be the same in
+            # any equal mesh. A placed mesh has the same rank map as one at offset 0 but other groups and
+            # coordinates, so it carries its offset in the one part of the key meant for several ranks
+            # of one process (threaded process groups). Its submeshes would not: 2-D meshes are never
+            # placed (runner.placeable).
+            mesh._thread_id = ("fuzzshard-offset", o)
+        return mesh
 
     @contextlib.contextmanager
     def job(self, w: int):
@@ -70,3 +88,30 @@ class Meshes:
             yield
         finally:
             c10d._world.default_pg = saved
+
+    @contextlib.contextmanager
+    def placed(self, offset: int, n: int):
+        """Ranks offset..offset+n-1 as the whole world, ranks 0..n-1, while a
+        case runs there: the default group is theirs, and every group's map from
+        global to group ranks is shifted down by ``offset``, so what torch says
+        or takes as a global rank (get_rank(), a DeviceMesh's ranks, DCP's
+        coordinator, a broadcast's src) is the case's own. Offset 0 changes
+        nothing: the case's world is already ranks 0..n-1 there."""
+        if offset == 0:
+            yield
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        ranks = c10d._world.pg_group_ranks
+        saved = {g: ranks[g] for g in self.groups.values() if g in ranks}
+        saved_pg = c10d._world.default_pg
+        for g, m in saved.items():
+            ranks[g] = {r - offset: gr for r, gr in m.items()}
+        self.offset = offset
+        c10d._world.default_pg = self.group(n)
+        try:
+            yield
+        finally:
+            c10d._world.default_pg = saved_pg
+            self.offset = 0
+            ranks.update(saved)
