@@ -226,3 +226,32 @@ def run_soak_bench(seconds: float, workers: int, target: str, seed: int = 0, ech
     ratio = soak_rate / max(fuzz_rate, 1e-9)
     echo(f"soak vs one session, {target}, {workers} ranks, {seconds:.0f}s each: {ratio:.2f}x")
     return ratio
+
+
+def run_session_bench(n: int, seed: int, target: str = "dtensor", worlds=(1, 2, 3, 4), echo=print,
+                      device: str = "cpu") -> float:
+    """One fuzz session, same seed and max examples, run one case at a time
+    and then with packs side by side (no idle ranks), each on its own pool of
+    max(worlds) ranks; a round that finds something ends at once (no
+    shrinking), so both measure the search. Returns side-by-side cases/s
+    over one-at-a-time cases/s."""
+    import io
+    import tempfile
+
+    from .engine import Session
+
+    rates = {}
+    for mode, placed in (("one at a time", False), ("side by side", True)):
+        with tempfile.TemporaryDirectory(prefix="fuzzshard-bench-") as tmp, \
+                Pool(max(worlds), device=device, placed=placed, spare=False) as pool:
+            session = Session(pool, [target], tmp, world_sizes=list(worlds), max_examples=n, seed=seed, device=device,
+                              progress=io.StringIO(), shrink_budget=0.0, database=None)
+            session.run()
+            st = session.stats
+            rates[mode] = st.cases / session.elapsed
+            echo(f"{mode}: {st.cases} cases ({st.valid} valid) in {session.elapsed:.1f}s = {rates[mode]:.2f} cases/s "
+                 f"(packs of {session.pack}; {pool.restarts} restarts)")
+    ratio = rates["side by side"] / max(rates["one at a time"], 1e-9)
+    echo(f"session over world sizes {','.join(map(str, worlds))} on {max(worlds)} ranks, {target}, seed {seed}, "
+         f"{n} examples: side by side {ratio:.2f}x one at a time")
+    return ratio

@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--redis", default=None, metavar="URL",
                    help="share the example database through redis (redis://host:port/db); OUT/.hypothesis is "
                         "written too, and used alone if the server goes away")
+    f.add_argument("--serial", action="store_true",
+                   help="one case at a time. By default, cases smaller than the pool are drawn in packs and run "
+                        "side by side on disjoint ranks (a world-size-1 case does not leave three ranks waiting)")
     _draw_args(f)
     _pool_args(f)
 
@@ -167,7 +170,10 @@ def _parser() -> argparse.ArgumentParser:
                         "(--cases per world size)")
     b.add_argument("--soak", default=None, metavar="DURATION",
                    help="instead: a soak in cells vs one fuzz session, both on --workers ranks for DURATION each")
-    b.add_argument("--workers", type=int, default=4, help="ranks for --soak (default 4)")
+    b.add_argument("--session", action="store_true",
+                   help="instead: one fuzz session over world sizes 1..--workers (--cases examples, --seed), one "
+                        "case at a time vs side by side on disjoint ranks, each on its own pool")
+    b.add_argument("--workers", type=int, default=4, help="ranks for --soak and --session (default 4)")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (cuda: NCCL, one GPU a rank)")
     return ap
 
@@ -260,13 +266,14 @@ def _recorded_plugins(environment, given=()) -> list[str]:
     return [p for p in plugins or [] if isinstance(p, str) and os.path.isfile(p) and p not in given]
 
 
-def _pool(args, size: int, log_dir=None, spare: bool = False):
-    """``spare``: keep a warm second set of workers for instant restarts (long sessions)."""
+def _pool(args, size: int, log_dir=None, spare: bool = False, placed: bool = False):
+    """``spare``: keep a warm second set of workers for instant restarts (long sessions);
+    ``placed``: run cases side by side (Pool.run_many)."""
     from .runner import Pool, PoolError
 
     try:
         return Pool(size, device=args.device, backend=args.backend, worker_setup=args.setups,
-                    case_timeout=args.case_timeout, log_dir=log_dir, spare=spare).start()
+                    case_timeout=args.case_timeout, log_dir=log_dir, spare=spare, placed=placed).start()
     except PoolError as e:
         raise UsageError(f"could not start {size} workers: {e}") from None
 
@@ -320,11 +327,14 @@ def cmd_fuzz(args) -> int:
     # explicit handlers: a shell starts a background job with SIGINT ignored, and Python keeps that
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    pool = _pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"), spare=True)
+    pool = _pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"), spare=True, placed=not args.serial)
     try:
         session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
                           duration=duration, seed=seed, device=args.device, strategy_kwargs=strategy_kwargs,
                           database=database, shrink_budget=shrink_budget, plugins=args.plugin or ())
+        if session.pack > 1:
+            print(f"fuzzshard: cases drawn in packs of up to {session.pack}, run side by side on disjoint ranks of "
+                  f"{pool.size} (--serial: one at a time)", file=sys.stderr)
         try:
             session.run()
         except KeyboardInterrupt:  # the second signal: every finding seen is on disk already
@@ -753,6 +763,13 @@ def cmd_bench(args) -> int:
         from .bench import run_soak_bench
 
         run_soak_bench(parse_duration(args.soak), args.workers, names[0], args.seed)
+        return 0
+    if args.session:
+        from .bench import run_session_bench
+
+        if args.workers < 2:
+            raise UsageError("--session needs --workers >= 2 (side by side needs two ranks)")
+        run_session_bench(args.cases, args.seed, names[0], worlds=range(1, args.workers + 1))
         return 0
     if args.device == "cuda":
         import torch

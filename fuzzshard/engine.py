@@ -4,6 +4,12 @@ Each distinct signature raises its own exception class, so Hypothesis shrinks
 every distinct bug separately. A finding whose signature is in the
 known-findings list is counted, not raised, so the session keeps looking.
 
+No idle ranks: on a pool built for it (``Pool(placed=True)``), Hypothesis
+draws a *pack* of cases per example (as many of the smallest world size as
+the pool holds), and the pool runs them side by side on disjoint ranks. A pack
+with a new finding raises it, and Hypothesis shrinks the pack: it drops the
+other cases, then shrinks the one left. ``max_examples`` still counts cases.
+
 A finding is a bug a user can trust, and nothing found is lost:
   - *fresh confirmation*: a new signature's case runs once more in worker
     processes that have run nothing else (``Pool.fresh``). The same signature
@@ -34,12 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, reject, settings
+from hypothesis import strategies as st
 from hypothesis import seed as hseed
 from hypothesis.control import current_build_context
 
 from . import repro
 from .findings import Finding, atomic_write, environment, load_known, summary, write_finding
-from .judge import judge, label
+from .judge import judge, judge_many, label
 from .rootcause import Matcher
 from .runner import Pool, PoolError
 
@@ -120,6 +127,7 @@ class _Track:
 class _Round:
     found_at: float | None = None  # when this round raised its first finding
     pending: set = field(default_factory=set)
+    valid_before: int = 0  # the session's valid cases when the round began
     hang: bool = False  # a hang is shrinking: cases run under a derived timeout
 
 
@@ -143,6 +151,7 @@ class Session:
         shrink_budget: float | None = None,
         findings_dir: str | Path | None = None,
         plugins=(),
+        pack: int | None = None,
     ):
         self.pool = pool
         self.targets = targets
@@ -171,6 +180,8 @@ class Session:
         self._deadline: float | None = None
         self.elapsed = 0.0  # the session's length, confirmations included
         self.plugins = [str(Path(p).resolve()) for p in plugins]  # --plugin files: recorded, so replay loads them
+        # cases drawn together and run side by side (at most): 1 draws and runs one at a time
+        self.pack = pack_size(pool, self.world_sizes) if pack is None else pack
 
     # -- the session -------------------------------------------------------
     def run(self) -> list[Finding]:
@@ -233,27 +244,42 @@ class Session:
 
         strategy = fst.cases(target=target, world_sizes=self.world_sizes, device=self.device,
                              **{**self.strategy_kwargs, **(pin or {})})
-        rnd = _Round()
+        if self.pack > 1:  # cases that run side by side: Hypothesis draws and shrinks them as one example
+            strategy = st.lists(strategy, min_size=1, max_size=self.pack)
+        rnd = _Round(valid_before=self.stats.valid)
 
-        def body(case):
-            key = case.to_json()
-            seen = self._failing.get(key)
-            if seen is not None:  # run before (Hypothesis replays its minimal example): same verdict
-                sig, verdict = seen
-                if current_build_context().is_final:
-                    self._shrunk_to(sig, case, verdict)
-            else:
-                if self._round_over(rnd):
-                    raise _RoundOver  # out of time, or stopped: end the round now, its findings are on disk
-                sig, verdict = self._run_case(case, timeout=self._timeout(case, rnd))
-                if sig is None or not self._accept(sig, case, verdict):
-                    return
-                self._failing[key] = (sig, verdict)
-            rnd.pending.add(sig)
-            rnd.found_at = rnd.found_at or time.monotonic()
-            rnd.hang = rnd.hang or verdict.get("oracle") == "hang"
-            # one raise statement: Hypothesis tells bugs apart by exception type *and* the line that raised
-            raise finding_class(sig)(summary(verdict))
+        def body(drawn):
+            cases = drawn if self.pack > 1 else [drawn]
+            new = list({c.to_json(): c for c in cases if c.to_json() not in self._failing}.values())
+            if new and self._round_over(rnd):
+                raise _RoundOver  # out of time, or stopped: end the round now, its findings are on disk
+            if new and self.pack > 1 and not rnd.pending and self.stats.valid - rnd.valid_before >= n:
+                raise _RoundOver  # a round's cases, not its packs, are what max_examples counts
+            ran = dict(zip((c.to_json() for c in new), self._run_cases(new, rnd)))
+            invalid = bool(ran) and all(v["status"] == "invalid" for _, v in ran.values())
+            raised = None
+            for case in cases:
+                key = case.to_json()
+                if key in ran:
+                    sig, verdict = ran.pop(key)
+                    if sig is None or not self._accept(sig, case, verdict):
+                        continue
+                    self._failing[key] = (sig, verdict)
+                elif key in self._failing:  # run before (Hypothesis replays its minimal example): same verdict
+                    sig, verdict = self._failing[key]
+                    if current_build_context().is_final:
+                        self._shrunk_to(sig, case, verdict)
+                else:  # the same case twice in one pack
+                    continue
+                rnd.pending.add(sig)
+                rnd.found_at = rnd.found_at or time.monotonic()
+                rnd.hang = rnd.hang or verdict.get("oracle") == "hang"
+                raised = raised or (sig, verdict)  # the first drives shrinking; the others are on disk, confirmed
+            if raised is None and invalid:
+                reject()
+            if raised is not None:
+                # one raise statement: Hypothesis tells bugs apart by exception type *and* the line that raised
+                raise finding_class(raised[0])(summary(raised[1]))
 
         body._hypothesis_internal_add_digest = target.encode()  # one database key per target (read from the inner function)
         # the seed before the settings: hypothesis.seed() on its own turns the example database off
@@ -291,9 +317,13 @@ class Session:
         """Called once per case run (``sig``: its finding's signature, known or
         new); a soak logs it here."""
 
-    def _run_case(self, case, timeout: float | None = None) -> tuple[str | None, dict]:
-        """(signature of a new finding or None, verdict); rejects invalid cases."""
-        j = judge(self.pool, case, self.known, timeout)
+    def _run_cases(self, cases: list, rnd: _Round) -> list[tuple[str | None, dict]]:
+        """Per case, run side by side: (signature of a new finding or None, verdict)."""
+        timeouts = [self._timeout(c, rnd) for c in cases]
+        return [self._tally(c, j, t) for c, j, t in zip(cases, judge_many(self.pool, cases, self.known, timeouts),
+                                                         timeouts)]
+
+    def _tally(self, case, j, timeout: float | None) -> tuple[str | None, dict]:
         st, v = self.stats, j.verdict
         st.cases += 1
         if not j.ran:  # a known hang: counted, not waited out again
@@ -311,7 +341,7 @@ class Session:
         if v["status"] == "invalid":
             st.invalid += 1
             self.on_case(case, v, None)
-            reject()
+            return None, v
         st.valid += 1
         if v["status"] == "error":
             st.internal_errors += 1
@@ -484,6 +514,15 @@ class Session:
             line += (f" · pool restarts {self.pool.restarts} ({self.pool.stuck_seconds:.0f}s waiting for stuck ranks, "
                      f"{self.pool.restart_seconds:.0f}s restarting)")
         print(line, file=self.progress, flush=True)
+
+
+def pack_size(pool, world_sizes) -> int:
+    """How many cases a session draws together: as many of the smallest world
+    size as the pool holds side by side, on a pool built for it (``placed``);
+    otherwise 1, and a session draws what it always drew."""
+    if pool is None or not pool.options.get("placed"):
+        return 1
+    return max(1, pool.size // min(world_sizes))
 
 
 def default_shrink_budget(duration: float | None) -> float:

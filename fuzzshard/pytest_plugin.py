@@ -35,7 +35,8 @@ def pytest_addoption(parser):
 
 @pytest.fixture(scope="session")
 def fuzz_pool(request):
-    """One pool of workers for the whole test session (spawned once)."""
+    """One pool of workers for the whole test session (spawned once); a
+    Session on it runs cases side by side (engine.pack_size)."""
     from .runner import Pool
 
     from .worker import run_setup_file
@@ -45,7 +46,7 @@ def fuzz_pool(request):
     for path in opt("--fuzzshard-plugin"):
         run_setup_file(path)  # here too: the strategies draw the plugin's optimizer
     pool = Pool(opt("--fuzzshard-world-size"), device=opt("--fuzzshard-device"),
-                worker_setup=setups, case_timeout=opt("--fuzzshard-case-timeout"))
+                worker_setup=setups, case_timeout=opt("--fuzzshard-case-timeout"), placed=True)
     pool.start()
     yield pool
     pool.close()
