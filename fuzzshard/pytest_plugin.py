@@ -35,8 +35,7 @@ def pytest_addoption(parser):
 
 @pytest.fixture(scope="session")
 def fuzz_pool(request):
-    """One pool of workers for the whole test session (spawned once); a
-    Session on it runs cases side by side (engine.pack_size)."""
+    """One pool of workers for the whole test session (spawned once)."""
     from .runner import Pool
 
     from .worker import run_setup_file
@@ -46,7 +45,7 @@ def fuzz_pool(request):
     for path in opt("--fuzzshard-plugin"):
         run_setup_file(path)  # here too: the strategies draw the plugin's optimizer
     pool = Pool(opt("--fuzzshard-world-size"), device=opt("--fuzzshard-device"),
-                worker_setup=setups, case_timeout=opt("--fuzzshard-case-timeout"), placed=True)
+                worker_setup=setups, case_timeout=opt("--fuzzshard-case-timeout"))
     pool.start()
     yield pool
     pool.close()
