@@ -107,3 +107,16 @@ def test_a_hang_beside_other_cases_costs_them_nothing(side_by_side_pool):
     # the 1-rank case runs on rank 2, then the 2-rank one on ranks 2-3, while ranks 0-1 hang
     assert [(r.offset, r.verdict) for r in side[1:]] == [(2, {"status": "pass"}), (2, {"status": "pass"})]
     assert pool.restarts == restarts + 1
+
+
+def test_a_session_on_a_placed_pool_draws_packs_and_counts_cases(side_by_side_pool, tmp_path):
+    """--side-by-side: packs of up to four cases over world sizes 1-4, max_examples counting cases, not packs."""
+    from fuzzshard.engine import Session
+
+    session = Session(side_by_side_pool, ["dtensor"], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=12, seed=3,
+                      strategy_kwargs={"optimizer_names": ["SGD"], "checkpoint": False})
+    assert session.pack == 4
+    assert not session.run()
+    st = session.stats
+    assert st.internal_errors == 0 and st.contaminated == 0
+    assert 12 <= st.valid < 12 + 4  # the round stops at the first pack that reaches 12 valid cases
