@@ -14,7 +14,7 @@ import re
 from . import targets
 from .case import Case
 
-_MODULES = ["fuzzshard.case", "fuzzshard.verdict", "fuzzshard.kernel.mesh", "fuzzshard.kernel.decoder",
+_MODULES = ["fuzzshard.case", "fuzzshard.verdict", "fuzzshard.kernel.mesh", "fuzzshard.kernel.gather", "fuzzshard.kernel.decoder",
             "fuzzshard.kernel.model", "fuzzshard.kernel.optim", "fuzzshard.kernel.oracles", "fuzzshard.kernel.localize", "fuzzshard.kernel.plain",
             "fuzzshard.kernel.state_io", "fuzzshard.kernel.reference", "fuzzshard.kernel.checkpoint",
             "fuzzshard.kernel.targets.base"]

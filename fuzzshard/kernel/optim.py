@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..case import Case
+from .gather import owned_copy
 from .model import named_params
 
 # optimizers a plugin brings (fuzzshard.plugin.optimizer): name -> class, beside torch.optim's
@@ -105,7 +106,7 @@ def state_by_fqn(opt: torch.optim.Optimizer, model: torch.nn.Module, full) -> di
 
 def _full_value(v, full):
     if isinstance(v, torch.Tensor):
-        return full(v).detach().clone()
+        return owned_copy(full(v))
     return torch.tensor(v)  # python scalars some optimizers keep
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..case import Case
 from ..verdict import error_record, finding, invalid, passing
 from .checkpoint import check_loaded, check_saved
+from .gather import gather_batch
 from .localize import Trace
 from .model import build_model, make_batch
 from .optim import RESUME_LR_SCALE, adds_groups_before
@@ -246,13 +247,13 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
     out = []
 
     def observe_grads() -> dict:  # collectives over the job, after backward
-        with clock("gathers"):
+        with clock("gathers"), gather_batch():
             # a fused kernel's divergence is told apart by the layout of the grads it read
             layout = {"noncontig": target.noncontiguous_grads(model)} if case.optim.implementation == "fused" else {}
             return {"grads": target.grads(model), "grad_spread": target.grad_spreads(model), **layout}
 
     def observe_step() -> dict:  # collectives over the job, after the step
-        with clock("gathers"):
+        with clock("gathers"), gather_batch():
             return {"params": target.params(model), "state": target.optimizer_state(opt, model),
                     "groups": target.group_hparams(opt)}
 

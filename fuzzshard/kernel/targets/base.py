@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ...case import Case
+from ..gather import owned_copy
 from ..state_io import load, save
 from ..model import loss_fn, named_params
 from ..optim import add_late_groups, build_optimizer, group_hparams, state_by_fqn
@@ -162,14 +163,14 @@ class Target:
 
     def params(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """{fqn: full copy} of every param."""
-        return {n: self.full(p).detach().clone() for n, p in named_params(model).items()}
+        return {n: owned_copy(self.full(p)) for n, p in named_params(model).items()}
 
     def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
         """{fqn: full copy of the grad, or None} of every param."""
         out = {}
         for n, p in named_params(model).items():
             g = self.full_grad(p)
-            out[n] = None if g is None else g.detach().clone()
+            out[n] = None if g is None else owned_copy(g)
         return out
 
     def noncontiguous_grads(self, model: nn.Module) -> list[str]:

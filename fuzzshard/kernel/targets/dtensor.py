@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from ..gather import full_batched
 from ..model import loss_fn
 from ..state_io import STATE_DICT_KINDS
 from .base import Spec, Target
@@ -68,7 +69,7 @@ class DTensorTarget(Target):
         return loss, loss.full_tensor()
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
-        return t.full_tensor() if isinstance(t, DTensor) else t
+        return full_batched(t, DTensor.full_tensor) if isinstance(t, DTensor) else t
 
     def grad_spreads(self, model: nn.Module) -> dict:
         out = {}

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map_only
 
 from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
+from ..gather import full_batched
 from ..model import objective, param_shapes, submodule, tied_modules
 from ..oracles import mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
@@ -439,7 +440,7 @@ class FSDP2Target(Target):
             return t
         if t.device.type != t.device_mesh.device_type:  # CPU-offloaded: gathered on the mesh's device (NCCL)
             return t.to(t.device_mesh.device_type).full_tensor().to(t.device)
-        return t.full_tensor()
+        return full_batched(t, DTensor.full_tensor)
 
     def _gather_batch(self, t: torch.Tensor) -> torch.Tensor:
         """The global-batch tensor from every rank's slice, in data-parallel rank order."""
