@@ -1,5 +1,7 @@
 """The comparison, tolerance and signature logic on its own (no processes)."""
+import hypothesis.strategies as st
 import torch
+from hypothesis import given, settings
 
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 from fuzzshard.findings import _digest, signature
@@ -59,6 +61,20 @@ def test_measured_sensitivity_widens_the_bound_for_cancelling_results():
     got = torch.tensor([4e-8])
     assert compare("grad", 0, "b", got, want, tol) is not None
     assert compare("grad", 0, "b", got, want, tol, sens=1e-8) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=6), st.floats(0, 1e-3), st.floats(0, 1e-3),
+       st.floats(0, 1e-5), st.sampled_from(["float32", "float64"]))
+def test_a_sensitivity_only_widens_the_bound(values, noise, sens, small, dtype):
+    """The reference measures a sensitivity (five nudged forward/backward
+    passes) only where a loss or grad fails without one: sound only while a
+    larger sensitivity never turns a match into a mismatch."""
+    want = torch.tensor(values, dtype=getattr(torch, dtype))
+    got = want + noise * torch.linspace(-1, 1, len(values), dtype=want.dtype)
+    tol = reduction_tolerance(dtype, 10)
+    if compare("grad", 0, "w", got, want, tol, sens=small) is None:
+        assert compare("grad", 0, "w", got, want, tol, sens=small + sens) is None
 
 
 def test_presence_shape_nan_and_hparams_mismatches():
