@@ -89,10 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--redis", default=None, metavar="URL",
                    help="share the example database through redis (redis://host:port/db); OUT/.hypothesis is "
                         "written too, and used alone if the server goes away")
-    f.add_argument("--side-by-side", action="store_true",
-                   help="draw cases in packs and run them side by side on disjoint ranks, so a world-size-1 case "
-                        "does not leave three ranks waiting (2.5x the cases/s of a session over world sizes 1-4 "
-                        "here); opt-in while its shrinking lags one case at a time's")
+    f.add_argument("--one-at-a-time", action="store_true",
+                   help="run one case at a time. By default, cases that need fewer ranks than the pool are drawn "
+                        "in packs and run side by side on disjoint ranks, so a world-size-1 case does not leave "
+                        "three ranks waiting (2.5x the cases/s of a session over world sizes 1-4 here); a packed "
+                        "session draws other cases than one at a time with the same seed")
     _draw_args(f)
     _pool_args(f)
 
@@ -328,14 +329,14 @@ def cmd_fuzz(args) -> int:
     # explicit handlers: a shell starts a background job with SIGINT ignored, and Python keeps that
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    pool = _pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"), spare=True, placed=args.side_by_side)
+    pool = _pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"), spare=True, placed=not args.one_at_a_time)
     try:
         session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
                           duration=duration, seed=seed, device=args.device, strategy_kwargs=strategy_kwargs,
                           database=database, shrink_budget=shrink_budget, plugins=args.plugin or ())
         if session.pack > 1:
             print(f"fuzzshard: cases drawn in packs of up to {session.pack}, run side by side on disjoint ranks of "
-                  f"{pool.size}", file=sys.stderr)
+                  f"{pool.size} (--one-at-a-time: one at a time)", file=sys.stderr)
         try:
             session.run()
         except KeyboardInterrupt:  # the second signal: every finding seen is on disk already
