@@ -2,17 +2,17 @@
 
 An observation after a step needs a full copy of every param, grad and
 state tensor: one ``full_tensor()`` each is one all-gather each, and on CPU
-the collective's fixed cost is most of it. Inside ``batch()``, a target's
-``full`` hands out an empty tensor of the global shape and files the local
-shard; when the block ends, every rank all-gathers the bytes of all its
+the collective's fixed cost is most of it. Inside ``gather_batch()``, a
+target's ``full`` hands out an empty tensor of the global shape and files the
+local shard; when the block ends, every rank all-gathers the bytes of all its
 shards at once and each full tensor is assembled in place. Only pure data
 movement is batched (a Shard placement on a 1-D mesh), so a batched copy is
 bit for bit what ``full_tensor()`` gives; a replicated tensor needs no
 collective, and a Partial (a sum, whose order is the collective's), a
 strided shard, a shard off the mesh's device or a 2-D mesh keep
-``full_tensor()``. A rank whose shard is
-not the size its spec says (a torch bug this tool exists to see) flags it
-in the same collective, and every rank then gathers that one as before.
+``full_tensor()``. A rank whose shard is not the size or dtype its spec says
+(a torch bug this tool exists to see) flags it in the same collective, and
+every rank then gathers that one as before.
 """
 from __future__ import annotations
 
