@@ -67,12 +67,12 @@ def _gather_batchable(t) -> bool:
 class _GatherBatch:
     def __init__(self):
         self.items = []  # (dtensor, dest, fallback)
-        self.dests = {}  # id(dest) -> dest: what owned_copy() must not copy
+        self.dests = set()  # id() of every dest (items keeps them alive): what owned_copy() must not copy
 
     def add(self, t, fallback) -> torch.Tensor:
         dest = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
         self.items.append((t, dest, fallback))
-        self.dests[id(dest)] = dest
+        self.dests.add(id(dest))
         return dest
 
     def flush(self) -> None:

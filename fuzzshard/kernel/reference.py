@@ -145,7 +145,10 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                 loss = objective(model, x, y, options) * scale
                 loss.backward()
                 grads, tol = {n: p.grad for n, p in params.items()}, red_tol
-            traced = trace.take() if trace else None
+            traced = None
+            if trace:  # its hooks are done with this step: off before any nudged pass below could add to it
+                traced = trace.take()
+                trace.remove()
 
             def loss_and_grads(sens: dict) -> list:
                 out = [compare("loss", k, "", rec["loss"], loss.detach(), tol, sens=sens.get("loss", 0.0))]
@@ -158,14 +161,11 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             if here and sens is None:
                 # a sensitivity only widens a bound: what matches without it matches with it, so the
                 # five forward/backward passes that measure it run only where something does not
-                if trace:
-                    trace.remove()  # its hooks would record the nudged passes
                 sens = sensitivity(model, params, x, y, options, scale)
                 with part("compare"):
                     here = loss_and_grads(sens)
-            if trace:  # name the module behind this step's divergence, if it has one
+            if traced is not None:  # name the module behind this step's divergence, if it has one
                 culprit = localize_divergence(rec["trace"], traced, red_tol) if here else None
-                trace.remove()
                 if culprit:
                     culprit["step"] = k
                     return finding("parity", [m for m in mismatches if m] + [culprit] + here)
