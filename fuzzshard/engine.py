@@ -249,28 +249,27 @@ class Session:
         rnd = _Round(valid_before=self.stats.valid)
 
         def body(drawn):
-            cases = drawn if self.pack > 1 else [drawn]
-            new = list({c.to_json(): c for c in cases if c.to_json() not in self._failing}.values())
+            cases = {}  # JSON -> case: the pack's cases, each once
+            for case in drawn if self.pack > 1 else [drawn]:
+                cases.setdefault(case.to_json(), case)
+            new = {key: case for key, case in cases.items() if key not in self._failing}
             if new and self._round_over(rnd):
                 raise _RoundOver  # out of time, or stopped: end the round now, its findings are on disk
             if new and self.pack > 1 and not rnd.pending and self.stats.valid - rnd.valid_before >= n:
                 raise _RoundOver  # a round's cases, not its packs, are what max_examples counts
-            ran = dict(zip((c.to_json() for c in new), self._run_cases(new, rnd)))
+            ran = dict(zip(new, self._run_cases(list(new.values()), rnd)))
             invalid = bool(ran) and all(v["status"] == "invalid" for _, v in ran.values())
             raised = None
-            for case in cases:
-                key = case.to_json()
+            for key, case in cases.items():
                 if key in ran:
-                    sig, verdict = ran.pop(key)
+                    sig, verdict = ran[key]
                     if sig is None or not self._accept(sig, case, verdict):
                         continue
                     self._failing[key] = (sig, verdict)
-                elif key in self._failing:  # run before (Hypothesis replays its minimal example): same verdict
+                else:  # run before (Hypothesis replays its minimal example): same verdict
                     sig, verdict = self._failing[key]
                     if current_build_context().is_final:
                         self._shrunk_to(sig, case, verdict)
-                else:  # the same case twice in one pack
-                    continue
                 rnd.pending.add(sig)
                 rnd.found_at = rnd.found_at or time.monotonic()
                 rnd.hang = rnd.hang or verdict.get("oracle") == "hang"
