@@ -448,6 +448,7 @@ def cmd_report(args) -> int:
 
 def _print_session_report(session, findings, out) -> None:
     from .findings import summary
+    from .generalize import Face, table_text
 
     st = session.stats
     print(f"\n{st.cases} cases · {st.valid} valid · {st.invalid} invalid · {st.rate():.2f} cases/s", file=sys.stderr)
@@ -474,7 +475,7 @@ def _print_session_report(session, findings, out) -> None:
         cover = ", ".join(f"{k} {v}" for k, v in st.passed_decoder.most_common())
         print(f"passing decoder cases by TP plan element: {cover}", file=sys.stderr)
     if st.internal_errors:
-        print(f"{st.internal_errors} fuzzshard-internal errors (see above)", file=sys.stderr)
+        print(f"{st.internal_errors} fuzzshard-internal errors, not findings (see above; cases in {out}/internal/)", file=sys.stderr)
     from .rootcause import grouped
 
     matcher = session.matcher
@@ -497,9 +498,19 @@ def _print_session_report(session, findings, out) -> None:
         if len(groups) > 1 or len(members) > 1 or key.startswith("root cause"):
             print(f"{key}: {len(members)} finding(s)", file=sys.stderr)
         for f in members:
-            print(f"FINDING {f.signature}{stage.get(f.stage, '')}\n        {summary(f.verdict)}\n        -> {out}/{f.signature}.json, "
-                  f"{out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})", file=sys.stderr)
+            print(f"FINDING {f.signature}{stage.get(f.stage, '')}\n        {summary(f.verdict)}", file=sys.stderr)
+            if f.faces:
+                hits = st.folded.get(f.signature, 0)
+                print(f"        one bug, also seen as {', '.join(f.faces)}" + (f" ({hits} case(s) met it so)" if hits else ""),
+                      file=sys.stderr)
+            if f.generalization:
+                table = table_text([Face(**row) for row in f.generalization])
+                print("".join(f"        {line}\n" for line in table.splitlines()), end="", file=sys.stderr)
+            print(f"        -> {out}/{f.signature}.json, {out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})",
+                  file=sys.stderr)
     if findings:
+        faces = sum(1 + len(f.faces) for f in findings)
+        print(f"{len(findings)} new finding(s), one per bug, under {faces} signature(s)", file=sys.stderr)
         _write_index(out, groups, matcher)
     else:
         print("no new findings", file=sys.stderr)

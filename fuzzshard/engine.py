@@ -45,7 +45,8 @@ from hypothesis import seed as hseed
 from hypothesis.control import current_build_context
 
 from . import repro
-from .findings import Finding, atomic_write, environment, load_known, summary, write_finding
+from .findings import Finding, atomic_write, environment, known_signature, load_known, summary, write_finding
+from .generalize import generalize, table_text
 from .judge import judge, judge_many, label
 from .rootcause import Matcher
 from .runner import Pool, PoolError
@@ -101,6 +102,8 @@ class Stats:
     derived_timeouts: int = 0  # cases run under a timeout derived while a hang shrank
     derived_timeout: float = 0.0  # the last such timeout
     known: collections.Counter = field(default_factory=collections.Counter)
+    folded: collections.Counter = field(default_factory=collections.Counter)  # finding -> hits of its other faces
+    generalized: int = 0  # variant cases run to generalize findings
     per_target: collections.Counter = field(default_factory=collections.Counter)
     passed_by_optimizer: collections.Counter = field(default_factory=collections.Counter)  # coverage
     passed_by_implementation: collections.Counter = field(default_factory=collections.Counter)  # (name, impl)
@@ -173,6 +176,10 @@ class Session:
         self.contaminated: list[dict] = []
         self.stop_reason: str | None = None
         self._tracks: dict[str, _Track] = {}
+        self._owner: dict[str, str] = {}  # a signature -> the finding it is a face of (one bug, one finding)
+        self._tables: dict[str, list] = {}  # finding -> its generalization table (generalize.Face)
+        self._generalized: dict[str, str] = {}  # finding -> the case JSON its table is of
+        self._as_known: dict[str, str] = {}  # a new signature -> the known finding it is a face of
         self._failing: dict[str, tuple] = {}  # case JSON -> (signature, verdict) of new findings run
         self._suspect: set[str] = set()  # signatures a fresh run did not confirm
         self._pass_seconds: dict[tuple, float] = {}  # (target, ranks, checkpoint) -> slowest passing case
@@ -344,7 +351,9 @@ class Session:
         st.valid += 1
         if v["status"] == "error":
             st.internal_errors += 1
-            print(f"\nfuzzshard internal error (not a finding): {v.get('error')}\n{v.get('traceback', '')}", file=self.progress)
+            path = self._report_internal(case, v)
+            print(f"\nfuzzshard internal error (not a finding): {v.get('error')}\n{v.get('traceback', '')}"
+                  f"\n  -> {path}", file=self.progress)
             self.on_case(case, v, None)
             return None, v
         if v["status"] != "finding":
@@ -359,6 +368,13 @@ class Session:
         self.on_case(case, v, j.signature)
         if j.known:
             st.known[j.signature] += 1
+            return None, v
+        if j.signature in self._as_known:
+            st.known[self._as_known[j.signature]] += 1
+            return None, v
+        owner = self._owner.get(j.signature, j.signature)
+        if owner != j.signature:  # another face of a finding already made: counted there, never a file of its own
+            st.folded[owner] += 1
             return None, v
         return j.signature, v
 
@@ -381,6 +397,17 @@ class Session:
             confirmed = self._confirm(sig, case, verdict)
             if confirmed is None:
                 return False
+            faces = self._generalize(sig, *confirmed)
+            known = next((k for s in sorted(faces) if s != sig and (k := known_signature(s, case, self.known))), None)
+            if known is not None:  # a known bug in a face not recorded yet: a variant of the case fails as it
+                self._known_face(sig, known, confirmed)
+                return False
+            owner = next((self._owner[s] for s in sorted(faces) if s in self._owner), None)
+            if owner is not None:  # the same bug as a finding already made, in another face
+                self._fold(owner, faces)
+                self._say(f"new signature {sig}: another face of finding {owner} (it fails the same way), folded into it")
+                return False
+            self._owner.update({s: sig for s in faces})
             if not self._publish(sig, confirmed, first=True):
                 return False  # another cell of a soak wrote it first: a known finding now
             self._tracks[sig] = _Track(confirmed, confirmed, confirmed, time.monotonic())
@@ -393,6 +420,55 @@ class Session:
             if not verdict.get("timeout"):  # a provisional hang never reaches the file
                 self._rewrite(sig, track)
         return True
+
+    def _generalize(self, sig: str, case, verdict: dict) -> set[str]:
+        """Re-run ``case`` along the dimensions a bug may not depend on
+        (generalize.py): its table is kept for the file; returns the signatures
+        this one bug shows under (``sig`` among them)."""
+        if verdict.get("oracle") in ("hang", "crash") or verdict.get("unconfirmed"):
+            return {sig}  # named by where it stops, whatever the optimizer; each variant could cost a timeout
+        names = self.strategy_kwargs.get("optimizer_names")
+        table, faces = generalize(lambda cases: judge_many(self.pool, cases, self.known,
+                                                           [self._variant_timeout(c) for c in cases]),
+                                  case, verdict, names)
+        self._tables[sig] = table
+        self._generalized[sig] = case.to_json()
+        self.stats.generalized += len(table)
+        return faces | {sig}
+
+    def _known_face(self, sig: str, known: str, found: tuple) -> None:
+        """``sig`` is the known finding ``known`` in another face: a variant of
+        its case, changed in one dimension, fails the same way under that
+        signature. Counted as a known hit; its case is kept in
+        OUT/known_faces/<sig>.json for ``fuzzshard known`` to record."""
+        case, verdict = found
+        self._as_known[sig] = known
+        self.stats.known[known] += 1
+        rows = [f for f in self._tables.get(sig, []) if f.signature == known]
+        how = f" with {rows[0].dimension} {rows[0].value}" if rows else " (another quantity of the same run)"
+        folder = self.out / "known_faces"
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"signature": sig, "known": known, "root_cause": self.known[known].root_cause,
+                  "generalization": [f.to_dict() for f in self._tables.get(sig, [])],
+                  "verdict": verdict, "case": case.to_dict()}
+        atomic_write(folder / f"{sig}.json", json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+        self._say(f"new signature {sig}: the known finding {known} in another face (it fails the same way{how}; "
+                  f"root cause {self.known[known].root_cause or '?'}) -> {folder / sig}.json")
+
+    def _variant_timeout(self, case) -> float | None:
+        """A variant is limited like a case that shrinks a hang: a hang there is no face of this finding."""
+        if not self._pass_seconds:
+            return None
+        seen = self._pass_seconds.get((case.target, case.ranks, bool(case.checkpoint)), max(self._pass_seconds.values()))
+        return max(SHRINK_TIMEOUT_FLOOR, SHRINK_TIMEOUT_FACTOR * seen)
+
+    def _fold(self, owner: str, faces: set[str]) -> None:
+        """``faces`` are ``owner``'s now; its file says so."""
+        for s in faces:
+            self._owner.setdefault(s, owner)
+        track = self._tracks.get(owner)
+        if track is not None:
+            self._publish(owner, track.written, first=False)
 
     def _shrunk_to(self, sig: str, case, verdict: dict) -> None:
         """Hypothesis's final replay names its minimal example: that is the best case."""
@@ -440,6 +516,18 @@ class Session:
                   f"ones; {len(ran_before)} case(s) ran before it in that generation "
                   f"({', '.join(ran_before[-3:]) or 'none'}) -> {path}")
 
+    def _report_internal(self, case, verdict: dict) -> Path:
+        """OUT/internal/<digest>.json: an error in fuzzshard's own code, with its case (kept apart: never a finding)."""
+        import hashlib
+
+        folder = self.out / "internal"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{hashlib.sha1(str(verdict.get('error')).encode()).hexdigest()[:8]}.json"
+        if not path.exists():  # one file per error; the first case that met it
+            atomic_write(path, json.dumps({"error": verdict.get("error"), "traceback": verdict.get("traceback"),
+                                           "case": case.to_dict()}, indent=2, sort_keys=True, default=str) + "\n")
+        return path
+
     def _rewrite(self, sig: str, track: _Track, force: bool = False) -> None:
         if track.best is track.written or track.best[1].get("timeout"):
             return
@@ -462,8 +550,10 @@ class Session:
         env = environment(self.pool.info, self.pool.options["backend"], self.pool.options["device"])
         if self.plugins:
             env["plugins"] = self.plugins
+        faces = sorted(s for s, o in self._owner.items() if o == sig and s != sig)
+        table = [f.to_dict() for f in self._tables.get(sig, [])]
         return Finding(sig, case, {k: v for k, v in verdict.items() if k != "unconfirmed"}, deterministic=confirmed,
-                       environment=env, stage=stage)
+                       environment=env, stage=stage, faces=faces, generalization=table)
 
     def _finish(self) -> None:
         """Confirm each finding's smallest case, in the time left; a stopped
@@ -484,6 +574,36 @@ class Session:
                 track.best = track.confirmed
             self._rewrite(sig, track, force=True)
             self.findings[sig] = self._finding(sig, track.written)
+        for sig in sorted(self._tracks):
+            if sig in self._tracks and self._may_confirm():
+                self._generalize_again(sig)
+
+    def _generalize_again(self, sig: str) -> None:
+        """The table of ``sig``'s smallest case, and one finding per bug: a
+        finding that case's variants fail as (the same way) is a face of the
+        same bug. Its signature goes into this finding's file, then its own
+        files go (this one is written first: nothing found is lost)."""
+        track = self._tracks[sig]
+        if self._generalized.get(sig) == track.written[0].to_json():
+            return
+        faces = self._generalize(sig, *track.written)
+        merged = sorted(s for s in faces if s in self._tracks and s != sig)
+        for other in merged:
+            for s, o in list(self._owner.items()):
+                if o == other:
+                    self._owner[s] = sig
+            self._tracks.pop(other)
+            self.findings.pop(other, None)
+            self.stats.folded[sig] += 1
+        for s in faces:
+            self._owner.setdefault(s, sig)
+        self._publish(sig, track.written, first=False)
+        self.findings[sig] = self._finding(sig, track.written)
+        for other in merged:
+            self._say(f"finding {other}: another face of finding {sig} (its smallest case fails the same way there), "
+                      f"folded into it")
+            for suffix in (".json", ".py"):
+                (self.findings_dir / f"{other}{suffix}").unlink(missing_ok=True)
 
     def _may_confirm(self) -> bool:
         if self.stop_reason is not None:

@@ -212,6 +212,11 @@ class Finding:
     # hide a new bug of the same signature on the CPU
     devices: list = field(default_factory=list)
     root_cause: str = ""  # known findings: the id of their root cause in known/root_causes.json
+    # one finding per bug (generalize.py): the other signatures the same bug showed under, and the
+    # table of the case's variants (dimension, value, outcome, signature) it fails and passes with
+    faces: list = field(default_factory=list)
+    generalization: list = field(default_factory=list)
+    removed: list = field(default_factory=list)  # what the reducer took out of the shrunk case (reduce.py)
 
     def to_dict(self) -> dict:
         return {
@@ -226,6 +231,9 @@ class Finding:
             **({"trigger": self.trigger} if self.trigger else {}),
             **({"devices": self.devices} if self.devices else {}),
             **({"root_cause": self.root_cause} if self.root_cause else {}),
+            **({"faces": sorted(self.faces)} if self.faces else {}),
+            **({"generalization": self.generalization} if self.generalization else {}),
+            **({"removed": self.removed} if self.removed else {}),
         }
 
     @classmethod
@@ -243,6 +251,9 @@ class Finding:
             trigger=data.get("trigger", {}),
             devices=data.get("devices", []),
             root_cause=data.get("root_cause", ""),
+            faces=data.get("faces", []),
+            generalization=data.get("generalization", []),
+            removed=data.get("removed", []),
         )
 
 

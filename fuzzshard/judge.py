@@ -4,10 +4,12 @@ finding. A fuzz session, `replay`, `known --check`, the pytest plugin and
 ci/add_known.py all judge through here, so they can never disagree."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .findings import known_signature, signature, triggered
-from .verdict import finding
+from .verdict import failure, finding
 
 
 @dataclass
@@ -52,6 +54,8 @@ def judge_many(pool, cases: list, known: dict | None = None, timeouts: list | No
 
 def _signed(pool, case, result, known: dict, timeout: float | None) -> Judgement:
     verdict = result.verdict
+    if verdict.get("status") == "finding" and (why := internal_error(verdict)):
+        verdict = failure(why, (verdict.get("error") or {}).get("traceback"))
     if verdict.get("status") != "finding":
         return Judgement(verdict, seconds=result.seconds, timings=result.timings)
     verdict = localized(pool, case, verdict, timeout)
@@ -73,3 +77,27 @@ def localized(pool, case, verdict: dict, timeout: float | None = None) -> dict:
         if again.get("oracle") == "parity":
             return again
     return verdict
+
+
+_PACKAGE = str(Path(__file__).resolve().parent) + "/"
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+# what Python raises for a mistake in the code that raised it (a name or an attribute that is not there,
+# a call with the wrong arguments, an import that fails): torch's own errors reach Python as RuntimeError,
+# ValueError, IndexError, ... from its C++ even when the innermost Python frame is fuzzshard's, and the
+# kernel's deliberate checks of what torch left behind are AssertionError subclasses (zero.ReplicasDiverged)
+_CODE_ERRORS = ("AttributeError", "NameError", "UnboundLocalError", "ImportError", "ModuleNotFoundError",
+                "TypeError", "SyntaxError")
+
+
+def internal_error(verdict: dict) -> str | None:
+    """Why an error verdict is fuzzshard's own fault, not torch's (None: it is a finding): a
+    programming error whose innermost frame is in fuzzshard's package (say an API this torch does
+    not have: "type object 'Shard' has no attribute 'local_shard_size_and_offset'")."""
+    err = verdict.get("error")
+    if verdict.get("oracle") != "error_parity" or not isinstance(err, dict) or err.get("type") not in _CODE_ERRORS:
+        return None
+    frames = _FRAME.findall(err.get("traceback") or "")
+    if not frames or not str(Path(frames[-1][0]).resolve()).startswith(_PACKAGE):
+        return None
+    where = f"{Path(frames[-1][0]).resolve().relative_to(Path(_PACKAGE).parent)}:{frames[-1][1]} in {frames[-1][2]}"
+    return f"{err['type']} in fuzzshard's own code ({where}): {err.get('message', '')}"

@@ -1,0 +1,163 @@
+"""One finding per bug: a finding's case re-run along the dimensions a bug
+may not depend on, as Hypothesis's explain phase does for one test.
+
+A finding's signature names the optimizer, its implementation, the quantity
+that diverged first and the checkpoint kind, so one torch bug that touches
+every optimizer shows under a dozen signatures. Here the finding's case is
+re-run with each of those changed, one at a time (``variants``). A variant
+that fails *the same way* (``same_way``: the same oracle and phase, at the
+same step, on the same params) is the same bug in another face; its
+signature, and the signatures of every quantity the same run got wrong
+(``faces_of``), are folded into the finding: one file, one summary line,
+and a table of what it fails and passes with. A variant that fails
+otherwise (other params, another step, another error) is another bug and
+is left to be found on its own: two bugs stay two.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from .case import Case, CaseError
+from .findings import signature
+
+
+@dataclass(frozen=True)
+class Face:
+    """One variant of a finding's case and what it came to."""
+    dimension: str  # "implementation", "optimizer", "dtype", "checkpoint kind"
+    value: str  # what the variant has there ("foreach", "Adam", "float64", "dcp")
+    outcome: str  # "fails" (the same way), "passes", "invalid", "fails otherwise", "error"
+    signature: str = ""  # a failing variant's
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def variants(case: Case, optimizer_names=None) -> list[tuple[str, str, Case]]:
+    """(dimension, value, case) for each one-dimension change of ``case``
+    that is still a well-formed case (the reference may still refuse it:
+    that variant is then "invalid")."""
+    from . import targets
+    from .strategies import NOT_ELEMENTWISE, ONLY_2D
+    from .strategies.optimizers import accepts, default_optimizers, implementations
+
+    out = []
+    name, impl = case.optim.name, case.optim.implementation
+    for other in implementations(name):
+        if other != impl:
+            out.append(("implementation", other, _with_optimizer(case, name, other, accepts)))
+    spec = targets.get(case.target).spec if case.target in targets.names() else None
+    for other in optimizer_names or default_optimizers():
+        if other == name or other in ONLY_2D or (spec and spec.elementwise_only and other in NOT_ELEMENTWISE):
+            continue
+        if impl in implementations(other):
+            out.append(("optimizer", other, _with_optimizer(case, other, impl, accepts)))
+    if case.model.factory == "" and case.dtype in ("float32", "float64"):
+        other = "float64" if case.dtype == "float32" else "float32"
+        out.append(("dtype", other, replace(case, dtype=other)))
+    if case.checkpoint and spec:
+        for kind in spec.checkpoint_kinds:
+            if kind != case.checkpoint.kind:
+                out.append(("checkpoint kind", kind, replace(case, checkpoint=replace(case.checkpoint, kind=kind))))
+    kept = []
+    for dim, value, v in out:
+        try:
+            v.check_world()
+        except CaseError:
+            continue
+        kept.append((dim, value, v))
+    return kept
+
+
+_IMPL_FLAGS = ("foreach", "fused")
+
+
+def _with_optimizer(case: Case, name: str, impl: str, accepts) -> Case:
+    """``case`` with optimizer ``name`` in implementation ``impl``: the
+    hyperparameters it shares with the old one kept, the others torch's defaults."""
+    kwargs = {k: v for k, v in case.optim.kwargs.items() if k not in _IMPL_FLAGS and accepts(name, k)}
+    if accepts(name, "foreach"):
+        kwargs["foreach"] = impl == "foreach"
+    if impl == "fused":
+        kwargs["fused"] = True
+    groups = tuple(replace(g, overrides={k: v for k, v in g.overrides.items() if accepts(name, k)})
+                   for g in case.groups)
+    return replace(case, optim=replace(case.optim, name=name, kwargs=kwargs), groups=groups)
+
+
+def _shape(verdict: dict) -> tuple:
+    """What a failure looks like beyond the optimizer, implementation or
+    checkpoint kind that surfaced it: the oracle, its phase (a step, a
+    forward/backward quantity, a checkpoint's saved/loaded/resumed), the step,
+    and the params that diverged there; an error's type and message."""
+    oracle = verdict.get("oracle")
+    first = verdict.get("first")
+    if oracle in ("parity", "checkpoint") and first:
+        q = first["quantity"]
+        phase = q.split(".")[0] if oracle == "checkpoint" else q if q in ("loss", "grad", "forward", "backward") else "step"
+        at = [m for m in verdict.get("mismatches") or [first] if m.get("step") == first["step"]]
+        return oracle, phase, first.get("module"), first["step"], frozenset(m.get("fqn") for m in at)
+    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
+    return oracle, err.get("type"), err.get("message")
+
+
+def same_way(a: dict, b: dict) -> bool:
+    """Whether verdict ``b`` is the failure of verdict ``a`` in another face (see _shape)."""
+    if a.get("status") != "finding" or b.get("status") != "finding":
+        return False
+    sa, sb = _shape(a), _shape(b)
+    if sa[:-1] != sb[:-1]:
+        return False
+    if a.get("oracle") not in ("parity", "checkpoint"):
+        return sa == sb
+    # the params that diverged: the same ones (a verdict keeps its first few mismatches: then one set holds the other)
+    cut = a.get("count", 0) > len(a.get("mismatches") or []) or b.get("count", 0) > len(b.get("mismatches") or [])
+    return sa[-1] == sb[-1] or (cut and (sa[-1] <= sb[-1] or sb[-1] <= sa[-1]))
+
+
+def faces_of(case: Case, verdict: dict) -> set[str]:
+    """The signatures of every quantity this one run got wrong where it first
+    diverged (an optimizer-step bug shows in the param and in each state)."""
+    first = verdict.get("first")
+    if verdict.get("oracle") not in ("parity", "checkpoint") or not first:
+        return {signature(case, verdict)}
+    # the same phase only: a grad bug also leaves the params after that step wrong, which is no face of it
+    phase = _shape(verdict)[1]
+    at = [m for m in verdict.get("mismatches") or [first]
+          if m.get("step") == first["step"] and _shape({**verdict, "first": m})[1] == phase]
+    return {signature(case, {**verdict, "first": m}) for m in at} | {signature(case, verdict)}
+
+
+def generalize(judge_many, case: Case, verdict: dict, optimizer_names=None) -> tuple[list[Face], set[str]]:
+    """Run every variant of ``case`` (``judge_many``: cases -> Judgements, side
+    by side where the pool can); returns the table of faces and the
+    signatures one bug shows under (the finding's own among them)."""
+    found = variants(case, optimizer_names)
+    table, sigs = [], faces_of(case, verdict)
+    for (dim, value, v), j in zip(found, judge_many([v for _, _, v in found]) if found else []):
+        status = j.verdict.get("status")
+        if status != "finding":
+            outcome = {"pass": "passes", "invalid": "invalid"}.get(status, "error")
+            table.append(Face(dim, value, outcome))
+        elif same_way(verdict, j.verdict):
+            table.append(Face(dim, value, "fails", j.label))
+            sigs |= faces_of(v, j.verdict) | {j.label}
+        else:
+            table.append(Face(dim, value, "fails otherwise", j.label))
+    return table, sigs
+
+
+def table_text(table: list[Face]) -> str:
+    """The table, a line per dimension: "optimizer: fails with Adam, SGD; passes with Adagrad"."""
+    lines = []
+    for dim in dict.fromkeys(f.dimension for f in table):
+        rows = [f for f in table if f.dimension == dim]
+        parts = []
+        for outcome, word in (("fails", "fails with"), ("passes", "passes with"), ("fails otherwise", "fails otherwise with"),
+                              ("invalid", "refused by the reference with"), ("error", "could not run with")):
+            values = [f.value + (f" ({f.signature})" if outcome == "fails otherwise" else "")
+                      for f in rows if f.outcome == outcome]
+            if values:
+                parts.append(f"{word} {', '.join(values)}")
+        lines.append(f"{dim}: {'; '.join(parts)}")
+    return "\n".join(lines)
