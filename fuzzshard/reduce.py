@@ -1,0 +1,624 @@
+"""Make a failing case 1-minimal: no single structural edit of it keeps the bug.
+
+Hypothesis shrinks along its draws; this reducer edits the Case itself, in
+ways the draws cannot: drop a layer in the middle (re-fitting the widths and
+renaming every FQN that names a later layer), merge param groups, lower the
+world size on one side of a checkpoint, drop one target option.
+
+    smallest, kept = reduce(case, lambda c: judge(pool, c).label == sig)
+
+``edits(case)`` lists every single edit that is still a well-formed case and
+smaller by ``size()``; ``reduce`` keeps the first edit that keeps the bug and
+starts over, to a fixed point. The edits work on ``case.to_dict()``.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import math
+import time
+from typing import Callable, Iterator
+
+from .case import Case
+from .kernel.model import param_shapes
+
+# optimizer kwargs left alone: lr is the step itself, foreach/fused the implementation (a dimension of its own)
+KEEP_KWARGS = ("lr", "foreach", "fused")
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")  # fsdp1's strategies that take a 2-D mesh
+
+Edit = tuple[str, "dict | None"]  # (what it does, the edited case's dict; None: it cannot be made)
+
+
+def reduce(case: Case, keeps_bug: Callable[[Case], bool], budget_s: float | None = None,
+           on_smaller: Callable[[Case], None] | None = None) -> tuple[Case, list[str]]:
+    """Greedy fixed point: keep the first edit of the current case for which
+    ``keeps_bug`` holds and start over from it; stop when no edit keeps the
+    bug (1-minimal) or the budget is spent. Returns (the smallest case, the
+    edits kept). ``on_smaller`` sees each smaller case as it is found."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    kept: list[str] = []
+    smaller = True
+    while smaller:
+        smaller = False
+        for what, edited in edits(case):
+            if deadline is not None and time.monotonic() > deadline:
+                return case, kept
+            if keeps_bug(edited):
+                case, smaller = edited, True
+                kept.append(what)
+                if on_smaller:
+                    on_smaller(case)
+                break
+    return case, kept
+
+
+def edits(case: Case) -> list[tuple[str, Case]]:
+    """Every single structural edit of ``case`` that is a well-formed case and
+    smaller (``size``), simplest and most-removing first, each with a short
+    description ("drop layer layers.2", "world size 3 -> 2", ...)."""
+    data, before = case.to_dict(), size(case)
+    out, seen = [], {case.to_json()}
+    for make in EDITS:
+        for what, edited_data in make(data):
+            edited = _well_formed(edited_data)
+            if edited is None or size(edited) >= before:
+                continue
+            key = edited.to_json()
+            if key not in seen:
+                seen.add(key)
+                out.append((what, edited))
+    return out
+
+
+def size(case: Case) -> tuple:
+    """How big a case is, compared as a tuple: every edit makes it smaller,
+    so a reduction ends. Ranks first, then the structure (layers, params,
+    steps, groups), then the finer things (FQNs named, options, batch, widths)."""
+    ck, model = case.checkpoint, case.model
+    sides = [(case.world_size, case.mesh_shape)] + ([(ck.world_size, ck.mesh_shape)] if ck else [])
+    shapes = param_shapes(model)
+    structure = (_count_layers(model.layers) + model.tie_head + model.unused + model.buffer
+                 + model.sizes.get("n_layers", 0) + bool(model.sizes.get("tied")))
+    mentions = (len(case.frozen) + sum(len(s.freeze) + len(s.unfreeze) for s in case.schedule)
+                + (len(ck.missing) if ck else 0))
+    options = _count(case.target_options) + (_count(ck.target_options) if ck else 0)
+    ck_extras = (ck.split + (not ck.strict) + ck.unexpected + (ck.target_options != case.target_options)) if ck else 0
+    optim = case.optim
+    extras = (len(optim.kwargs) + bool(optim.tensor_lr) + optim.named + optim.added_groups + optim.added_at
+              + sum(len(g.overrides) for g in case.groups))
+    elements = sum(math.prod(s) for s in shapes.values())
+    rest = (model.d_in + _kernels(model.layers) + (model.sizes.get("norm") == "layer")
+            + sum(v for k, v in model.sizes.items() if type(v) is int and k != "n_layers"))
+    return (case.ranks, sum(w + len(m) for w, m in sides), ck is not None, structure, len(shapes),
+            len(case.schedule), len(case.groups), mentions, options, ck_extras, extras,
+            case.batch, case.seq, 8 if case.dtype == "float64" else 4, elements, rest)
+
+
+def _count_layers(layers) -> int:
+    return sum(1 + _count_layers(layer.children) for layer in layers)
+
+
+def _kernels(layers) -> int:
+    return sum(layer.kernel + _kernels(layer.children) for layer in layers)
+
+
+def _count(value) -> int:
+    """Nodes of a JSON value: dropping any entry lowers it."""
+    if isinstance(value, dict):
+        return 1 + sum(1 + _count(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(_count(v) for v in value)
+    return 1
+
+
+def _well_formed(data: dict | None) -> Case | None:
+    """The Case, or None where the runner could not take it: the Case's and
+    the target's checks fail, or groups, flips or the checkpoint name a param
+    the model does not have."""
+    if data is None:
+        return None
+    try:
+        case = Case.from_dict(data)
+        case.check_world()
+        shapes = param_shapes(case.model)
+    except Exception:  # CaseError, or a model that cannot be built (a plugin's: anything)
+        return None
+    named = [n for g in case.groups for n in g.params] + list(case.frozen)
+    named += [n for s in case.schedule for n in (*s.freeze, *s.unfreeze)]
+    named += list(case.checkpoint.missing) if case.checkpoint else []
+    sizes = case.model.sizes
+    thin_norm = sizes.get("norm") == "layer" and sizes["n_heads"] * sizes["head_dim"] < 2  # as the draws avoid it
+    if not shapes or not set(named) <= set(shapes) or thin_norm:
+        return None
+    return case
+
+
+def _copy(data: dict, **fields) -> dict:
+    new = copy.deepcopy(data)
+    new.update(fields)
+    return new
+
+
+def _spec(target: str):
+    from . import targets
+    from .kernel.targets.base import Spec
+
+    return targets.get(target).spec if target in targets.names() else Spec()
+
+
+# -- FQNs ---------------------------------------------------------------------
+
+def _renamer(rules: list[tuple[str, str | None]]) -> Callable[[str], str | None]:
+    """rename(fqn): the first rule whose old prefix names it (or a module above
+    it) gives its new name; None: it is gone; no rule: it stays."""
+    def rename(fqn: str) -> str | None:
+        for old, new in rules:
+            if fqn == old or fqn.startswith(old + "."):
+                return None if new is None else new + fqn[len(old):]
+        return fqn
+    return rename
+
+
+def _rename(data: dict, rules: list) -> None:
+    """Every FQN of the case renamed in place: groups, frozen, flips, the
+    checkpoint's missing keys and both sides' target options."""
+    rename = _renamer(rules)
+
+    def names(fqns):
+        return [n for n in map(rename, fqns) if n is not None]
+
+    for group in data["groups"]:
+        group["params"] = names(group["params"])
+    data["frozen"] = names(data["frozen"])
+    for step in data["schedule"]:
+        step["freeze"], step["unfreeze"] = names(step["freeze"]), names(step["unfreeze"])
+    data["target_options"] = _rename_in(data["target_options"], rename)
+    ck = data["checkpoint"]
+    if ck:
+        ck["missing"] = names(ck["missing"])
+        ck["target_options"] = _rename_in(ck["target_options"], rename)
+
+
+def _rename_in(value, rename):
+    """Target options with their FQNs renamed: dict keys (dtensor placements
+    keyed by param, fsdp2's TP plan by module), list items (wrapped units) and
+    string values. An entry naming what is gone is dropped; strings that are no
+    FQN (placements, styles) match no rule and stay."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            k, v = rename(k), _rename_in(v, rename)
+            if k is not None and v is not None:
+                out[k] = v
+        return out
+    if isinstance(value, list):
+        return [x for x in (_rename_in(v, rename) for v in value) if x is not None]
+    return rename(value) if isinstance(value, str) else value
+
+
+def _modules(shapes: dict) -> set[str]:
+    """Every param FQN and every module above one."""
+    return {".".join(n.split(".")[:i]) for n in shapes for i in range(1, n.count(".") + 2)}
+
+
+# -- the model's layers -------------------------------------------------------
+
+def _paths(layers: list, path: tuple = ()) -> Iterator[tuple]:
+    """Index paths of every layer, outermost first."""
+    for i, layer in enumerate(layers):
+        yield path + (i,)
+        yield from _paths(layer["children"], path + (i,))
+
+
+def _locate(layers: list, path: tuple) -> tuple[list, int, str]:
+    """(the list holding the layer at ``path``, its index there, its FQN)."""
+    holder, fqn = layers, "layers"
+    for i in path[:-1]:
+        parent = holder[i]
+        fqn += f".{i}" if parent["kind"] == "seq" else f".{i}.inner"  # Residual/Twice hold an ``inner`` Sequential
+        holder = parent["children"]
+    return holder, path[-1], f"{fqn}.{path[-1]}"
+
+
+def _chain(layers: list, d: int) -> int | None:
+    """Set each layer's d_in to what the one before gives, from width ``d``;
+    the output width (None: they cannot chain)."""
+    for layer in layers:
+        kind = layer["kind"]
+        if kind in ("linear", "conv1d"):
+            layer["d_in"], d = d, layer["d_out"]
+        elif kind == "layernorm":
+            if d < 2:  # over one feature it outputs its bias: grads are rounding noise (strategies/models.py)
+                return None
+            layer["d_in"] = layer["d_out"] = d
+        elif kind == "seq":
+            d = _chain(layer["children"], d)
+            if d is None:
+                return None
+        elif kind in ("residual", "twice"):  # x + f(x), f(f(x)): the body maps d to d
+            if not _fit(layer["children"], d, d):
+                return None
+            layer["d_in"] = layer["d_out"] = d
+        elif kind != "act":  # an embedding takes token ids: only as the first layer
+            return None
+    return d
+
+
+def _fit(layers: list, d: int, want: int) -> bool:
+    """Chain ``layers`` from width ``d`` to width ``want``, resizing the last
+    Linear or Conv1d of this level if it must."""
+    out = _chain(layers, d)
+    if out == want:
+        return True
+    resizable = [layer for layer in layers if layer["kind"] in ("linear", "conv1d")]
+    if out is None or not resizable:
+        return False
+    resizable[-1]["d_out"] = want
+    return _chain(layers, d) == want
+
+
+def _rechain(model: dict) -> bool:
+    """Re-fit every d_in of a topology to the layer before; False where it cannot chain."""
+    layers, d = model["layers"], model["d_in"]
+    if model["input"] == "tokens":
+        if not layers or layers[0]["kind"] != "embedding":
+            return False
+        layers[0]["d_in"], d = d, layers[0]["d_out"]
+        layers = layers[1:]
+    if model["tie_head"]:  # the head maps the embedding's width back to the vocabulary
+        return model["input"] == "tokens" and _fit(layers, d, d)
+    return _chain(layers, d) is not None
+
+
+def _model_edit(data: dict, change: Callable[[dict], None], rules: list = ()) -> dict | None:
+    """A copy of ``data`` with ``change(model)`` made, the widths re-chained and the FQNs renamed."""
+    new = copy.deepcopy(data)
+    change(new["model"])
+    if not _rechain(new["model"]):
+        return None
+    _rename(new, list(rules))
+    return new
+
+
+def _shift(prefix: str, i: int, n: int) -> list:
+    """Rules: the i-th of n siblings under ``prefix`` is gone, the later ones move up by one."""
+    return [(f"{prefix}.{i}", None)] + [(f"{prefix}.{k}", f"{prefix}.{k - 1}") for k in range(i + 1, n)]
+
+
+def _layer_drops(data: dict) -> Iterator[Edit]:
+    """Drop a layer (a composite keeps one child at least), or replace a composite by one of its children."""
+    if data["model"].get("factory"):
+        return
+    for path in list(_paths(data["model"]["layers"])):
+        holder, i, fqn = _locate(data["model"]["layers"], path)
+        layer, prefix = holder[i], fqn.rsplit(".", 1)[0]
+        if len(path) == 1 or len(holder) > 1:
+            yield f"drop layer {fqn}", _model_edit(data, lambda m, p=path: _pop(m, p), _shift(prefix, i, len(holder)))
+        inner = fqn if layer["kind"] == "seq" else f"{fqn}.inner"
+        for j, child in enumerate(layer["children"]):
+            yield (f"{fqn}: {layer['kind']} -> its child {child['kind']}",
+                   _model_edit(data, lambda m, p=path, j=j: _to_child(m, p, j), [(f"{inner}.{j}", fqn), (fqn, None)]))
+
+
+def _pop(model: dict, path: tuple) -> None:
+    holder, i, _ = _locate(model["layers"], path)
+    layer = holder.pop(i)
+    if path == (0,) and layer["kind"] == "embedding":  # the model then takes the embedding's floats
+        model["input"], model["d_in"] = "features", layer["d_out"]
+
+
+def _to_child(model: dict, path: tuple, j: int) -> None:
+    holder, i, _ = _locate(model["layers"], path)
+    holder[i] = holder[i]["children"][j]
+
+
+def _set(model: dict, path: tuple, **fields) -> None:
+    holder, i, _ = _locate(model["layers"], path)
+    holder[i].update(fields)
+
+
+def _model_flags(data: dict) -> Iterator[Edit]:
+    """Untie the head, drop the unused submodule, drop the buffer."""
+    model = data["model"]
+    if model["tie_head"]:
+        yield "untie the head", _model_edit(data, lambda m: m.update(tie_head=False))
+    if model["unused"]:
+        yield "drop the unused submodule", _model_edit(data, lambda m: m.update(unused=False), [("unused", None)])
+    if model["buffer"]:
+        yield "drop the buffer", _model_edit(data, lambda m: m.update(buffer=False))
+
+
+def _layer_details(data: dict) -> Iterator[Edit]:
+    """A bias less, a narrower layer (the next one re-fitted), a kernel of 1, a narrower input."""
+    model = data["model"]
+    if model.get("factory"):
+        return
+    for path in list(_paths(model["layers"])):
+        holder, i, fqn = _locate(model["layers"], path)
+        layer = holder[i]
+        if layer["bias"] and layer["kind"] in ("linear", "conv1d", "layernorm"):
+            bias = f"{fqn}.conv.bias" if layer["kind"] == "conv1d" else f"{fqn}.bias"
+            yield f"no bias in {fqn}", _model_edit(data, lambda m, p=path: _set(m, p, bias=False), [(bias, None)])
+        if layer["kind"] in ("linear", "conv1d", "embedding"):
+            for w in _smaller(layer["d_out"]):
+                yield (f"{fqn} width {layer['d_out']} -> {w}",
+                       _model_edit(data, lambda m, p=path, w=w: _set(m, p, d_out=w)))
+        if layer["kind"] == "conv1d" and layer["kernel"] > 1:
+            yield f"{fqn} kernel {layer['kernel']} -> 1", _model_edit(data, lambda m, p=path: _set(m, p, kernel=1))
+    what = "vocabulary" if model["input"] == "tokens" else "input width"
+    for w in _smaller(model["d_in"]):
+        yield f"{what} {model['d_in']} -> {w}", _model_edit(data, lambda m, w=w: m.update(d_in=w))
+
+
+def _smaller(n: int, least: int = 1) -> list[int]:
+    """The least value, then half: the smaller sizes an edit tries."""
+    return sorted({v for v in (least, n // 2) if least <= v < n})
+
+
+def _decoder_edits(data: dict) -> Iterator[Edit]:
+    """The decoder transformer's sizes: a block less, one head, narrower dims, RMSNorm, untied."""
+    model = data["model"]
+    if model.get("factory") != "decoder":
+        return
+    sizes = model["sizes"]
+
+    def resized(**changes) -> dict:
+        new = _copy(data)
+        new["model"]["sizes"].update(changes)
+        new["model"]["d_in"] = new["model"]["sizes"]["d_in"]  # the vocabulary, said twice
+        return new
+
+    n = sizes["n_layers"]
+    for i in range(n) if n > 1 else ():
+        new = resized(n_layers=n - 1)
+        _rename(new, _shift("layers", i, n))
+        yield f"drop block layers.{i}", new
+    if sizes["n_heads"] > 1:
+        heads = f"heads {sizes['n_heads']}/{sizes['n_kv_heads']}"
+        yield f"{heads} -> 1/1", resized(n_heads=1, n_kv_heads=1)
+        if sizes["n_kv_heads"] < sizes["n_heads"]:
+            yield f"{heads} -> {sizes['n_kv_heads']}/{sizes['n_kv_heads']}", resized(n_heads=sizes["n_kv_heads"])
+    for key, least in (("head_dim", 1), ("hidden", 1), ("d_in", 2)):
+        for v in _smaller(sizes[key], least):
+            yield f"{key} {sizes[key]} -> {v}", resized(**{key: v})
+    if sizes.get("norm") == "layer":
+        yield "LayerNorm -> RMSNorm", resized(norm="rms")
+    if sizes.get("tied"):
+        yield "untie the output head", resized(tied=False)
+
+
+# -- world, mesh, batch -------------------------------------------------------
+
+def _fit_options(options: dict, mesh: list, n_steps: int) -> dict:
+    """Target options that name mesh dims or ranks, fitted to another mesh:
+    dtensor's placements (one per mesh dim), fsdp1's hybrid strategy (2-D
+    only), fsdp2's reshard_after_forward (an int divides the shard group),
+    zero's consolidate_to and uneven counts (one per rank), sharded_optim's
+    chunk ranks."""
+    out, world = copy.deepcopy(options), math.prod(mesh)
+    if "placements" in out:
+        out["placements"] = {n: (p + ["R"] * len(mesh))[:len(mesh)] for n, p in out["placements"].items()}
+    if out.get("strategy") in HYBRID and len(mesh) == 1:
+        out["strategy"] = "FULL_SHARD"
+    raf, shard = out.get("reshard_after_forward"), mesh[0] if out.get("tp") else mesh[-1]
+    if type(raf) is int and not (1 < raf < shard and shard % raf == 0):
+        out["reshard_after_forward"] = True
+    if out.get("consolidate_to", 0) >= world:
+        del out["consolidate_to"]
+    if "uneven" in out:
+        counts = (out["uneven"] + [n_steps] * world)[:world]
+        if max(counts) != n_steps:
+            counts[-1] = n_steps
+        out["uneven"] = counts
+    if "shard" in out:
+        shards = {n: {**s, "ranks": [r for r in s["ranks"] if r < world]} for n, s in out["shard"].items()}
+        out["shard"] = {n: s for n, s in shards.items() if s["ranks"]}
+    return out
+
+
+def _batch_unit(data: dict) -> int:
+    """What the batch must be a multiple of: a data-parallel target gives every
+    rank of either side an equal slice, in equal microbatches (as strategies draw it)."""
+    if not _spec(data["target"]).data_parallel:
+        return 1
+    ck = data["checkpoint"]
+    sides = [data["target_options"]] + ([ck["target_options"]] if ck else [])
+    return math.lcm(data["world_size"], ck["world_size"] if ck else 1) * max(o.get("microbatches", 1) for o in sides)
+
+
+def _seq_unit(data: dict) -> int:
+    multiple = _spec(data["target"]).seq_multiple
+    if not multiple:
+        return 1
+    ck = data["checkpoint"]
+    sides = [(data["target_options"], data["mesh_shape"])] + ([(ck["target_options"], ck["mesh_shape"])] if ck else [])
+    return math.lcm(*(multiple(o, m) for o, m in sides))
+
+
+def _reworld(data: dict, checkpoint: bool, mesh: list) -> dict:
+    """A copy with one side on ``mesh`` (its options fitted) and the batch a multiple of its unit again."""
+    new = copy.deepcopy(data)
+    side = new["checkpoint"] if checkpoint else new
+    side.update(world_size=math.prod(mesh), mesh_shape=mesh,
+                target_options=_fit_options(side["target_options"], mesh, len(new["schedule"])))
+    unit = _batch_unit(new)
+    new["batch"] = unit * max(1, new["batch"] // unit)
+    return new
+
+
+def _world_edits(data: dict) -> Iterator[Edit]:
+    """No checkpoint; a smaller world (1-D mesh) or the 1-D mesh of the same world, on either side."""
+    ck = data["checkpoint"]
+    if ck:
+        yield "no checkpoint", _copy(data, checkpoint=None)
+    for side, checkpoint, what in ((data, False, ""), (ck, True, "checkpoint ")):
+        if not side:
+            continue
+        world = side["world_size"]
+        for w in range(1, world):
+            yield f"{what}world size {world} -> {w}", _reworld(data, checkpoint, [w])
+        if len(side["mesh_shape"]) > 1:
+            yield f"{what}mesh {side['mesh_shape']} -> [{world}]", _reworld(data, checkpoint, [world])
+
+
+def _size_edits(data: dict) -> Iterator[Edit]:
+    """float64 -> float32, a smaller batch and sequence (multiples of what the target needs)."""
+    if data["dtype"] == "float64":
+        yield "float64 -> float32", _copy(data, dtype="float32")
+    for key, unit in (("batch", _batch_unit(data)), ("seq", _seq_unit(data))):
+        n = data[key] // unit
+        for m in _smaller(n):
+            yield f"{key} {data[key]} -> {m * unit}", _copy(data, **{key: m * unit})
+
+
+# -- schedule, groups, flags ---------------------------------------------------
+
+def _step_edits(data: dict) -> Iterator[Edit]:
+    """Drop a step (the last first), the checkpoint and the added groups kept at steps that still exist."""
+    n = len(data["schedule"])
+    for k in reversed(range(n)) if n > 1 else ():
+        new = copy.deepcopy(data)
+        del new["schedule"][k]
+        ck, optim = new["checkpoint"], new["optim"]
+        if ck and ck["after"] >= k and ck["after"] > 0:
+            ck["after"] -= 1
+        if optim["added_at"] > k:
+            optim["added_at"] -= 1
+        optim["added_at"] = min(optim["added_at"], n - 2)
+        if "uneven" in new["target_options"]:  # zero: one rank still runs every step
+            new["target_options"]["uneven"] = [min(c, n - 1) for c in new["target_options"]["uneven"]]
+        yield f"drop step {k}", new
+
+
+def _group_edits(data: dict) -> Iterator[Edit]:
+    """Drop a param group (its params join group 0, or group 1 for group 0), then its overrides."""
+    groups = data["groups"]
+    for g in reversed(range(len(groups))) if len(groups) > 1 else ():
+        new = copy.deepcopy(data)
+        into = 1 if g == 0 else 0
+        new["groups"][into]["params"] += new["groups"][g]["params"]
+        del new["groups"][g]
+        optim = new["optim"]
+        if g >= len(groups) - optim["added_groups"]:  # one of the groups added after the constructor
+            optim["added_groups"] -= 1
+            optim["added_at"] = optim["added_at"] if optim["added_groups"] else 0
+        yield f"drop param group {g}" + (f" (params to group {into})" if groups[g]["params"] else ""), new
+    for g, group in enumerate(groups):
+        if group["overrides"]:
+            new = copy.deepcopy(data)
+            new["groups"][g]["overrides"] = {}
+            yield f"group {g}: no overrides", new
+        for key in sorted(group["overrides"]) if len(group["overrides"]) > 1 else ():
+            new = copy.deepcopy(data)
+            del new["groups"][g]["overrides"][key]
+            yield f"group {g}: default {key}", new
+
+
+def _flag_edits(data: dict) -> Iterator[Edit]:
+    """Unfreeze a frozen param; drop a step's freeze or unfreeze."""
+    for fqn in data["frozen"]:
+        yield f"unfreeze {fqn}", _copy(data, frozen=[n for n in data["frozen"] if n != fqn])
+    for k, step in enumerate(data["schedule"]):
+        for flip in ("freeze", "unfreeze"):
+            for fqn in step[flip]:
+                new = copy.deepcopy(data)
+                new["schedule"][k][flip] = [n for n in step[flip] if n != fqn]
+                yield f"step {k}: no {flip} of {fqn}", new
+
+
+def _checkpoint_edits(data: dict) -> Iterator[Edit]:
+    """The loading side: set_state_dict not split, nothing missing, no
+    unexpected key, then strict; both sides with the same target options."""
+    ck = data["checkpoint"]
+    if not ck:
+        return
+
+    def changed(what, **fields) -> Edit:
+        new = copy.deepcopy(data)
+        new["checkpoint"].update(fields)
+        return f"checkpoint: {what}", new
+
+    if ck["split"]:
+        yield changed("one set_state_dict, not split", split=False)
+    if ck["missing"]:
+        yield changed("nothing missing", missing=[])
+    if ck["unexpected"]:
+        yield changed("no unexpected key", unexpected=False)
+    if not ck["strict"] and not ck["missing"] and not ck["unexpected"]:  # strictness then tells nothing apart
+        yield changed("strict", strict=True)
+    n_steps = len(data["schedule"])
+    if ck["target_options"] != data["target_options"]:
+        yield changed("the saving side's target options",
+                      target_options=_fit_options(data["target_options"], ck["mesh_shape"], n_steps))
+        yield ("saving side: the loading side's target options",
+               _copy(data, target_options=_fit_options(ck["target_options"], data["mesh_shape"], n_steps)))
+
+
+def _option_edits(data: dict) -> Iterator[Edit]:
+    """Drop a target option (back to the target's default), on either side;
+    in an option keyed by FQN (placements, wrapped units, a TP plan) one entry at a time."""
+    fqns = _modules(param_shapes(Case.from_dict(data).model))
+    ck = data["checkpoint"]
+    for side, what in ((data, ""), (ck, "checkpoint ")):
+        if not side:
+            continue
+        for key, value in side["target_options"].items():
+            new = copy.deepcopy(data)
+            del (new["checkpoint"] if what else new)["target_options"][key]
+            yield f"{what}no target option {key}", new
+            entries = list(value) if isinstance(value, (dict, list)) and len(value) > 1 else []
+            for entry in (e for e in entries if isinstance(e, str) and e in fqns):
+                new = copy.deepcopy(data)
+                options = (new["checkpoint"] if what else new)["target_options"]
+                options[key] = ({k: v for k, v in value.items() if k != entry} if isinstance(value, dict)
+                                else [e for e in value if e != entry])
+                yield f"{what}{key}: drop {entry}", new
+
+
+def _optim_edits(data: dict) -> Iterator[Edit]:
+    """Drop the optimizer's extras (a tensor lr, named params, add_param_group)
+    and each kwarg torch has another default for (lr and the implementation stay)."""
+    optim = data["optim"]
+
+    def changed(what, **fields) -> Edit:
+        new = copy.deepcopy(data)
+        new["optim"].update(fields)
+        return what, new
+
+    if optim["tensor_lr"]:
+        yield changed("lr as a float", tensor_lr="")
+    if optim["named"]:
+        yield changed("params without names", named=False)
+    if optim["added_groups"]:
+        yield changed("no add_param_group", added_groups=0, added_at=0)
+    if optim["added_at"]:
+        yield changed("groups added right after the constructor", added_at=0)
+    defaults = _torch_defaults(optim["name"])
+    for key, value in optim["kwargs"].items():
+        if key not in KEEP_KWARGS and defaults.get(key, value) != value:
+            kwargs = {k: v for k, v in optim["kwargs"].items() if k != key}
+            yield changed(f"{optim['name']}: default {key}", kwargs=kwargs)
+
+
+def _torch_defaults(name: str) -> dict:
+    """{kwarg: default} of the optimizer's constructor, as JSON values (tuples as lists)."""
+    from .kernel.optim import optimizer_class
+
+    try:
+        params = inspect.signature(optimizer_class(name).__init__).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    out = {}
+    for p in params:
+        if p.default is not inspect.Parameter.empty:
+            try:
+                out[p.name] = json.loads(json.dumps(p.default))
+            except (TypeError, ValueError):  # a default no Case can hold: the kwarg stays
+                pass
+    return out
+
+
+# in order: the edits that remove most first
+EDITS = (_world_edits, _layer_drops, _model_flags, _decoder_edits, _step_edits, _group_edits, _flag_edits,
+         _checkpoint_edits, _option_edits, _optim_edits, _size_edits, _layer_details)
