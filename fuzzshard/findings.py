@@ -2,30 +2,31 @@
 
 A signature names a bug, not a case: target + oracle + the failing quantity
 (or the exception type and normalised message), so the same bug found twice,
-in any model, is one file. Files are written atomically (temp + rename).
+in any model, is one file; what each oracle's signature and summary say is
+in its module in fuzzshard/oracle/. Files are written atomically (temp + rename).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
+from . import oracle
 from .case import Case, CaseError
+# each oracle's knowledge lives in oracle/; these names stay importable from here (cli, tests)
+from .oracle import ORACLES, Oracle  # noqa: F401
+from .oracle.error_parity import _digest, missing_strategy_op  # noqa: F401
 
 KNOWN_DIR = Path(__file__).parent / "known"
 ROOT_CAUSES = "root_causes.json"  # known/: root cause id -> title, kind, upstream state (not a finding)
 
 
 def signature(case: Case, verdict: dict) -> str:
-    """The finding's name: target, oracle and what identifies the bug (see ORACLES)."""
-    oracle = ORACLES.get(verdict.get("oracle", ""))
-    sig = oracle.signature(case, verdict) if oracle else f"{case.target}.{verdict.get('oracle', 'unknown')}"
+    """The finding's name: target, oracle and what identifies the bug (each oracle's module in oracle/ says)."""
+    sig = oracle.of(verdict).signature(case, verdict)
     # a compiled run's bug is compile's until an eager run shows it too: its own name, never an eager one's
     tag = compiled_tag(case)
     return sig.replace(f"{case.target}.", f"{case.target}.{tag}.", 1) if tag else sig
@@ -41,141 +42,7 @@ def compiled_tag(case: Case) -> str:
 
 def summary(verdict: dict) -> str:
     """One line: what diverged, where, by how much, against which tolerance."""
-    oracle = ORACLES.get(verdict.get("oracle", ""))
-    return oracle.summary(verdict) if oracle else json.dumps(verdict)[:300]
-
-
-def _parity_signature(case: Case, verdict: dict) -> str:
-    first = verdict["first"]
-    quantity = first["quantity"].replace("param_groups.", "group.")
-    if quantity in ("forward", "backward"):  # localised: the module is the bug's address
-        return f"{case.target}.parity.{quantity}.{first.get('module', 'unknown')}"
-    if quantity in ("loss", "grad"):  # a forward/backward bug: the optimizer is irrelevant
-        # a grad where the reference has none (or none where it has one) is its own kind of bug
-        presence = f".{first['presence']}" if "presence" in first else ""
-        return f"{case.target}.parity.{quantity}{presence}"
-    # the implementation is half a step bug's address; a fused kernel's, also the layout of the grad it read
-    layout = ".noncontig_grad" if first.get("grad") == "non-contiguous" else ""
-    return f"{case.target}.parity.{case.optim.name}.{case.optim.implementation}.{quantity}{layout}"
-
-
-def _parity_summary(verdict: dict) -> str:
-    m = verdict["first"]
-    if m["quantity"] in ("forward", "backward"):
-        where = f"{m['quantity']} of step {m['step']}"
-    elif m["step"] >= 0:
-        where = f"{m['quantity']} of {m['fqn'] or 'the model'} after step {m['step']}"
-    else:
-        where = f"{m['quantity']} of {m['fqn']} after the constructor"
-    extra = f" (max abs err {m['max_abs']:.3g}, {m['bad']}/{m['numel']} elements; tolerance: {m['tolerance']})" if "max_abs" in m else ""
-    return f"parity: {where} differs: {m['detail']}{extra}; {verdict['count']} mismatches in all"
-
-
-def _checkpoint_signature(case: Case, verdict: dict) -> str:
-    """What did not survive which kind of round trip."""
-    quantity = verdict["first"]["quantity"]
-    if ".param_groups" in quantity:
-        # which hyperparameter shows first is incidental; an empty group is part of the address
-        quantity = quantity.split(".param_groups")[0] + ".group"
-        if any(not g.params for g in case.groups):
-            quantity += ".empty_group"
-    return f"{case.target}.checkpoint.{case.checkpoint.kind}.{quantity}"
-
-
-def _checkpoint_summary(verdict: dict) -> str:
-    m = verdict["first"]
-    return (f"checkpoint round trip: {m['quantity']} of {m['fqn'] or 'the optimizer'} (saved after step {m['step']}) "
-            f"differs: {m['detail']}; {verdict['count']} mismatches in all")
-
-
-# DTensor's refusal of an op it has no sharding strategy for: a gap of that op alone, so the op is part
-# of the name (elsewhere the op in a message varies per case: the template is the bug)
-_NO_STRATEGY = re.compile(r"Operator aten\.(\w+)(?:\.\w+)? does not have a sharding strategy registered")
-
-
-def missing_strategy_op(message: str) -> str | None:
-    """The op DTensor says it has no sharding strategy for ("_fused_sgd_"), if that is what ``message`` says."""
-    m = _NO_STRATEGY.search(message or "")
-    return m.group(1) if m else None
-
-
-def _error_signature(case: Case, verdict: dict) -> str:
-    """The root cause is the message template, not which optimizer or op surfaced it
-    (but a missing sharding strategy names its op)."""
-    err = verdict.get("error") or {}
-    phase = err.get("stage") or _phase_kind(err.get("phase", ""))  # (records older than "stage")
-    digest = _digest(err.get("message", ""), names=phase in ("save", "load"))
-    op = missing_strategy_op(err.get("message", ""))
-    return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{digest}" + (f".{op}" if op else "")
-
-
-def _error_summary(verdict: dict) -> str:
-    err = verdict.get("error") or {}
-    return f"error parity: only the sharded run raises, in {err.get('phase')}: {err.get('type')}: {err.get('message')}"
-
-
-def _crash_signature(case: Case, verdict: dict) -> str:
-    """The signal, and where the lowest dead rank died: a crash elsewhere is another bug."""
-    return f"{case.target}.crash.{_slug((verdict.get('error') or {}).get('type', 'Crash'))}" + _where(verdict)
-
-
-def _hang_signature(case: Case, verdict: dict) -> str:
-    """Where the lowest stuck rank waits names the hang."""
-    return f"{case.target}.hang" + _where(verdict)
-
-
-def _where(verdict: dict) -> str:
-    """".kernel_function.torch_function" of the lowest rank in ``where``, or ""."""
-    where = verdict.get("where", {})
-    first = where.get(min(where), "") if where else ""
-    return f".{_slug(first.replace(':', '.'))}" if first else ""
-
-
-@dataclass(frozen=True)
-class Oracle:
-    """One way a case fails: how such a finding shows to a user (``kind``),
-    its signature and its one-line summary."""
-    kind: str
-    signature: Callable
-    summary: Callable
-
-
-# every oracle a verdict can name (verdict.finding builds them: kernel/run.py and reference.py parity
-# and error_parity ones, checkpoint ones from checkpoint.py's mismatches, the runner hang and crash ones)
-ORACLES = {
-    "parity": Oracle("silent", _parity_signature, _parity_summary),
-    "checkpoint": Oracle("silent (checkpoint)", _checkpoint_signature, _checkpoint_summary),
-    "error_parity": Oracle("raises", _error_signature, _error_summary),
-    "hang": Oracle("hang", _hang_signature, lambda v: f"hang: {(v.get('error') or {}).get('message')}"),
-    "crash": Oracle("crash", _crash_signature,
-                    lambda v: f"crash: {(v.get('error') or {}).get('type')}: ranks {v.get('dead_ranks')} died"),
-}
-
-
-def _phase_kind(phase: str) -> str:
-    for key, kind in (("checkpoint save", "save"), ("checkpoint load", "load"), ("optimizer.step", "step"), ("constructor", "ctor"), ("forward", "fwdbwd"), ("shard", "shard")):
-        if key in phase:
-            return kind
-    return "other"
-
-
-def _digest(message: str, names: bool = False) -> str:
-    """Same message template -> same digest: op names, numbers and placements
-    vary per case; ``names``: so do quoted strings and dotted keys
-    (``optim.state.layers.0.bias.step``), as in state-dict messages."""
-    template = re.sub(r"aten\.[\w.]+", "OP", message)
-    # a list of FQNs (cut short or not) and an FQN opening the message vary per case
-    template = re.sub(r"\[\s*'[^\]]*(\]\.?|$)", "[NAMES]", template)
-    template = re.sub(r"^\w+(\.\w+)+ (?=is not in)", "NAME ", template)
-    if names:
-        template = re.sub(r"'[^']*'|\b\w+(\.\w+)+", "NAME", template)
-    template = re.sub(r"\([^()]*(\([^()]*\)[^()]*)*\)", "()", template)
-    template = re.sub(r"\d+", "N", template)[:160]
-    return hashlib.sha1(template.encode()).hexdigest()[:8]
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+    return oracle.of(verdict).summary(verdict)
 
 
 def environment(pool_info: dict | None, backend: str, device: str | None = None) -> dict:

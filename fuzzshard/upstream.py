@@ -11,8 +11,6 @@ its output goes into the report, so what is sent is what reproduces today.
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 import platform
 import re
@@ -21,9 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import repro
+from . import oracle, repro
 from .findings import Finding, summary
-from .rootcause import Matcher, RootCause, telling_frame, torch_frames
+from .oracle.source import link as _link
+from .rootcause import Matcher, RootCause
 
 RUN_TIMEOUT = 300  # seconds for the script's run here
 INLINE_LIMIT = 40_000  # GitHub refuses an issue body over 65,536 characters
@@ -77,22 +76,8 @@ def title(finding: Finding, rc: RootCause | None) -> str:
         component = _component(rc, case.target)
         words = rc.title.split(" ", 1)  # "[FSDP1] FSDP1 FULL_STATE_DICT ...": the component once
         return f"[{component}] {words[1] if words[0] == component and len(words) > 1 else rc.title}"
-    component = _component(None, case.target)
-    oracle, first = v.get("oracle"), v.get("first") or {}
-    if oracle == "parity":
-        impl = "fused" if case.optim.kwargs.get("fused") else "foreach" if case.optim.kwargs.get("foreach") else "for-loop"
-        what = (f"{first.get('quantity')} of {first['module']}" if first.get("module")
-                else f"{first.get('quantity', '?')} {first.get('fqn', '')}".rstrip())
-        return (f"[{component}] {what} differs from the unsharded model after step {first.get('step', 0)} "
-                f"({case.optim.name}, {impl}, world size {case.world_size})")
-    if oracle == "checkpoint":
-        kind = case.checkpoint.kind if case.checkpoint else "?"
-        return f"[{component}] {kind} checkpoint round trip: {first.get('quantity', '?')} of {first.get('fqn', '?')}"
-    err = v.get("error") if isinstance(v.get("error"), dict) else {}
-    if oracle == "error_parity":
-        return f"[{component}] {err.get('type', 'error')} in {err.get('phase', 'training')} where unsharded torch trains: " \
-               f"{_short(err.get('message', ''), 90)}"
-    return f"[{component}] {summary(v)}"
+    # a new finding: what went wrong, as its oracle says it
+    return f"[{_component(None, case.target)}] {oracle.of(v).title(case, v)}"
 
 
 def suspected_source(finding: Finding, rc: RootCause | None) -> str:
@@ -102,18 +87,7 @@ def suspected_source(finding: Finding, rc: RootCause | None) -> str:
     v, case = finding.verdict, finding.case
     if rc and rc.api:
         return _link(rc.api)
-    err = v.get("error") if isinstance(v.get("error"), dict) else {}
-    # an error's traceback, or the stack faulthandler dumped for a crash (innermost frame first)
-    made = telling_frame(torch_frames(err.get("traceback", "") + "\n" + err.get("log", ""),
-                                      innermost_first=v.get("oracle") == "crash"))
-    if made:
-        rel, line, fn = made
-        return f"`torch/{rel}:{line}` ({fn}){_url(f'torch/{rel}', line)}, the innermost torch frame"
-    if v.get("oracle") == "parity" and (v.get("first") or {}).get("quantity") in ("param", "state"):
-        impl = {"fused": "_fused", "foreach": "_multi_tensor", "forloop": "_single_tensor"}[case.optim.implementation]
-        module = case.optim.name.lower()
-        return _link(f"torch/optim/{module}.py:{impl}_{module}") + " (a guess: the step implementation the case ran)"
-    return ""
+    return oracle.of(v).source(case, v)
 
 
 def _root_cause(finding: Finding, known: dict) -> RootCause | None:
@@ -146,34 +120,7 @@ def _what(finding: Finding, rc: RootCause | None) -> str:
 
 
 def _expected_actual(finding: Finding) -> list[str]:
-    v = finding.verdict
-    oracle = v.get("oracle")
-    if oracle == "parity":
-        rows = ["**Expected**: the sharded run matches the unsharded reference within the derived bound; "
-                "**actual** (first mismatches, sharded vs unsharded):", "",
-                "| quantity | tensor | step | expected (unsharded) | actual (sharded) | max abs err | allowed | bad |",
-                "|---|---|---|---|---|---|---|---|"]
-        for m in v.get("mismatches", [])[:6]:
-            rows.append(f"| {m.get('quantity')} | {m.get('module') or m.get('fqn') or '(loss)'} | {m.get('step')} "
-                        f"| {_num(m.get('want'))} | {_num(m.get('got'))} | {_num(m.get('max_abs'))} "
-                        f"| {_num(m.get('allowed'))} | {m.get('bad', '?')}/{m.get('numel', '?')} |")
-        tol = (v.get("first") or {}).get("tolerance")
-        return rows + ([f"", f"The bound: {tol} (derived from the dtype and the reduction length, not tuned)."]
-                       if tol else []) + [""]
-    if oracle == "checkpoint":
-        rows = ["**Expected**: what was saved is what a load gives back (and a load trains on like the saved run); "
-                "**actual**:", ""]
-        rows += [f"- {m.get('quantity')} of `{m.get('fqn')}` (saved after step {m.get('step')}): {m.get('detail')}"
-                 for m in v.get("mismatches", [])[:6]]
-        return rows + [""]
-    err = v.get("error") if isinstance(v.get("error"), dict) else {}
-    if oracle == "error_parity":
-        tb = err.get("traceback", "").strip().splitlines()
-        return [f"**Expected**: the sharded run trains, as the unsharded one does on the same model and data; "
-                f"**actual**: `{err.get('type')}: {_short(err.get('message', ''), 300)}` in {err.get('phase', '?')}.", "",
-                "<details><summary>traceback</summary>", "", "```", "\n".join(tb[-30:]), "```", "</details>", ""]
-    log = [x for x in err.get("log", "").strip().splitlines() if not x.startswith("Extension modules:")]
-    return [f"**Expected**: every rank finishes; **actual**: {summary(v)}", "", "```", "\n".join(log[-25:]), "```", ""]
+    return oracle.of(finding.verdict).expected_actual(finding.verdict)
 
 
 def _how_found(finding: Finding) -> str:
@@ -232,54 +179,7 @@ def _ranks_of(text: str, name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _link(api: str) -> str:
-    """"torch/optim/adam.py:_single_tensor_adam" -> "`torch/optim/adam.py:123` (_single_tensor_adam) <url>"
-    (the first path:function of a root cause's api, which may name more after it)."""
-    m = re.match(r"(torch/[\w/]+\.py):([\w.]+)", api)
-    line = _line_of(m.group(1), m.group(2)) if m else None
-    if not line:
-        return f"`{api}`"
-    rest = api[m.end():].strip()
-    return f"`{m.group(1)}:{line}` ({m.group(2)}){_url(m.group(1), line)}" + (f" (recorded: `{api}`)" if rest else "")
-
-
-def _line_of(path: str, name: str) -> int | None:
-    """The line of function or Class.method ``name`` in torch's ``path`` (a bare method name is looked
-    up on the module's classes), as installed here."""
-    try:
-        module = importlib.import_module(path[:-3].replace("/", "."))
-        obj = module
-        for part in name.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None and "." not in name:
-                obj = next((getattr(c, name) for c in vars(module).values()
-                            if inspect.isclass(c) and c.__module__ == module.__name__ and name in vars(c)), None)
-            if obj is None:
-                return None
-        return inspect.getsourcelines(inspect.unwrap(obj))[1]
-    except Exception:  # a private name moved in this torch: the path alone still says where
-        return None
-
-
-def _url(path: str, line: int | None) -> str:
-    import torch
-
-    version = torch.__version__.split("+")[0]
-    if not line or not re.fullmatch(r"\d+\.\d+\.\d+", version):
-        return ""  # a nightly or local build has no tag to point at
-    return f" — https://github.com/pytorch/pytorch/blob/v{version}/{path}#L{line}"
-
-
 def _torch() -> str:
     import torch
 
     return torch.__version__
-
-
-def _num(x) -> str:
-    return f"{x:.4g}" if isinstance(x, float) else "?" if x is None else str(x)
-
-
-def _short(text: str, n: int) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= n else text[:n - 1] + "…"

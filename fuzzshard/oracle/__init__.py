@@ -1,0 +1,63 @@
+"""The oracles as the driver knows them: one module per way a case fails,
+each holding everything said about such a finding (its kind, signature,
+summary, root-cause address, issue title, expected/actual text and suspected
+torch source), so findings.py, rootcause.py and upstream.py look an oracle up
+instead of branching on its name.
+
+The comparisons themselves (what a mismatch is, the tolerances) run in the
+ranks: fuzzshard/kernel/oracles.py.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """One way a case fails. ``verdict`` is a finding's verdict dict, ``case`` its Case."""
+    name: str  # as a verdict names it ("oracle")
+    kind: str  # how such a finding shows to a user: silent, raises, hang, crash
+    signature: Callable  # (case, verdict) -> the finding's name, what identifies the bug (findings.signature)
+    summary: Callable  # (verdict) -> one line: what diverged, where, by how much
+    address: Callable  # (case, verdict) -> what identifies the torch bug behind it (rootcause.address)
+    title: Callable  # (case, verdict) -> an issue title's words after "[Component] " for a new finding
+    expected_actual: Callable  # (verdict) -> an issue's "Expected/actual" lines
+    source: Callable  # (case, verdict) -> the torch source suspected where no root cause names one ("")
+
+
+# the oracle modules build Oracle objects: imported once the class exists
+from . import checkpoint, crash, error_parity, hang, parity  # noqa: E402
+from .common import ranks_finish  # noqa: E402
+from .source import frame_source  # noqa: E402
+
+# every oracle a verdict can name (verdict.finding builds them: kernel/run.py and reference.py parity
+# and error_parity ones, checkpoint ones from checkpoint.py's mismatches, the runner hang and crash ones)
+ORACLES = {o.name: o for o in (parity.ORACLE, checkpoint.ORACLE, error_parity.ORACLE, hang.ORACLE, crash.ORACLE)}
+
+
+def _unknown_summary(verdict: dict) -> str:
+    return json.dumps(verdict)[:300]
+
+
+# a verdict naming no oracle above (an old or hand-made file): named and shown by what it says
+UNKNOWN = Oracle(
+    "", "?",
+    signature=lambda case, v: f"{case.target}.{v.get('oracle', 'unknown')}",
+    summary=_unknown_summary,
+    address=lambda case, v: v.get("oracle", "") or "?",
+    title=lambda case, v: _unknown_summary(v),
+    expected_actual=lambda v: ranks_finish(v, _unknown_summary(v)),
+    source=lambda case, v: frame_source(v),
+)
+
+
+def get(name: str) -> Oracle | None:
+    """The oracle a verdict names ``name``, or None."""
+    return ORACLES.get(name)
+
+
+def of(verdict: dict) -> Oracle:
+    """The oracle behind ``verdict`` (UNKNOWN for a name none has)."""
+    return ORACLES.get(verdict.get("oracle", ""), UNKNOWN)

@@ -1,0 +1,30 @@
+"""The crash oracle: a rank died (a signal, an abort) while the case ran;
+the runner reports the signal and where the lowest dead rank was."""
+from __future__ import annotations
+
+from . import Oracle
+from .common import ranks_finish, slug, where
+from .source import frame_source
+
+
+def signature(case, verdict: dict) -> str:
+    """The signal, and where the lowest dead rank died: a crash elsewhere is another bug."""
+    return f"{case.target}.crash.{slug((verdict.get('error') or {}).get('type', 'Crash'))}" + where(verdict)
+
+
+def summary(verdict: dict) -> str:
+    return f"crash: {(verdict.get('error') or {}).get('type')}: ranks {verdict.get('dead_ranks')} died"
+
+
+def address(case, verdict: dict) -> str:
+    """The signal and the lowest dead rank's place (kernel function:torch function)."""
+    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
+    at = verdict.get("where") or {}
+    return f"crash ({err.get('type', '?')}) at {at[min(at)] if at else 'an unknown place'}"
+
+
+ORACLE = Oracle("crash", "crash", signature, summary, address,
+                title=lambda case, v: summary(v),
+                expected_actual=lambda v: ranks_finish(v, summary(v)),
+                # the stack faulthandler dumped for the crash: innermost frame first
+                source=lambda case, v: frame_source(v, innermost_first=True))

@@ -1,0 +1,85 @@
+"""The error-parity oracle: only the sharded run raises, where the unsharded
+reference trains on the same model and data. The bug is the message
+template, not which optimizer, op or parameter surfaced it."""
+from __future__ import annotations
+
+import hashlib
+import re
+
+from . import Oracle
+from .common import short
+from .source import frame_source, innermost
+
+# DTensor's refusal of an op it has no sharding strategy for: a gap of that op alone, so the op is part
+# of the name (elsewhere the op in a message varies per case: the template is the bug)
+_NO_STRATEGY = re.compile(r"Operator aten\.(\w+)(?:\.\w+)? does not have a sharding strategy registered")
+
+
+def missing_strategy_op(message: str) -> str | None:
+    """The op DTensor says it has no sharding strategy for ("_fused_sgd_"), if that is what ``message`` says."""
+    m = _NO_STRATEGY.search(message or "")
+    return m.group(1) if m else None
+
+
+def signature(case, verdict: dict) -> str:
+    """The root cause is the message template, not which optimizer or op surfaced it
+    (but a missing sharding strategy names its op)."""
+    err = verdict.get("error") or {}
+    phase = err.get("stage") or _phase_kind(err.get("phase", ""))  # (records older than "stage")
+    digest = _digest(err.get("message", ""), names=phase in ("save", "load"))
+    op = missing_strategy_op(err.get("message", ""))
+    return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{digest}" + (f".{op}" if op else "")
+
+
+def summary(verdict: dict) -> str:
+    err = verdict.get("error") or {}
+    return f"error parity: only the sharded run raises, in {err.get('phase')}: {err.get('type')}: {err.get('message')}"
+
+
+def address(case, verdict: dict) -> str:
+    """The exception type and the innermost torch frame that made it."""
+    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
+    op = missing_strategy_op(err.get("message", ""))  # a missing sharding strategy: the op is the bug
+    return f"raises {err.get('type', 'Error')} in {innermost(err.get('traceback', ''))}" + \
+        (f" (no sharding strategy for aten.{op})" if op else "")
+
+
+def title(case, verdict: dict) -> str:
+    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
+    return f"{err.get('type', 'error')} in {err.get('phase', 'training')} where unsharded torch trains: " \
+           f"{short(err.get('message', ''), 90)}"
+
+
+def expected_actual(verdict: dict) -> list[str]:
+    """The exception, and the traceback's tail folded."""
+    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
+    tb = err.get("traceback", "").strip().splitlines()
+    return [f"**Expected**: the sharded run trains, as the unsharded one does on the same model and data; "
+            f"**actual**: `{err.get('type')}: {short(err.get('message', ''), 300)}` in {err.get('phase', '?')}.", "",
+            "<details><summary>traceback</summary>", "", "```", "\n".join(tb[-30:]), "```", "</details>", ""]
+
+
+def _phase_kind(phase: str) -> str:
+    for key, kind in (("checkpoint save", "save"), ("checkpoint load", "load"), ("optimizer.step", "step"), ("constructor", "ctor"), ("forward", "fwdbwd"), ("shard", "shard")):
+        if key in phase:
+            return kind
+    return "other"
+
+
+def _digest(message: str, names: bool = False) -> str:
+    """Same message template -> same digest: op names, numbers and placements
+    vary per case; ``names``: so do quoted strings and dotted keys
+    (``optim.state.layers.0.bias.step``), as in state-dict messages."""
+    template = re.sub(r"aten\.[\w.]+", "OP", message)
+    # a list of FQNs (cut short or not) and an FQN opening the message vary per case
+    template = re.sub(r"\[\s*'[^\]]*(\]\.?|$)", "[NAMES]", template)
+    template = re.sub(r"^\w+(\.\w+)+ (?=is not in)", "NAME ", template)
+    if names:
+        template = re.sub(r"'[^']*'|\b\w+(\.\w+)+", "NAME", template)
+    template = re.sub(r"\([^()]*(\([^()]*\)[^()]*)*\)", "()", template)
+    template = re.sub(r"\d+", "N", template)[:160]
+    return hashlib.sha1(template.encode()).hexdigest()[:8]
+
+
+ORACLE = Oracle("error_parity", "raises", signature, summary, address, title, expected_actual,
+                lambda case, v: frame_source(v))

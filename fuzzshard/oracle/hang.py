@@ -1,0 +1,29 @@
+"""The hang oracle: ranks still running when the case timeout ran out; the
+runner reports where each stuck rank waits."""
+from __future__ import annotations
+
+from . import Oracle
+from .common import ranks_finish, where
+from .source import frame_source
+
+
+def signature(case, verdict: dict) -> str:
+    """Where the lowest stuck rank waits names the hang."""
+    return f"{case.target}.hang" + where(verdict)
+
+
+def summary(verdict: dict) -> str:
+    return f"hang: {(verdict.get('error') or {}).get('message')}"
+
+
+def address(case, verdict: dict) -> str:
+    """Where the lowest stuck rank waits (kernel function:torch function)."""
+    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
+    at = verdict.get("where") or {}
+    return f"hang ({err.get('type', '?')}) at {at[min(at)] if at else 'an unknown place'}"
+
+
+ORACLE = Oracle("hang", "hang", signature, summary, address,
+                title=lambda case, v: summary(v),
+                expected_actual=lambda v: ranks_finish(v, summary(v)),
+                source=lambda case, v: frame_source(v))
