@@ -1,5 +1,7 @@
-"""Standalone repro scripts: the case inlined, plus the very kernel code that
-ran it, flattened into one file that needs only torch and torchrun.
+"""Standalone repro scripts: the straight-line script of scriptgen.py where
+it can write the case (only what the case uses), else the case inlined plus
+the very kernel code that ran it, flattened into one file that needs only
+torch and torchrun.
 
 Kernel modules import only stdlib, torch and each other through single-line
 ``from .x import name`` statements; flattening drops those lines and
@@ -13,6 +15,7 @@ import re
 
 from . import targets
 from .case import Case
+from .scriptgen import straight_script
 
 _MODULES = ["fuzzshard.case", "fuzzshard.verdict", "fuzzshard.kernel.mesh", "fuzzshard.kernel.gather", "fuzzshard.kernel.decoder",
             "fuzzshard.kernel.model", "fuzzshard.kernel.optim", "fuzzshard.kernel.oracles", "fuzzshard.kernel.localize", "fuzzshard.kernel.plain",
@@ -37,7 +40,17 @@ def flatten(modules: list[str]) -> str:
     return "\n\n".join(parts)
 
 
-def script(case: Case, headline: str = "", environment: dict | None = None) -> str:
+def script(case: Case, headline: str = "", environment: dict | None = None, flat: bool = False) -> str:
+    """The standalone repro of ``case``: the straight-line script (scriptgen.py:
+    only what the case uses) where it can be written, else, or with ``flat``,
+    the flattened kernel."""
+    if not flat:
+        try:
+            text = straight_script(case, headline, environment)
+        except Exception:  # a generator fault must never cost a finding its repro: the flat one still runs
+            text = None
+        if text is not None:
+            return text
     cls = targets.get(case.target)
     cls = getattr(cls, "script_class", cls.__name__)
     env = environment or {}

@@ -70,4 +70,4 @@ def test_script_writes_a_standalone_repro(tmp_path):
     text = out.read_text()
     compile(text, str(out), "exec")
     assert "import fuzzshard" not in text and "from fuzzshard" not in text
-    assert "CASE_JSON" in text and "torchrun --nproc-per-node 2" in text
+    assert "torchrun --nproc-per-node 2" in text and "distribute_tensor(" in text  # the straight-line script
