@@ -503,6 +503,9 @@ def _print_session_report(session, findings, out) -> None:
                 hits = st.folded.get(f.signature, 0)
                 print(f"        one bug, also seen as {', '.join(f.faces)}" + (f" ({hits} case(s) met it so)" if hits else ""),
                       file=sys.stderr)
+            if f.removed:
+                shown = ", ".join(f.removed[:5]) + (f" and {len(f.removed) - 5} more" if len(f.removed) > 5 else "")
+                print(f"        1-minimal: the reducer took out {shown}", file=sys.stderr)
             if f.generalization:
                 table = table_text([Face(**row) for row in f.generalization])
                 print("".join(f"        {line}\n" for line in table.splitlines()), end="", file=sys.stderr)
@@ -510,7 +513,9 @@ def _print_session_report(session, findings, out) -> None:
                   file=sys.stderr)
     if findings:
         faces = sum(1 + len(f.faces) for f in findings)
-        print(f"{len(findings)} new finding(s), one per bug, under {faces} signature(s)", file=sys.stderr)
+        print(f"{len(findings)} new finding(s), one per bug, under {faces} signature(s); to get there "
+              f"{st.generalized} variant run(s) generalized them and {st.reduced_runs} edited run(s) in "
+              f"{st.reduce_seconds:.0f}s reduced them", file=sys.stderr)
         _write_index(out, groups, matcher)
     else:
         print("no new findings", file=sys.stderr)

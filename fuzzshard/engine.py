@@ -46,7 +46,8 @@ from hypothesis.control import current_build_context
 
 from . import repro
 from .findings import Finding, atomic_write, environment, known_signature, load_known, summary, write_finding
-from .generalize import generalize, table_text
+from .generalize import generalize
+from .reduce import reduce as reduce_case
 from .judge import judge, judge_many, label
 from .rootcause import Matcher
 from .runner import Pool, PoolError
@@ -104,6 +105,8 @@ class Stats:
     known: collections.Counter = field(default_factory=collections.Counter)
     folded: collections.Counter = field(default_factory=collections.Counter)  # finding -> hits of its other faces
     generalized: int = 0  # variant cases run to generalize findings
+    reduced_runs: int = 0  # edited cases run to make findings 1-minimal
+    reduce_seconds: float = 0.0
     per_target: collections.Counter = field(default_factory=collections.Counter)
     passed_by_optimizer: collections.Counter = field(default_factory=collections.Counter)  # coverage
     passed_by_implementation: collections.Counter = field(default_factory=collections.Counter)  # (name, impl)
@@ -180,6 +183,7 @@ class Session:
         self._tables: dict[str, list] = {}  # finding -> its generalization table (generalize.Face)
         self._generalized: dict[str, str] = {}  # finding -> the case JSON its table is of
         self._as_known: dict[str, str] = {}  # a new signature -> the known finding it is a face of
+        self._removed: dict[str, list] = {}  # finding -> what the reducer took out of its case
         self._failing: dict[str, tuple] = {}  # case JSON -> (signature, verdict) of new findings run
         self._suspect: set[str] = set()  # signatures a fresh run did not confirm
         self._pass_seconds: dict[tuple, float] = {}  # (target, ranks, checkpoint) -> slowest passing case
@@ -553,7 +557,7 @@ class Session:
         faces = sorted(s for s, o in self._owner.items() if o == sig and s != sig)
         table = [f.to_dict() for f in self._tables.get(sig, [])]
         return Finding(sig, case, {k: v for k, v in verdict.items() if k != "unconfirmed"}, deterministic=confirmed,
-                       environment=env, stage=stage, faces=faces, generalization=table)
+                       environment=env, stage=stage, faces=faces, generalization=table, removed=self._removed.get(sig, []))
 
     def _finish(self) -> None:
         """Confirm each finding's smallest case, in the time left; a stopped
@@ -562,6 +566,9 @@ class Session:
         fresh generation together (one spawn, not one per finding), and one
         that does not give its signature there gets a generation of its own."""
         first = True
+        for sig in sorted(self._tracks):
+            if self._may_confirm():
+                self._reduce(sig, self._tracks[sig])
         for sig in sorted(self._tracks):
             track = self._tracks[sig]
             if track.best is not track.confirmed and self._may_confirm():
@@ -577,6 +584,37 @@ class Session:
         for sig in sorted(self._tracks):
             if sig in self._tracks and self._may_confirm():
                 self._generalize_again(sig)
+
+    def _reduce(self, sig: str, track: _Track) -> None:
+        """Make the smallest case 1-minimal (reduce.py): each structural edit
+        Hypothesis does not make (drop a layer and re-fit the widths, a group,
+        a frozen param, the checkpoint; lower the world size, ...) is tried and
+        kept while the case still gives ``sig``, to a fixed point, within
+        ``shrink_budget``; the file is rewritten as it shrinks."""
+        case, verdict = track.best
+        if verdict.get("oracle") == "hang" or verdict.get("timeout") or verdict.get("unconfirmed"):
+            return  # each edit could cost a timeout
+        verdicts: dict[str, dict] = {}
+
+        def keeps_bugs(cases: list) -> list[bool]:
+            judged = judge_many(self.pool, cases, self.known, [self._variant_timeout(c) for c in cases])
+            self.stats.reduced_runs += len(cases)
+            for c, j in zip(cases, judged):
+                verdicts[c.to_json()] = j.verdict
+            return [j.label == sig for j in judged]
+
+        def smaller(c) -> None:
+            track.best = (c, verdicts[c.to_json()])
+            self._rewrite(sig, track)
+
+        budget = self.shrink_budget
+        if self._deadline is not None:
+            budget = min(budget, self._deadline + self.grace() - time.monotonic())
+        started = time.monotonic()
+        _, removed = reduce_case(case, budget_s=max(0.0, budget), on_smaller=smaller, keeps_bugs=keeps_bugs,
+                                 batch=self.pack)
+        self.stats.reduce_seconds += time.monotonic() - started
+        self._removed[sig] = self._removed.get(sig, []) + removed
 
     def _generalize_again(self, sig: str) -> None:
         """The table of ``sig``'s smallest case, and one finding per bug: a

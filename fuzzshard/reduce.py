@@ -30,23 +30,30 @@ HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")  # fsdp1's strategies that take
 Edit = tuple[str, "dict | None"]  # (what it does, the edited case's dict; None: it cannot be made)
 
 
-def reduce(case: Case, keeps_bug: Callable[[Case], bool], budget_s: float | None = None,
-           on_smaller: Callable[[Case], None] | None = None) -> tuple[Case, list[str]]:
+def reduce(case: Case, keeps_bug: Callable[[Case], bool] | None = None, budget_s: float | None = None,
+           on_smaller: Callable[[Case], None] | None = None,
+           keeps_bugs: Callable[[list[Case]], list[bool]] | None = None, batch: int = 1) -> tuple[Case, list[str]]:
     """Greedy fixed point: keep the first edit of the current case for which
     ``keeps_bug`` holds and start over from it; stop when no edit keeps the
     bug (1-minimal) or the budget is spent. Returns (the smallest case, the
-    edits kept). ``on_smaller`` sees each smaller case as it is found."""
+    edits kept). ``on_smaller`` sees each smaller case as it is found.
+    ``keeps_bugs``: judges ``batch`` edits at once (side by side on a pool),
+    and the first of them that keeps the bug is kept, as one at a time would."""
+    judge = keeps_bugs or (lambda cases: [keeps_bug(c) for c in cases])
     deadline = None if budget_s is None else time.monotonic() + budget_s
     kept: list[str] = []
     smaller = True
     while smaller:
         smaller = False
-        for what, edited in edits(case):
+        todo = edits(case)
+        for at in range(0, len(todo), max(1, batch)):
             if deadline is not None and time.monotonic() > deadline:
                 return case, kept
-            if keeps_bug(edited):
-                case, smaller = edited, True
-                kept.append(what)
+            chunk = todo[at:at + max(1, batch)]
+            hit = next((e for e, ok in zip(chunk, judge([c for _, c in chunk])) if ok), None)
+            if hit is not None:
+                kept.append(hit[0])
+                case, smaller = hit[1], True
                 if on_smaller:
                     on_smaller(case)
                 break
