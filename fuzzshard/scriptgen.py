@@ -14,6 +14,7 @@ flattened kernel.
 from __future__ import annotations
 
 import math
+import textwrap
 
 import torch
 
@@ -102,13 +103,16 @@ def _kwargs(kwargs: dict, tensor_lr: str) -> list[str]:
 def _header(case: Case, headline: str, env: dict) -> str:
     what = "DTensor params (distribute_tensor)" if case.target == "dtensor" else "FSDP2 (fully_shard)"
     headline = (headline or "a fuzzshard case").replace("\\", "/").replace('"', "'")  # stays in the docstring
+    about = textwrap.fill(
+        f"Needs only torch; found with torch {env.get('torch', '?')}, {env.get('backend', 'gloo')}. Written by fuzzshard "
+        f"from a shrunk case: trains a model with {what} and a plain copy side by side. Before each step the plain "
+        "copy takes the sharded run's params, grads and optimizer state, so only that step's rounding may differ. "
+        "Exit 0: they match; 1: they differ beyond it (what and where, printed).", 100)
     return f'''#!/usr/bin/env python
 """{headline}
 
-torchrun --nproc-per-node {case.world_size} THIS_FILE.py [--setup PATCH.py]      (torch only; found with torch {env.get("torch", "?")}, {env.get("backend", "gloo")})
-Written by fuzzshard from a shrunk case: trains a model with {what} and a plain copy side by side.
-Before each step the plain copy takes the sharded run's params, grads and optimizer state, so only that
-step's rounding may differ. Exit 0: they match; 1: they differ beyond it (what and where, printed).
+Run: torchrun --nproc-per-node {case.world_size} THIS_FILE.py [--setup PATCH.py]
+{about}
 """'''
 
 
