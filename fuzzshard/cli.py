@@ -139,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("script", help="write the standalone torchrun repro script of a finding or case file")
     sc.add_argument("file")
     sc.add_argument("-o", "--output", help="write here instead of standard output")
+    sc.add_argument("--flat", action="store_true", help="fuzzshard's whole kernel flattened around the case, not the "
+                    "straight-line script of what the case uses (which dtensor and plain fsdp2 cases get)")
 
     up = sub.add_parser("upstream", help="write an issue-ready report of a finding for pytorch/pytorch",
                         description="An issue for pytorch/pytorch from a finding: a title in PyTorch's style, the "
@@ -620,7 +622,8 @@ def cmd_script(args) -> int:
     from .findings import summary
 
     finding = _load(args.file)
-    text = repro.script(finding.case, summary(finding.verdict) if finding.verdict else "", finding.environment)
+    text = repro.script(finding.case, summary(finding.verdict) if finding.verdict else "", finding.environment,
+                        flat=args.flat)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)

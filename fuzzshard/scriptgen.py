@@ -121,7 +121,7 @@ def _imports(case: Case) -> str:
         own = "from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor"
     else:
         own = "from torch.distributed.fsdp import fully_shard\nfrom torch.distributed.tensor import DTensor"
-    return f"""import argparse, math, os, sys
+    return f"""import argparse, datetime, math, os, sys
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 {own}"""
@@ -273,14 +273,13 @@ def _optimizer(case: Case) -> str:
         lines.append(f"        {{\"params\": [{pick} for n in {ns!r}]{extra}}},")
     lines.append("    ]")
     n = len(case.groups) - added
-    lines += ["", "def make_optimizer(model):",
-              f"    opt = torch.optim.{o.name}(param_groups(model)[:{n}], {', '.join(kw)})" if added else
-              f"    return torch.optim.{o.name}(param_groups(model), {', '.join(kw)})"]
-    if added and not o.added_at:
-        lines.append(f"    for g in param_groups(model)[{n}:]:  # added after the constructor")
-        lines.append("        opt.add_param_group(g)")
-    if added:
-        lines.append("    return opt")
+    if not added or o.added_at:  # (groups added mid-run go in from the training loop)
+        return "\n".join(lines + ["", "def make_optimizer(model):",
+                                   f"    return torch.optim.{o.name}(param_groups(model){f'[:{n}]' * bool(added)}, "
+                                   f"{', '.join(kw)})"])
+    lines += ["", "def make_optimizer(model):", f"    opt = torch.optim.{o.name}(param_groups(model)[:{n}], {', '.join(kw)})",
+              f"    for g in param_groups(model)[{n}:]:  # added after the constructor", "        opt.add_param_group(g)",
+              "    return opt"]
     return "\n".join(lines)
 
 
@@ -393,7 +392,7 @@ def _main(case: Case) -> str:
              "ap.add_argument(\"--setup\", help=\"a Python file run first (a patch of torch, e.g. a planted bug)\")",
              "if setup := ap.parse_args().setup:",
              "    exec(compile(open(setup).read(), setup, \"exec\"), {\"__name__\": \"__setup__\", \"__file__\": setup})",
-             "torch.set_num_threads(1)", "dist.init_process_group(\"gloo\")",
+             "torch.set_num_threads(1)", "dist.init_process_group(\"gloo\", timeout=datetime.timedelta(seconds=120))  # a hang fails",
              f"mesh = init_device_mesh(\"cpu\", {tuple(case.mesh_shape)}{names})",
              "plain, sharded = build(), shard(build(), mesh)"]
     if case.frozen:

@@ -71,3 +71,5 @@ def test_script_writes_a_standalone_repro(tmp_path):
     compile(text, str(out), "exec")
     assert "import fuzzshard" not in text and "from fuzzshard" not in text
     assert "torchrun --nproc-per-node 2" in text and "distribute_tensor(" in text  # the straight-line script
+    flat = tmp_path / "flat.py"  # --flat: the kernel flattened around the case, as before
+    assert run_cli("script", f, "-o", flat, "--flat").returncode == 0 and "CASE_JSON" in flat.read_text()
