@@ -5,8 +5,9 @@ from hypothesis import given, settings
 
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 from fuzzshard.findings import _digest, signature
-from fuzzshard.kernel.oracles import (UNIT_ROUNDOFF, compare, compare_hparams, compiled_step_tolerance, reduction_tolerance,
-                                      step_tolerance)
+from fuzzshard.kernel.oracles import (SCALAR_STATE, UNIT_ROUNDOFF, compare, compare_hparams,
+                                      compiled_scalar_state_tolerance, compiled_state_allowance, compiled_step_allowance,
+                                      compiled_step_tolerance, reduction_tolerance, step_tolerance)
 
 
 def test_step_tolerance_allows_rounding_and_rejects_real_differences():
@@ -45,6 +46,157 @@ def test_compiled_step_bound_covers_float32_bias_corrections_and_no_more():
     assert "compiled step" in tol["why"]
     wrong = update(1 - b1 ** t, 1 - b2 ** (t + 1))  # a bias correction one step off
     assert compare("param", 0, "w", wrong, eager, tol, extra=extra) is not None
+
+
+# the strategies' ranges (strategies/optimizers.py) of the optimizers whose compiled
+# step computes scalar factors from ``step``
+_LRS, _WDS, _EPS = [1e-3, 1e-2, 1e-1, 3e-4, 0.5], [0.0, 0.01, 0.1, 0.5], [1e-8, 1e-6, 1e-3]
+_B1, _B2 = [0.9, 0.0, 0.5, 0.99], [0.999, 0.9, 0.99, 0.9999]
+_GRID = {
+    "Adam": lambda c: dict(lr=c(_LRS), betas=(c(_B1), c(_B2)), eps=c(_EPS), weight_decay=c(_WDS),
+                           amsgrad=c([False, True]), decoupled_weight_decay=c([False, True])),
+    "Adagrad": lambda c: dict(lr=c(_LRS), lr_decay=c([0.0, 0.01]), weight_decay=c(_WDS),
+                              initial_accumulator_value=c([0.0, 0.1]), eps=c([1e-10, 1e-6])),
+    "Adamax": lambda c: dict(lr=c(_LRS), betas=(c(_B1), c(_B2)), eps=c(_EPS), weight_decay=c(_WDS)),
+    "NAdam": lambda c: dict(lr=c(_LRS), betas=(c(_B1), c(_B2)), eps=c(_EPS), weight_decay=c(_WDS),
+                            momentum_decay=c([0.004, 0.05]), decoupled_weight_decay=c([False, True])),
+    "ASGD": lambda c: dict(lr=c(_LRS), lambd=c([1e-4, 1e-2]), alpha=c([0.75, 0.5]), t0=c([1e6, 1.0]),
+                           weight_decay=c(_WDS)),
+}
+
+
+def _float64_step(name, kw, p0, state, grad, float32_scalars=False, monkeypatch=None):
+    """One step of ``name`` on a float64 param from ``state``; ``float32_scalars``:
+    the compiled step's scalar math, run eagerly: with ``torch.compiler.is_compiling``
+    true, ``optimizer._get_value(step)`` returns the float32 ``step`` tensor itself,
+    as it does while Dynamo traces, so every scalar derived from it is float32.
+    Emulated on the for-loop path (the foreach one hands Dynamo lists of 0-dim
+    tensors as scalars, which eager foreach ops refuse; its scalars are the same
+    float32 ones), except ASGD's, whose foreach step multiplies by the eta tensor."""
+    p = p0.clone()
+    if float32_scalars and name != "ASGD":
+        kw = {**kw, "foreach": False}
+    opt = getattr(torch.optim, name)([p], **kw)
+    opt.state[p] = {k: v.clone() for k, v in state.items()}
+    p.grad = grad.clone()
+    if float32_scalars:
+        with monkeypatch.context() as m:
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            opt.step()
+    else:
+        opt.step()
+    return p.detach(), opt.param_groups[0], opt.state[p]
+
+
+def _random_state(name, kw, seed, steps):
+    torch.manual_seed(seed)
+    p = torch.randn(24, 8, dtype=torch.float64)
+    opt = getattr(torch.optim, name)([p], **kw)
+    for _ in range(steps):  # eager steps from random grads of random scales: a realistic state at step t
+        p.grad = torch.randn_like(p) * 10 ** (torch.rand(()).item() * 4 - 3)
+        opt.step()
+    state = {k: v.clone() for k, v in opt.state[p].items()} if steps else {}
+    return p.detach().clone(), state, torch.randn_like(p) * 10 ** (torch.rand(()).item() * 4 - 3)
+
+
+def test_compiled_step_bound_covers_float64_params_with_float32_scalars(monkeypatch):
+    """A compiled step of a float64 param computes its scalar factors (bias
+    corrections, Adagrad's clr, NAdam's mu, ASGD's eta) in the float32 of the
+    ``step`` tensor (optimizer._get_scalar_dtype) where eager uses doubles:
+    hundreds of random states and hyperparameters of every such optimizer, the
+    compiled path's scalar math run eagerly against eager. The float64
+    elementwise bound alone fails nearly all of them (the issue-26 findings);
+    the bound derived with float32's u covers all, each float64 state tensor
+    still to 16 float64 ulps."""
+    import random
+
+    rng = random.Random(0)
+    plain = step_tolerance("float64")
+    false_positives = n = 0
+    for i in range(300):
+        name = list(_GRID)[i % len(_GRID)]
+        kw = {**_GRID[name](rng.choice), "foreach": rng.choice([False, True])}
+        p0, state, grad = _random_state(name, kw, i, rng.choice([0, 1, 2]))
+        want, group, want_state = _float64_step(name, kw, p0, state, grad)
+        got, _, got_state = _float64_step(name, kw, p0, state, grad, True, monkeypatch)
+        tol = compiled_step_tolerance(plain, "float64", kw.get("betas", ()), "float32")
+        extra = compiled_step_allowance(tol, name, group, (want - p0).abs(), p0, grad, want_state)
+        assert compare("param", 0, "w", got, want, tol, extra=extra) is None, (name, kw)
+        false_positives += compare("param", 0, "w", got, want, plain) is not None
+        n += 1
+        for key, w in want_state.items():
+            key_tol = compiled_scalar_state_tolerance(tol) if key in SCALAR_STATE else tol
+            more = compiled_state_allowance(name, group, key, extra)
+            assert compare(f"state.{key}", 0, "w", got_state[key], w, key_tol, extra=more) is None, (name, kw, key)
+            if w.dim() and key != "ax":  # a float64 state tensor: its bound is float64's, compiled or not
+                assert compare(f"state.{key}", 0, "w", got_state[key], w, plain) is None, (name, kw, key)
+    assert false_positives > 0.75 * n  # all but the exact ones (ASGD foreach)
+
+
+def test_compiled_step_bound_covers_a_real_compiled_float64_step():
+    """The emulation above against torch.compile itself (one compile, reused
+    from ten states written into the same tensors: new state tensors would
+    recompile, and past Dynamo's cache limit run eagerly): Adam(foreach) on
+    float64, as the issue's findings."""
+    torch.manual_seed(0)
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=True)
+    p = torch.randn(24, 8, dtype=torch.float64)
+    opt = torch.optim.Adam([p], **kw)
+    compiled = torch.compile(lambda: opt.__class__.step(opt), fullgraph=False)
+    plain = step_tolerance("float64")
+    tol = compiled_step_tolerance(plain, "float64", kw["betas"], "float32")
+    try:
+        for i in range(10):
+            p0, state, grad = _random_state("Adam", kw, i, i % 3)
+            if not state:  # a first step: the state Adam starts from
+                state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p0), "exp_avg_sq": torch.zeros_like(p0)}
+            want, group, want_state = _float64_step("Adam", kw, p0, state, grad)
+            with torch.no_grad():
+                p.copy_(p0)
+                for k, v in state.items():
+                    opt.state[p].setdefault(k, v.clone()).copy_(v)
+            p.grad = grad.clone()
+            compiled()
+            extra = compiled_step_allowance(tol, "Adam", group, (want - p0).abs(), p0, grad, want_state)
+            assert compare("param", 0, "w", p.detach(), want, tol, extra=extra) is None
+            assert compare("param", 0, "w", p.detach(), want, plain) is not None  # 16 float64 ulps alone: false positive
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_float64_bound_still_catches_real_errors(monkeypatch):
+    """What the float32 scalars may not hide in a float64 case: a bias
+    correction one step off (Adam, NAdam), one float32 ulp of the param where
+    the update carries no large correction (Adagrad, Adamax with beta1 = 0.5),
+    ASGD's eta one step off, one float32 ulp of a float64 state tensor."""
+    plain = step_tolerance("float64")
+
+    def allowance(name, kw, p0, grad, want, group, state):
+        tol = compiled_step_tolerance(plain, "float64", kw.get("betas", ()), "float32")
+        return tol, compiled_step_allowance(tol, name, group, (want - p0).abs(), p0, grad, state)
+
+    u32 = UNIT_ROUNDOFF["float32"]
+    for name, kw in [("Adam", dict(lr=1e-2, betas=(0.9, 0.999))), ("NAdam", dict(lr=1e-2, betas=(0.9, 0.999))),
+                     ("Adagrad", dict(lr=1e-2, lr_decay=0.01)), ("Adamax", dict(lr=1e-2, betas=(0.5, 0.9))),
+                     ("ASGD", dict(lr=0.5, lambd=1e-2, t0=1.0))]:
+        p0, state, grad = _random_state(name, kw, 1, 2)
+        want, group, want_state = _float64_step(name, kw, p0, state, grad)
+        got, _, got_state = _float64_step(name, kw, p0, state, grad, True, monkeypatch)
+        tol, extra = allowance(name, kw, p0, grad, want, group, want_state)
+        assert compare("param", 0, "w", got, want, tol, extra=extra) is None
+        off = {**state, "step": state["step"] + 1}  # the step count one off: every correction
+        wrong, _, wrong_state = _float64_step(name, kw, p0, off, grad, True, monkeypatch)
+        if name == "ASGD":  # its step count only enters the next eta
+            assert compare("state.eta", 0, "w", wrong_state["eta"], want_state["eta"],
+                           compiled_scalar_state_tolerance(tol)) is not None
+        else:
+            assert compare("param", 0, "w", wrong, want, tol, extra=extra) is not None, name
+        if name in ("Adagrad", "Adamax"):  # one float32 ulp of the param
+            assert compare("param", 0, "w", got + u32 * got.abs(), want, tol, extra=extra) is not None, name
+        key = {"Adagrad": "sum", "ASGD": "ax"}.get(name, "exp_avg")
+        w = want_state[key]
+        if key != "ax":
+            assert compare(f"state.{key}", 0, "w", got_state[key] + u32 * w.abs(), w, tol) is not None, name
 
 
 def test_tolerance_follows_the_dtype():

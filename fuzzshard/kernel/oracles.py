@@ -44,25 +44,160 @@ def step_tolerance(dtype: str, reduce_len: int = 1) -> dict:
     return {"k_ulps": k, "u": UNIT_ROUNDOFF[dtype], "why": f"same inputs, elementwise rounding: {k} ulps of {dtype}"}
 
 
-def compiled_step_tolerance(tol: dict, dtype: str, betas) -> dict:
+def compiled_step_tolerance(tol: dict, dtype: str, betas, scalar_dtype: str | None = None) -> dict:
     """``tol`` for an optimizer step run under torch.compile. Eager evaluates a
     step's scalar factors (Adam's bias corrections 1 - beta^t, their square
-    roots, lr / correction) as Python doubles; compiled, they are ``dtype``
-    tensors: beta rounds to ``dtype`` (u), its t-th power errs by t u more
-    (plus u), and 1 - beta^t cancels, so its relative error is
+    roots, lr / correction) as Python doubles: ``optimizer._get_value(step)``
+    is ``step.item()``. Compiled, ``_get_value`` returns the ``step`` tensor
+    itself (torch/optim/optimizer.py, ``_get_value``), so they are 0-dim
+    tensors of *the step's dtype*, ``scalar_dtype``: ``_get_scalar_dtype()``,
+    float32 unless the default dtype is float64, whatever the params' dtype (a
+    Python float meeting a 0-dim float32 tensor stays float32). So u below is
+    the unit roundoff of ``scalar_dtype``, not of ``dtype``: a float64 case's
+    compiled step has float32 scalars (measured, float64 params: Adam 168,
+    Adamax 6, Adagrad 1 float32 ulps of |update| apart from eager, 1e-10 to
+    1e-7 on 1e-2 updates; the same step compiled with float64 step tensors
+    matches eager to 2e-16). beta rounds to the scalar dtype (u), its t-th power errs by t u
+    more (plus u), and 1 - beta^t cancels, so its relative error is
     ((t + 2) beta^t / (1 - beta^t) + 1) u, largest at t = 1: 3 beta / (1 - beta) + 1
     (beta2 = 0.999: about 3000 u). Each correction enters the update at most
-    once; a few more roundings (lr, the product, the square root, eps) add 4 u.
+    once; a few more roundings add 4 u: lr and lr / correction (2 u), the
+    square root of the second one (u); Adagrad's lr / (1 + (t-1) lr_decay)
+    errs by 3 u + 2 u x / (1 + x), x = (t-1) lr_decay, under 4 u while x < 1.
     The param may then differ by that relative error of its update,
-    ``update_rel * |update|`` per element, on top of the elementwise bound.
+    ``update_rel * |update|`` per element, on top of the elementwise bound
+    (per param, from its own group's betas: ``compiled_step_allowance``).
+    Why it hides no bug: the allowance is relative to the update, so a step
+    that is wrong by more than the scalars' own rounding (a correction one
+    step off, a missing term) still fails, and the params' elementwise math
+    (float64 in a float64 case) keeps its 16 ulps of ``dtype``.
     Not covered: RAdam's rectification, whose rho_t = rho_inf - 2 t beta2^t /
     (1 - beta2^t) cancels far worse; it applies from rho_t > 5 (step 5 or
     later), past the strategies' three steps, and needs its own bound first."""
-    u = UNIT_ROUNDOFF[dtype]
-    rel = (sum(3 * b / (1 - b) + 1 for b in betas if 0 < b < 1) + 4) * u
-    return {**tol, "update_rel": rel,
-            "why": tol["why"] + f"; compiled step: + {rel:.3g} x |update| (its scalar factors in {dtype}: "
+    scalar_dtype = scalar_dtype or dtype
+    u = UNIT_ROUNDOFF[scalar_dtype]
+    rel = compiled_update_rel(betas, u)
+    return {**tol, "update_rel": rel, "scalar_dtype": scalar_dtype,
+            "why": tol["why"] + f"; compiled step: + {rel:.3g} x |update| (its scalar factors in {scalar_dtype}: "
                                 f"1 - beta^t for betas {list(betas)}, at t = 1)"}
+
+
+def compiled_update_rel(betas, u: float) -> float:
+    """The relative error of a compiled step's update from its scalar factors
+    (``compiled_step_tolerance``): (sum over betas of (3 beta / (1 - beta) + 1) + 4) u."""
+    return (sum(3 * b / (1 - b) + 1 for b in betas if 0 < b < 1) + 4) * u
+
+
+# NAdam's two coefficients (besides the bias correction of beta2), in roundings
+# of the scalar dtype: ``compiled_step_allowance``
+NADAM_COEF_ULPS = 23
+# State torch.optim keeps as 0-dim tensors of the scalar dtype and a compiled
+# step computes from ``step`` in that dtype (eager: in doubles, rounded once)
+SCALAR_STATE = ("step", "eta", "mu", "mu_product")
+
+
+def compiled_step_allowance(tol: dict, optim: str, group: dict | None, update, prev=None, grad=None,
+                            state: dict | None = None):
+    """Elementwise allowance for a param after a compiled step (on top of the
+    16-ulp bound of ``tol``), ``tol`` from ``compiled_step_tolerance``; u is
+    the unit roundoff of its scalar dtype. ``group``: the param's group in the
+    reference optimizer (its own betas and lr), ``update`` |new - prev| there,
+    ``prev`` the param before the step, ``grad`` its grad, ``state`` its state
+    after the step.
+    - ``compiled_update_rel(group betas) * |T|``: one multiplicative scalar
+      factor (Adam, AdamW, Adamax, Adagrad, ...) of the update's term T:
+      the update itself, or with a decoupled weight decay (p (1 - lr wd) + T,
+      the decay a double in both runs) |update| + lr wd |prev| >= |T|: where
+      decay and T cancel, |update| alone is no measure of T's error (measured:
+      30 times the bound, AdamW lr 3e-4, wd 0.5).
+    - NAdam adds two terms, T1 = -lr (1 - mu) / (1 - Pi) g / d and
+      T2 = -lr mu' / (1 - Pi') m / d, each with its own float32 coefficient;
+      where they cancel (T1 = -T2 to 1e-3) |update| is no measure of their
+      error (measured: 434 u of |update|, 2.1 u of |T1| + |T2|). So the
+      allowance is (3 beta2 / (1 - beta2) + 1 + 23) u (|T1| + |T2|): d holds
+      the correction of beta2; mu = beta1 (1 - 0.5 0.96^(t psi)) errs by 5 u
+      (0.96 and psi round, t psi, the power, 1 - 0.5 y around 0.5 (3 u), beta1
+      and the product), 1 - mu and 1 - Pi (mu, Pi <= 0.5: no cancellation) by
+      6 u and 8 u, with lr and two products c1 by 17 u; Pi' = Pi mu' by 13 u,
+      so c2 = lr mu' / (1 - Pi') by 22 u; 23 u covers both, the square root 1.
+    - ASGD's for-loop step scales the param by ``1 - lambd * eta`` with eta a
+      scalar-dtype tensor: compiled, the factor itself is rounded to the
+      scalar dtype (eager: a double), ``2 u |prev|`` more (its rounding and
+      lambd's, lambd * eta <= 0.5). This is as coarse as a float32 step: the
+      decay term lambd * eta * |p| is only checked to u / (lambd * eta) of
+      itself; the foreach step multiplies by the eta tensor and matches eager.
+    Why none hides a bug: each is the rounding of a scalar the compiled step
+    computes in the scalar dtype, times the magnitude it multiplies; a wrong
+    step count, a wrong or missing term changes the param by far more (a bias
+    correction one step off: tens of percent of the update; float32 u is 6e-8).
+    Adamax corrects beta1 only (its beta2 scales exp_inf, a double both ways);
+    a param the step skips (no grad) gets nothing."""
+    if grad is None:
+        return torch.zeros_like(update)
+    u = UNIT_ROUNDOFF[tol.get("scalar_dtype") or "float64"]
+    group = group or {}
+    betas = tuple(group.get("betas", ()))
+    if optim == "Adamax":
+        betas = betas[:1]
+    if optim == "NAdam" and state and "mu_product" in state and len(betas) == 2:
+        terms = _nadam_terms(group, prev, grad, state)
+        b2 = betas[1]
+        rel_b2 = 3 * b2 / (1 - b2) + 1 if 0 < b2 < 1 else 0
+        return (rel_b2 + NADAM_COEF_ULPS + 1) * u * terms
+    scaled = update
+    wd = group.get("weight_decay", 0)
+    if group.get("decoupled_weight_decay") and wd and prev is not None:
+        # p (1 - lr wd) + T: the decay is a double both ways, only T carries the
+        # scalar factors, and where the two cancel |update| is no measure of |T|
+        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+        scaled = update + lr * wd * prev.detach().abs().to(update.device, update.dtype)
+    out = compiled_update_rel(betas, u) * scaled
+    if optim == "ASGD" and not group.get("foreach") and prev is not None:
+        out = out + 2 * u * prev.detach().abs().to(out.device, out.dtype)
+    return out
+
+
+def compiled_state_allowance(optim: str, group: dict | None, key: str, param_allowance):
+    """A state tensor that a compiled step derives from the new param: ASGD's
+    average ax + mu (p - ax), mu <= 1, inherits at most the param's allowance
+    (``compiled_step_allowance``); None for every other state."""
+    if optim == "ASGD" and key == "ax" and not (group or {}).get("foreach"):
+        return param_allowance
+    return None
+
+
+def _nadam_terms(group: dict, prev, grad, state: dict):
+    """|T1| + |T2| of NAdam's step (torch/optim/nadam.py), in float64 from the
+    state after it: m = exp_avg, v = exp_avg_sq, Pi = mu_product, t = step."""
+    f = lambda x: float(x.item()) if isinstance(x, torch.Tensor) else float(x)  # noqa: E731
+    lr, (b1, b2), eps = f(group["lr"]), (f(b) for b in group["betas"]), f(group["eps"])
+    psi, wd = f(group["momentum_decay"]), f(group.get("weight_decay", 0.0))
+    t, pi = f(state["step"]), f(state["mu_product"])
+    g = grad.detach().double()
+    if group.get("maximize"):
+        g = -g
+    if wd and not group.get("decoupled_weight_decay"):
+        g = g + wd * prev.detach().double().to(g.device)
+    mu = b1 * (1 - 0.5 * 0.96 ** (t * psi))
+    mu_next = b1 * (1 - 0.5 * 0.96 ** ((t + 1) * psi))
+    d = (state["exp_avg_sq"].detach().double() / (1 - b2 ** t)).sqrt() + eps
+    t1 = lr * (1 - mu) / (1 - pi) * g.abs() / d
+    t2 = lr * mu_next / (1 - pi * mu_next) * state["exp_avg"].detach().double().abs() / d
+    return t1 + t2
+
+
+def compiled_scalar_state_tolerance(tol: dict) -> dict:
+    """``tol`` for a scalar state (``SCALAR_STATE``: step, ASGD's eta and mu,
+    NAdam's mu_product) after a compiled step: it computes them from ``step``
+    in the scalar dtype (eta = lr / (1 + lambd lr t)^alpha: about 10 roundings;
+    mu_product * mu: 8) where eager rounds a double once, so they are held to
+    16 ulps of the scalar dtype, the same whatever their storage dtype (a
+    loaded checkpoint stores them in the param's). A step count one off still
+    fails (16 ulps of float32 of t <= 3 is 3e-6); eta one step off differs by
+    alpha lambd lr / (1 + lambd lr t) of itself, caught where that is above
+    16 u (lambd lr >= 1e-5 in float32)."""
+    u = max(tol["u"], UNIT_ROUNDOFF[tol.get("scalar_dtype") or "float64"])
+    return {**tol, "u": u, "why": tol["why"] + f"; a scalar state: {tol['k_ulps']} ulps of {tol.get('scalar_dtype')}"}
 
 
 def reduction_tolerance(dtype: str, n: int) -> dict:

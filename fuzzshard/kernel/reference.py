@@ -18,7 +18,9 @@ from ..verdict import Mismatch, error_record, finding, invalid, passing
 from .localize import Trace, localize_divergence
 from .model import make_batch, objective, out_dim, param_shapes
 from .optim import group_hparams, resume_defaults, state_by_fqn
-from .oracles import UNIT_ROUNDOFF, compare, compare_hparams, compiled_step_tolerance, reduction_tolerance, step_tolerance
+from .oracles import (SCALAR_STATE, UNIT_ROUNDOFF, compare, compare_hparams, compiled_scalar_state_tolerance,
+                      compiled_state_allowance, compiled_step_allowance, compiled_step_tolerance, reduction_tolerance,
+                      step_tolerance)
 from .plain import anchor, before_step, options_at, sensitivity, setup, torch_dtype
 
 
@@ -31,8 +33,17 @@ def step_tolerance_for(case: Case, numel: int) -> dict:
         return step_tolerance("bfloat16", case.optim.kwargs.get("ns_steps", 5))
     tol = step_tolerance(case.dtype)
     if case.target_options.get("compile_step"):
-        return compiled_step_tolerance(tol, case.dtype, case.optim.kwargs.get("betas", ()))
+        return compiled_step_tolerance(tol, case.dtype, case.optim.kwargs.get("betas", ()), scalar_dtype(case))
     return tol
+
+
+def scalar_dtype(case: Case) -> str:
+    """The dtype torch.optim keeps ``step`` in (``optimizer._get_scalar_dtype``:
+    float32 for a fused step, else float64 only under a float64 default dtype),
+    which a compiled step computes its scalar factors in."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    return str(_get_scalar_dtype(is_fused=bool(case.optim.kwargs.get("fused")))).removeprefix("torch.")
 
 
 def reference_error(case: Case, device: str, target_cls) -> dict | None:
@@ -187,13 +198,22 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             rel = _grad_uncertainty(case, rec)
             model_s, opt_s = stepper
             stepped = []
+            groups = {id(q): g for g in opt_s.param_groups for q in g["params"]}
+            state_extra = {}  # a compiled step's allowance for state derived from the new param
             for n, p in model_s.named_parameters():
-                update = (p.detach() - prev["params"][n].to(p.device)).abs()
+                before = prev["params"][n].to(p.device)
+                update = (p.detach() - before).abs()
                 extra = None if n not in rel else PARTIAL_GRAD_READS * rel[n] * update
                 if "update_rel" in step_tol:  # a compiled step (oracles.compiled_step_tolerance)
-                    extra = step_tol["update_rel"] * update + (0 if extra is None else extra)
+                    group = groups.get(id(p))
+                    allow = compiled_step_allowance(step_tol, case.optim.name, group, update, before, p.grad,
+                                                    opt_s.state.get(p))
+                    state_extra[n] = lambda key, group=group, allow=allow: compiled_state_allowance(
+                        case.optim.name, group, key, allow)
+                    extra = allow + (0 if extra is None else extra)
                 stepped.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol, extra=extra))
-            stepped += _compare_state(k, rec["state"], state_by_fqn(opt_s, model_s, lambda t: t), step_tol, rel)
+            stepped += _compare_state(k, rec["state"], state_by_fqn(opt_s, model_s, lambda t: t), step_tol, rel,
+                                      state_extra)
             stepped.append(compare_hparams(k, rec["groups"], group_hparams(opt_s)))
             for m in stepped:  # a fused step that read a non-contiguous grad: part of what names the bug
                 if m and m["fqn"] in rec.get("noncontig", ()):
@@ -204,8 +224,10 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
     return finding("parity", mismatches) if mismatches else passing()
 
 
-def _compare_state(k: int, got_state: dict, want_state: dict, tol: dict, rel: dict | None = None) -> list:
-    """Step -1 is the state right after the optimizer constructor."""
+def _compare_state(k: int, got_state: dict, want_state: dict, tol: dict, rel: dict | None = None,
+                   compiled: dict | None = None) -> list:
+    """Step -1 is the state right after the optimizer constructor. ``compiled``:
+    {fqn: key -> a compiled step's allowance for that state, or None}."""
     out = []
     for n in sorted(set(want_state) | set(got_state)):
         got, want = got_state.get(n, {}), want_state.get(n, {})
@@ -214,7 +236,11 @@ def _compare_state(k: int, got_state: dict, want_state: dict, tol: dict, rel: di
             extra = None
             if rel and n in rel and w is not None and w.shape == rel[n].shape:
                 extra = PARTIAL_GRAD_READS * rel[n] * w.abs()
-            out.append(compare(f"state.{key}", k, n, got.get(key), w, tol, extra=extra))
+            more = compiled[n](key) if compiled and n in compiled else None
+            if more is not None and w is not None and w.shape == more.shape:
+                extra = more if extra is None else extra + more
+            key_tol = compiled_scalar_state_tolerance(tol) if "update_rel" in tol and key in SCALAR_STATE else tol
+            out.append(compare(f"state.{key}", k, n, got.get(key), w, key_tol, extra=extra))
     return out
 
 
