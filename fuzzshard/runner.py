@@ -340,8 +340,10 @@ class Pool:
         for r in sorted(verdicts):  # the reference raising too makes the case invalid, stuck ranks or not
             if verdicts[r]["status"] == "invalid":
                 return verdicts[r]
-        for r in sorted(verdicts):  # an exception on some ranks explains the others waiting
-            if verdicts[r].get("oracle") == "error_parity":
+        # an exception on some ranks explains the others waiting, and a load that changed something
+        # (seen by the reporting rank) explains an exception after it: the earliest divergence is the bug
+        for r in sorted(verdicts, key=lambda r: (not verdicts[r].get("then"), r)):
+            if verdicts[r].get("oracle") == "error_parity" or verdicts[r].get("then"):
                 out = {**verdicts[r], "rank": r}
                 if len(answers) < w:
                     out["stuck_ranks"] = sorted(set(range(w)) - set(answers))

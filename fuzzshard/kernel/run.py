@@ -58,6 +58,9 @@ def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timing
                                        for d in target_cls.step_devices(case, device))), None)
         if ref_error is not None:
             return invalid(f"reference raises too: {ref_error['text']}", error=error)
+        loaded = _check_round_trip(case, obs, device) if obs and obs["loaded"] is not None else []
+        if loaded:  # the earliest divergence: a load that changed something explains an error after it
+            return finding("checkpoint", loaded, then=error)
         return finding("error_parity", error=error)
     if not reporter:
         return None
@@ -65,12 +68,17 @@ def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timing
         verdict = check_parity(case, obs, device, target_cls, localize=localize, clock=clock)
     if case.checkpoint and not _fails_before_save(case, verdict):
         with clock("checkpoint"):  # a round trip that changed something explains any divergence after it
-            rec = obs["steps"][case.checkpoint.after]
-            mismatches = check_saved(case, obs["saved"], rec, device) if obs["saved"] else []
-            mismatches += check_loaded(case, obs["loaded"], rec)
+            mismatches = _check_round_trip(case, obs, device)
         if mismatches:
             verdict = finding("checkpoint", mismatches)
     return verdict
+
+
+def _check_round_trip(case: Case, obs: dict, device: str) -> list[dict]:
+    """The saved and loaded oracles (checkpoint.py) over a run's observations."""
+    rec = obs["steps"][case.checkpoint.after]
+    mismatches = check_saved(case, obs["saved"], rec, device) if obs["saved"] else []
+    return mismatches + check_loaded(case, obs["loaded"], rec)
 
 
 def run_bare(case: Case, meshes, target_cls, device: str, reporter: bool, timings: dict | None = None) -> dict | None:
@@ -180,20 +188,21 @@ def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, locali
             dist.barrier(group=meshes.group(case.ranks))  # the files are complete
             if rank < ck.world_size:
                 with meshes.job(ck.world_size):
-                    obs["loaded"], steps = _resume(case, meshes, target_cls, device, keep, localize, ckpt_dir, phase,
-                                                   clock)
-                    obs["steps"] += steps
+                    _resume(case, meshes, target_cls, device, keep, localize, ckpt_dir, phase, clock, obs)
         return (obs if keep else None), None
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        return None, {**error_record(e), "phase": phase.name, "stage": phase.kind}
+        # what was observed up to a load that went through stays: a step that raises after it may be its face
+        seen = obs if keep and obs["loaded"] is not None else None
+        return seen, {**error_record(e), "phase": phase.name, "stage": phase.kind}
 
 
 def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool, ckpt_dir: str, phase,
-            clock: Clock):
+            clock: Clock, obs: dict) -> None:
     """The loading side: a fresh model (another init) and optimizer (every lr
-    halved) on the loading world, the load, then the remaining steps."""
+    halved) on the loading world, the load, then the remaining steps; into
+    ``obs`` as they are seen (``loaded`` before the steps: a step may raise)."""
     ck = case.checkpoint
     phase("load", "checkpoint load: shard")
     # the loading side's optimizer holds the groups the saved one held
@@ -212,9 +221,10 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
     with clock("gathers"):
         loaded = {"params": target.params(model), "fresh": {n: fresh[n] for n in ck.missing},
                   "state": target.optimizer_state(opt, model), "groups": target.group_hparams(opt)}
-    steps = _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize, phase,
-                   clock)
-    return (loaded if keep else None), steps
+    if keep:
+        obs["loaded"] = loaded
+    obs["steps"] += _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize,
+                           phase, clock)
 
 
 def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:

@@ -20,8 +20,10 @@ def signature(case, verdict: dict) -> str:
 
 def summary(verdict: dict) -> str:
     m = verdict["first"]
+    then = verdict.get("then") or {}  # an error the run met after the load: downstream of this divergence
+    after = f"; then {then.get('phase')} raised {then.get('type')}: {then.get('message')}" if then else ""
     return (f"checkpoint round trip: {m['quantity']} of {m['fqn'] or 'the optimizer'} (saved after step {m['step']}) "
-            f"differs: {m['detail']}; {verdict['count']} mismatches in all")
+            f"differs: {m['detail']}; {verdict['count']} mismatches in all{after}")
 
 
 def address(case, verdict: dict) -> str:
