@@ -25,17 +25,33 @@ _TAIL = ["fuzzshard.kernel.run"]
 _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
 
 
+def _joined(src: str) -> list[str]:
+    """The source's lines, a parenthesized relative import (over one line or
+    several) as one line without its parentheses, so that it is dropped too."""
+    out: list[str] = []
+    open_import = False
+    for ln in src.splitlines():
+        if open_import:
+            out[-1] += " " + ln.strip()
+        elif re.match(r"^from \.+[\w.]* import \(", ln):
+            out.append(ln)
+            open_import = True
+        else:
+            out.append(ln)
+        if open_import and ")" in ln:
+            out[-1] = out[-1].replace("(", "").replace(")", "").rstrip(", ")
+            open_import = False
+    return out
+
+
 def flatten(modules: list[str]) -> str:
     parts = []
     for name in modules:
-        src = inspect.getsource(importlib.import_module(name))
-        aliased = [ln for ln in src.splitlines() if _RELATIVE_IMPORT.match(ln) and " as " in ln]
+        src = _joined(inspect.getsource(importlib.import_module(name)))
+        aliased = [ln for ln in src if _RELATIVE_IMPORT.match(ln) and " as " in ln]
         if aliased:  # a dropped line cannot bind the alias in the one flat namespace
             raise ValueError(f"{name}: an aliased relative import cannot be flattened: {aliased[0]}")
-        spread = [ln for ln in src.splitlines() if re.match(r"^from \.+[\w.]* import \(", ln)]
-        if spread:  # it would stay in the script and fail there, outside any package
-            raise ValueError(f"{name}: a relative import over several lines cannot be flattened: {spread[0]}")
-        lines = [ln for ln in src.splitlines() if not _RELATIVE_IMPORT.match(ln) and ln != "from __future__ import annotations"]
+        lines = [ln for ln in src if not _RELATIVE_IMPORT.match(ln) and ln != "from __future__ import annotations"]
         parts.append(f"# ---- {name} " + "-" * max(0, 70 - len(name)) + "\n" + "\n".join(lines).strip() + "\n")
     return "\n\n".join(parts)
 

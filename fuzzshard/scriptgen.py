@@ -311,7 +311,7 @@ def load(model, opt, params, grads, state):  # the plain model and optimizer tak
     with torch.no_grad():
         for n, t in params.items():
             p[n].copy_(t)
-            p[n].grad = None if grads[n] is None else grads[n].clone()
+            p[n].grad = None if grads.get(n) is None else grads[n].clone()
     opt.state.clear()
     for (n, k), v in state.items():
         opt.state[p[n]][k] = v.clone()
@@ -387,61 +387,74 @@ def _steps(case: Case) -> str:
 
 def _main(case: Case) -> str:
     o = case.optim
+    flags = any(s.freeze or s.unfreeze for s in case.schedule)
     names = ", mesh_dim_names=(\"d0\", \"d1\")" if case.target == "fsdp2" and len(case.mesh_shape) == 2 else ""
+    before = ""  # a helper for what changes before a step, where the case has any
+    if flags or o.added_at:
+        before = "def before_step(model, opt, k, step):  # the step's " + \
+                 " and ".join(["freezes and unfreezes"] * flags + ["param groups added mid-run"] * bool(o.added_at))
+        if flags:
+            before += ("\n    for n in step.get(\"freeze\", []) + step.get(\"unfreeze\", []):"
+                       "\n        model.get_parameter(n).requires_grad_(n in step.get(\"unfreeze\", []))")
+        if o.added_at:
+            before += (f"\n    for g in param_groups(model)[{len(case.groups) - o.added_groups}:] if k == {o.added_at} else []:"
+                       "\n        opt.add_param_group(g)")
+        before += "\n\n"
+    call = ["    before_step(sharded, opt_s, k, step)"] if before else []
     lines = ["ap = argparse.ArgumentParser()",
              "ap.add_argument(\"--setup\", help=\"a Python file run first (a patch of torch, e.g. a planted bug)\")",
              "if setup := ap.parse_args().setup:",
              "    exec(compile(open(setup).read(), setup, \"exec\"), {\"__name__\": \"__setup__\", \"__file__\": setup})",
-             "torch.set_num_threads(1)", "dist.init_process_group(\"gloo\", timeout=datetime.timedelta(seconds=120))  # a hang fails",
+             "torch.set_num_threads(1)",
+             "dist.init_process_group(\"gloo\", timeout=datetime.timedelta(seconds=120))  # a hang fails",
              f"mesh = init_device_mesh(\"cpu\", {tuple(case.mesh_shape)}{names})",
              "plain, sharded = build(), shard(build(), mesh)"]
     if case.frozen:
         lines += [f"for n in {list(case.frozen)!r}:  # frozen from the start",
                   "    for model in plain, sharded:", "        model.get_parameter(n).requires_grad_(False)"]
     lines += ["opt_p, opt_s = make_optimizer(plain), make_optimizer(sharded)",
-              "params, state, _ = snapshot(sharded, opt_s)  # before step 0: no grads yet, the state the constructor made",
-              "grads, fail = dict.fromkeys(params), check_state(\"after the constructor:\", state, snapshot(plain, opt_p)[1])",
-              "for k, step in enumerate(STEPS):",
-              "    if any(fail):", "        break"]
-    if any(s.freeze or s.unfreeze for s in case.schedule):
-        lines += ["    for model in plain, sharded:  # this step's freezes and unfreezes",
-                  "        for n in step.get(\"freeze\", []) + step.get(\"unfreeze\", []):",
-                  "            model.get_parameter(n).requires_grad_(n in step.get(\"unfreeze\", []))"]
-    if o.added_at:
-        lines += [f"    if k == {o.added_at}:  # param groups added mid-run",
-                  "        for opt, model in (opt_p, plain), (opt_s, sharded):",
-                  f"            for g in param_groups(model)[{len(case.groups) - o.added_groups}:]:",
-                  "                opt.add_param_group(g)"]
-    lines += ["    load(plain, opt_p, params, grads, state)  # the plain model starts the step where the sharded one is",
-              "    for opt in opt_p, opt_s:", "        opt.zero_grad(set_to_none=step[\"set_to_none\"])",
+              "# the sharded run: after the constructor and after each step its full params, state and groups,",
+              "# and each step's loss and grads",
+              "after, got, rel = [snapshot(sharded, opt_s)], [], []",
+              "for k, step in enumerate(STEPS):", *call,
+              "    opt_s.zero_grad(set_to_none=step[\"set_to_none\"])",
               "    x, y = batch(k)"]
     if case.target == "dtensor":
         rep = ", ".join(["Replicate()"] * len(case.mesh_shape))
         lines += [f"    loss = loss_fn(sharded(distribute_tensor(x, mesh, [{rep}])), distribute_tensor(y, mesh, [{rep}]))",
-                  "    loss.backward()"]
+                  "    loss.backward()",
+                  "    got.append({\"loss\": full(loss), **{n: full(p.grad) for n, p in sharded.named_parameters()}})",
+                  "    rel.append({n: r for n, p in sharded.named_parameters() if (r := partial_error(p.grad, got[k][n])) is not None})"]
     else:
         lines += ["    r, per = dist.get_rank(), x.shape[0] // dist.get_world_size()  # each rank: its slice of the batch",
                   "    loss = loss_fn(sharded(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per])",
                   "    loss.backward()",
                   "    dist.all_reduce(loss := loss.detach().double())  # the whole batch's mean loss",
-                  "    loss = (loss / dist.get_world_size()).to(DTYPE)"]
-    lines += ["    ref = loss_fn(plain(x), y)", "    ref.backward()",
-              "    got = {\"loss\": full(loss), **{n: full(p.grad) for n, p in sharded.named_parameters()}}",
+                  "    got.append({\"loss\": (loss / dist.get_world_size()).to(DTYPE),"
+                  " **{n: full(p.grad) for n, p in sharded.named_parameters()}})",
+                  "    rel.append({})  # FSDP2 reduces each grad once, before the step"]
+    lines += ["    opt_s.step()",
+              "    after.append(snapshot(sharded, opt_s))",
+              "# the plain model replays each step from the sharded run's state before it",
+              "fail = check_state(\"after the constructor:\", after[0][1], snapshot(plain, opt_p)[1])",
+              "for k, step in enumerate(STEPS):",
+              "    if any(fail):", "        break", *[c.replace("sharded, opt_s", "plain, opt_p") for c in call],
+              "    load(plain, opt_p, after[k][0], got[k - 1] if k else {}, after[k][1])",
+              "    opt_p.zero_grad(set_to_none=step[\"set_to_none\"])",
+              "    x, y = batch(k)",
+              "    ref = loss_fn(plain(x), y)", "    ref.backward()",
               "    want = {\"loss\": ref.detach(), **{n: p.grad for n, p in plain.named_parameters()}}",
               "    # where they differ, again with each result's measured sensitivity (it only widens the bound)",
-              "    sens = sensitivity(plain, x, y) if any(check(\"\", got[n], want[n], SUM_TOL) for n in want) else {}",
-              "    fail = [check(f\"step {k} {n}\", got[n], want[n], SUM_TOL, sens.get(n, 0.0)) for n in want]",
-              "    rel = {n: r for n, p in sharded.named_parameters() if (r := partial_error(p.grad, got[n])) is not None}"
-              if case.target == "dtensor" else "    rel = {}  # FSDP2 reduces each grad once, before the step",
-              "    opt_s.step()",
+              "    sens = sensitivity(plain, x, y) if any(check(\"\", got[k][n], want[n], SUM_TOL) for n in want) else {}",
+              "    fail = [check(f\"step {k} {n}\", got[k][n], want[n], SUM_TOL, sens.get(n, 0.0)) for n in want]",
               "    with torch.no_grad():  # the plain optimizer steps from the sharded grads: only the step is compared",
-              "        for n, p in plain.named_parameters():", "            p.grad = None if got[n] is None else got[n].clone()",
+              "        for n, p in plain.named_parameters():",
+              "            p.grad = None if got[k][n] is None else got[k][n].clone()",
               "    opt_p.step()",
-              "    before, grads = params, got",
-              "    (params, state, groups), (_, want_state, want_groups) = snapshot(sharded, opt_s), snapshot(plain, opt_p)",
-              "    fail += [check(f\"step {k} param {n}\", params[n], p.detach(), STEP_TOL, extra=slack(rel, n, p.detach() - before[n]))",
-              "             for n, p in plain.named_parameters()]",
-              "    fail += check_state(f\"step {k}\", state, want_state, rel)",
+              "    (params, state, groups), (_, want_state, want_groups) = after[k + 1], snapshot(plain, opt_p)",
+              "    fail += [check(f\"step {k} param {n}\", params[n], p.detach(), STEP_TOL,",
+              "                   extra=slack(rel[k], n, p.detach() - after[k][0][n])) for n, p in plain.named_parameters()]",
+              "    fail += check_state(f\"step {k}\", state, want_state, rel[k])",
               "    if groups != want_groups:",
               "        fail.append(f\"step {k} param_groups: sharded {groups}, plain {want_groups}\")",
               "fail = [f for f in fail if f]",
@@ -449,7 +462,7 @@ def _main(case: Case) -> str:
               "    print(\"\\n\".join([\"FINDING: the sharded run differs from the plain one\", *fail]) if fail else",
               "          \"PASS: the sharded run matches the plain one\")",
               "return fail"]
-    return _steps(case) + "\n\ndef main():\n" + "\n".join("    " + ln for ln in lines)
+    return _steps(case) + "\n\n" + before + "def main():\n" + "\n".join("    " + ln for ln in lines)
 
 
 _END = '''if __name__ == "__main__":
