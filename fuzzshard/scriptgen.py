@@ -3,10 +3,11 @@
 ``straight_script(case)`` writes a short torch-only script: the model as
 explicit nn modules, the target's own calls (``distribute_tensor`` with the
 case's placements, or ``fully_shard`` on its units), the optimizer with its
-exact kwargs and param groups, the schedule, and a plain model trained beside
-it. Before each step the plain model takes the sharded run's params, grads and
-optimizer state (the kernel's anchored reference, kernel/reference.py), so
-only that step's rounding can differ; the bounds are the kernel's
+exact kwargs and param groups, the schedule, and a plain model beside it. As
+the kernel does (run.py, reference.py), the sharded run goes first, then the
+plain model replays each step from the sharded run's params, grads and
+optimizer state before it, so only that step's rounding can differ (and an
+error anywhere in the sharded run is what the script shows); the bounds are the kernel's
 (kernel/oracles.py), written out as numbers with a line saying where they come
 from. Cases it cannot write return None: repro.script falls back to the
 flattened kernel.
@@ -20,10 +21,10 @@ import torch
 
 from .case import Case, Layer
 from .kernel.model import out_dim, param_shapes
+from .kernel.optim import _TUPLE_KWARGS  # kwargs torch documents as tuples (a Case holds lists)
 from .kernel.oracles import STEP_ULPS, UNIT_ROUNDOFF
 
 _ACTS = {"relu": "nn.ReLU()", "gelu": "nn.GELU()", "tanh": "nn.Tanh()", "silu": "nn.SiLU()"}
-_TUPLE_KWARGS = ("betas", "etas", "step_sizes", "eps", "ns_coefficients")  # as kernel/optim.py
 _FSDP2_OPTIONS = {"wrap", "reshard_after_forward"}
 
 
