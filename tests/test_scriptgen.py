@@ -12,6 +12,7 @@ from cases import simple_case
 from conftest import PLANTED, torchrun
 from fuzzshard import repro, targets
 from fuzzshard.kernel.model import build_model, make_batch
+from fuzzshard.kernel.plain import sensitivity
 from fuzzshard.kernel.reference import reduction_length, reference_error
 from fuzzshard.scriptgen import reduction_parts, straight_script
 from strategies import cases
@@ -49,6 +50,33 @@ def _check_drawn(case) -> None:
     if case.target == "dtensor":
         assert list(ns["PLACEMENTS"]) == [n for n, _ in ns["build"]().named_parameters()]
     assert math.prod(reduction_parts(case)) == reduction_length(case)  # the bound the kernel holds loss and grads to
+    model, (x, y) = ns["build"](), ns["batch"](0)  # the one-ulp sensitivity: the kernel's, to the bit
+    try:
+        theirs = sensitivity(model, dict(model.named_parameters()), x, y, {})
+    except RuntimeError:  # nothing to differentiate (no param on the loss's path): the script's raises too
+        with pytest.raises(RuntimeError):
+            ns["sensitivity"](model, x, y)
+        return
+    ours = ns["sensitivity"](model, x, y)
+    assert ours == {n: v for n, v in theirs.items() if n in ours or v}  # (the kernel's holds 0 for no-grad params)
+
+
+def test_the_scripts_comparison_is_the_kernels():
+    """check() of the script fails exactly where the kernel's compare() does."""
+    from fuzzshard.kernel.oracles import compare
+
+    ns = _defs(straight_script(simple_case(2)))
+    g = torch.Generator().manual_seed(0)
+    for i in range(300):
+        want = torch.randn(3, 4, generator=g, dtype=torch.float64) * 10 ** (i % 7 - 3)
+        got = want + torch.randn(3, 4, generator=g, dtype=torch.float64) * 10 ** (i % 11 - 14)
+        if i % 13 == 0:
+            got[0, 0] = want[0, 0] = float("nan") if i % 2 else float("inf")
+        k, u, sens = [2, 16, 300][i % 3], 2.0 ** -24, [0.0, 1e-9][i % 2]
+        extra = torch.rand(3, 4, generator=g, dtype=torch.float64) * 1e-8 if i % 5 == 0 else None
+        ours = ns["check"]("x", got, want, (k, u), sens, 0.0 if extra is None else extra)
+        theirs = compare("x", 0, "", got, want, {"k_ulps": k, "u": u, "why": ""}, sens=sens, extra=extra)
+        assert (ours is None) == (theirs is None), (i, ours, theirs)
 
 
 @DRAWN
