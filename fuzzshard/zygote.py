@@ -57,8 +57,11 @@ class Zygote:
     def exit_code(self, pid: int) -> int | None:
         """The exit code of a worker, None while it runs (-N: killed by signal N)."""
         with self.lock:
-            while pid not in self.exits and self.conn.poll(0):
-                self._note(self.conn.recv())
+            try:
+                while pid not in self.exits and self.conn.poll(0):
+                    self._note(self.conn.recv())
+            except (EOFError, OSError):  # the zygote is gone (a signal to the whole process group): its workers too
+                self.exits.setdefault(pid, -signal.SIGTERM)
             return self.exits.get(pid)
 
     def _note(self, msg) -> None:

@@ -28,7 +28,8 @@ def _start(out: Path, *args, setup: str | None = None) -> tuple[subprocess.Popen
     if setup:
         cmd += ["--worker-setup", str(PLANTED / setup)]
     with open(err, "w") as f:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f), err
+        # its own process group: a signal to the whole group (a scheduler's cancel, `timeout`) reaches only it
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True), err
 
 
 def _wait_for(pred, timeout: float) -> bool:
@@ -92,22 +93,27 @@ def test_a_killed_session_keeps_every_finding_it_saw_and_its_workers_go_with_it(
     assert r.returncode == 1 and f"FAIL: {sig}" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("sig, setup, code", [(signal.SIGINT, "skip_weight_decay.py", 1), (signal.SIGTERM, None, 143)],
-                         ids=["sigint-with-findings", "sigterm-clean"])
-def test_a_signal_stops_the_session_after_its_current_case(tmp_path, sig, setup, code):
+@pytest.mark.parametrize("sig, setup, code, group", [(signal.SIGINT, "skip_weight_decay.py", 1, False),
+                                                     (signal.SIGTERM, None, 143, False),
+                                                     (signal.SIGTERM, "skip_weight_decay.py", 1, True)],
+                         ids=["sigint-with-findings", "sigterm-clean", "sigterm-to-the-group-with-findings"])
+def test_a_signal_stops_the_session_after_its_current_case(tmp_path, sig, setup, code, group):
     """Ctrl-C or SIGTERM: the case that runs finishes, the files hold what was
     found; exit 1 with new findings, else 128 + the signal. The shell starts a
-    background job with SIGINT ignored: fuzzshard installs its own handler."""
+    background job with SIGINT ignored: fuzzshard installs its own handler.
+    ``group``: the signal goes to the whole process group, workers included,
+    as `timeout` and a batch scheduler's cancel send it: the same end, no traceback."""
     out = tmp_path / "out"
     proc, err = _start(out, *BUG, "--duration", "10m", setup=setup)
     try:
         ready = "new finding" if setup else "[fuzzshard] "
         assert _wait_for(lambda: ready in err.read_text(), 240), err.read_text()[-3000:]
-        proc.send_signal(sig)
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
         assert proc.wait(timeout=60) == code, err.read_text()[-3000:]
     finally:
         proc.kill()
     text = err.read_text()
+    assert "Traceback" not in text, text[-3000:]
     assert f"{signal.Signals(sig).name}: stopping after the current case" in text
     assert f"stopped by {signal.Signals(sig).name}" in text
     written = sorted(p.stem for p in out.glob("*.json"))
