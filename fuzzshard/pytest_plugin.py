@@ -8,9 +8,13 @@
     def test_dtensor_parity(fuzz_pool, case):
         check(fuzz_pool, case)
 
-Run with ``pytest --hypothesis-profile ci`` (or ``soak``) and
-``--hypothesis-seed N`` as usual; ``--fuzzshard-worker-setup FILE`` patches torch
-in every worker, ``--fuzzshard-world-size N`` sizes the pool (default 4).
+It runs as it is, with Hypothesis's defaults: a test that takes ``fuzz_pool``
+runs without a deadline unless its settings name one other than the
+profile's (a case is a distributed run of seconds; a 200 ms deadline would
+turn the first one into ``DeadlineExceeded``). ``--hypothesis-profile ci``
+(20 examples) or ``soak`` and ``--hypothesis-seed N`` work as usual;
+``--fuzzshard-worker-setup FILE`` patches torch in every worker,
+``--fuzzshard-world-size N`` sizes the pool (default 4).
 """
 from __future__ import annotations
 
@@ -31,6 +35,17 @@ def pytest_addoption(parser):
                     help="your own optimizer from one file (fuzzshard.plugin.optimizer), drawn beside torch.optim's")
     group.addoption("--fuzzshard-device", default="cpu", choices=["cpu", "cuda"])
     group.addoption("--fuzzshard-case-timeout", type=float, default=120.0)
+
+
+def pytest_collection_modifyitems(items):
+    """No deadline for Hypothesis tests that take the pool, unless they set their own."""
+    for item in items:
+        test = getattr(item, "obj", None)
+        if "fuzz_pool" not in getattr(item, "fixturenames", ()) or not getattr(test, "is_hypothesis_test", False):
+            continue
+        own = test._hypothesis_internal_use_settings
+        if own.deadline is not None and own.deadline == settings.default.deadline:
+            test._hypothesis_internal_use_settings = settings(own, deadline=None)
 
 
 @pytest.fixture(scope="session")
