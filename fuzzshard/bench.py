@@ -223,7 +223,7 @@ def run_soak_bench(seconds: float, workers: int, target: str, seed: int = 0, ech
         fuzz_s = time.perf_counter() - t0
         fuzz_cases = int(next(line for line in r.stderr.splitlines() if " cases · " in line and "valid" in line).split()[0])
         t0 = time.perf_counter()
-        subprocess.run(base + ["soak", "--targets", target, "--duration", f"{seconds}s", "--epoch", f"{seconds / 3:.0f}s",
+        subprocess.run(base + ["soak", "--target", target, "--duration", f"{seconds}s", "--epoch", f"{seconds / 3:.0f}s",
                               "--workers", str(workers), "--world-sizes", worlds, "--seed", str(seed),
                               "--out", f"{tmp}/soak"], capture_output=True, text=True)
         soak_s = time.perf_counter() - t0

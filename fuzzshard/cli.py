@@ -31,6 +31,22 @@ class UsageError(Exception):
     pass
 
 
+class _Renamed(argparse.Action):
+    """An old spelling of a flag, still accepted: it stores into the new one's
+    place and says once, in one line, what the flag is called now."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"fuzzshard: note: {option_string} is now {self.new} (the old spelling still works)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+FILE_HELP = "a finding file (OUT/<signature>.json) or a bare case JSON"
+
+
 def parse_duration(text: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
     if not m:
@@ -77,11 +93,13 @@ def _parser() -> argparse.ArgumentParser:
 
     f.add_argument("--target", default="dtensor",
                    help=f"target name(s), comma-separated, or 'all': {', '.join(target_names())} (default: dtensor)")
+    f.add_argument("--targets", dest="target", action=_Renamed, new="--target", help=argparse.SUPPRESS)
     g = f.add_mutually_exclusive_group()
     g.add_argument("--max-examples", type=int, default=None, help="cases to draw per target (default 100)")
     g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
     f.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
-    f.add_argument("--out", default="fuzzshard-out", help="findings and the example database go here")
+    f.add_argument("--out", default="fuzzshard-out",
+                   help="findings and the example database go here (default: fuzzshard-out)")
     f.add_argument("--shrink-budget", default=None, metavar="DURATION",
                    help="once a round finds something, how much longer it may search and shrink before it ends "
                         "with its smallest cases (default: a quarter of --duration, at least 30s, at most 5m; "
@@ -107,7 +125,9 @@ def _parser() -> argparse.ArgumentParser:
                         "1: it holds findings; 2: usage error.")
     so.add_argument("--duration", required=True, help="how long this invocation runs, e.g. 90s, 10m, 8h")
     so.add_argument("--out", required=True, help="the run's folder (shared by every node and every restart)")
-    so.add_argument("--targets", default="all", help="target name(s), comma-separated, or 'all' (default)")
+    so.add_argument("--target", dest="targets", default="all",
+                    help="target name(s), comma-separated, or 'all' (default)")
+    so.add_argument("--targets", dest="targets", action=_Renamed, new="--target", help=argparse.SUPPRESS)
     so.add_argument("--workers", type=int, default=4, help="ranks on this machine, or per torchrun process (default 4)")
     so.add_argument("--cells", default=None, metavar="SIZES",
                     help="fixed cell sizes, e.g. 2,1,1 (default: a new random split of --workers every epoch); "
@@ -120,8 +140,10 @@ def _parser() -> argparse.ArgumentParser:
     _draw_args(so)
     _pool_args(so)
 
-    rp = sub.add_parser("report", help="coverage tables, findings and rate of a soak's --out; writes report.html")
-    rp.add_argument("dir")
+    rp = sub.add_parser("report", help="coverage tables, findings and rate of a soak's --out; writes report.html",
+                        description="A soak's coverage tables, its findings (new and known apart) and its rate, as "
+                        "text, and as an HTML page (DIR/report.html).")
+    rp.add_argument("dir", help="a soak's --out folder")
     rp.add_argument("--html", default=None, help="where to write the HTML page (default DIR/report.html)")
 
     r = sub.add_parser("replay", help="re-run a finding or case file: exit 0 passes now, 1 still fails with the "
@@ -130,14 +152,20 @@ def _parser() -> argparse.ArgumentParser:
                        "Exit 0: passes now; 1: fails with the recorded signature (the same bug); 3: fails with "
                        "another signature (both are printed); 2: unreadable or invalid file.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("file")
+    r.add_argument("file", help=FILE_HELP)
     _pool_args(r)
 
-    s = sub.add_parser("show", help="print a finding or case file readably")
-    s.add_argument("file")
+    s = sub.add_parser("show", help="print a finding or case file readably",
+                       description="A finding or case file as a person reads it: the target, world size and mesh, the "
+                       "model layer by layer, the optimizer and its groups, the schedule, the checkpoint, the options.")
+    s.add_argument("file", help=FILE_HELP)
 
-    sc = sub.add_parser("script", help="write the standalone torchrun repro script of a finding or case file")
-    sc.add_argument("file")
+    sc = sub.add_parser("script", help="write the standalone torchrun repro script of a finding or case file",
+                        description="The standalone repro of a finding or case: a torch-only script for `torchrun "
+                        "--nproc-per-node W FILE.py` that exits 1 while the bug is there and 0 once it is fixed "
+                        "(--setup PATCH.py runs a patch first). Straight-line where the case allows it, else "
+                        "fuzzshard's kernel flattened around the case.")
+    sc.add_argument("file", help=FILE_HELP)
     sc.add_argument("-o", "--output", help="write here instead of standard output")
     sc.add_argument("--flat", action="store_true", help="fuzzshard's whole kernel flattened around the case, not the "
                     "straight-line script of what the case uses (which dtensor and plain fsdp2 cases get)")
@@ -147,13 +175,17 @@ def _parser() -> argparse.ArgumentParser:
                         "hand-reduced script of its root cause where known/minimal/ has one (else the generated "
                         "standalone script), what it prints here, expected vs actual with numbers, the torch source "
                         "suspected, and versions (torch.utils.collect_env).")
-    up.add_argument("file")
+    up.add_argument("file", help=FILE_HELP)
     up.add_argument("-o", "--output", help="write the markdown here (a script too long for an issue body is "
                     "written beside it as OUTPUT.repro.py); default: standard output, the script into the current folder")
     up.add_argument("--no-run", action="store_true", help="do not run the script (nor collect_env) first")
 
     k = sub.add_parser("known", help="the known findings in torch, by root cause; --check replays them, "
-                                     "--minimal runs the hand-reduced scripts")
+                                     "--minimal runs the hand-reduced scripts",
+                       description="The torch bugs fuzzshard has found (fuzzshard/known/), by root cause: how each "
+                       "shows, where it stands upstream, its findings. A session counts a known finding as a known "
+                       "hit, not a new one. --check replays every one on this torch; --minimal runs the "
+                       "hand-reduced scripts.")
     k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
     k.add_argument("--minimal", nargs="*", metavar="ROOT_CAUSE",
@@ -162,10 +194,17 @@ def _parser() -> argparse.ArgumentParser:
     _pool_args(k)
 
     b = sub.add_parser("bench", help="warm pool vs a fresh process group per case and vs the bare training loop, "
-                                     "same cases, one run")
+                                     "same cases, one run",
+                       description="Per-case cost, measured on the same cases in one run: the warm pool fuzzshard "
+                       "uses, a fresh process group per case, and the bare training loop with no checking. The last "
+                       "line ends with the ratio (e.g. '41.4x'). A benchmark, never a test: compare numbers from one "
+                       "machine and one run.")
     b.add_argument("--cases", type=int, default=30, help="cases per mode (default 30)")
-    b.add_argument("--world-size", type=int, default=2)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--world-sizes", dest="world_size", type=int, default=2, metavar="N",
+                   help="the world size of the cases (one; default 2)")
+    b.add_argument("--world-size", dest="world_size", type=int, action=_Renamed, new="--world-sizes",
+                   help=argparse.SUPPRESS)
+    b.add_argument("--seed", type=int, default=0, help="the seed of the cases drawn (default 0)")
     b.add_argument("--target", default="dtensor", help="which target's cases to run (default dtensor)")
     b.add_argument("--models", default=None, metavar="FAMILIES",
                    help="model families of the cases, as fuzz takes them (default topologies; decoder: transformers)")
@@ -223,12 +262,35 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"fuzzshard: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path given on the command line that cannot be read or written: one line
+        if not e.filename:
+            raise
+        print(f"fuzzshard: error: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("fuzzshard: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `fuzzshard known | head`
         sys.stderr.close()
         return 0
+
+
+def _out_dir(path: str) -> None:
+    """--out made (or there already), or one clear line: under a regular file, not writable, ..."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot make or write that folder ({e.strerror})") from None
+
+
+def _warn_cores(ranks: int) -> None:
+    """More ranks than cores runs (each rank is a process), slowly: said once, not refused."""
+    cores = os.cpu_count() or 1
+    if ranks > cores:
+        print(f"fuzzshard: note: {ranks} ranks on {cores} CPU core(s): each rank is a process, so cases of that size "
+              f"run slowly here and may reach --case-timeout", file=sys.stderr)
 
 
 def _check_pool_args(args, device: str | None = None) -> None:
@@ -313,7 +375,8 @@ def cmd_fuzz(args) -> int:
         raise UsageError(f"--compile: none of {', '.join(names)} draws torch.compile (these do: {', '.join(compiling)})")
     database = _redis(args.redis) if args.redis else None
     seed = args.seed if args.seed is not None else random.randrange(2**31)
-    os.makedirs(args.out, exist_ok=True)
+    _out_dir(args.out)
+    _warn_cores(max(sizes))
     print(f"fuzzshard: targets {','.join(names)} · world sizes {sizes} · seed {seed} · out {args.out}", file=sys.stderr)
     session = None
     stops = []
@@ -407,6 +470,8 @@ def cmd_soak(args) -> int:
     sizes = parse_world_sizes(args.world_sizes)
     if args.workers < 1:
         raise UsageError("--workers must be >= 1")
+    _out_dir(args.out)
+    _warn_cores(args.workers)
     cells = None
     if args.cells:
         try:
@@ -449,9 +514,6 @@ def cmd_report(args) -> int:
 
 
 def _print_session_report(session, findings, out) -> None:
-    from .findings import summary
-    from .generalize import Face, table_text
-
     st = session.stats
     print(f"\n{st.cases} cases · {st.valid} valid · {st.invalid} invalid · {st.rate():.2f} cases/s", file=sys.stderr)
     length = f"session {session.elapsed:.0f}s"
@@ -476,43 +538,32 @@ def _print_session_report(session, findings, out) -> None:
     if st.passed_decoder:
         cover = ", ".join(f"{k} {v}" for k, v in st.passed_decoder.most_common())
         print(f"passing decoder cases by TP plan element: {cover}", file=sys.stderr)
-    if st.internal_errors:
-        print(f"{st.internal_errors} fuzzshard-internal errors, not findings (see above; cases in {out}/internal/)", file=sys.stderr)
     from .rootcause import grouped
 
     matcher = session.matcher
-    by_cause: dict[str, list] = {}
-    for sig, n in sorted(st.known.items()):  # known hits under their root cause: one bug, one line
-        by_cause.setdefault(session.known[sig].root_cause or sig, []).append((sig, n))
-    for cause, hits in sorted(by_cause.items()):
-        rc = matcher.causes.get(cause)
-        head = f"known   root cause {cause} ×{sum(n for _, n in hits)} [{rc.upstream_text}]: {rc.title}" if rc \
-            else f"known   {cause} ×{hits[0][1]}: {session.known[cause].diagnosis}"
-        print(head + "".join(f"\n            {sig} ×{n}" for sig, n in hits if rc), file=sys.stderr)
+    stage = {"confirmed": "", "shrinking": " (shrunk in warm workers, not yet re-run fresh: `fuzzshard replay` it)",
+             "unconfirmed": " (UNCONFIRMED: no time was left to re-run it in fresh workers)"}
+    groups = grouped(findings, matcher)
+    for key, members in groups.items():  # new findings first: what the user came for
+        if len(groups) > 1 or len(members) > 1 or key.startswith("root cause"):
+            print(f"{key}: {len(members)} finding(s)", file=sys.stderr)
+        for f in members:
+            _print_finding(f, out, stage.get(f.stage, ""), st.folded.get(f.signature, 0))
     for c in session.contaminated:
         print(f"CONTAMINATED (a fuzzshard internal error, not a finding): {c['signature']} in warm workers, "
               f"{c['fresh_signature']} in fresh ones, after {len(c['ran_before_in_that_generation'])} other case(s)"
               f"\n        -> {out}/contaminated/{c['signature']}.json", file=sys.stderr)
-    stage = {"confirmed": "", "shrinking": " (shrunk in warm workers, not yet re-run fresh: `fuzzshard replay` it)",
-             "unconfirmed": " (UNCONFIRMED: no time was left to re-run it in fresh workers)"}
-    groups = grouped(findings, matcher)
-    for key, members in groups.items():  # one suspected bug, however many signatures it showed under
-        if len(groups) > 1 or len(members) > 1 or key.startswith("root cause"):
-            print(f"{key}: {len(members)} finding(s)", file=sys.stderr)
-        for f in members:
-            print(f"FINDING {f.signature}{stage.get(f.stage, '')}\n        {summary(f.verdict)}", file=sys.stderr)
-            if f.faces:
-                hits = st.folded.get(f.signature, 0)
-                print(f"        one bug, also seen as {', '.join(f.faces)}" + (f" ({hits} case(s) met it so)" if hits else ""),
-                      file=sys.stderr)
-            if f.removed:
-                shown = ", ".join(f.removed[:5]) + (f" and {len(f.removed) - 5} more" if len(f.removed) > 5 else "")
-                print(f"        1-minimal: the reducer took out {shown}", file=sys.stderr)
-            if f.generalization:
-                table = table_text([Face(**row) for row in f.generalization])
-                print("".join(f"        {line}\n" for line in table.splitlines()), end="", file=sys.stderr)
-            print(f"        -> {out}/{f.signature}.json, {out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})",
-                  file=sys.stderr)
+    if st.internal_errors:
+        print(f"{st.internal_errors} fuzzshard-internal errors, not findings (see above; cases in {out}/internal/)",
+              file=sys.stderr)
+    by_cause: dict[str, list] = {}
+    for sig, n in sorted(st.known.items()):  # known hits under their root cause: one bug, one line
+        by_cause.setdefault(session.known[sig].root_cause or sig, []).append((sig, n))
+    for cause, hits in sorted(by_cause.items(), key=lambda kv: -sum(n for _, n in kv[1])):
+        rc = matcher.causes.get(cause)
+        n = sum(k for _, k in hits)
+        faces = f", {len(hits)} signatures" if len(hits) > 1 else ""
+        print(f"known   {cause} ×{n}{faces} [{rc.upstream_text}]" if rc else f"known   {cause} ×{n}", file=sys.stderr)
     if findings:
         faces = sum(1 + len(f.faces) for f in findings)
         print(f"{len(findings)} new finding(s), one per bug, under {faces} signature(s); to get there "
@@ -520,7 +571,27 @@ def _print_session_report(session, findings, out) -> None:
               f"{st.reduce_seconds:.0f}s reduced them", file=sys.stderr)
         _write_index(out, groups, matcher)
     else:
-        print("no new findings", file=sys.stderr)
+        print("no new findings" + (f" ({sum(st.known.values())} known hits, `fuzzshard known` says what they are)"
+                                   if st.known else ""), file=sys.stderr)
+
+
+def _print_finding(f, out, stage: str, folded: int) -> None:
+    """A new finding: its summary, its other faces, what the reducer took out, what it fails and passes with, its files."""
+    from .findings import summary
+    from .generalize import Face, table_text
+
+    print(f"FINDING {f.signature}{stage}\n        {summary(f.verdict)}", file=sys.stderr)
+    if f.faces:
+        print(f"        one bug, also seen as {', '.join(f.faces)}" + (f" ({folded} case(s) met it so)" if folded else ""),
+              file=sys.stderr)
+    if f.removed:
+        shown = ", ".join(f.removed[:5]) + (f" and {len(f.removed) - 5} more" if len(f.removed) > 5 else "")
+        print(f"        1-minimal: the reducer took out {shown}", file=sys.stderr)
+    if f.generalization:
+        table = table_text([Face(**row) for row in f.generalization])
+        print("".join(f"        {line}\n" for line in table.splitlines()), end="", file=sys.stderr)
+    print(f"        -> {out}/{f.signature}.json, {out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})",
+          file=sys.stderr)
 
 
 def _write_index(out, groups: dict, matcher) -> None:

@@ -61,6 +61,37 @@ def test_help_teaches_the_commands():
         assert word in r.stdout
 
 
+def test_every_command_and_positional_says_what_it_is():
+    from fuzzshard.cli import _parser
+
+    sub = next(a for a in _parser()._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        assert p.description, f"{name} has no description"
+        for a in p._actions:
+            assert a.help, f"{name} {a.dest} has no help"  # an old spelling is hidden (SUPPRESS), still named
+
+
+def test_one_spelling_per_flag_and_the_old_one_still_works_with_a_note(tmp_path):
+    r = run_cli("fuzz", "--targets", "nope", "--max-examples", 1)
+    assert "--targets is now --target" in r.stderr
+    _one_line_error(r, "unknown target", "nope")  # read as --target
+    r = run_cli("soak", "--target", "nope", "--duration", "1s", "--out", tmp_path / "s")
+    _one_line_error(r, "unknown target", "nope")
+
+
+def test_a_path_that_cannot_be_written_is_one_line(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    _one_line_error(run_cli("fuzz", "--max-examples", 1, "--out", afile / "out"), "--out", "Not a directory")
+    _one_line_error(run_cli("script", simple_case_file(tmp_path), "-o", afile / "x.py"), "Not a directory")
+
+
+def simple_case_file(tmp_path):
+    f = tmp_path / "case.json"
+    f.write_text(simple_case(2).to_json())
+    return f
+
+
 def test_script_writes_a_standalone_repro(tmp_path):
     f = tmp_path / "case.json"
     f.write_text(simple_case(2).to_json())

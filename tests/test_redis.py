@@ -144,7 +144,7 @@ def _cases(out) -> list[dict]:
 
 def _soak(out, url, *args):
     return subprocess.Popen([sys.executable, "-m", "fuzzshard", "soak", "--out", str(out), "--redis", url,
-                             "--targets", "dtensor", "--workers", "1", "--epoch", "10m", *PLANTED_ARGS, *map(str, args)],
+                             "--target", "dtensor", "--workers", "1", "--epoch", "10m", *PLANTED_ARGS, *map(str, args)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

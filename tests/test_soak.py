@@ -12,7 +12,7 @@ import time
 
 from conftest import PLANTED, run_cli
 
-PLANTED_ARGS = ["--targets", "dtensor", "--optimizers", "SGD", "--world-sizes", "1", "--checkpoints", "none",
+PLANTED_ARGS = ["--target", "dtensor", "--optimizers", "SGD", "--world-sizes", "1", "--checkpoints", "none",
                 "--worker-setup", str(PLANTED / "skip_weight_decay.py")]
 
 

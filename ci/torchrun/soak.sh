@@ -27,5 +27,5 @@ DEVICE=${DEVICE:-$([ "$GPUS" -gt 0 ] && echo cuda || echo cpu)}
 if [ "$DEVICE" = cuda ]; then WORKERS=${WORKERS:-$((GPUS / NPROC))}; else WORKERS=${WORKERS:-4}; fi
 exec python -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$RESTARTS" \
     --rdzv-backend c10d --rdzv-endpoint "$ENDPOINT" --rdzv-id "fuzzshard-$(basename "$OUT")" \
-    -m fuzzshard soak --duration "$DURATION" --out "$OUT" --targets "$TARGETS" --workers "$WORKERS" \
+    -m fuzzshard soak --duration "$DURATION" --out "$OUT" --target "$TARGETS" --workers "$WORKERS" \
     --device "$DEVICE" ${EXTRA:-}
