@@ -1,13 +1,18 @@
 """``fuzzshard upstream FILE.json``: a finding as an issue for pytorch/pytorch.
 
 The shape of PyTorch's bug template: a title "[Component] what goes wrong",
-"### 🐛 Describe the bug" with a standalone script, what it prints, expected
-against actual with numbers and the torch source suspected, then
-"### Versions". The script is the hand-reduced one in known/minimal/ when the
-finding's root cause has one, else the script fuzzshard generates (too long
-for an issue body past INLINE_LIMIT: then it is written beside the report as
-an attachment). With ``run``, the script runs under torchrun here first and
-its output goes into the report, so what is sent is what reproduces today.
+"### 🐛 Describe the bug" with one sentence of what happens, ONE standalone
+script, what it prints, expected against actual and the torch source
+suspected, then "### Versions". The script is the root cause's hand-reduced
+one where it has one, else the straight-line script generated from the case
+(scriptgen.py), else the flattened kernel, attached by file name (as is a
+generated script too long for an issue body, past INLINE_LIMIT). With
+``run``, that script runs here under torchrun on the ranks it needs and its
+own printed lines are the evidence ("Output (torch X, N ranks):") and the
+expected/actual; without, the recorded run's numbers are shown, and said to
+be that run's (its world size). The bug is said once (the title), in torch's
+words: the fuzzer's own terms and this repository's paths stay out of the
+body, but for one line at the end that credits the tool.
 """
 from __future__ import annotations
 
@@ -17,65 +22,174 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import oracle, repro
-from .findings import Finding, summary
+from .findings import Finding
 from .oracle.source import link as _link
 from .rootcause import Matcher, RootCause
+from .scriptgen import straight_script
 
 RUN_TIMEOUT = 300  # seconds for the script's run here
 INLINE_LIMIT = 40_000  # GitHub refuses an issue body over 65,536 characters
 _ROOT = Path(__file__).resolve().parent.parent  # a root cause's minimal script is named from the repository
 
 
+@dataclass
+class Script:
+    """The one script a report shows: ``kind`` is "minimal" (the root cause's hand-reduced one),
+    "straight" (scriptgen.py's, inlined) or "flat" (the flattened kernel, attached)."""
+    text: str
+    name: str
+    ranks: int  # torchrun's --nproc-per-node; 0: a plain `python name`
+    kind: str
+
+    @property
+    def command(self) -> str:
+        return f"torchrun --nproc-per-node {self.ranks} {self.name}" if self.ranks else f"python {self.name}"
+
+
 def report(finding: Finding, known: dict, run: bool = True, attachment: Path | None = None) -> tuple[str, dict]:
     """(markdown, {file name: text} to attach)."""
     case, verdict = finding.case, finding.verdict
     rc = _root_cause(finding, known)
-    minimal = rc.minimal if rc and rc.minimal and (_ROOT / rc.minimal).exists() else None
-    if minimal:
-        text = (_ROOT / minimal).read_text()
-        name = Path(minimal).name
-        ranks = _ranks_of(text, name)
-    else:
-        text = repro.script(case, summary(verdict), finding.environment)
-        name = attachment.name if attachment and len(text) > INLINE_LIMIT else "repro.py"
-        ranks = max(case.ranks, (case.checkpoint.world_size if case.checkpoint else 0) or 0)
-    command = f"torchrun --nproc-per-node {ranks} {name}" if ranks else f"python {name}"
-    out: list[str] = [f"Title: {title(finding, rc)}", "", "### 🐛 Describe the bug", "", _what(finding, rc), ""]
+    head = title(finding, rc)
+    # the script's own headline: what it runs (the issue's title has said the bug; once is enough)
+    script = choose_script(finding, rc, attachment, headline="A sharded run against the same model without sharding")
+    out: list[str] = [f"Title: {head}", "", "### 🐛 Describe the bug", "", _what(finding, rc, script), ""]
     attach: dict[str, str] = {}
-    if minimal:
-        out += [f"A hand-reduced, standalone script (torch only, CPU, gloo): `{command}`", "", "```python",
-                text.rstrip(), "```", ""]
-    elif len(text) <= INLINE_LIMIT:
-        out += [f"A standalone script (torch only; generated from the shrunk case, so it carries the harness "
-                f"that builds the model and compares it): `{command}`", "", "<details><summary>" + name +
-                f" ({text.count(chr(10))} lines)</summary>", "", "```python", text.rstrip(), "```", "</details>", ""]
+    lines = script.text.count("\n")
+    if script.kind == "minimal":
+        out += [f"To reproduce (torch only, CPU, gloo): `{script.command}`", "", "```python", script.text.rstrip(),
+                "```", ""]
+    elif script.kind == "straight":
+        out += [f"To reproduce (torch only, CPU, gloo): `{script.command}`. The script trains the model sharded and a "
+                "plain copy side by side and compares them after every step.", "",
+                f"<details><summary>{script.name} ({lines} lines)</summary>", "", "```python", script.text.rstrip(),
+                "```", "</details>", ""]
     else:
-        attach[name] = text
-        out += [f"A standalone script is attached as `{name}` ({text.count(chr(10))} "
-                "lines, torch only; generated from the shrunk case, so it carries the harness that builds the model "
-                f"and compares it; too long for an issue body): `{command}`", ""]
+        attach[script.name] = script.text
+        out += [f"To reproduce, run the attached `{script.name}` ({lines} lines, torch only; it builds the model, "
+                f"trains it sharded and unsharded and compares them after every step): `{script.command}`", ""]
     if run:
-        code, printed = _run(text, name, ranks)
-        out += [f"Output on torch {_torch()} (exit code {code}):", "", "```", printed.rstrip(), "```", ""]
-    out += _expected_actual(finding)
+        code, printed = _run(script.text, script.name, script.ranks)
+        out += [f"Output (torch {_torch()}, {_ranks_words(script.ranks)}):", "", "```",
+                printed.rstrip() or f"(nothing printed; exit code {code})", "```", ""]
+        out += _expected_actual_run(finding, _expected(finding, rc, script), code, printed)
+    else:
+        out += [_recorded(finding, script), ""] + oracle.of(verdict).expected_actual(verdict)
     suspect = suspected_source(finding, rc)
     if suspect:
         out += ["**Suspected source**: " + suspect, ""]
-    if rc and rc.upstream and rc.upstream.get("note"):
-        out += [f"Related upstream: {rc.upstream['note']}", ""]
-    out += [_how_found(finding), "", "### Versions", "", "```", _versions(finding, run).rstrip(), "```", ""]
+    related = _related(rc)
+    if related:
+        out += [f"Related upstream: {related}", ""]
+    out += ["### Versions", "", "```", _versions(finding, run).rstrip(), "```", "", _CREDIT, ""]
     return "\n".join(out), attach
+
+
+_CREDIT = "Found by fuzzshard, a property-based fuzzer of sharded training."
+# what a report must not say to a maintainer: the fuzzer's words and this repository's paths
+# (tests/test_upstream.py holds the list it checks)
+_REPO_PATH = re.compile(r"\b(minimal|known|fuzzshard)/")
+_OWN_NOTE = re.compile(r"corpus|unverified|not confirmed|fuzzshard", re.I)  # the root cause's notes to itself
+
+
+def choose_script(finding: Finding, rc: RootCause | None, attachment: Path | None = None,
+                  headline: str = "") -> Script:
+    """The root cause's hand-reduced script where it has one, else the straight-line script
+    generated from the case, else the flattened kernel (attached)."""
+    case = finding.case
+    if rc and rc.minimal and (_ROOT / rc.minimal).exists():
+        name = Path(rc.minimal).name
+        # an aside about the fuzzer in a comment, "(fuzzshard: ...)", is not the maintainer's business
+        text = re.sub(r" ?\([^()\n]*fuzzshard[^()\n]*\)", "", (_ROOT / rc.minimal).read_text())
+        return Script(text, name, _ranks_of(text, name), "minimal")
+    try:
+        text = straight_script(case, headline, finding.environment)
+    except Exception:  # a generator fault must never cost a report its script: the flat one still runs
+        text = None
+    name = attachment.name if attachment else "repro.py"
+    if text is not None:
+        kind = "straight" if len(text) <= INLINE_LIMIT else "flat"  # (too long for an issue body: attached)
+        return Script(_plain_docstring(text, "repro.py" if kind == "straight" else name),
+                      "repro.py" if kind == "straight" else name, case.world_size, kind)
+    text = repro.script(case, headline, finding.environment, flat=True)
+    return Script(text, name, max(case.ranks, (case.checkpoint.world_size if case.checkpoint else 0) or 0), "flat")
+
+
+def _plain_docstring(text: str, name: str) -> str:
+    """The straight script's docstring in a maintainer's words: its file name, not who wrote it."""
+    words = r"\s+".join(re.escape(w) for w in "Written by fuzzshard from a shrunk case: trains".split())
+    text = re.sub(words, "Trains", text, count=1)
+    return text.replace("THIS_FILE.py", name, 1)
+
+
+def _ranks_words(ranks: int) -> str:
+    return f"{ranks} rank{'s' if ranks != 1 else ''}" if ranks else "one process"
+
+
+def _recorded(finding: Finding, script: Script) -> str:
+    """Where the numbers of a report without a run come from, said plainly."""
+    case = finding.case
+    mesh = f", mesh {tuple(case.mesh_shape)}" if len(case.mesh_shape) > 1 else ""
+    ranks = max(case.ranks, (case.checkpoint.world_size if case.checkpoint else 0) or 0)
+    whose = ("not from the script above, which is a smaller hand-reduced reproduction" if script.kind == "minimal"
+             else "the run the script above repeats" if script.kind == "straight" else "the run the attached script repeats")
+    return (f"The script was not run for this report: what follows is from the run in which the bug was found "
+            f"({_ranks_words(ranks)}{mesh}, torch {(finding.environment or {}).get('torch', '?')}), {whose}.")
+
+
+_CHECK_LINE = re.compile(r"^(?P<what>.+?): max abs err (?P<err>\S+) \((?P<bad>\d+)/(?P<n>\d+) elements off\); "
+                         r"at (?P<at>\(.*?\)): sharded (?P<got>\S+), plain (?P<want>\S+), allowed (?P<allowed>\S+)$")
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]: )?((?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Exit)\b.*)$")
+
+
+def _expected_actual_run(finding: Finding, expected: str, code: int, printed: str) -> list[str]:
+    """Expected/actual from what the script printed just now (never the recorded run's numbers)."""
+    case = finding.case
+    head = f"**Expected**: {expected}; **actual**"
+    if code == 0:
+        return [f"{head}: the script exits 0 here, so the bug does not reproduce on torch {_torch()}.", ""]
+    if code == 124:
+        return [f"{head}: the script was still running after {RUN_TIMEOUT} s and was stopped.", ""]
+    lines = printed.splitlines()
+    checks = [m for m in map(_CHECK_LINE.match, lines) if m]
+    if checks:
+        rows = [f"{head} (from the output above):", "",
+                "| what | element | without sharding (expected) | sharded (actual) | max abs err | rounding allows there | elements off |",
+                "|---|---|---|---|---|---|---|"]
+        rows += [f"| {m['what']} | {m['at']} | {m['want']} | {m['got']} | {m['err']} | {m['allowed']} | "
+                 f"{m['bad']}/{m['n']} |" for m in checks[:6]]
+        first = checks[0]
+        rows += ["", f"`{first['what']}` differs by more than {case.dtype} rounding allows: {first['err']} vs at most "
+                     f"{first['allowed']}."]
+        other = [ln for ln in lines if ln.startswith(("step ", "after the constructor")) and not _CHECK_LINE.match(ln)]
+        return rows + ([""] + [f"- {ln}" for ln in other[:6]] if other else []) + [""]
+    raised = [m.group(1) for m in map(_EXCEPTION.match, lines) if m]
+    if raised:
+        return [f"{head}: `{raised[-1]}` (the output above), exit code {code}.", ""]
+    said = [ln for ln in lines if re.search(r"\bBUG\b", ln)]
+    return [f"{head}: what the script prints above" + (f" (`{said[-1].strip()}`)" if said else "") +
+            f", exit code {code}.", ""]
+
+
+def _related(rc: RootCause | None) -> str:
+    """The root cause's upstream note, without what only this repository knows (its scripts' paths)."""
+    note = (rc.upstream or {}).get("note", "") if rc else ""
+    kept = "; ".join(p for p in note.split("; ") if p and not _REPO_PATH.search(p) and not _OWN_NOTE.search(p))
+    return re.sub(r"\bface(s?)\b", r"form\1", kept)  # (a "face" of a bug: the fuzzer's word)
 
 
 def title(finding: Finding, rc: RootCause | None) -> str:
     case, v = finding.case, finding.verdict
     if rc:
         component = _component(rc, case.target)
-        words = rc.title.split(" ", 1)  # "[FSDP1] FSDP1 FULL_STATE_DICT ...": the component once
-        return f"[{component}] {words[1] if words[0] == component and len(words) > 1 else rc.title}"
+        words = rc.title.split(" ", 1)  # "[FSDP1] FSDP1 FULL_STATE_DICT ...": the component once,
+        # unless it is the sentence's subject ("[DTensor] DTensor has no ...": a verb follows)
+        once = words[0] == component and len(words) > 1 and not re.match(r"[a-z]+s\b(?![_.(])", words[1])
+        return f"[{component}] {words[1] if once else rc.title}"
     # a new finding: what went wrong, as its oracle says it
     return f"[{_component(None, case.target)}] {oracle.of(v).title(case, v)}"
 
@@ -108,27 +222,39 @@ def _component(rc: RootCause | None, target: str) -> str:
     return (targets.get(target).spec.component if target in targets.names() else "") or target
 
 
-def _what(finding: Finding, rc: RootCause | None) -> str:
-    lines = []
-    if rc:
-        lines.append(rc.title + ".")
-    lines.append(f"fuzzshard's finding `{finding.signature or '(a case file)'}`: {summary(finding.verdict)}")
-    if finding.diagnosis and (not rc or finding.diagnosis != rc.title):
-        lines.append("")
-        lines.append(finding.diagnosis)
-    return "\n".join(lines)
+# what a root cause's hand-reduced script shows where it shows another kind of failure than the finding
+# (a bug that makes one case fail silently can make another raise): said by the root cause's kind
+_KIND_WORDS = {
+    "silent": ("No error is raised, but the result is silently wrong: it differs from the same computation "
+               "without sharding.", "the result matches the same computation without sharding, up to rounding"),
+    "raises": ("It raises an error where the same model trains without sharding.",
+               "it trains, as the same model does without sharding"),
+    "crash": ("A rank is killed by a signal where the same model trains without sharding.", "every rank finishes"),
+    "hang": ("The ranks hang where the same model trains without sharding.", "every rank finishes"),
+}
 
 
-def _expected_actual(finding: Finding) -> list[str]:
-    return oracle.of(finding.verdict).expected_actual(finding.verdict)
+def _other_kind(finding: Finding, rc: RootCause | None, script: Script) -> str:
+    """The root cause's kind where its hand-reduced script shows another kind of failure than the finding, else ""."""
+    kind = rc.kind if rc and script.kind == "minimal" else ""
+    return kind if kind in _KIND_WORDS and not oracle.of(finding.verdict).kind.startswith(kind) else ""
 
 
-def _how_found(finding: Finding) -> str:
-    case = finding.case
-    return (f"Found by fuzzshard (property-based differential testing of sharded training): "
-            f"a drawn model, optimizer and data trained sharded ({case.target}, world size {case.world_size}, mesh "
-            f"{tuple(case.mesh_shape)}) and unsharded, compared after every step; shrunk by Hypothesis and "
-            f"confirmed in fresh processes.")
+def _what(finding: Finding, rc: RootCause | None, script: Script) -> str:
+    """One sentence of what happens, in torch's words (the title has said what the bug is)."""
+    o, v = oracle.of(finding.verdict), finding.verdict
+    other = _other_kind(finding, rc, script)
+    if other:
+        return _KIND_WORDS[other][0]
+    return o.what(finding.case, v) if o.what else o.title(finding.case, v)
+
+
+def _expected(finding: Finding, rc: RootCause | None, script: Script) -> str:
+    o, v = oracle.of(finding.verdict), finding.verdict
+    other = _other_kind(finding, rc, script)
+    if other:
+        return _KIND_WORDS[other][1]
+    return o.expected(finding.case, v) if o.expected else "the sharded run behaves like the same model without sharding"
 
 
 def _versions(finding: Finding, collect: bool) -> str:
@@ -167,9 +293,46 @@ def _run(text: str, name: str, ranks: int) -> tuple[int, str]:
                                timeout=RUN_TIMEOUT)
         except subprocess.TimeoutExpired:
             return 124, f"(still running after {RUN_TIMEOUT} s: stopped)"
-    # what the script printed; torchrun's own report of a failed rank only when the script printed nothing
-    lines = [x for x in (r.stdout or r.stderr).splitlines() if x.strip() and not x.startswith(("W1", "I1", "*****"))]
-    return r.returncode, "\n".join(lines[-40:])
+    return r.returncode, _shown(r.stdout or "", r.stderr or "", d)
+
+
+def _shown(stdout: str, stderr: str, folder: str) -> str:
+    """What a report quotes of a run: the script's printed lines, then the lowest failing rank's
+    traceback (carets dropped, torch's paths from torch/ on, the other ranks' last line where it
+    differs); torchrun's own report of a failed child only when there is nothing else."""
+    def clean(ln: str) -> str:
+        ln = re.sub(r'"[^"]*/site-packages/(torch/[^"]*)"', r'"\1"', ln)
+        return ln.replace(folder + "/", "").replace(folder, ".")
+
+    def noise(ln: str) -> bool:  # launcher logs, warnings, caret lines
+        return not ln.strip() or ln.startswith(("W1", "I1", "E1", "*****")) or bool(
+            re.match(r"^(\[rank\d+\]:)?\s*[\^~]+\s*$|^\[rank\d+\]:\[?[WI]\d{4} ", ln))
+
+    out = [clean(x) for x in stdout.splitlines() if not noise(x)]
+    by_rank: dict[int, list[str]] = {}
+    for ln in stderr.splitlines():
+        m = re.match(r"\[rank(\d+)\]: ?", ln)
+        if m and not noise(ln):
+            by_rank.setdefault(int(m.group(1)), []).append(clean(ln))
+    if by_rank:
+        low = min(by_rank)
+        tb = by_rank[low]
+        out += tb if len(tb) <= 25 else [tb[0], f"[rank{low}]:   ...", *tb[-23:]]
+        out += [lines[-1] for r, lines in sorted(by_rank.items())
+                if r != low and lines[-1].split(": ", 1)[-1] != by_rank[low][-1].split(": ", 1)[-1]]
+    else:
+        # a traceback of the script itself (before its process group): up to the launcher's own traceback
+        err = stderr.splitlines()
+        launcher = next((i for i, ln in enumerate(err) if ln.startswith("Traceback") and i + 1 < len(err) and
+                         re.search(r"<frozen runpy>|torch/distributed/run\.py|bin/torchrun", err[i + 1])), len(err))
+        start = max((i for i, ln in enumerate(err[:launcher]) if ln.startswith("Traceback")), default=None)
+        if start is not None:
+            own = [ln for ln in err[start:launcher] if not noise(ln)]
+            end = max((i for i, ln in enumerate(own) if _EXCEPTION.match(ln)), default=len(own) - 1)
+            out += [clean(ln) for ln in own[:end + 1]][-25:]
+        elif not out:
+            out = [clean(x) for x in err if not noise(x)]
+    return "\n".join(out[-60:])
 
 
 def _ranks_of(text: str, name: str) -> int:

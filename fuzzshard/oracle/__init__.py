@@ -25,6 +25,9 @@ class Oracle:
     title: Callable  # (case, verdict) -> an issue title's words after "[Component] " for a new finding
     expected_actual: Callable  # (verdict) -> an issue's "Expected/actual" lines
     source: Callable  # (case, verdict) -> the torch source suspected where no root cause names one ("")
+    # an issue's words, torch's and not the fuzzer's, true of any script that shows the bug (no case's numbers):
+    what: Callable | None = None  # (case, verdict) -> one sentence: what happens
+    expected: Callable | None = None  # (case, verdict) -> what should happen instead
 
 
 # the oracle modules build Oracle objects: imported once the class exists
@@ -50,6 +53,8 @@ UNKNOWN = Oracle(
     title=lambda case, v: _unknown_summary(v),
     expected_actual=lambda v: ranks_finish(v, _unknown_summary(v)),
     source=lambda case, v: frame_source(v),
+    what=lambda case, v: "The sharded run does not behave like the same model trained without sharding.",
+    expected=lambda case, v: "the sharded run behaves like the same model trained without sharding",
 )
 
 

@@ -35,19 +35,76 @@ def address(case, verdict: dict) -> str:
     return f"checkpoint through {family}: {signature(case, verdict).split(f'.checkpoint.{kind}.', 1)[-1]}"
 
 
+# how a torch user names each kind of save and load (kernel/state_io.py's kinds)
+_KINDS = {"full": "full state dict (get_/set_state_dict with full_state_dict=True)",
+          "broadcast": "full state dict broadcast from rank 0 (broadcast_from_rank0=True)",
+          "dcp": "torch.distributed.checkpoint (dcp.save / dcp.load)",
+          "sharded": "sharded state dict (get_/set_state_dict)",
+          "fsdp1_sharded": "FSDP sharded optimizer state dict",
+          "fsdp1_legacy": "FSDP full_optim_state_dict"}
+
+
+def _kind(case) -> str:
+    kind = case.checkpoint.kind if case is not None and case.checkpoint else ""
+    return _KINDS.get(kind, f"{kind} checkpoint" if kind else "checkpoint")
+
+
+def _thing(quantity: str) -> str:
+    """What did not survive, as a torch user names it."""
+    rest = quantity.split(".", 1)[1] if "." in quantity else quantity
+    if rest == "param":
+        return "the params"
+    if rest.startswith("param_groups."):
+        return f"the param groups' `{rest.split('.', 1)[1]}`"
+    if rest == "state.extra":
+        return "the optimizer state (the load adds state that was never saved)"
+    if rest == "state.missing":
+        return "the optimizer state (saved state is missing after the load)"
+    if rest.startswith("state."):
+        return f"the optimizer state `{rest.split('.', 1)[1]}`"
+    if rest.startswith("optim.state."):
+        return f"the saved optimizer state `{rest.rsplit('.', 1)[-1]}`"
+    return f"`{rest}`"
+
+
 def title(case, verdict: dict) -> str:
     first = verdict.get("first") or {}
-    kind = case.checkpoint.kind if case.checkpoint else "?"
-    return f"{kind} checkpoint round trip: {first.get('quantity', '?')} of {first.get('fqn', '?')}"
+    quantity = first.get("quantity", "?")
+    if quantity == "loaded.strict":
+        return f"a strict load through the {_kind(case)} accepts a state dict with missing keys"
+    return f"{_thing(quantity)} does not survive a save and load through the {_kind(case)}"
+
+
+def what(case, verdict: dict) -> str:
+    first = verdict.get("first") or {}
+    quantity = first.get("quantity", "?")
+    if quantity == "loaded.strict":
+        return (f"No error is raised: a strict load through the {_kind(case)} accepts a model state dict with "
+                f"missing keys, which `load_state_dict(strict=True)` refuses.")
+    if quantity.startswith("saved."):
+        return (f"No error is raised, but what the {_kind(case)} saves of {_thing(quantity)} differs from the "
+                f"optimizer's own `state_dict()`.")
+    return f"No error is raised, but after a save and load through the {_kind(case)}, {_thing(quantity)} differs from what was saved."
+
+
+def expected(case, verdict: dict) -> str:
+    return "what is saved is what the load gives back, as `state_dict()` / `load_state_dict()` on the same model do"
 
 
 def expected_actual(verdict: dict) -> list[str]:
-    rows = ["**Expected**: what was saved is what a load gives back (and a load trains on like the saved run); "
-            "**actual**:", ""]
-    rows += [f"- {m.get('quantity')} of `{m.get('fqn')}` (saved after step {m.get('step')}): {m.get('detail')}"
-             for m in verdict.get("mismatches", [])[:6]]
+    rows = ["**Expected**: what is saved is what the load gives back; **actual**:", ""]
+    for m in verdict.get("mismatches", [])[:6]:
+        detail = str(m.get("detail")).replace("reference", "unsharded")
+        if m.get("quantity") == "loaded.strict":  # the detail says it all
+            rows.append(f"- {detail}")
+            continue
+        rows.append(f"- {_thing(m.get('quantity', '?'))}" + (f" of `{m['fqn']}`" if m.get("fqn") else "")
+                    + f" (saved after step {m.get('step')}): {detail}")
+    then = verdict.get("then") or {}
+    if then:
+        rows.append(f"- then {then.get('phase')} raised `{then.get('type')}: {then.get('message')}`")
     return rows + [""]
 
 
 ORACLE = Oracle("checkpoint", "silent (checkpoint)", signature, summary, address, title, expected_actual,
-                lambda case, v: frame_source(v))
+                lambda case, v: frame_source(v), what, expected)

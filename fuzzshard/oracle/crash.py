@@ -3,7 +3,7 @@ the runner reports the signal and where the lowest dead rank was."""
 from __future__ import annotations
 
 from . import Oracle
-from .common import ranks_finish, slug, where
+from .common import ranks_finish, slug, torch_calls, where
 from .source import frame_source
 
 
@@ -23,8 +23,21 @@ def address(case, verdict: dict) -> str:
     return f"crash ({err.get('type', '?')}) at {at[min(at)] if at else 'an unknown place'}"
 
 
+def _happens(verdict: dict) -> str:
+    """"a rank is killed by SIGABRT (rank 0 in `all_gather_single`)": the signal and the torch call it was in."""
+    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
+    at = torch_calls(verdict)
+    how = err.get("type", "killed by a signal")
+    return f"a rank is {how[:1].lower()}{how[1:]}" + (f" ({at})" if at else "")
+
+
+def what(case, verdict: dict) -> str:
+    return f"A{_happens(verdict)[1:]}, where the same model trains without sharding."
+
+
 ORACLE = Oracle("crash", "crash", signature, summary, address,
-                title=lambda case, v: summary(v),
-                expected_actual=lambda v: ranks_finish(v, summary(v)),
+                title=lambda case, v: _happens(v),
+                expected_actual=lambda v: ranks_finish(v, _happens(v)),
                 # the stack faulthandler dumped for the crash: innermost frame first
-                source=lambda case, v: frame_source(v, innermost_first=True))
+                source=lambda case, v: frame_source(v, innermost_first=True),
+                what=what, expected=lambda case, v: "every rank finishes, as the same model trains without sharding")

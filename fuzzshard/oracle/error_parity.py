@@ -7,7 +7,7 @@ import hashlib
 import re
 
 from . import Oracle
-from .common import short
+from .common import plain_trace, short
 from .source import frame_source, innermost
 
 # DTensor's refusal of an op it has no sharding strategy for: a gap of that op alone, so the op is part
@@ -44,18 +44,40 @@ def address(case, verdict: dict) -> str:
         (f" (no sharding strategy for aten.{op})" if op else "")
 
 
+def _phase(err: dict) -> str:
+    """Where it raised, as a user's loop names it ("optimizer.step", "forward/backward", "checkpoint load")."""
+    return re.sub(r"^step \d+: ", "", err.get("phase", "") or "training")
+
+
 def title(case, verdict: dict) -> str:
     err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    return f"{err.get('type', 'error')} in {err.get('phase', 'training')} where unsharded torch trains: " \
+    return f"{err.get('type', 'error')} in {_phase(err)} where the unsharded model trains: " \
            f"{short(err.get('message', ''), 90)}"
+
+
+def _checked(err: dict) -> bool:
+    """Whether the harness raised it: a check of torch's result (replicas that differ, params lost), not torch's error."""
+    return bool(re.search(rf"fuzzshard\.[\w.]+\.{re.escape(err.get('type', '?'))}\b", err.get("traceback", "")))
+
+
+def what(case, verdict: dict) -> str:
+    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
+    if _checked(err):
+        return f"In the sharded run's {_phase(err)}, {short(err.get('message', ''), 300)}; without sharding, the same model trains normally."
+    return f"The sharded run raises `{err.get('type', 'an error')}` in {_phase(err)}, where the same model trains without sharding."
+
+
+def expected(case, verdict: dict) -> str:
+    return "the sharded model trains, as the same model does without sharding"
 
 
 def expected_actual(verdict: dict) -> list[str]:
     """The exception, and the traceback's tail folded."""
     err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    tb = err.get("traceback", "").strip().splitlines()
-    return [f"**Expected**: the sharded run trains, as the unsharded one does on the same model and data; "
-            f"**actual**: `{err.get('type')}: {short(err.get('message', ''), 300)}` in {err.get('phase', '?')}.", "",
+    tb = plain_trace(err.get("traceback", "")).strip().splitlines()
+    return ["**Expected**: the sharded model trains, as the same model does without sharding; " +
+            (f"**actual**: {short(err.get('message', ''), 300)} in {_phase(err)}." if _checked(err) else
+             f"**actual**: `{err.get('type')}: {short(err.get('message', ''), 300)}` in {_phase(err)}."), "",
             "<details><summary>traceback</summary>", "", "```", "\n".join(tb[-30:]), "```", "</details>", ""]
 
 
@@ -82,4 +104,4 @@ def _digest(message: str, names: bool = False) -> str:
 
 
 ORACLE = Oracle("error_parity", "raises", signature, summary, address, title, expected_actual,
-                lambda case, v: frame_source(v))
+                lambda case, v: frame_source(v), what, expected)

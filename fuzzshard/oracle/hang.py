@@ -3,7 +3,7 @@ runner reports where each stuck rank waits."""
 from __future__ import annotations
 
 from . import Oracle
-from .common import ranks_finish, where
+from .common import ranks_finish, torch_calls, where
 from .source import frame_source
 
 
@@ -23,7 +23,15 @@ def address(case, verdict: dict) -> str:
     return f"hang ({err.get('type', '?')}) at {at[min(at)] if at else 'an unknown place'}"
 
 
+def _happens(verdict: dict) -> str:
+    """"the ranks hang (rank 0 in `all_reduce`, rank 1 in `all_gather`)"."""
+    at = torch_calls(verdict)
+    return "the ranks hang" + (f" ({at})" if at else "")
+
+
 ORACLE = Oracle("hang", "hang", signature, summary, address,
-                title=lambda case, v: summary(v),
-                expected_actual=lambda v: ranks_finish(v, summary(v)),
-                source=lambda case, v: frame_source(v))
+                title=lambda case, v: _happens(v),
+                expected_actual=lambda v: ranks_finish(v, _happens(v)),
+                source=lambda case, v: frame_source(v),
+                what=lambda case, v: f"T{_happens(v)[1:]}, where the same model trains without sharding.",
+                expected=lambda case, v: "every rank finishes, as the same model trains without sharding")
