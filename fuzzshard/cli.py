@@ -172,8 +172,9 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("upstream", help="write an issue-ready report of a finding for pytorch/pytorch",
                         description="An issue for pytorch/pytorch from a finding: a title in PyTorch's style, the "
-                        "hand-reduced script of its root cause where known/minimal/ has one (else the generated "
-                        "standalone script), what it prints here, expected vs actual with numbers, the torch source "
+                        "hand-reduced script of its root cause where known/minimal/ has one, else the straight-line "
+                        "script generated from the case (the flattened one, attached, where it cannot be written), "
+                        "what it prints here as the evidence, expected vs actual from that output, the torch source "
                         "suspected, and versions (torch.utils.collect_env).")
     up.add_argument("file", help=FILE_HELP)
     up.add_argument("-o", "--output", help="write the markdown here (a script too long for an issue body is "
