@@ -160,6 +160,18 @@ def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str | No
     return jpath, ppath
 
 
+def publish_finding(directory: Path, finding: Finding, script: str) -> bool:
+    """Write ``finding`` as DIR/<sig>.json + .py unless another writer (a soak's
+    other cell) did first. Each file is made whole under a temporary name and
+    linked into place (os.link fails if the name exists): never half-written,
+    never twice. Returns whether this call published it."""
+    sig = finding.signature
+    # the .py first: a .json in place means both are whole
+    atomic_write(directory / f"{sig}.py", script, exclusive=True)
+    return atomic_write(directory / f"{sig}.json", json.dumps(finding.to_dict(), indent=2, sort_keys=True) + "\n",
+                        exclusive=True)
+
+
 def atomic_write(path: Path, text: str, exclusive: bool = False) -> bool:
     """Write ``path`` whole under a temporary name, then put it in place: a
     reader never sees half a file. ``exclusive``: only if ``path`` does not

@@ -16,6 +16,7 @@ nothing already found and never leaves a half-written file:
   OUT/findings/<sig>.json    each finding once, made whole under a temporary name
                              and published with os.link (the first cell wins;
                              the others count it); its .py is published first
+                             (life.SoakBook)
   OUT/cells/<cell>.jsonl     one line per case a cell ran (append-only, one
                              writer): what ``fuzzshard report`` counts
   OUT/logs/<cell>/           the cell's progress lines and worker logs
@@ -230,9 +231,8 @@ class Soak:
 
 # -- one cell ------------------------------------------------------------------
 def run_cell(spec: dict) -> int:
-    from . import repro
     from .engine import Session
-    from .findings import summary, write_finding
+    from .life import SoakBook
     from .report import option_tokens
     from .runner import LostRank, Pool, PoolError
 
@@ -250,35 +250,9 @@ def run_cell(spec: dict) -> int:
             with open(self.log, "a") as f:  # one short line per write: O_APPEND keeps lines whole
                 f.write(json.dumps(line) + "\n")
 
-        def _run_round(self, *args, **kwargs) -> None:
-            super()._run_round(*args, **kwargs)
-            self._learn_published()
-
-        def _publish(self, sig: str, found: tuple, first: bool) -> bool:
-            """The first sight of a signature is published once for every cell
-            (os.link: the first cell wins); later shrinks rewrite our own file."""
-            f = self._finding(sig, found)
-            f.environment["origin"] = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"],
-                                       "seed": spec["seed"], "pid": os.getpid(), "time": time.time()}
-            if first and not publish(self.findings_dir, f):
-                self._learn_published()  # another cell's now: a known finding here
-                return False
-            if not first:
-                write_finding(self.findings_dir, f, repro.script(f.case, summary(f.verdict), f.environment), replace=True)
-            self.findings[sig] = f
-            return True
-
-        def _learn_published(self) -> None:
-            """Findings other cells published count as known here: no second shrink."""
-            from .findings import load_finding
-
-            for p in (self.out / "findings").glob("*.json"):
-                sig = p.stem
-                if sig not in self.known:
-                    try:
-                        self.known[sig] = load_finding(p)
-                    except Exception:
-                        pass
+        def _new_book(self, *args, **kwargs) -> SoakBook:
+            origin = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"], "seed": spec["seed"]}
+            return SoakBook(*args, origin=origin, **kwargs)
 
     out = Path(spec["out"])
     device = spec["device"]
@@ -308,7 +282,7 @@ def run_cell(spec: dict) -> int:
                           findings_dir=out / "findings")
     session.log = out / "cells" / f"{spec['name']}.jsonl"
     session.log.touch()
-    session._learn_published()
+    session.book.catch_up()
 
     def stop(signum, frame):
         session.request_stop(signal.Signals(signum).name)
@@ -323,21 +297,6 @@ def run_cell(spec: dict) -> int:
     finally:
         pool.close()
     return 0
-
-
-def publish(directory: Path, finding) -> bool:
-    """Write ``finding`` as DIR/<sig>.json + .py unless another cell did first.
-    Each file is made whole under a temporary name and linked into place
-    (os.link fails if the name exists): never half-written, never twice."""
-    from . import repro
-    from .findings import atomic_write, summary
-
-    sig = finding.signature
-    # the .py first: a .json in place means both are whole
-    atomic_write(directory / f"{sig}.py", repro.script(finding.case, summary(finding.verdict), finding.environment),
-                 exclusive=True)
-    return atomic_write(directory / f"{sig}.json", json.dumps(finding.to_dict(), indent=2, sort_keys=True) + "\n",
-                        exclusive=True)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """For users' own Hypothesis properties: run a case on the pool and fail the
 test on a new finding, reject it when it is invalid, pass known findings.
-A new signature is confirmed once in fresh workers, as in a fuzz session: a
-verdict that changes there is a fuzzshard fault (contaminated), not a finding."""
+A new signature is confirmed once in fresh workers, by the run a fuzz session
+confirms with (life.rerun): a verdict that changes there is a fuzzshard fault
+(contaminated), not a finding."""
 from __future__ import annotations
 
 from hypothesis import reject
 
 from .findings import load_known, summary
 from .judge import judge
+from .life import rerun
 
 _KNOWN = None
 _CONFIRMED: set[str] = set()  # signatures a fresh run has given already
@@ -31,8 +33,7 @@ def check(pool, case, known: dict | None = None) -> dict:
     if j.signature is None or j.known:
         return j.verdict
     if j.signature not in _CONFIRMED:
-        pool.fresh()
-        got = judge(pool, case).label
+        got = rerun(pool, case).label
         if got != j.signature:
             raise Contaminated(f"{j.signature} in warm workers, {got} in fresh ones: state carried between cases "
                                "(a fuzzshard fault, not a finding)")

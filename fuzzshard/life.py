@@ -1,0 +1,431 @@
+"""A finding's life, from first sight to its final file, in one place.
+
+The search (engine.py) finds new signatures; the FindingBook here decides
+what each one is and owns every finding of the session from then on. A
+finding is a bug a user can trust, and nothing found is lost:
+  - *fresh confirmation*: a new signature's case runs once more in worker
+    processes that have run nothing else (``rerun``; Pool.fresh). The same
+    signature there makes it a finding, written at once (``OUT/<sig>.json``
+    + ``.py``). Another verdict means something carried over from earlier
+    cases in the warm workers: a fuzzshard fault, reported as *contaminated*
+    (both verdicts and what ran before it), never as a finding;
+  - *one finding per bug*: the confirmed case is re-run along the dimensions
+    a bug may not depend on (generalize.py). A face a finding already has is
+    folded into it; a face of a known finding makes it a hit of that one
+    (kept in ``OUT/known_faces/``);
+  - *shrinking*: each smaller case with that signature rewrites the file
+    (stage ``shrinking``, at most every ``WRITE_EVERY`` seconds); when the
+    search ends (``finish``) the smallest is made 1-minimal (reduce.py),
+    confirmed fresh as well (stage ``confirmed``) or the file goes back to
+    the last confirmed case, and generalized again: findings that turn out
+    to be faces of one bug merge into one file;
+  - *writing*: every file of a finding is written through ``_write`` (its
+    script made by ``_script``, the one caller of repro.script here); a
+    soak's cells publish into one shared folder instead (SoakBook: the first
+    cell wins, the others count it as known).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import repro
+from .findings import (Finding, atomic_write, environment, known_signature, load_finding, load_known, publish_finding,
+                       summary, write_finding)
+from .generalize import generalize
+from .judge import Judgement, judge, judge_many, label
+from .reduce import reduce as reduce_case
+from .rootcause import Matcher
+
+WRITE_EVERY = 2.0  # seconds between two rewrites of one finding's file while it shrinks
+
+
+def rerun(pool, case, fresh: bool = True) -> Judgement:
+    """The confirmation run: ``case`` once more, in worker processes that have
+    run nothing else (``fresh``) or in the ones there are. A fuzz session and
+    the pytest plugin's check() confirm through here."""
+    if fresh:
+        pool.fresh()
+    return judge(pool, case)
+
+
+@dataclass
+class Track:
+    """One new signature: the case a fresh run confirmed, the smallest seen
+    (provisional hangs included), the one its file holds."""
+    confirmed: tuple  # (case, verdict)
+    best: tuple
+    written: tuple
+    last_write: float = 0.0
+
+
+class FindingBook:
+    """Every new finding of one session, from first sight to its final file.
+
+    The search asks ``new_signature`` (what a judged finding is), ``accept``
+    (whether a new signature's case counts: first sight or a smaller case),
+    ``shrunk_to`` (Hypothesis's minimal example) and ends with ``finish``.
+    ``until`` and ``stopped`` are the session's: past ``until`` (its
+    deadline plus grace, monotonic) nothing more is confirmed; a stopped
+    session leaves its files as they are."""
+
+    def __init__(self, pool, out: str | Path, stats, *, findings_dir: str | Path | None = None,
+                 known: dict | None = None, progress=sys.stderr, optimizer_names=None, plugins=(), pack: int = 1,
+                 shrink_budget: float = 300.0, variant_timeout: Callable = lambda case: None):
+        self.pool = pool
+        self.out = Path(out)
+        self.findings_dir = Path(findings_dir) if findings_dir else self.out
+        self.stats = stats  # the session's Stats: the counters a finding's life adds to
+        self.known = load_known() if known is None else known
+        self.matcher = Matcher(self.known)  # a new finding's probable known root cause
+        self.progress = progress
+        self.optimizer_names = optimizer_names  # what generalizing may swap in
+        self.plugins = list(plugins)
+        self.pack = pack  # edits the reducer judges side by side
+        self.shrink_budget = shrink_budget
+        self.variant_timeout = variant_timeout  # case -> a limit for a variant (a hang there is no face of it)
+        self.until: float | None = None
+        self.stopped = False
+        self.findings: dict[str, Finding] = {}
+        self.contaminated: list[dict] = []
+        self.tracks: dict[str, Track] = {}
+        self._owner: dict[str, str] = {}  # a signature -> the finding it is a face of (one bug, one finding)
+        self._tables: dict[str, list] = {}  # finding -> its generalization table (generalize.Face)
+        self._generalized: dict[str, str] = {}  # finding -> the case JSON its table is of
+        self._as_known: dict[str, str] = {}  # a new signature -> the known finding it is a face of
+        self._removed: dict[str, list] = {}  # finding -> what the reducer took out of its case
+        self._suspect: set[str] = set()  # signatures a fresh run did not confirm
+
+    # -- what the search asks --------------------------------------------------
+    def new_signature(self, j: Judgement) -> str | None:
+        """The new finding's signature a judged finding gives, or None: a hit
+        of a known finding (or of a known finding's other face), or another
+        face of a finding already made, counted where it belongs."""
+        st = self.stats
+        if j.known:
+            st.known[j.signature] += 1
+            return None
+        if j.signature in self._as_known:
+            st.known[self._as_known[j.signature]] += 1
+            return None
+        owner = self._owner.get(j.signature, j.signature)
+        if owner != j.signature:  # another face of a finding already made: counted there, never a file of its own
+            st.folded[owner] += 1
+            return None
+        return j.signature
+
+    def accept(self, sig: str, case, verdict: dict) -> bool:
+        """Whether this new-signature verdict counts (and drives shrinking)."""
+        track = self.tracks.get(sig)
+        if track is None:
+            if sig in self._suspect:  # one fresh run already said this signature is not what it seems
+                self.stats.contaminated += 1
+                return False
+            confirmed = self.confirm(sig, case, verdict)
+            if confirmed is None:
+                return False
+            faces = self._generalize(sig, *confirmed)
+            known = next((k for s in sorted(faces) if s != sig and (k := known_signature(s, case, self.known))), None)
+            if known is not None:  # a known bug in a face not recorded yet: a variant of the case fails as it
+                self._known_face(sig, known, confirmed)
+                return False
+            owner = next((self._owner[s] for s in sorted(faces) if s in self._owner), None)
+            if owner is not None:  # the same bug as a finding already made, in another face
+                self._fold(owner, faces)
+                self._say(f"new signature {sig}: another face of finding {owner} (it fails the same way), folded into it")
+                return False
+            self._owner.update({s: sig for s in faces})
+            if not self._write(sig, confirmed, first=True):
+                return False  # another cell of a soak wrote it first: a known finding now
+            self.tracks[sig] = Track(confirmed, confirmed, confirmed, time.monotonic())
+            probably = self.matcher.label(*confirmed[:2])
+            self._say(f"new finding {sig}, confirmed in fresh workers -> {self.findings_dir / sig}.json"
+                      + (f" ({probably})" if probably else ""))
+            return True
+        if _smaller(case, track.best[0]):
+            track.best = (case, verdict)
+            if not verdict.get("timeout"):  # a provisional hang never reaches the file
+                self._rewrite(sig, track)
+        return True
+
+    def shrunk_to(self, sig: str, case, verdict: dict) -> None:
+        """Hypothesis's final replay names its minimal example: that is the best case."""
+        track = self.tracks.get(sig)
+        if track is not None and not verdict.get("timeout") and case.to_json() != track.best[0].to_json():
+            track.best = (case, verdict)
+            self._rewrite(sig, track)
+
+    def shrinking(self) -> int:
+        """Findings whose smallest case is not confirmed yet."""
+        return sum(1 for t in self.tracks.values() if t.best is not t.confirmed)
+
+    def catch_up(self) -> None:
+        """What others writing the same findings folder found meanwhile (a
+        soak's other cells: SoakBook); nothing for a session on its own."""
+
+    def finish(self) -> None:
+        """Confirm each finding's smallest case, in the time left; a stopped
+        session leaves its files as they are. Each signature was confirmed in
+        fresh workers when first seen; the smallest cases are re-run in one
+        fresh generation together (one spawn, not one per finding), and one
+        that does not give its signature there gets a generation of its own."""
+        first = True
+        for sig in sorted(self.tracks):
+            if self._time_left():
+                self._reduce(sig, self.tracks[sig])
+        for sig in sorted(self.tracks):
+            track = self.tracks[sig]
+            if track.best is not track.confirmed and self._time_left():
+                again = None
+                if not track.best[1].get("unconfirmed"):
+                    again, first = self.confirm(sig, *track.best, fresh=first), False
+                if again is not None:
+                    track.confirmed = track.best = again
+            if not self.stopped:  # the file holds the confirmed case
+                track.best = track.confirmed
+            self._rewrite(sig, track, force=True)
+            self.findings[sig] = self._finding(sig, track.written)
+        for sig in sorted(self.tracks):
+            if sig in self.tracks and self._time_left():
+                self._generalize_again(sig)
+
+    # -- confirmation ----------------------------------------------------------
+    def confirm(self, sig: str, case, verdict: dict, fresh: bool = True) -> tuple | None:
+        """(case, verdict) when fresh workers give ``sig`` too, else None
+        (a contaminated verdict is reported; a provisional hang that finishes
+        was only slow). At the full case timeout. ``fresh=False``: in the
+        workers that confirmed the session's other findings just before (see
+        finish); a verdict that differs there is re-checked in fresh ones."""
+        before = list(self.pool.history)
+        if self.until is not None and time.monotonic() > self.until:
+            self._say(f"new finding {sig}: no time left to confirm it in fresh workers; written unconfirmed")
+            return case, {**verdict, "unconfirmed": True}
+        again = rerun(self.pool, case, fresh)
+        if not fresh and again.label != sig:
+            return self.confirm(sig, case, verdict)
+        got = again.label
+        if got == sig:
+            return case, again.verdict
+        if verdict.get("timeout"):
+            self.stats.slow += 1
+            return None
+        self.stats.contaminated += 1
+        self._suspect.add(sig)
+        self._report_contaminated(sig, case, verdict, again.verdict, got, before)
+        return None
+
+    def _report_contaminated(self, sig, case, warm: dict, fresh: dict, got: str, before: list) -> None:
+        ran_before = [f"{c.target} W{c.ranks} {c.optim.name}: {label(c, v)}" for c, v in before[:-1]]
+        record = {"signature": sig, "fresh_signature": got, "warm_verdict": warm, "fresh_verdict": fresh,
+                  "ran_before_in_that_generation": ran_before, "case": case.to_dict()}
+        self.contaminated.append(record)
+        path = self._record("contaminated", sig, record)
+        self._say(f"fuzzshard internal error (contaminated, not a finding): {sig} in the warm workers, {got} in fresh "
+                  f"ones; {len(ran_before)} case(s) ran before it in that generation "
+                  f"({', '.join(ran_before[-3:]) or 'none'}) -> {path}")
+
+    def report_internal(self, case, verdict: dict) -> Path:
+        """OUT/internal/<digest>.json: an error in fuzzshard's own code, with its case (kept apart: never a finding)."""
+        name = hashlib.sha1(str(verdict.get("error")).encode()).hexdigest()[:8]
+        path = self.out / "internal" / f"{name}.json"
+        if not path.exists():  # one file per error; the first case that met it
+            self._record("internal", name, {"error": verdict.get("error"), "traceback": verdict.get("traceback"),
+                                            "case": case.to_dict()})
+        print(f"\nfuzzshard internal error (not a finding): {verdict.get('error')}\n{verdict.get('traceback', '')}"
+              f"\n  -> {path}", file=self.progress)
+        return path
+
+    def _record(self, folder: str, name: str, record: dict) -> Path:
+        """OUT/<folder>/<name>.json: what is kept beside the findings, never one of them."""
+        path = self.out / folder / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+        return path
+
+    # -- one finding per bug ---------------------------------------------------
+    def _generalize(self, sig: str, case, verdict: dict) -> set[str]:
+        """Re-run ``case`` along the dimensions a bug may not depend on
+        (generalize.py): its table is kept for the file; returns the signatures
+        this one bug shows under (``sig`` among them)."""
+        if verdict.get("oracle") in ("hang", "crash") or verdict.get("unconfirmed"):
+            return {sig}  # named by where it stops, whatever the optimizer; each variant could cost a timeout
+        table, faces = generalize(self._judge_variants, case, verdict, self.optimizer_names)
+        self._tables[sig] = table
+        self._generalized[sig] = case.to_json()
+        self.stats.generalized += len(table)
+        return faces | {sig}
+
+    def _judge_variants(self, cases: list) -> list[Judgement]:
+        """Variants and edits of a finding's case, side by side, each limited like a case that shrinks a hang."""
+        return judge_many(self.pool, cases, self.known, [self.variant_timeout(c) for c in cases])
+
+    def _known_face(self, sig: str, known: str, found: tuple) -> None:
+        """``sig`` is the known finding ``known`` in another face: a variant of
+        its case, changed in one dimension, fails the same way under that
+        signature. Counted as a known hit; its case is kept in
+        OUT/known_faces/<sig>.json for ``fuzzshard known`` to record."""
+        case, verdict = found
+        self._as_known[sig] = known
+        self.stats.known[known] += 1
+        rows = [f for f in self._tables.get(sig, []) if f.signature == known]
+        how = f" with {rows[0].dimension} {rows[0].value}" if rows else " (another quantity of the same run)"
+        record = {"signature": sig, "known": known, "root_cause": self.known[known].root_cause,
+                  "generalization": [f.to_dict() for f in self._tables.get(sig, [])],
+                  "verdict": verdict, "case": case.to_dict()}
+        path = self._record("known_faces", sig, record)
+        self._say(f"new signature {sig}: the known finding {known} in another face (it fails the same way{how}; "
+                  f"root cause {self.known[known].root_cause or '?'}) -> {path}")
+
+    def _fold(self, owner: str, faces: set[str]) -> None:
+        """``faces`` are ``owner``'s now; its file says so."""
+        for s in faces:
+            self._owner.setdefault(s, owner)
+        track = self.tracks.get(owner)
+        if track is not None:
+            self._write(owner, track.written, first=False)
+
+    def _generalize_again(self, sig: str) -> None:
+        """The table of ``sig``'s smallest case, and one finding per bug: a
+        finding that case's variants fail as (the same way) is a face of the
+        same bug. Its signature goes into this finding's file, then its own
+        files go (this one is written first: nothing found is lost)."""
+        track = self.tracks[sig]
+        if self._generalized.get(sig) == track.written[0].to_json():
+            return
+        faces = self._generalize(sig, *track.written)
+        merged = sorted(s for s in faces if s in self.tracks and s != sig)
+        for other in merged:
+            for s, o in list(self._owner.items()):
+                if o == other:
+                    self._owner[s] = sig
+            self.tracks.pop(other)
+            self.findings.pop(other, None)
+            self.stats.folded[sig] += 1
+        for s in faces:
+            self._owner.setdefault(s, sig)
+        self._write(sig, track.written, first=False)
+        self.findings[sig] = self._finding(sig, track.written)
+        for other in merged:
+            self._say(f"finding {other}: another face of finding {sig} (its smallest case fails the same way there), "
+                      f"folded into it")
+            for suffix in (".json", ".py"):
+                (self.findings_dir / f"{other}{suffix}").unlink(missing_ok=True)
+
+    # -- reduction ---------------------------------------------------------------
+    def _reduce(self, sig: str, track: Track) -> None:
+        """Make the smallest case 1-minimal (reduce.py): each structural edit
+        Hypothesis does not make (drop a layer and re-fit the widths, a group,
+        a frozen param, the checkpoint; lower the world size, ...) is tried and
+        kept while the case still gives ``sig``, to a fixed point, within
+        ``shrink_budget``; the file is rewritten as it shrinks."""
+        case, verdict = track.best
+        if verdict.get("oracle") == "hang" or verdict.get("timeout") or verdict.get("unconfirmed"):
+            return  # each edit could cost a timeout
+        verdicts: dict[str, dict] = {}
+
+        def keeps_bugs(cases: list) -> list[bool]:
+            judged = self._judge_variants(cases)
+            self.stats.reduced_runs += len(cases)
+            for c, j in zip(cases, judged):
+                verdicts[c.to_json()] = j.verdict
+            return [j.label == sig for j in judged]
+
+        def smaller(c) -> None:
+            track.best = (c, verdicts[c.to_json()])
+            self._rewrite(sig, track)
+
+        budget = self.shrink_budget
+        if self.until is not None:
+            budget = min(budget, self.until - time.monotonic())
+        started = time.monotonic()
+        _, removed = reduce_case(case, budget_s=max(0.0, budget), on_smaller=smaller, keeps_bugs=keeps_bugs,
+                                 batch=self.pack)
+        self.stats.reduce_seconds += time.monotonic() - started
+        self._removed[sig] = self._removed.get(sig, []) + removed
+
+    def _time_left(self) -> bool:
+        if self.stopped:
+            return False
+        return self.until is None or time.monotonic() < self.until
+
+    # -- its files ---------------------------------------------------------------
+    def _rewrite(self, sig: str, track: Track, force: bool = False) -> None:
+        if track.best is track.written or track.best[1].get("timeout"):
+            return
+        if force or time.monotonic() - track.last_write >= WRITE_EVERY:
+            self._write(sig, track.best, first=False)
+            track.written, track.last_write = track.best, time.monotonic()
+
+    def _write(self, sig: str, found: tuple, first: bool) -> bool:
+        """Write the finding's files (whole or not at all); False: not this session's to write."""
+        f = self._finding(sig, found)
+        if not self._put(f, first):
+            return False
+        self.findings[sig] = f
+        return True
+
+    def _put(self, f: Finding, first: bool) -> bool:
+        """Put ``f``'s files in place (``first``: its first sight); False: someone else's (see SoakBook)."""
+        write_finding(self.findings_dir, f, self._script(f), replace=True)
+        return True
+
+    @staticmethod
+    def _script(f: Finding) -> str:
+        """The finding's standalone .py (repro.py)."""
+        return repro.script(f.case, summary(f.verdict), f.environment)
+
+    def _finding(self, sig: str, found: tuple) -> Finding:
+        case, verdict = found
+        track = self.tracks.get(sig)
+        confirmed = not verdict.get("unconfirmed") and (track is None or found is track.confirmed)
+        stage = "confirmed" if confirmed else "unconfirmed" if verdict.get("unconfirmed") else "shrinking"
+        env = environment(self.pool.info, self.pool.options["backend"], self.pool.options["device"])
+        if self.plugins:
+            env["plugins"] = self.plugins
+        faces = sorted(s for s, o in self._owner.items() if o == sig and s != sig)
+        table = [f.to_dict() for f in self._tables.get(sig, [])]
+        return Finding(sig, case, {k: v for k, v in verdict.items() if k != "unconfirmed"}, deterministic=confirmed,
+                       environment=env, stage=stage, faces=faces, generalization=table, removed=self._removed.get(sig, []))
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.progress, flush=True)
+
+
+class SoakBook(FindingBook):
+    """A soak cell's findings, in the folder every cell shares: the first sight
+    of a signature is published once for every cell (os.link: the first cell
+    wins, the others count it as known: no second shrink); later shrinks
+    rewrite the cell's own file. ``origin`` says which cell wrote it."""
+
+    def __init__(self, *args, origin: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.origin = origin
+
+    def _put(self, f: Finding, first: bool) -> bool:
+        f.environment["origin"] = {**self.origin, "pid": os.getpid(), "time": time.time()}
+        if not first:
+            return super()._put(f, first)
+        if publish_finding(self.findings_dir, f, self._script(f)):
+            return True
+        self.catch_up()  # another cell's now: a known finding here
+        return False
+
+    def catch_up(self) -> None:
+        """Findings other cells published count as known here: no second shrink."""
+        for p in self.findings_dir.glob("*.json"):
+            sig = p.stem
+            if sig not in self.known:
+                try:
+                    self.known[sig] = load_finding(p)
+                except Exception:
+                    pass
+
+
+def _smaller(a, b) -> bool:
+    return (a.ranks, len(a.to_json())) < (b.ranks, len(b.to_json()))
