@@ -14,7 +14,10 @@ profile's (a case is a distributed run of seconds; a 200 ms deadline would
 turn the first one into ``DeadlineExceeded``). ``--hypothesis-profile ci``
 (20 examples) or ``soak`` and ``--hypothesis-seed N`` work as usual;
 ``--fuzzshard-worker-setup FILE`` patches torch in every worker,
-``--fuzzshard-world-size N`` sizes the pool (default 4).
+``--fuzzshard-world-size N`` sizes the pool (default 4). A new finding fails
+the test and writes the same ``<signature>.json`` + ``.py`` a fuzz session
+writes, into ``--fuzzshard-out`` (default ``fuzzshard-findings``), smaller as
+Hypothesis shrinks it, and the failure names the ``fuzzshard replay`` line.
 """
 from __future__ import annotations
 
@@ -35,6 +38,14 @@ def pytest_addoption(parser):
                     help="your own optimizer from one file (fuzzshard.plugin.optimizer), drawn beside torch.optim's")
     group.addoption("--fuzzshard-device", default="cpu", choices=["cpu", "cuda"])
     group.addoption("--fuzzshard-case-timeout", type=float, default=120.0)
+    group.addoption("--fuzzshard-out", default="fuzzshard-findings",
+                    help="where a failing example's <signature>.json + .py go (default: fuzzshard-findings)")
+
+
+def pytest_configure(config):
+    from . import testing
+
+    testing.OUT_DIR = config.getoption("--fuzzshard-out", "fuzzshard-findings")
 
 
 def pytest_collection_modifyitems(items):

@@ -5,11 +5,18 @@ confirms with (life.rerun): a verdict that changes there is a fuzzshard fault
 (contaminated), not a finding."""
 from __future__ import annotations
 
+import os
+
+import pytest
 from hypothesis import reject
 
-from .findings import load_known, summary
+from .findings import Finding, environment, load_known, summary, write_finding
 from .judge import judge
-from .life import rerun
+from .life import FindingBook, rerun
+
+# where a failing example's files go (the pytest plugin's --fuzzshard-out sets it): the same
+# <signature>.json + .py a fuzz session writes; each smaller example of it rewrites them
+OUT_DIR = os.environ.get("FUZZSHARD_OUT", "fuzzshard-findings")
 
 _KNOWN = None
 _CONFIRMED: set[str] = set()  # signatures a fresh run has given already
@@ -25,6 +32,9 @@ def check(pool, case, known: dict | None = None) -> dict:
     if known is None:
         _KNOWN = load_known() if _KNOWN is None else _KNOWN
         known = _KNOWN
+    if case.ranks > pool.size:
+        pytest.fail(f"this case needs {case.ranks} ranks and the pool has {pool.size}: draw world sizes up to "
+                    f"{pool.size}, or pass --fuzzshard-world-size {case.ranks}", pytrace=False)
     j = judge(pool, case, known)
     if j.verdict["status"] == "invalid":
         reject()
@@ -38,4 +48,14 @@ def check(pool, case, known: dict | None = None) -> dict:
             raise Contaminated(f"{j.signature} in warm workers, {got} in fresh ones: state carried between cases "
                                "(a fuzzshard fault, not a finding)")
         _CONFIRMED.add(j.signature)
-    raise AssertionError(f"{j.signature}: {summary(j.verdict)}")
+    path = _write(pool, j.signature, case, j.verdict)
+    raise AssertionError(f"{j.signature}: {summary(j.verdict)}\n  -> {path}, {path.with_suffix('.py')}\n"
+                         f"  replay: fuzzshard replay {path}")
+
+
+def _write(pool, sig: str, case, verdict: dict):
+    """OUT_DIR/<sig>.json + .py, as a fuzz session writes them; a smaller case of the same signature
+    (Hypothesis shrinking) replaces a larger one, a larger one never a smaller."""
+    f = Finding(sig, case, verdict, environment=environment(pool.info, pool.options["backend"], pool.options["device"]))
+    path, _ = write_finding(OUT_DIR, f, FindingBook._script(f))
+    return path
