@@ -190,7 +190,7 @@ def text(summary: dict) -> str:
         lines.append(f"  {group}: {len(fs)} finding(s)")
         for f in fs:
             when = f"{f['first_seen'] / 60:6.1f}" if f["first_seen"] is not None else "     ?"
-            lines.append(f"    {when}  x{f['count']:<4} {f['signature']}  [{f['cell']}]  {f['summary'][:100]}")
+            lines.append(f"    {when}  x{f['count']:<4} {f['signature']}  [{f['cell']}]  {clip(f['summary'], 100)}")
     if not s["groups"]:
         lines.append("  none")
     lines += ["", "known torch bugs hit, by root cause"]
@@ -213,12 +213,27 @@ def text(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def clip(text: str, n: int) -> str:
+    """``text`` cut to at most ``n`` characters at a word boundary, with an ellipsis where it was cut."""
+    if len(text) <= n:
+        return text
+    cut = text[:n - 1].rsplit(" ", 1)[0].rstrip(",;:")
+    return cut + "…"
+
+
+def linked(upstream: str) -> str:
+    """An upstream state with its issue or PR linked ("pytorch/pytorch#186129 (open)"), HTML-escaped."""
+    return re.sub(r"([\w.-]+/[\w.-]+)#(\d+)", lambda m: f"<a href='https://github.com/{m[1]}/issues/{m[2]}'>{m[0]}</a>",
+                  html.escape(upstream))
+
+
 def html_page(summary: dict, title: str) -> str:
     s = summary
     esc = html.escape
     parts = [f"<!doctype html><meta charset='utf-8'><title>{esc(title)}</title>",
-             "<style>body{font:14px sans-serif;margin:2em;max-width:80em}td,th{padding:2px 8px;text-align:right}"
-             "td:first-child,th:first-child,td.t,th.t{text-align:left}table{border-collapse:collapse;margin:.5em 0 1.5em}"
+             "<style>body{font:14px sans-serif;margin:2em}td,th{padding:2px 8px;text-align:right;vertical-align:top}"
+             "td:first-child,th:first-child,td.t,th.t{text-align:left}"
+             "table{border-collapse:collapse;margin:.5em 0 1.5em;width:100%}"
              "tr:nth-child(even){background:#f4f4f4}.new{color:#b00}.known{color:#666}"
              ".charts{display:flex;flex-wrap:wrap;gap:2em}</style>",
              f"<h1>{esc(title)}</h1>"]
@@ -235,7 +250,7 @@ def html_page(summary: dict, title: str) -> str:
             when = f"{f['first_seen'] / 60:.1f}" if f.get("first_seen") is not None else "?"
             parts.append(f"<tr><td><a href='findings/{esc(f['file'])}'>{esc(f['signature'])}</a></td><td>{when}</td>"
                          f"<td>{f.get('count', 0)}</td><td>{esc(str(f.get('cell', '')))}</td>"
-                         f"<td class='t'>{esc(f['summary'][:160])}</td></tr>")
+                         f"<td class='t' title='{esc(f['summary'])}'>{esc(clip(f['summary'], 240))}</td></tr>")
         parts.append("</table>")
     parts.append("<h2 class='known'>Known torch bugs hit, by root cause</h2>")
     if s["known"]:
@@ -243,8 +258,9 @@ def html_page(summary: dict, title: str) -> str:
                      "<th class='t'>what</th></tr>")
         for k in s["known"]:
             sigs = ", ".join(f"{esc(sig)} ×{n}" for sig, n in sorted(k["signatures"].items()))
-            parts.append(f"<tr><td>{esc(k['id'])}</td><td>{k['hits']}</td><td class='t'>{esc(k['upstream'])}</td>"
-                         f"<td class='t'>{sigs}</td><td class='t'>{esc(k['title'][:160])}</td></tr>")
+            parts.append(f"<tr><td>{esc(k['id'])}</td><td>{k['hits']}</td><td class='t'>{linked(k['upstream'])}</td>"
+                         f"<td class='t'>{sigs}</td><td class='t' title='{esc(k['title'])}'>{esc(clip(k['title'], 240))}"
+                         "</td></tr>")
         parts.append("</table>")
     else:
         parts.append("<p>none</p>")

@@ -57,3 +57,13 @@ def test_report_tells_new_findings_from_known_hits_and_groups_them_by_root_cause
     for label in ("world size", "target", "minutes into the run", "new findings", "cases/s"):
         assert f"font-weight='bold'>{label}<" in page or f">{label}</text>" in page, label
     assert NEW_SIG in page and "dsd-full-load-refills-missing-keys" in page
+
+
+def test_the_page_cuts_text_at_words_and_links_upstream_issues():
+    from fuzzshard.report import clip, linked
+
+    text = "error parity: only the sharded run raises, in step 0: a bare AssertionError in torch"
+    assert clip(text, 40) == "error parity: only the sharded run…" and clip(text, 200) == text
+    assert linked("pytorch/pytorch#186129 (open)") == \
+        "<a href='https://github.com/pytorch/pytorch/issues/186129'>pytorch/pytorch#186129</a> (open)"
+    assert linked("by design: <a> reason") == "by design: &lt;a&gt; reason"
