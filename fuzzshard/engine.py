@@ -382,6 +382,11 @@ class Session:
         seen = self._pass_seconds.get((case.target, case.ranks, bool(case.checkpoint)), max(self._pass_seconds.values()))
         return max(SHRINK_TIMEOUT_FLOOR, SHRINK_TIMEOUT_FACTOR * seen)
 
+    def _of(self) -> str:
+        """ " of N" where a --max-examples session's end is a count: max_examples valid cases per target
+        (each round that finds something also shrinks it, which may take more cases)."""
+        return "" if self.duration or not self.max_examples else f" of {self.max_examples * len(self.targets)}"
+
     def _report_progress(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_print < 5.0:
@@ -391,17 +396,25 @@ class Session:
         elapsed = now - st.started
         shrinking = self.book.shrinking()
         line = (
-            f"[fuzzshard] {st.cases} cases ({st.valid} valid, {st.invalid} invalid) · "
+            f"[fuzzshard] {st.cases} cases ({st.valid} valid{self._of()}, {st.invalid} invalid) · "
             f"findings: {len(self.book.tracks)} new in {self.findings_dir}"
             + (f" ({shrinking} shrinking)" if shrinking else "")
-            + f", {sum(st.known.values())} known hits · {st.rate():.2f} cases/s · {int(elapsed // 60):02d}:{int(elapsed % 60):02d}"
+            + f", {sum(st.known.values())} known hits · {st.rate():.2f} cases/s · {_clock(elapsed)}"
         )
+        if self.duration:  # elapsed of total, and when it ends (shrinking and confirmations fit in its grace)
+            line += f" of {_clock(self.duration)} (ends in ~{_clock(max(0.0, self.duration - elapsed))})"
         if st.contaminated:
             line += f" · contaminated {st.contaminated}"
         if self.pool.restarts:
             line += (f" · pool restarts {self.pool.restarts} ({self.pool.stuck_seconds:.0f}s waiting for stuck ranks, "
                      f"{self.pool.restart_seconds:.0f}s restarting)")
         print(line, file=self.progress, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    """mm:ss, or h:mm:ss from an hour on."""
+    m, sec = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{sec:02d}" if m >= 60 else f"{m:02d}:{sec:02d}"
 
 
 def pack_size(pool, world_sizes) -> int:

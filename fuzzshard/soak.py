@@ -210,8 +210,11 @@ class Soak:
         rate = (cases - self._started_with) / max(time.monotonic() - self._t0, 1e-9)
         alive = sum(1 for _, p in self.cells if p.poll() is None)
         found = len(list((self.out / "findings").glob("*.json")))
+        from .engine import _clock
+
+        elapsed = time.monotonic() - self._t0
         return (f"[fuzzshard soak{self._where()}] {cases} cases · {rate:.2f} cases/s · "
-                f"{alive} cells running · {found} findings")
+                f"{alive} cells running · {found} findings · {_clock(elapsed)} of {_clock(self.duration)}")
 
     def _stop(self, signum, frame) -> None:
         """SIGTERM (SLURM preemption) or Ctrl-C: each cell finishes its case,
