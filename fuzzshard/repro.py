@@ -17,12 +17,41 @@ from . import targets
 from .case import Case
 from .scriptgen import straight_script
 
-_MODULES = ["fuzzshard.case", "fuzzshard.verdict", "fuzzshard.kernel.mesh", "fuzzshard.kernel.gather", "fuzzshard.kernel.decoder",
-            "fuzzshard.kernel.model", "fuzzshard.kernel.optim", "fuzzshard.kernel.oracles", "fuzzshard.kernel.localize", "fuzzshard.kernel.plain",
-            "fuzzshard.kernel.state_io", "fuzzshard.kernel.reference", "fuzzshard.kernel.checkpoint",
-            "fuzzshard.kernel.targets.base"]
-_TAIL = ["fuzzshard.kernel.run"]
 _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
+
+
+def kernel_modules(target: str) -> list[str]:
+    """The modules a target's flattened script holds, each after the modules it
+    imports: the target's own modules and the kernel's entry point (run.py),
+    and what their top-level relative imports reach, read from their source
+    (no hand-kept list to forget a new module in), plus mesh.py for the script's main."""
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        if name not in order:
+            for dep in _imports(name):
+                visit(dep)
+            order.append(name)
+
+    # mesh.py: the script's own main builds the meshes (Meshes), as a worker does
+    for root in ["fuzzshard.kernel.mesh", "fuzzshard.kernel.targets.base", *targets.module_of(target), "fuzzshard.kernel.run"]:
+        visit(root)
+    return order
+
+
+def _imports(name: str) -> list[str]:
+    """The fuzzshard modules ``name`` imports at its top level, relatively."""
+    import ast
+    import importlib.util
+
+    module = importlib.import_module(name)
+    package = name if hasattr(module, "__path__") else name.rpartition(".")[0]
+    out = []
+    for node in ast.parse(inspect.getsource(module)).body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            out += [base] if node.module else [f"{base}.{a.name}" for a in node.names]
+    return out
 
 
 def _joined(src: str) -> list[str]:
@@ -70,7 +99,7 @@ def script(case: Case, headline: str = "", environment: dict | None = None, flat
     cls = targets.get(case.target)
     cls = getattr(cls, "script_class", cls.__name__)
     env = environment or {}
-    body = flatten(_MODULES + targets.module_of(case.target) + _TAIL)
+    body = flatten(kernel_modules(case.target))
     return _TEMPLATE.format(
         headline=headline or "a fuzzshard case",
         world=case.ranks,

@@ -9,13 +9,14 @@ import pytest
 from fuzzshard import repro, targets
 
 
-PARALLELIZE = ["fuzzshard.kernel.targets.fsdp2", "fuzzshard.kernel.targets.parallelize"]  # a plugin's parallelism
 
 
 @pytest.mark.parametrize("target", sorted(targets._BUILTIN) + ["parallelize"])
 def test_flattened_modules_define_each_top_level_name_once(target):
-    own = PARALLELIZE if target == "parallelize" else targets.module_of(target)
-    modules = repro._MODULES + own + repro._TAIL
+    if target == "parallelize":  # a plugin's parallelism: fsdp2's module and the adapter
+        modules = repro.kernel_modules("fsdp2") + ["fuzzshard.kernel.targets.parallelize"]
+    else:
+        modules = repro.kernel_modules(target)
     owner: dict[str, str] = {}
     clashes = []
     for name in modules:
