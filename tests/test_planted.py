@@ -17,8 +17,8 @@ BUGS = [
     ("dtensor", "last_shard_untouched.py", "SGD", "1,2,3", 7, "dtensor.parity.*.*.param.json", 2),
     ("fsdp2", "fsdp2_skip_average.py", "SGD,Adam", "1,2,3", 0, "fsdp2.parity.grad.json", 2),
     # mixed precision: the reference replays MixedPrecisionPolicy's casts (only a float16 reduce shows this bug;
-    # seed 0 draws one within 60 examples)
-    ("fsdp2", "fsdp2_fp16_no_postdivide.py", "SGD", "4", 0, "fsdp2.parity.grad.json", 4),
+    # seed 0 draws one within 60 examples); drawn at 4 ranks, the reducer takes it to 3, where it still shows
+    ("fsdp2", "fsdp2_fp16_no_postdivide.py", "SGD", "4", 0, "fsdp2.parity.grad.json", 3),
 ]
 
 
