@@ -385,7 +385,8 @@ class Session:
     def _of(self) -> str:
         """ " of N" where a --max-examples session's end is a count: max_examples valid cases per target
         (each round that finds something also shrinks it, which may take more cases)."""
-        return "" if self.duration or not self.max_examples else f" of {self.max_examples * len(self.targets)}"
+        total = 0 if self.duration or not self.max_examples else self.max_examples * len(self.targets)
+        return f" of {total}" if self.stats.valid < total else ""  # past it: shrinking what was found
 
     def _report_progress(self, force: bool = False) -> None:
         now = time.monotonic()
