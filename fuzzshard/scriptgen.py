@@ -23,6 +23,7 @@ from .case import Case, Layer
 from .kernel.model import out_dim, param_shapes
 from .kernel.optim import _TUPLE_KWARGS  # kwargs torch documents as tuples (a Case holds lists)
 from .kernel.oracles import STEP_ULPS, UNIT_ROUNDOFF
+from .kernel.reference import reduction_parts  # the kernel's loss/grad bound, as factors
 
 _ACTS = {"relu": "nn.ReLU()", "gelu": "nn.GELU()", "tanh": "nn.Tanh()", "silu": "nn.SiLU()"}
 _FSDP2_OPTIONS = {"wrap", "reshard_after_forward"}
@@ -126,24 +127,6 @@ def _imports(case: Case) -> str:
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 {own}"""
-
-
-def reduction_parts(case: Case) -> tuple[int, int, int, int, int]:
-    """(batch, seq, widest dim, conv kernel, depth + 1): kernel/reference.py's
-    reduction_length, as factors the script can show."""
-    dims, kernel, depth = [case.model.d_in], 1, 1
-
-    def walk(layers, mult):
-        nonlocal kernel, depth
-        for layer in layers:
-            dims.extend([layer.d_in, layer.d_out])
-            kernel = max(kernel, layer.kernel)
-            if layer.kind in ("linear", "embedding", "conv1d", "layernorm"):
-                depth += mult
-            walk(layer.children, mult * (2 if layer.kind == "twice" else 1))
-
-    walk(case.model.layers, 1)
-    return case.batch, case.seq, max(dims), kernel, depth + 1
 
 
 def _tolerances(case: Case) -> str:

@@ -13,8 +13,8 @@ from conftest import PLANTED, torchrun
 from fuzzshard import repro, targets
 from fuzzshard.kernel.model import build_model, make_batch
 from fuzzshard.kernel.plain import sensitivity
-from fuzzshard.kernel.reference import reduction_length, reference_error
-from fuzzshard.scriptgen import reduction_parts, straight_script
+from fuzzshard.kernel.reference import reduction_length, reduction_parts, reference_error
+from fuzzshard.scriptgen import straight_script
 from strategies import cases
 
 # the whole script, and the part above the shared comparison helpers (the case's own), for the drawn

@@ -72,6 +72,12 @@ def reduction_length(case: Case) -> int:
     """Longest chain of summed terms behind a loss or grad element (see oracles)."""
     if case.model.factory:
         return _user_reduction_length(case)
+    return math.prod(reduction_parts(case))
+
+
+def reduction_parts(case: Case) -> tuple[int, int, int, int, int]:
+    """reduction_length of a built-in topology as its factors (a standalone
+    script shows them): batch, seq, widest dim, conv kernel, depth + 1."""
     dims, kernel, depth = [case.model.d_in], 1, 1
 
     def walk(layers, mult):
@@ -84,7 +90,7 @@ def reduction_length(case: Case) -> int:
             walk(layer.children, mult * (2 if layer.kind == "twice" else 1))
 
     walk(case.model.layers, 1)
-    return case.batch * case.seq * max(dims) * kernel * (depth + 1)
+    return case.batch, case.seq, max(dims), kernel, depth + 1
 
 
 def _user_reduction_length(case: Case) -> int:
