@@ -173,7 +173,7 @@ class Session:
         """The session's findings from first sight to their files (a soak cell's publish into a shared folder)."""
         return FindingBook(*args, **kwargs)
 
-    # what the summary reads (cli.py): the book's
+    # what the summary reads (cli/fuzz.py): the book's
     @property
     def findings(self) -> dict[str, Finding]:
         return self.book.findings

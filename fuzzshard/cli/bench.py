@@ -1,0 +1,71 @@
+"""`fuzzshard bench`: per-case cost and session benchmarks (ratios against a baseline in the same run)."""
+from __future__ import annotations
+
+import argparse
+
+from .common import Renamed, UsageError, check_gpus, model_families, parse_duration, resolve_targets
+
+
+def add(sub) -> None:
+    b = sub.add_parser("bench", help="warm pool vs a fresh process group per case and vs the bare training loop, "
+                                     "same cases, one run",
+                       description="Per-case cost, measured on the same cases in one run: the warm pool fuzzshard "
+                       "uses, a fresh process group per case, and the bare training loop with no checking. The last "
+                       "line ends with the ratio (e.g. '41.4x'). A benchmark, never a test: compare numbers from one "
+                       "machine and one run.")
+    b.add_argument("--cases", type=int, default=30, help="cases per mode (default 30)")
+    b.add_argument("--world-sizes", dest="world_size", type=int, default=2, metavar="N",
+                   help="the world size of the cases (one; default 2)")
+    b.add_argument("--world-size", dest="world_size", type=int, action=Renamed, new="--world-sizes",
+                   help=argparse.SUPPRESS)
+    b.add_argument("--seed", type=int, default=0, help="the seed of the cases drawn (default 0)")
+    b.add_argument("--target", default="dtensor", help="which target's cases to run (default dtensor)")
+    b.add_argument("--models", default=None, metavar="FAMILIES",
+                   help="model families of the cases, as fuzz takes them (default topologies; decoder: transformers)")
+    b.add_argument("--scaling", action="store_true",
+                   help="instead: cases/s and the per-case split against world size 1-4, model depth and steps "
+                        "(--cases per world size)")
+    b.add_argument("--soak", default=None, metavar="DURATION",
+                   help="instead: a soak in cells vs one fuzz session, both on --workers ranks for DURATION each")
+    b.add_argument("--session", action="store_true",
+                   help="instead: one fuzz session over world sizes 1..--workers (--cases examples, --seed), one "
+                        "case at a time vs side by side on disjoint ranks, each on its own pool")
+    b.add_argument("--workers", type=int, default=4, help="ranks for --soak and --session (default 4)")
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (cuda: NCCL, one GPU a rank)")
+
+
+def run(args) -> int:
+    from ..bench import run_bench
+
+    if args.world_size < 1 or args.cases < 1:
+        raise UsageError("--world-size and --cases must be >= 1")
+    names = resolve_targets(args.target)
+    if len(names) != 1:
+        raise UsageError("bench measures one target at a time")
+    models = tuple(model_families(args.models)) if args.models else ("topologies",)
+    if args.soak:
+        from ..bench import run_soak_bench
+
+        run_soak_bench(parse_duration(args.soak), args.workers, names[0], args.seed)
+        return 0
+    if args.session:
+        from ..bench import run_session_bench
+
+        if args.workers < 2:
+            raise UsageError("--session needs --workers >= 2 (side by side needs two ranks)")
+        run_session_bench(args.cases, args.seed, names[0], worlds=range(1, args.workers + 1))
+        return 0
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available here")
+        check_gpus(args, args.world_size)
+    if args.scaling:
+        from ..bench import run_scaling
+
+        run_scaling(args.cases, args.seed, names[0], device=args.device, models=models)
+        return 0
+    run_bench(args.cases, args.world_size, args.seed, names[0], device=args.device, models=models)
+    return 0
+

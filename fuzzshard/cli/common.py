@@ -1,0 +1,244 @@
+"""What the subcommands share: the usage error, flag groups and their checks, the pool, finding files."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+
+
+class UsageError(Exception):
+    pass
+
+
+class Renamed(argparse.Action):
+    """An old spelling of a flag, still accepted: it stores into the new one's
+    place and says once, in one line, what the flag is called now."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"fuzzshard: note: {option_string} is now {self.new} (the old spelling still works)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+FILE_HELP = "a finding file (OUT/<signature>.json) or a bare case JSON"
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise UsageError(f"cannot read duration {text!r}: use e.g. 90s, 10m, 8h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def parse_world_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"--world-sizes takes comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise UsageError(f"world sizes must be >= 1, got {text!r}")
+    if sizes[-1] > 64:
+        raise UsageError(f"world size {sizes[-1]} is more ranks than one machine's pool can hold (max 64)")
+    return sizes
+
+
+def draw_args(p) -> None:
+    p.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes to draw from (default 1,2,3,4)")
+    p.add_argument("--optimizers", default=None, help="restrict to these torch.optim classes, comma-separated")
+    p.add_argument("--models", default=None, metavar="FAMILIES",
+                   help="model families to draw, comma-separated: topologies (random trees of Linear, Embedding, "
+                        "LayerNorm, Conv1d; the default), decoder (a Llama-style transformer: SDPA attention with "
+                        "rotary embeddings and grouped-query heads, SwiGLU or GELU MLP, RMSNorm or LayerNorm, tied "
+                        "head or not, cross-entropy on token targets; fsdp2 draws torchtitan-style TP plans for it)")
+    p.add_argument("--compile", action="store_true",
+                   help="fsdp2 also draws torch.compile (inductor) of each block, before or after fully_shard as "
+                        "torchtitan does, and of the optimizer step; the reference stays eager. Off by default: a "
+                        "compile costs seconds a case")
+    p.add_argument("--checkpoints", choices=["some", "all", "none"], default="some",
+                   help="save mid-schedule and resume from a fresh model (full state dict, broadcast from rank 0, or "
+                        "DCP files, at any of the world sizes) in some cases (default), every case, or none")
+
+
+def pool_args(p) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where the ranks run (default: cpu; replay: the device the case was recorded on)")
+    p.add_argument("--backend", default=None, help="process group backend (default: gloo on cpu, nccl on cuda)")
+    p.add_argument("--plugin", action="append", default=None, metavar="FILE.py",
+                   help="your own optimizer, model or parallelism, from one file (fuzzshard.plugin.optimizer / "
+                        ".model / .parallelism; see examples/): drawn beside the built-in ones (a parallelism is "
+                        "--target NAME); recorded in each finding, so replay loads it again; may be given more than once")
+    p.add_argument("--worker-setup", default=None, metavar="FILE.py",
+                   help="Python file run in every worker before any case: patch torch, register_target(...)")
+    p.add_argument("--case-timeout", type=float, default=120.0, metavar="SEC",
+                   help="a case still running after this is a hang finding (default 120)")
+
+
+def out_dir(path: str) -> None:
+    """--out made (or there already), or one clear line: under a regular file, not writable, ..."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot make or write that folder ({e.strerror})") from None
+
+
+def warn_cores(ranks: int) -> None:
+    """More ranks than cores runs (each rank is a process), slowly: said once, not refused."""
+    cores = os.cpu_count() or 1
+    if ranks > cores:
+        print(f"fuzzshard: note: {ranks} ranks on {cores} CPU core(s): each rank is a process, so cases of that size "
+              f"run slowly here and may reach --case-timeout", file=sys.stderr)
+
+
+def check_pool_args(args, device: str | None = None) -> None:
+    args.device = args.device or device or "cpu"
+    # the plugins first, then --worker-setup (which may patch what a plugin brings): each runs in every worker
+    args.setups = [os.path.abspath(p) for p in (args.plugin or []) + [args.worker_setup] if p]
+    for flag, path in [("--plugin", p) for p in args.plugin or []] + [("--worker-setup", args.worker_setup)]:
+        if path and not os.path.isfile(path):
+            raise UsageError(f"{flag}: no such file {path!r}")
+    if args.case_timeout <= 0:
+        raise UsageError("--case-timeout must be positive")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available here")
+        if (args.backend or "nccl") == "gloo":
+            raise UsageError("--device cuda runs on NCCL: gloo with CUDA tensors fails in collectives fuzzshard's "
+                             "targets use ('writev ... Bad address'), so it is no stand-in for several GPUs")
+    for path in args.setups:  # the same files run here, so their registrations are seen by the strategies
+        run_setup(path)
+
+
+def run_setup(path: str) -> None:
+    """A --plugin or --worker-setup file, run in this process."""
+    from ..worker import run_setup_file
+
+    try:
+        run_setup_file(path)
+    except Exception as e:
+        raise UsageError(f"{path} failed: {type(e).__name__}: {e}") from None
+
+
+def recorded_plugins(environment, given=()) -> list[str]:
+    """The --plugin files a finding's environment records that are still
+    here, less those ``given`` on the command line."""
+    plugins = environment.get("plugins") if isinstance(environment, dict) else None
+    given = {os.path.abspath(p) for p in given}
+    return [p for p in plugins or [] if isinstance(p, str) and os.path.isfile(p) and p not in given]
+
+
+def start_pool(args, size: int, log_dir=None, spare: bool = False, placed: bool = False):
+    """``spare``: keep a warm second set of workers for instant restarts (long sessions);
+    ``placed``: run cases side by side (Pool.run_many)."""
+    from ..runner import Pool, PoolError
+
+    try:
+        return Pool(size, device=args.device, backend=args.backend, worker_setup=args.setups,
+                    case_timeout=args.case_timeout, log_dir=log_dir, spare=spare, placed=placed).start()
+    except PoolError as e:
+        raise UsageError(f"could not start {size} workers: {e}") from None
+
+
+def resolve_targets(text: str) -> list[str]:
+    from .. import targets
+
+    names = targets.names() if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in targets.names()]
+    if unknown or not names:
+        raise UsageError(f"unknown target {', '.join(unknown) or text!r} (known: {', '.join(targets.names())}, all)")
+    return names
+
+
+def check_gpus(args, ranks: int) -> None:
+    """NCCL takes one rank per GPU: more ranks than GPUs is refused up front."""
+    if args.device == "cuda":
+        import torch
+
+        if ranks > torch.cuda.device_count():
+            raise UsageError(f"world size {ranks} needs {ranks} GPUs (NCCL runs one rank per GPU); this machine "
+                             f"has {torch.cuda.device_count()}: use --world-sizes up to {torch.cuda.device_count()}")
+
+
+def redis_url(url: str) -> str:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise UsageError("--redis needs the redis package (pip install redis)") from None
+    if not url.startswith("redis://"):
+        raise UsageError(f"--redis takes a redis://host:port/db URL, got {url!r}")
+    return url
+
+
+def strategy_kwargs(args) -> dict:
+    out = {"checkpoint": {"some": None, "all": True, "none": False}[args.checkpoints]}
+    if args.optimizers:
+        from fuzzshard.strategies.optimizers import available
+
+        opts = [o.strip() for o in args.optimizers.split(",")]
+        bad = [o for o in opts if o not in available()]
+        if bad:
+            raise UsageError(f"unknown optimizer(s) {bad} (known: {', '.join(available())})")
+        out["optimizer_names"] = opts
+    if args.models:
+        out["models"] = model_families(args.models)
+    if args.compile:
+        out["compile"] = True
+    return out
+
+
+def model_families(text: str) -> list[str]:
+    from fuzzshard.strategies.models import FAMILIES
+
+    families = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in families if m not in FAMILIES]
+    if bad or not families:
+        raise UsageError(f"unknown model family {bad or text!r} (known: {', '.join(FAMILIES)})")
+    return families
+
+
+def raw_finding(path) -> dict:
+    """A finding file's raw JSON, or {} (``load_file`` then says what is wrong with it)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) and isinstance(data.get("case", {}), dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def load_file(path):
+    from ..case import CaseError
+    from ..findings import load_finding
+
+    try:
+        finding = load_finding(path)
+    except CaseError as e:
+        raise UsageError(f"{path}: {e}") from None
+    from .. import targets
+
+    if finding.case.target not in targets.names():  # a plugin's parallelism: the finding names its file
+        for plugin in recorded_plugins(finding.environment):
+            run_setup(plugin)
+    if finding.case.target not in targets.names():
+        raise UsageError(f"{path}: unknown target {finding.case.target!r} (known: {', '.join(targets.names())})")
+    try:
+        finding.case.check_world()
+    except CaseError as e:
+        raise UsageError(f"{path}: {e}") from None
+    return finding
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+

@@ -1,0 +1,203 @@
+"""`fuzzshard fuzz`: one fuzz session, and the summary it prints at the end."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+from .common import (
+    Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
+    pool_args, redis_url, resolve_targets, start_pool, strategy_kwargs, warn_cores,
+)
+
+
+def add(sub) -> None:
+    f = sub.add_parser("fuzz", help="run a fuzz session", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Draw cases, run each sharded and as an anchored reference, shrink every "
+                       "divergence and write OUT/<signature>.json + .py.\nExit 0: no new finding; 1: new findings; 2: usage error.")
+    from ..targets import names as target_names  # the registry imports no torch
+
+    f.add_argument("--target", default="dtensor",
+                   help=f"target name(s), comma-separated, or 'all': {', '.join(target_names())} (default: dtensor)")
+    f.add_argument("--targets", dest="target", action=Renamed, new="--target", help=argparse.SUPPRESS)
+    g = f.add_mutually_exclusive_group()
+    g.add_argument("--max-examples", type=int, default=None, help="cases to draw per target (default 100)")
+    g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
+    f.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
+    f.add_argument("--out", default="fuzzshard-out",
+                   help="findings and the example database go here (default: fuzzshard-out)")
+    f.add_argument("--shrink-budget", default=None, metavar="DURATION",
+                   help="once a round finds something, how much longer it may search and shrink before it ends "
+                        "with its smallest cases (default: a quarter of --duration, at least 30s, at most 5m; "
+                        "5m with --max-examples)")
+    f.add_argument("--redis", default=None, metavar="URL",
+                   help="share the example database through redis (redis://host:port/db); OUT/.hypothesis is "
+                        "written too, and used alone if the server goes away")
+    f.add_argument("--one-at-a-time", action="store_true",
+                   help="run one case at a time. By default, cases that need fewer ranks than the pool are drawn "
+                        "in packs and run side by side on disjoint ranks, so a world-size-1 case does not leave "
+                        "three ranks waiting (2.5x the cases/s of a session over world sizes 1-4 here); a packed "
+                        "session draws other cases than one at a time with the same seed")
+    draw_args(f)
+    pool_args(f)
+
+
+def run(args) -> int:
+    import signal
+
+    from ..engine import Session
+
+    sizes = parse_world_sizes(args.world_sizes)
+    duration = parse_duration(args.duration) if args.duration else None
+    shrink_budget = parse_duration(args.shrink_budget) if args.shrink_budget else None
+    if args.max_examples is not None and args.max_examples < 1:
+        raise UsageError("--max-examples must be >= 1")
+    check_pool_args(args)
+    check_gpus(args, max(sizes))
+    names = resolve_targets(args.target)
+    draws = strategy_kwargs(args)
+    from .. import targets
+
+    if args.compile and not any(targets.get(n).spec.compiled for n in names):
+        compiling = [n for n in targets.names() if targets.get(n).spec.compiled]
+        raise UsageError(f"--compile: none of {', '.join(names)} draws torch.compile (these do: {', '.join(compiling)})")
+    database = redis_url(args.redis) if args.redis else None
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    out_dir(args.out)
+    warn_cores(max(sizes))
+    print(f"fuzzshard: targets {','.join(names)} · world sizes {sizes} · seed {seed} · out {args.out}", file=sys.stderr)
+    session = None
+    stops = []
+
+    def stop(signum, frame):
+        """The first signal ends the session after its current case; a second one at once."""
+        stops.append(signum)
+        name = signal.Signals(signum).name
+        if session is None or len(stops) > 1:
+            raise KeyboardInterrupt(name)
+        session.request_stop(name)
+        print(f"\nfuzzshard: {name}: stopping after the current case (again to stop at once)", file=sys.stderr,
+              flush=True)
+
+    # explicit handlers: a shell starts a background job with SIGINT ignored, and Python keeps that
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    pool = start_pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"), spare=True, placed=not args.one_at_a_time)
+    try:
+        session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
+                          duration=duration, seed=seed, device=args.device, strategy_kwargs=draws,
+                          database=database, shrink_budget=shrink_budget, plugins=args.plugin or ())
+        if session.pack > 1:
+            print(f"fuzzshard: cases drawn in packs of up to {session.pack}, run side by side on disjoint ranks of "
+                  f"{pool.size} (--one-at-a-time: one at a time)", file=sys.stderr)
+        try:
+            session.run()
+        except KeyboardInterrupt:  # the second signal: every finding seen is on disk already
+            print("fuzzshard: stopped at once; the finding files are as they were", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # closing the pool is not to be interrupted
+        pool.close()
+    findings = list(session.findings.values())
+    _print_session_report(session, findings, args.out)
+    if findings:
+        return 1
+    return 128 + stops[0] if stops else 0
+
+
+def _print_session_report(session, findings, out) -> None:
+    st = session.stats
+    print(f"\n{st.cases} cases · {st.valid} valid · {st.invalid} invalid · {st.rate():.2f} cases/s", file=sys.stderr)
+    length = f"session {session.elapsed:.0f}s"
+    if session.duration:
+        length += f" (--duration {session.duration:.0f}s, grace {session.grace():.0f}s)"
+    if session.stop_reason:
+        length += f", stopped by {session.stop_reason}"
+    print(length, file=sys.stderr)
+    pool = session.pool
+    if pool.restarts:  # what hangs, crashes and ranks stuck after another rank raised cost the session
+        print(f"pool restarts: {pool.restarts} ({pool.stuck_seconds:.0f}s waiting for ranks stuck after another "
+              f"raised, {pool.restart_seconds:.0f}s restarting)", file=sys.stderr)
+    if st.derived_timeouts or st.slow:
+        print(f"while a hang shrank: {st.derived_timeouts} case(s) ran under a derived timeout of "
+              f"{st.derived_timeout:.0f}s (--case-timeout {session.pool.case_timeout:.0f}s); {st.slow} provisional "
+              f"hang(s) finished at the full timeout (slow, not hung)", file=sys.stderr)
+    if st.passed_by_optimizer:
+        by = st.passed_by_implementation
+        cover = ", ".join(f"{k} {v} ({'·'.join(str(by[k, i]) for i in ('forloop', 'foreach', 'fused'))})"
+                          for k, v in sorted(st.passed_by_optimizer.items()))
+        print(f"passing cases by optimizer (for-loop·foreach·fused): {cover}", file=sys.stderr)
+    if st.passed_decoder:
+        cover = ", ".join(f"{k} {v}" for k, v in st.passed_decoder.most_common())
+        print(f"passing decoder cases by TP plan element: {cover}", file=sys.stderr)
+    from ..rootcause import grouped
+
+    matcher = session.matcher
+    stage = {"confirmed": "", "shrinking": " (shrunk in warm workers, not yet re-run fresh: `fuzzshard replay` it)",
+             "unconfirmed": " (UNCONFIRMED: no time was left to re-run it in fresh workers)"}
+    groups = grouped(findings, matcher)
+    for key, members in groups.items():  # new findings first: what the user came for
+        if len(groups) > 1 or len(members) > 1 or key.startswith("root cause"):
+            print(f"{key}: {len(members)} finding(s)", file=sys.stderr)
+        for f in members:
+            _print_finding(f, out, stage.get(f.stage, ""), st.folded.get(f.signature, 0))
+    for c in session.contaminated:
+        print(f"CONTAMINATED (a fuzzshard internal error, not a finding): {c['signature']} in warm workers, "
+              f"{c['fresh_signature']} in fresh ones, after {len(c['ran_before_in_that_generation'])} other case(s)"
+              f"\n        -> {out}/contaminated/{c['signature']}.json", file=sys.stderr)
+    if st.internal_errors:
+        print(f"{st.internal_errors} fuzzshard-internal errors, not findings (see above; cases in {out}/internal/)",
+              file=sys.stderr)
+    by_cause: dict[str, list] = {}
+    for sig, n in sorted(st.known.items()):  # known hits under their root cause: one bug, one line
+        by_cause.setdefault(session.known[sig].root_cause or sig, []).append((sig, n))
+    for cause, hits in sorted(by_cause.items(), key=lambda kv: -sum(n for _, n in kv[1])):
+        rc = matcher.causes.get(cause)
+        n = sum(k for _, k in hits)
+        faces = f", {len(hits)} signatures" if len(hits) > 1 else ""
+        print(f"known   {cause} ×{n}{faces} [{rc.upstream_text}]" if rc else f"known   {cause} ×{n}", file=sys.stderr)
+    if findings:
+        faces = sum(1 + len(f.faces) for f in findings)
+        print(f"{len(findings)} new finding(s), one per bug, under {faces} signature(s); to get there "
+              f"{st.generalized} variant run(s) generalized them and {st.reduced_runs} edited run(s) in "
+              f"{st.reduce_seconds:.0f}s reduced them", file=sys.stderr)
+        _write_index(out, groups, matcher)
+    else:
+        print("no new findings" + (f" ({sum(st.known.values())} known hits, `fuzzshard known` says what they are)"
+                                   if st.known else ""), file=sys.stderr)
+
+
+def _print_finding(f, out, stage: str, folded: int) -> None:
+    """A new finding: its summary, its other faces, what the reducer took out, what it fails and passes with, its files."""
+    from ..findings import summary
+    from ..generalize import Face, table_text
+
+    print(f"FINDING {f.signature}{stage}\n        {summary(f.verdict)}", file=sys.stderr)
+    if f.faces:
+        print(f"        one bug, also seen as {', '.join(f.faces)}" + (f" ({folded} case(s) met it so)" if folded else ""),
+              file=sys.stderr)
+    if f.removed:
+        shown = ", ".join(f.removed[:5]) + (f" and {len(f.removed) - 5} more" if len(f.removed) > 5 else "")
+        print(f"        1-minimal: the reducer took out {shown}", file=sys.stderr)
+    if f.generalization:
+        table = table_text([Face(**row) for row in f.generalization])
+        print("".join(f"        {line}\n" for line in table.splitlines()), end="", file=sys.stderr)
+    print(f"        -> {out}/{f.signature}.json, {out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})",
+          file=sys.stderr)
+
+
+def _write_index(out, groups: dict, matcher) -> None:
+    """OUT/INDEX.md: the session's new findings grouped by suspected root cause."""
+    from pathlib import Path
+
+    from ..findings import atomic_write, summary
+    from ..rootcause import address
+
+    lines = ["# New findings by suspected root cause", "",
+             "Grouped by what identifies a bug (see fuzzshard/rootcause.py): a group named after a known root "
+             "cause has the address of its known findings; a `new:` group is one address no known finding has.", ""]
+    for key, members in groups.items():
+        lines += [f"## {key}", "", f"address: {address(members[0].case, members[0].verdict)}", ""]
+        lines += [f"- [`{f.signature}`]({f.signature}.json) ({f.stage}): {summary(f.verdict)}" for f in members] + [""]
+    atomic_write(Path(out) / "INDEX.md", "\n".join(lines))
+

@@ -1,0 +1,135 @@
+"""`fuzzshard known`: the known torch bugs by root cause; --check replays them, --minimal runs the
+hand-reduced scripts."""
+from __future__ import annotations
+
+import re
+
+from .common import UsageError, check_pool_args, pool_args, start_pool, torch_version
+
+
+def add(sub) -> None:
+    k = sub.add_parser("known", help="the known findings in torch, by root cause; --check replays them, "
+                                     "--minimal runs the hand-reduced scripts",
+                       description="The torch bugs fuzzshard has found (fuzzshard/known/), by root cause: how each "
+                       "shows, where it stands upstream, its findings. A session counts a known finding as a known "
+                       "hit, not a new one. --check replays every one on this torch; --minimal runs the "
+                       "hand-reduced scripts.")
+    k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
+    k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
+    k.add_argument("--minimal", nargs="*", metavar="ROOT_CAUSE",
+                   help="run the hand-reduced scripts of these root causes (none named: all) under torchrun here and "
+                        "say, per root cause, whether each still reproduces (a quick check of another torch version)")
+    pool_args(k)
+
+
+def run(args) -> int:
+    from ..findings import load_known
+    from ..judge import judge
+    from ..rootcause import load_root_causes
+
+    known = load_known()
+    if not known:
+        print("no known findings")
+        return 0
+    if args.markdown:
+        print(known_markdown(known))
+        return 0
+    causes = load_root_causes(known)
+    if args.minimal is not None:
+        return _check_minimal(causes, args.minimal)
+    pool = None
+    if args.check:
+        check_pool_args(args)
+        here = [f for f in known.values() if f.case.device == args.device]
+        if here:
+            ranks = max(f.case.ranks for f in here)
+            if args.device == "cuda":
+                import torch
+
+                ranks = min(ranks, torch.cuda.device_count())
+            pool = start_pool(args, ranks)
+    print(f"{len(causes)} root causes behind {len(known)} known findings in torch (--markdown: the table with "
+          f"upstream states; `fuzzshard show fuzzshard/known/SIG.json`: one finding)", flush=True)
+    outcome: dict[str, list] = {}
+    try:
+        order = [(rc.id, rc.signatures) for rc in sorted(causes.values(), key=lambda rc: rc.id)]
+        order += [("", [sig for sig, f in sorted(known.items()) if not f.root_cause])]
+        for rid, sigs in order:
+            if not sigs:
+                continue
+            rc = causes.get(rid)
+            print(f"\n{rid} · {rc.kind} · {rc.upstream_text}\n    {rc.title}" if rc else "\n(no root cause recorded)",
+                  flush=True)
+            for sig in sigs:
+                f, status = known[sig], ""
+                if pool is not None:
+                    if f.case.device != args.device or f.case.ranks > pool.size:
+                        status = "skipped"
+                    else:
+                        got = judge(pool, f.case).label
+                        status = "reproduces" if got == sig else "fixed" if got == "pass" else f"differs ({got})"
+                    outcome.setdefault(rid or sig, []).append(status)
+                print(f"    {sig}" + (f"  {status}" if status else "") + ("" if rc else f"\n        {f.diagnosis}"),
+                      flush=True)
+    finally:
+        if pool is not None:
+            pool.close()
+    if outcome:
+        print(f"\nroot cause on torch {torch_version()}, {args.device}: still reproduces / fixed / now fails differently"
+              f" / skipped (signatures)")
+        for rid, got in outcome.items():
+            n = {k: sum(1 for g in got if g.split(" ")[0] == k) for k in ("reproduces", "fixed", "differs", "skipped")}
+            verdict = ("still reproduces" if n["reproduces"] else "FIXED" if n["fixed"] else
+                       "NOW FAILS DIFFERENTLY" if n["differs"] else "skipped")
+            print(f"  {rid:55} {verdict:22} {n['reproduces']} / {n['fixed']} / {n['differs']} / {n['skipped']}")
+    return 0
+
+
+def _check_minimal(causes: dict, only: list) -> int:
+    """Each root cause's hand-reduced script, run here: exit 1 (and BUG REPRODUCED) is the bug."""
+    from ..upstream import run_minimal
+
+    unknown = sorted(set(only) - set(causes))
+    if unknown:
+        raise UsageError(f"unknown root cause(s) {', '.join(unknown)} (see `fuzzshard known`)")
+    chosen = [rc for rid, rc in sorted(causes.items()) if rc.minimal and (not only or rid in only)]
+    print(f"hand-reduced scripts of {len(chosen)} root causes on torch {torch_version()}: a failing exit with a "
+          f"'BUG' line = still reproduces, 0 = does not, else fails otherwise (a script may need a GPU: it says so "
+          f"at its top; an uncaught exception exits 1 too, without the line)", flush=True)
+    for rc in chosen:
+        code, printed = run_minimal(rc)
+        verdict = ("DOES NOT REPRODUCE" if code == 0 else "still reproduces" if re.search(r"\bBUG\b", printed)
+                   else f"fails otherwise (exit {code})")
+        last = printed.strip().splitlines()[-1:] or [""]
+        print(f"  {rc.id:55} {verdict:30} {last[0][:80]}", flush=True)
+    return 0
+
+
+def known_markdown(known: dict) -> str:
+    from ..findings import ORACLES
+    from ..rootcause import load_root_causes
+
+    causes = load_root_causes(known)
+    rows = ["# Known findings in PyTorch", "",
+            "Divergences fuzzshard found in torch itself, first by root cause (the torch bug: its id, how it "
+            "shows, where it stands upstream, and the findings it is behind), then one row per finding: the "
+            "signature, a one-line diagnosis, the shrunk repro (`fuzzshard replay X.json`; `fuzzshard script "
+            "X.json -o x.py` writes a standalone script for `torchrun --nproc-per-node W x.py`, torch alone). "
+            "Regenerate this page with `fuzzshard known --markdown`; check them with `fuzzshard known --check`.", "",
+            "## Root causes", "",
+            "| root cause | kind | upstream | findings | what |", "|---|---|---|---|---|"]
+    for rc in sorted(causes.values(), key=lambda rc: rc.id):
+        minimal = f". Hand-reduced: [`{rc.minimal.rsplit('/', 1)[-1]}`](minimal/{rc.minimal.rsplit('/', 1)[-1]})." \
+            if rc.minimal else ""
+        rows.append(f"| `{rc.id}` | {rc.kind} | {rc.upstream_text.replace('|', '/')} | {len(rc.signatures)} "
+                    f"| {rc.title.replace('|', '/')}{minimal} |")
+    rows += ["", "## Findings", "", "| signature | kind | root cause | torch, device | W | diagnosis |",
+             "|---|---|---|---|---|---|"]
+    for sig, f in sorted(known.items()):
+        oracle = ORACLES.get(f.verdict.get("oracle", ""))
+        kind = "?" if oracle is None else oracle.kind.replace("silent", "**silent**")
+        where = ", ".join(f.devices) if f.devices else f.environment.get("device") or f.case.device
+        rows.append(f"| [`{sig}`]({sig}.json) | {kind} | `{f.root_cause or '?'}` | {f.environment.get('torch', '?')}, "
+                    f"{where} | {f.case.world_size} | {f.diagnosis} |")
+    return "\n".join(rows)
+

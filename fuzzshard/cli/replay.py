@@ -1,0 +1,61 @@
+"""`fuzzshard replay`: re-run a finding or case file in fresh workers."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import (
+    FILE_HELP, UsageError, check_gpus, check_pool_args, load_file, pool_args, raw_finding, recorded_plugins,
+    start_pool,
+)
+
+
+def add(sub) -> None:
+    r = sub.add_parser("replay", help="re-run a finding or case file: exit 0 passes now, 1 still fails with the "
+                       "recorded signature, 3 fails with another, 2 bad file",
+                       description="Re-run a finding or case file in fresh workers, on the device it was recorded on.\n"
+                       "Exit 0: passes now; 1: fails with the recorded signature (the same bug); 3: fails with "
+                       "another signature (both are printed); 2: unreadable or invalid file.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("file", help=FILE_HELP)
+    pool_args(r)
+
+
+def run(args) -> int:
+    from ..findings import summary
+    from ..judge import judge
+
+    recorded = raw_finding(args.file)
+    # the plugins the finding was found with (its optimizer, model or parallelism) load again, wherever they still are
+    args.plugin = (args.plugin or []) + recorded_plugins(recorded.get("environment"), args.plugin or [])
+    # a case replays where it was found, unless told otherwise
+    check_pool_args(args, device=recorded.get("case", {}).get("device"))
+    finding = load_file(args.file)
+    case = finding.case
+    check_gpus(args, case.ranks)
+    if args.device != case.device:
+        print(f"note: {args.file} was recorded on {case.device}; replaying on {args.device}", file=sys.stderr)
+    pool = start_pool(args, case.ranks)
+    try:
+        j = judge(pool, case)
+    finally:
+        pool.close()
+    v, sig = j.verdict, j.signature
+    if v["status"] == "invalid":
+        raise UsageError(f"{args.file}: the case is invalid: {v['reason']}")
+    if v["status"] == "error":
+        raise UsageError(f"{args.file}: fuzzshard could not run the case: {v['error']}")
+    if v["status"] == "pass":
+        print(f"PASS: {args.file} no longer fails" + (f" ({finding.signature})" if finding.signature else ""))
+        return 0
+    if finding.signature and sig != finding.signature:
+        print(f"FAILS DIFFERENTLY: {sig}\n  recorded: {finding.signature}\n  now:      {sig}\n{summary(v)}")
+        return REPLAY_DIFFERENT
+    print(f"FAIL: {sig}\n{summary(v)}")
+    for m in v.get("mismatches", [])[1:]:
+        print(f"  also: {m['quantity']} {m['fqn']} step {m['step']}: {m['detail']}")
+    return 1
+
+
+REPLAY_DIFFERENT = 3  # exit code: the case fails, with another signature than the one recorded
+

@@ -1,0 +1,34 @@
+"""`fuzzshard script`: the standalone torchrun repro of a finding or case."""
+from __future__ import annotations
+
+import sys
+
+from .common import FILE_HELP, load_file
+
+
+def add(sub) -> None:
+    sc = sub.add_parser("script", help="write the standalone torchrun repro script of a finding or case file",
+                        description="The standalone repro of a finding or case: a torch-only script for `torchrun "
+                        "--nproc-per-node W FILE.py` that exits 1 while the bug is there and 0 once it is fixed "
+                        "(--setup PATCH.py runs a patch first). Straight-line where the case allows it, else "
+                        "fuzzshard's kernel flattened around the case.")
+    sc.add_argument("file", help=FILE_HELP)
+    sc.add_argument("-o", "--output", help="write here instead of standard output")
+    sc.add_argument("--flat", action="store_true", help="fuzzshard's whole kernel flattened around the case, not the "
+                    "straight-line script of what the case uses (which dtensor and plain fsdp2 cases get)")
+
+
+def run(args) -> int:
+    from .. import repro
+    from ..findings import summary
+
+    finding = load_file(args.file)
+    text = repro.script(finding.case, summary(finding.verdict) if finding.verdict else "", finding.environment,
+                        flat=args.flat)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
