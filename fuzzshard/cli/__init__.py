@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"fuzzshard: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fuzzshard known | head` (an OSError too, so before that one)
+        sys.stderr.close()
+        return 0
     except OSError as e:  # a path given on the command line that cannot be read or written: one line
         if not e.filename:
             raise
@@ -64,9 +67,6 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("fuzzshard: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `fuzzshard known | head`
-        sys.stderr.close()
-        return 0
 
 
 if __name__ == "__main__":
