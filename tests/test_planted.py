@@ -12,7 +12,7 @@ from conftest import PLANTED, run_cli, torchrun
 BUGS = [
     # target, bug file, optimizers to draw, world sizes, seed, the finding's file pattern, smallest world size that shows it
     ("dtensor", "skip_weight_decay.py", "SGD,AdamW", "1,2,3", 0, "dtensor.parity.*.*.param.json", 1),
-    # one optimizer, and its for-loop and foreach faces fold into one finding (seeds 0-10 each way: README,
+    # one optimizer, and its for-loop and foreach faces fold into one finding (seeds 0-10 each way: docs/bench.md,
     # "No idle ranks"; seed 7 shrinks to 1 layer packed)
     ("dtensor", "last_shard_untouched.py", "SGD", "1,2,3", 7, "dtensor.parity.*.*.param.json", 2),
     ("fsdp2", "fsdp2_skip_average.py", "SGD,Adam", "1,2,3", 0, "fsdp2.parity.grad.json", 2),
