@@ -30,8 +30,9 @@ import signal
 import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
+
+from .store import open_store
 
 BEAT = 2.0
 STALE = 15.0  # a process whose beat counter has not moved for this long is gone
@@ -48,15 +49,6 @@ def torchrun_store(timeout: float = 120.0):
     # torchrun's agent hosts the store (the default); otherwise rank 0 does, as init_process_group would
     hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
     return open_store(where, timeout, is_master=hosts), where
-
-
-def open_store(where: dict, timeout: float = 120.0, is_master: bool = False):
-    """The store at ``where`` (host, port), seen under its prefix."""
-    import torch.distributed as dist
-
-    base = dist.TCPStore(where["host"], where["port"], is_master=is_master, timeout=timedelta(seconds=timeout),
-                         multi_tenant=True, wait_for_workers=False)
-    return dist.PrefixStore(where["prefix"], base)
 
 
 def reachable_ip(where: dict) -> str:

@@ -54,7 +54,7 @@ def main() -> None:
     timeout = datetime.timedelta(seconds=options["collective_timeout"])
     store = options["store"]
     if isinstance(store, dict):  # a cell spanning processes meets in torchrun's store (span.py)
-        from .span import open_store
+        from .store import open_store
 
         where = {"store": open_store(store, options["collective_timeout"])}
     else:  # a cell of this machine: a file store in the driver's temp folder

@@ -16,6 +16,7 @@ driver (PR_SET_PDEATHSIG, and EOF on its socket), and its workers die with it.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -25,11 +26,31 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-# modules every worker imports before its first case (worker.main and the kernel)
-WARM = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
-        "torch.distributed.tensor.parallel", "torch.distributed.fsdp", "torch.distributed.optim",
-        "torch.nn.parallel", "fuzzshard.worker", "fuzzshard.case", "fuzzshard.kernel.run",
-        "fuzzshard.kernel.mesh", "fuzzshard.kernel.checkpoint")
+
+def warm_modules() -> list[str]:
+    """What a worker imports for its cases, read off the code rather than kept by hand, so a new
+    target or kernel module is never forgotten: the worker, every module of fuzzshard.kernel (the
+    targets with it), and every torch module those name, at their top or inside a function (a lazily
+    imported one, DCP or ZeroRedundancyOptimizer, is then imported once here, not in every worker)."""
+    import ast
+    import pkgutil
+
+    from . import kernel
+
+    ours = ["fuzzshard.worker", "fuzzshard.case"]
+    ours += [m.name for m in pkgutil.walk_packages(kernel.__path__, "fuzzshard.kernel.")]
+    named: set[str] = set()
+    for name in ours:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        with open(spec.origin) as f:
+            for node in ast.walk(ast.parse(f.read())):
+                if isinstance(node, ast.Import):
+                    named.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    named.add(node.module)
+    return sorted(m for m in named if m == "torch" or m.startswith("torch.")) + ours
 
 
 class Zygote:
@@ -127,7 +148,6 @@ def zygote() -> Zygote:
 
 # -- the zygote process --------------------------------------------------------
 def main(fd: int) -> None:
-    import importlib
     import select
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides what a Ctrl-C means
@@ -135,8 +155,11 @@ def main(fd: int) -> None:
 
     _die_with_parent()
     _name("fuzzshard-zygote")
-    for name in WARM:
-        importlib.import_module(name)
+    for name in warm_modules():
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a module another torch release has (versions.py chooses): the worker will not need it
+            pass
     from . import targets
 
     for name in targets.names():  # each target's module and what it imports
