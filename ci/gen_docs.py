@@ -1,0 +1,325 @@
+"""Rewrite the generated regions of the docs from the code, so numbers and
+lists that change (known findings and root causes, targets, oracles, planted
+bugs, tests, commands, the code map) are never typed by hand.
+
+A region is marked in README.md, docs/*.md or tests/README.md as
+
+    <!-- generated: NAME -->...<!-- /generated -->
+
+on one line (an inline value) or over several (a block). NAME is one of the
+keys of GENERATORS below (lowercase: an upper-case NAME, as here, is no
+region); the same NAME may appear in several places.
+
+    python ci/gen_docs.py           # rewrite every region in place
+    python ci/gen_docs.py --check   # exit 1 and name each stale region (tests/test_docs.py runs this)
+
+Reads files and imports only torch-free modules (fuzzshard.cli, .oracle,
+.targets): it runs in well under a second.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KNOWN = ROOT / "fuzzshard" / "known"
+ROOT_CAUSES = "root_causes.json"
+_DOCSTRING = re.compile(r'\s*(?:#[^\n]*\n\s*)*((?:[rRuU])?(?:"""(?:[^\\]|\\.)*?"""|\'\'\'(?:[^\\]|\\.)*?\'\'\'))', re.S)
+REGION = re.compile(r"<!-- generated: ([a-z0-9-]+) -->(.*?)<!-- /generated -->", re.S)
+
+
+def doc_files() -> list[Path]:
+    return [p for p in [ROOT / "README.md", ROOT / "tests" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+            if p.exists()]
+
+
+def _rel(p: Path) -> str:
+    return p.relative_to(ROOT).as_posix()
+
+
+def first_sentence(text: str, limit: int = 180) -> str:
+    """The first sentence of a docstring's first paragraph, on one line, cut at a word."""
+    para = " ".join((text or "").strip().split("\n\n")[0].split())
+    m = re.search(r"(?<=[a-z0-9)`'\"])\.(\s|$)", para)
+    s = para[:m.start() + 1] if m else para
+    if len(s) > limit:
+        s = s[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+    return s.replace("|", "/")
+
+
+def module_doc(path: Path) -> str:
+    text = path.read_text()
+    # the leading string literal, read without parsing the whole module (this runs over every module, in a test)
+    m = _DOCSTRING.match(text)
+    if m:
+        try:
+            return inspect.cleandoc(ast.literal_eval(m.group(1)))
+        except (SyntaxError, ValueError):
+            pass
+    if path.suffix != ".py":  # a shell script: its leading comment
+        lines = [ln[1:].strip() for ln in text.splitlines()[1:] if ln.startswith("#") and not ln.startswith("#!")]
+        head = []
+        for ln in lines:
+            if not ln or ln.startswith("SBATCH"):
+                break
+            head.append(ln)
+        return " ".join(head)
+    try:
+        return ast.get_docstring(ast.parse(text)) or ""
+    except SyntaxError:  # a file half-way through an edit (or newer syntax than this Python): its leading string
+        m = re.match(r'\s*(?:#[^\n]*\n\s*)*[rRuU]?("""|\'\'\')(.*?)\1', text, re.S)
+        return m.group(2) if m else ""
+
+
+# ---- the known list ---------------------------------------------------------------------------------
+
+def _known():
+    findings = [json.loads(p.read_text()) for p in sorted(KNOWN.glob("*.json")) if p.name != ROOT_CAUSES]
+    causes = json.loads((KNOWN / ROOT_CAUSES).read_text())
+    return findings, causes
+
+
+def known_counts() -> str:
+    findings, causes = _known()
+    kinds = Counter(c.get("kind", "?") for c in causes.values())
+    up = Counter(c.get("upstream", {}).get("state", "not-reported") for c in causes.values())
+    cuda = sum(1 for f in findings if f.get("devices") == ["cuda"])
+    words = {"silent": "silent", "raises": "raise", "crash": "crash", "hang": "hang"}
+    kind_text = ", ".join(f"{kinds[k]} {w}" for k, w in words.items() if kinds[k])
+    return (f"{len(findings)} known findings (signatures) behind {len(causes)} root causes in torch: {kind_text}; "
+            f"{cuda} of the findings seen only on CUDA. Upstream: {up['open']} open issues, {up['closed']} closed, "
+            f"{up['by-design']} by design, {up['not-reported']} not reported.")
+
+
+def known_short() -> str:
+    findings, causes = _known()
+    silent = sum(1 for c in causes.values() if c.get("kind") == "silent")
+    return f"{len(findings)} findings behind {len(causes)} torch root causes, {silent} of them silent"
+
+
+# ---- targets, oracles, commands ---------------------------------------------------------------------
+
+def targets_table() -> str:
+    from fuzzshard import targets
+
+    rows = ["| target | module | what it is |", "|---|---|---|"]
+    for name in targets.names():
+        path = ROOT / "fuzzshard" / "kernel" / "targets" / f"{name}.py"
+        doc = first_sentence(module_doc(path)).split(": ", 1)[-1]
+        rows.append(f"| `{name}` | `{_rel(path)}` | {doc} |")
+    return "\n".join(rows)
+
+
+def target_count() -> str:
+    from fuzzshard import targets
+
+    return str(len(targets.names()))
+
+
+def target_names() -> str:
+    from fuzzshard import targets
+
+    return ", ".join(f"`{n}`" for n in targets.names())
+
+
+def oracles_table() -> str:
+    from fuzzshard import oracle
+
+    rows = ["| oracle | a finding shows as | module (driver side) | what fails |", "|---|---|---|---|"]
+    for name, o in oracle.ORACLES.items():
+        path = ROOT / "fuzzshard" / "oracle" / f"{name}.py"
+        doc = first_sentence(module_doc(path), 220).split(": ", 1)[-1]
+        rows.append(f"| `{name}` | {o.kind} | `{_rel(path)}` | {doc} |")
+    return "\n".join(rows)
+
+
+def oracle_count() -> str:
+    from fuzzshard import oracle
+
+    return str(len(oracle.ORACLES))
+
+
+def _parser():
+    from fuzzshard import cli
+
+    return cli._parser()
+
+
+def _subcommands():
+    import argparse
+
+    ap = _parser()
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    return [(name, p, helps.get(name) or first_sentence(p.description or "")) for name, p in sub.choices.items()]
+
+
+def commands_table() -> str:
+    rows = ["| command | what it does |", "|---|---|"]
+    rows += [f"| `fuzzshard {name}` | {' '.join(h.split()).replace('|', '/')} |" for name, _, h in _subcommands()]
+    return "\n".join(rows)
+
+
+def commands_usage() -> str:
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "110"  # argparse wraps at the terminal's width: fixed, so the output is the same anywhere
+    try:
+        out = []
+        for name, p, _ in _subcommands():
+            usage = p.format_usage().strip()
+            out.append(f"### `fuzzshard {name}`\n\n{' '.join((p.description or '').split())}\n\n```text\n{usage}\n```")
+        return "\n\n".join(out)
+    finally:
+        if old is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = old
+
+
+# ---- tests and planted bugs -------------------------------------------------------------------------
+
+def _test_files() -> list[Path]:
+    return sorted((ROOT / "tests").rglob("test_*.py"))
+
+
+def _test_functions(path: Path) -> list[str]:
+    text = path.read_text()
+    top = re.findall(r"^(?:async )?def (test\w*)", text, re.M)  # pytest's rule: test* functions at the top level
+    if "class Test" not in text:
+        return top
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:  # half-way through an edit
+        return top
+    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and n.name.startswith("test")]
+    for c in tree.body:
+        if isinstance(c, ast.ClassDef) and c.name.startswith("Test"):
+            names += [f"{c.name}.{n.name}" for n in c.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
+    return names
+
+
+def tests_table() -> str:
+    rows = ["| file | tests | what it proves (its docstring) |", "|---|---|---|"]
+    total = 0
+    for p in _test_files():
+        n = len(_test_functions(p))
+        total += n
+        rows.append(f"| `{_rel(p)}` | {n} | {first_sentence(module_doc(p), 240)} |")
+    rows.append(f"| {len(_test_files())} files | {total} | |")
+    return "\n".join(rows)
+
+
+def test_count() -> str:
+    return f"{sum(len(_test_functions(p)) for p in _test_files())} test functions in {len(_test_files())} files"
+
+
+def _planted() -> list[Path]:
+    return sorted(p for p in (ROOT / "tests" / "planted").glob("*.py") if not p.name.startswith("_"))
+
+
+def planted_table() -> str:
+    tests = {p: p.read_text() for p in _test_files()}
+    rows = ["| planted bug | what it breaks | used by |", "|---|---|---|"]
+    for p in _planted():
+        users = sorted(_rel(t) for t, text in tests.items() if p.name in text or f'"{p.stem}"' in text)
+        doc = first_sentence(module_doc(p), 260).removeprefix("Planted bug: ")
+        rows.append(f"| `{p.name}` | {doc} | {', '.join(f'`{u}`' for u in users) or '(no test names it)'} |")
+    return "\n".join(rows)
+
+
+def planted_count() -> str:
+    return str(len(_planted()))
+
+
+# ---- the code map -----------------------------------------------------------------------------------
+
+def code_map() -> str:
+    skip = {"__main__.py"}
+    lines = ["```text"]
+    paths = [p for d in ("fuzzshard", "strategies") for p in sorted((ROOT / d).rglob("*.py"))
+             if "known" not in p.relative_to(ROOT).parts and p.name not in skip]
+    paths += [p for p in sorted((ROOT / "ci").rglob("*")) if p.suffix in (".py", ".sh", ".sbatch")]
+    paths.sort(key=lambda p: (p.parent.relative_to(ROOT).as_posix(), p.name != "__init__.py", p.name))
+    width = max(len(_rel(p)) for p in paths) + 2
+    for p in paths:
+        rel = _rel(p)
+        shown = rel[:-len("__init__.py")] if p.name == "__init__.py" else rel
+        lines.append(f"{shown:{width}}{first_sentence(module_doc(p), 120).replace('`', '')}")
+    lines.append("```")
+    return "\n".join(lines)
+
+
+GENERATORS = {
+    "known-counts": known_counts,
+    "known-short": known_short,
+    "targets": targets_table,
+    "target-count": target_count,
+    "target-names": target_names,
+    "oracles": oracles_table,
+    "oracle-count": oracle_count,
+    "commands": commands_table,
+    "commands-usage": commands_usage,
+    "tests": tests_table,
+    "test-count": test_count,
+    "planted": planted_table,
+    "planted-count": planted_count,
+    "code-map": code_map,
+}
+
+
+def render(text: str, cache: dict) -> str:
+    """``text`` with every region's body regenerated."""
+    def sub(m):
+        name, body = m.group(1), m.group(2)
+        if name not in GENERATORS:
+            raise KeyError(f"unknown generated region {name!r} (known: {', '.join(GENERATORS)})")
+        if name not in cache:
+            cache[name] = GENERATORS[name]()
+        new = cache[name]
+        block = "\n" in body or "\n" in new
+        return f"<!-- generated: {name} -->" + (f"\n{new}\n" if block else new) + "<!-- /generated -->"
+
+    return REGION.sub(sub, text)
+
+
+def stale() -> list[str]:
+    """'FILE: NAME' for each region whose text is not what the code gives now."""
+    cache: dict = {}
+    out = []
+    for p in doc_files():
+        text = p.read_text()
+        for old, new in zip(REGION.finditer(text), REGION.finditer(render(text, cache))):
+            if old.group(0) != new.group(0):
+                out.append(f"{_rel(p)}: {old.group(1)}")
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    sys.path.insert(0, str(ROOT))
+    if "--check" in argv:
+        bad = stale()
+        for b in bad:
+            print(f"stale generated region {b}")
+        if bad:
+            print("run: python ci/gen_docs.py")
+        return 1 if bad else 0
+    cache: dict = {}
+    for p in doc_files():
+        text = p.read_text()
+        new = render(text, cache)
+        if new != text:
+            p.write_text(new)
+            print(f"rewrote {_rel(p)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
