@@ -23,6 +23,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -32,6 +33,22 @@ KNOWN = ROOT / "fuzzshard" / "known"
 ROOT_CAUSES = "root_causes.json"
 _DOCSTRING = re.compile(r'\s*(?:#[^\n]*\n\s*)*((?:[rRuU])?(?:"""(?:[^\\]|\\.)*?"""|\'\'\'(?:[^\\]|\\.)*?\'\'\'))', re.S)
 REGION = re.compile(r"<!-- generated: ([a-z0-9-]+) -->(.*?)<!-- /generated -->", re.S)
+
+
+_TRACKED: list = []
+
+
+def _listed(paths) -> list[Path]:
+    """Of ``paths``, those git tracks (when this is a git checkout), so another engineer's file not yet added
+    changes no generated region here; in a clean clone (CI) that is every file."""
+    if not _TRACKED:
+        try:
+            out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+            _TRACKED.append(set(out.stdout.split("\0")) if out.returncode == 0 else None)
+        except OSError:  # no git: every file there is
+            _TRACKED.append(None)
+    tracked = _TRACKED[0]
+    return [p for p in paths if p.exists() and (tracked is None or _rel(p) in tracked)]
 
 
 def doc_files() -> list[Path]:
@@ -185,7 +202,7 @@ def commands_usage() -> str:
 # ---- tests and planted bugs -------------------------------------------------------------------------
 
 def _test_files() -> list[Path]:
-    return sorted((ROOT / "tests").rglob("test_*.py"))
+    return _listed(sorted((ROOT / "tests").rglob("test_*.py")))
 
 
 def _test_functions(path: Path) -> list[str]:
@@ -221,7 +238,7 @@ def test_count() -> str:
 
 
 def _planted() -> list[Path]:
-    return sorted(p for p in (ROOT / "tests" / "planted").glob("*.py") if not p.name.startswith("_"))
+    return _listed(sorted(p for p in (ROOT / "tests" / "planted").glob("*.py") if not p.name.startswith("_")))
 
 
 def planted_table() -> str:
@@ -246,6 +263,7 @@ def code_map() -> str:
     paths = [p for d in ("fuzzshard", "strategies") for p in sorted((ROOT / d).rglob("*.py"))
              if "known" not in p.relative_to(ROOT).parts and p.name not in skip]
     paths += [p for p in sorted((ROOT / "ci").rglob("*")) if p.suffix in (".py", ".sh", ".sbatch")]
+    paths = _listed(paths)
     paths.sort(key=lambda p: (p.parent.relative_to(ROOT).as_posix(), p.name != "__init__.py", p.name))
     width = max(len(_rel(p)) for p in paths) + 2
     for p in paths:
