@@ -201,6 +201,10 @@ class Pool:
         at = text.rfind("Fatal Python error")
         return _where(text[at:]) if at >= 0 else ""
 
+    def _phase_of(self, rank: int) -> str:
+        """The phase kind a worker was in when it hung or died (kernel/run.py, _Phase), "" if unknown."""
+        return _phase(self.gen.log_path(rank)) if self.gen and self.procs[rank].pid is not None else ""
+
     def _log_tail(self, rank: int, lines: int = 15) -> str:
         return self.gen.log_tail(rank, lines) if self.gen else ""
 
@@ -330,9 +334,11 @@ class Pool:
             r = min(dead)
             where = {d: at for d in sorted(dead)
                      if dead[d] is not None and dead[d] < 0 and (at := self._where_died(d + offset))}
+            phases = {d: p for d in sorted(dead) if (p := self._phase_of(d + offset))}
             return finding("crash", error=ErrorRecord(_exit_name(dead[r]), f"rank {r} died",
                                                       extra={"log": self._log_tail(r + offset)}).to_dict(),
-                           dead_ranks=sorted(dead), exitcode=dead[r], **({"where": where} if where else {}))
+                           dead_ranks=sorted(dead), exitcode=dead[r], **({"where": where} if where else {}),
+                           **({"phase": phases} if phases else {}))
         verdicts = {r: v for r, (v, _) in answers.items() if v is not None}
         for r in sorted(verdicts):  # any fuzzshard-internal error surfaces as such
             if verdicts[r]["status"] == "error":
@@ -351,9 +357,11 @@ class Pool:
         if len(answers) < w:
             stuck = sorted(set(range(w)) - set(answers))
             where = {r: self._where_stuck(r + offset) for r in stuck}
+            phases = {r: p for r in stuck if (p := self._phase_of(r + offset))}
             waits = "; ".join(f"rank {r}: {where[r] or '?'}" for r in stuck)
             return finding("hang", error=ErrorRecord("Hang", f"ranks {stuck} still running after {seconds:.0f}s, in "
-                                                     + waits).to_dict(), stuck_ranks=stuck, where=where)
+                                                     + waits).to_dict(), stuck_ranks=stuck, where=where,
+                           **({"phase": phases} if phases else {}))
         return verdicts.get(0, failure("rank 0 returned no verdict"))
 
 
@@ -472,10 +480,11 @@ class _Generation:
         self.listener.close()
         shutil.rmtree(self.store_dir, ignore_errors=True)
         for rank in range(self.size):
-            try:
-                os.remove(self.log_path(rank))
-            except OSError:
-                pass
+            for path in (self.log_path(rank), phase_path(self.log_path(rank))):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
 
     def log_tail(self, rank: int, lines: int = 15) -> str:
         try:
@@ -492,7 +501,7 @@ def spawn_worker(options: dict, rank: int, authkey: str, log_path: str):
     ``python -m fuzzshard.worker`` (multiprocessing's spawn would re-import
     the caller's __main__)."""
     env = {**os.environ, "FUZZSHARD_AUTHKEY": authkey, "OMP_NUM_THREADS": "1",
-           "FUZZSHARD_WORKER": json.dumps({**options, "rank": rank})}
+           "FUZZSHARD_WORKER": json.dumps({**options, "rank": rank}), "FUZZSHARD_PHASE": phase_path(log_path)}
     if options.get("zygote"):
         from .zygote import zygote
 
@@ -518,6 +527,21 @@ class _Remote:
 
     def wait(self, timeout=None):
         return None
+
+
+def phase_path(log_path: str) -> str:
+    """Where a worker writes the kind of phase it is in (kernel/run.py, _Phase), beside its log."""
+    return log_path[:-4] + ".phase" if log_path.endswith(".log") else log_path + ".phase"
+
+
+def _phase(log_path: str) -> str:
+    """The phase kind a worker last wrote ("fwdbwd", "load", ...), "" if none: what a hang's or a crash's
+    signature names, so that it never moves with fuzzshard's own module or function names."""
+    try:
+        with open(phase_path(log_path), "rb") as f:
+            return f.read(16).decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _where(dump: str) -> str:

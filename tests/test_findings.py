@@ -58,14 +58,29 @@ def test_a_crash_is_named_by_where_it_died_and_a_crash_elsewhere_is_new():
 
     assert _where(FAULTHANDLER_DUMP) == "zero.after_backward:all_reduce"  # innermost frame of ours, then torch's
     known = load_known()
-    sig = "fsdp1.crash.Killed_by_SIGABRT.fsdp1.grads.all_gather_single"
+    sig = "fsdp1.crash.Killed_by_SIGABRT.other.all_gather_single"
     f = known[sig]
     assert signature(f.case, f.verdict) == sig and is_known(sig, f.case, known)
-    elsewhere = {**f.verdict, "where": {"1": "run._steps:all_reduce"}}
+    elsewhere = {**f.verdict, "where": {"1": "run._steps:all_reduce"}, "phase": {"1": "fwdbwd"}}
     other = signature(f.case, elsewhere)
-    assert other == "fsdp1.crash.Killed_by_SIGABRT.run._steps.all_reduce" and not is_known(other, f.case, known)
+    assert other == "fsdp1.crash.Killed_by_SIGABRT.fwdbwd.all_reduce" and not is_known(other, f.case, known)
     nowhere = {k: v for k, v in f.verdict.items() if k != "where"}  # no stack came back: the bare signal, not known
     assert not is_known(signature(f.case, nowhere), f.case, known)
+
+
+def test_a_hang_or_crash_signature_names_no_fuzzshard_module():
+    """Where a rank hangs or dies is said as the kind of step it was in (the kernel's phase) and
+    torch's function: renaming or moving fuzzshard's own code moves no signature (issue 29)."""
+    from fuzzshard.findings import signature
+
+    known = load_known()
+    f = known["dtensor.hang.load.broadcast"]
+    moved = {**f.verdict, "where": {"0": "somewhere_else.renamed:broadcast", "1": "x.y:redispatch"}}
+    assert signature(f.case, moved) == signature(f.case, f.verdict) == "dtensor.hang.load.broadcast"
+    for sig, g in known.items():
+        if g.verdict.get("oracle") in ("hang", "crash"):
+            assert signature(g.case, g.verdict) == sig
+            assert not any(part in sig.split(".") for part in ("state_io", "run", "zero.after_backward", "grads")), sig
 
 
 def test_a_fused_step_divergence_says_whether_the_grad_it_read_was_contiguous():

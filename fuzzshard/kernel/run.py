@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 
 import torch
@@ -152,9 +153,17 @@ class _Phase:
     """What is running, for the error record: its text, and the kind a
     signature names (said here, so rewording a phase never moves a signature)."""
     name, kind = "shard", "shard"
+    # a pool worker's phase file (worker.py): the kind is written at its start, so the driver reads where a
+    # rank that hangs or dies was (a hang's or crash's signature names this kind, never a fuzzshard module)
+    sink: int | None = None
+
+    def __init__(self) -> None:
+        self("shard", "shard")
 
     def __call__(self, kind: str, name: str) -> None:
         self.kind, self.name = kind, name
+        if _Phase.sink is not None:
+            os.pwrite(_Phase.sink, kind.encode().ljust(8), 0)
 
 
 def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool = False,

@@ -11,10 +11,18 @@ def slug(text: str) -> str:
 
 
 def where(verdict: dict) -> str:
-    """".kernel_function.torch_function" of the lowest rank in ``where``, or ""."""
-    at = verdict.get("where", {})
-    first = at.get(min(at), "") if at else ""
-    return f".{slug(first.replace(':', '.'))}" if first else ""
+    """".phase.torch_function" of the lowest rank in ``where`` (the runner's "kernel function:torch
+    function"), or "": the phase is the kind of step that rank was in (``phase``, kernel/run.py's _Phase:
+    fwdbwd, step, save, load, ...), never fuzzshard's own module or function name, so a signature does not
+    move when fuzzshard's code does; a record without it names the torch function alone."""
+    at = {str(r): w for r, w in (verdict.get("where") or {}).items()}
+    if not at:
+        return ""
+    r = min(at, key=int)
+    phase = {str(k): v for k, v in (verdict.get("phase") or {}).items()}.get(r, "")
+    theirs = at[r].rsplit(":", 1)[-1] if ":" in at[r] else ""
+    parts = [slug(x) for x in (phase, theirs) if x]
+    return "".join(f".{x}" for x in parts if x)
 
 
 def ranks_finish(verdict: dict, actual: str) -> list[str]:
