@@ -84,6 +84,9 @@ class Finding:
     faces: list = field(default_factory=list)
     generalization: list = field(default_factory=list)
     removed: list = field(default_factory=list)  # what the reducer took out of the shrunk case (reduce.py)
+    # known findings only: what `known --check` gave on each torch release it ran on ({"2.10.0": "reproduces",
+    # "2.14.1": "fixed", ...}; ci/known_table.py writes it, known/README.md's regression table reads it)
+    seen_on: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -101,6 +104,7 @@ class Finding:
             **({"faces": sorted(self.faces)} if self.faces else {}),
             **({"generalization": self.generalization} if self.generalization else {}),
             **({"removed": self.removed} if self.removed else {}),
+            **({"seen_on": self.seen_on} if self.seen_on else {}),
         }
 
     @classmethod
@@ -121,6 +125,7 @@ class Finding:
             faces=data.get("faces", []),
             generalization=data.get("generalization", []),
             removed=data.get("removed", []),
+            seen_on=data.get("seen_on", {}),
         )
 
 

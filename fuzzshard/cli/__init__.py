@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from ..versions import too_old
+
+    if why := too_old():  # below the supported range (fuzzshard/versions.py, docs/versions.md): one line, exit 2
+        print(f"fuzzshard: error: {why}", file=sys.stderr)
+        return 2
     try:
         return COMMANDS[args.command].run(args)
     except UsageError as e:

@@ -16,6 +16,8 @@ def add(sub) -> None:
                        "hand-reduced scripts.")
     k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
+    k.add_argument("--json", metavar="FILE", help="with --check: also write each signature's outcome on this torch "
+                   "to FILE (ci/known_table.py joins several releases' files into the known README's table)")
     k.add_argument("--minimal", nargs="*", metavar="ROOT_CAUSE",
                    help="run the hand-reduced scripts of these root causes (none named: all) under torchrun here and "
                         "say, per root cause, whether each still reproduces (a quick check of another torch version)")
@@ -51,6 +53,7 @@ def run(args) -> int:
     print(f"{len(causes)} root causes behind {len(known)} known findings in torch (--markdown: the table with "
           f"upstream states; `fuzzshard show fuzzshard/known/SIG.json`: one finding)", flush=True)
     outcome: dict[str, list] = {}
+    each: dict[str, str] = {}  # signature -> reproduces / fixed / differs (SIG) / skipped, for --json
     try:
         order = [(rc.id, rc.signatures) for rc in sorted(causes.values(), key=lambda rc: rc.id)]
         order += [("", [sig for sig, f in sorted(known.items()) if not f.root_cause])]
@@ -69,11 +72,18 @@ def run(args) -> int:
                         got = judge(pool, f.case).label
                         status = "reproduces" if got == sig else "fixed" if got == "pass" else f"differs ({got})"
                     outcome.setdefault(rid or sig, []).append(status)
+                    each[sig] = status
                 print(f"    {sig}" + (f"  {status}" if status else "") + ("" if rc else f"\n        {f.diagnosis}"),
                       flush=True)
     finally:
         if pool is not None:
             pool.close()
+    if args.check and args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps({"torch": torch_version(), "device": args.device, "results": each},
+                                              indent=1, sort_keys=True) + "\n")
     if outcome:
         print(f"\nroot cause on torch {torch_version()}, {args.device}: still reproduces / fixed / now fails differently"
               f" / skipped (signatures)")
@@ -123,6 +133,7 @@ def known_markdown(known: dict) -> str:
             if rc.minimal else ""
         rows.append(f"| `{rc.id}` | {rc.kind} | {rc.upstream_text.replace('|', '/')} | {len(rc.signatures)} "
                     f"| {rc.title.replace('|', '/')}{minimal} |")
+    rows += regression_table(known, causes)
     rows += ["", "## Findings", "", "| signature | kind | root cause | torch, device | W | diagnosis |",
              "|---|---|---|---|---|---|"]
     for sig, f in sorted(known.items()):
@@ -133,3 +144,38 @@ def known_markdown(known: dict) -> str:
                     f"{where} | {f.case.world_size} | {f.diagnosis} |")
     return "\n".join(rows)
 
+
+def _release_key(version: str) -> tuple:
+    from ..versions import release
+
+    return release(version), version
+
+
+def regression_table(known: dict, causes: dict) -> list[str]:
+    """Markdown lines: root cause x torch release, from what each known finding records it gave there
+    (``seen_on``, written by ci/known_table.py from `known --check --json` on each release). A cell says
+    what the root cause's findings did on that release: reproduces (any of them still does), fixed (each
+    one checked passes now), differs (none reproduces, some fail otherwise), - (none could run there:
+    CUDA only, or more ranks); the counts are reproduces / fixed / differs."""
+    releases = sorted({v for f in known.values() for v in f.seen_on}, key=_release_key)
+    if not releases:
+        return []
+    rows = ["", "## Regression table", "",
+            "`fuzzshard known --check` on each release (CPU, gloo; `python ci/known_table.py` regenerates it): "
+            "per root cause, whether its known findings still reproduce there, are fixed, or now fail "
+            "differently (reproduces / fixed / differs, in findings). Each finding's file records the releases "
+            "it was checked on (`seen_on`).", "",
+            "| root cause | " + " | ".join(releases) + " |", "|---|" + "---|" * len(releases)]
+    by_cause: dict[str, list] = {}
+    for sig, f in sorted(known.items()):
+        by_cause.setdefault(f.root_cause or sig, []).append(f)
+    for rid in sorted(by_cause):
+        cells = []
+        for v in releases:
+            got = [f.seen_on.get(v, "skipped").split(" ")[0] for f in by_cause[rid]]
+            n = {k: got.count(k) for k in ("reproduces", "fixed", "differs")}
+            word = ("reproduces" if n["reproduces"] else "**fixed**" if n["fixed"] and not n["differs"] else
+                    "differs" if n["differs"] else "-")
+            cells.append(word if word == "-" else f"{word} {n['reproduces']}/{n['fixed']}/{n['differs']}")
+        rows.append(f"| `{rid}` | " + " | ".join(cells) + " |")
+    return rows

@@ -22,6 +22,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..versions import shard_size_and_offset
+
 _OPEN_GATHER: list = []  # the open batch, if any (at most one)
 
 
@@ -93,14 +95,12 @@ def _gather_aligned(nbytes: int) -> int:
 def _gather_shards(mesh, items: list) -> None:
     """Every shard of ``items`` from every rank of the 1-D ``mesh``, in one
     all-gather of bytes; each rank then assembles every full tensor."""
-    from torch.distributed.tensor import Shard
-
     group, n, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     plans = []  # per item: its shard dim and, per coordinate, (offset, length) along it and bytes
     for t, _, _ in items:
         d = t.placements[0].dim
         row_bytes = t.element_size() * math.prod(t.shape[:d]) * math.prod(t.shape[d + 1:])
-        shards = [Shard.local_shard_size_and_offset(t.shape[d], n, c) for c in range(n)]
+        shards = [shard_size_and_offset(t.shape[d], n, c) for c in range(n)]
         plans.append((d, [(offset, length, length * row_bytes) for length, offset in shards]))
     # a row: a flag per item (1: this rank's shard is not what its spec says), then every shard's bytes
     head = _gather_aligned(len(items))
