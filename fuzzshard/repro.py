@@ -1,5 +1,5 @@
-"""Standalone repro scripts: the straight-line script of scriptgen.py where
-it can write the case (only what the case uses), else the case inlined plus
+"""Standalone repro scripts: the straight-line script of scriptgen/ where
+it can write the finding (only what the case uses, and the check its verdict failed), else the case inlined plus
 the very kernel code that ran it, flattened into one file that needs only
 torch and torchrun.
 
@@ -85,13 +85,14 @@ def flatten(modules: list[str]) -> str:
     return "\n\n".join(parts)
 
 
-def script(case: Case, headline: str = "", environment: dict | None = None, flat: bool = False) -> str:
-    """The standalone repro of ``case``: the straight-line script (scriptgen.py:
-    only what the case uses) where it can be written, else, or with ``flat``,
-    the flattened kernel."""
+def script(case: Case, headline: str = "", environment: dict | None = None, flat: bool = False,
+           verdict: dict | None = None) -> str:
+    """The standalone repro of ``case``: the straight-line script (scriptgen/:
+    only what the case uses; with the finding's ``verdict``, only the check it
+    failed) where it can be written, else, or with ``flat``, the flattened kernel."""
     if not flat:
         try:
-            text = straight_script(case, headline, environment)
+            text = straight_script(case, headline, environment, verdict)
         except Exception:  # a generator fault must never cost a finding its repro: the flat one still runs
             text = None
         if text is not None:

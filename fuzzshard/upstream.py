@@ -107,7 +107,7 @@ def choose_script(finding: Finding, rc: RootCause | None, attachment: Path | Non
         text = re.sub(r" ?\([^()\n]*fuzzshard[^()\n]*\)", "", (_ROOT / rc.minimal).read_text())
         return Script(text, name, _ranks_of(text, name), "minimal")
     try:
-        text = straight_script(case, headline, finding.environment)
+        text = straight_script(case, headline, finding.environment, finding.verdict)
     except Exception:  # a generator fault must never cost a report its script: the flat one still runs
         text = None
     name = attachment.name if attachment else "repro.py"

@@ -24,7 +24,7 @@ def run(args) -> int:
 
     finding = load_file(args.file)
     text = repro.script(finding.case, summary(finding.verdict) if finding.verdict else "", finding.environment,
-                        flat=args.flat)
+                        flat=args.flat, verdict=finding.verdict)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)

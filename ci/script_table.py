@@ -1,0 +1,110 @@
+"""The straight-line repro scripts (fuzzshard/scriptgen/) over the known list:
+how many findings get one, their line counts (median, max), and how many of
+them, run standalone under torchrun on this torch, fail as their finding did.
+
+    nice -n 10 python ci/script_table.py [--no-run] [--only SUBSTR,..] [--timeout SEC] [--jobs N] [-v]
+
+A script reproduces its finding when it exits non-zero and says what the
+finding said: for an error, the exception's type and the start of its
+message; for a checkpoint or parity finding, "FINDING" and the param the
+first mismatch names (or "strict" for a strict load); a crash exits
+non-zero; a hang times out or fails its collective's timeout. CPU findings
+only run (a CUDA one counts as not run). One table row per finding, then
+the totals; exit 0 always (a measurement, not a gate).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fuzzshard.findings import load_known, summary  # noqa: E402
+from fuzzshard.scriptgen import straight_script  # noqa: E402
+
+
+CHECKS = ("ReplicasDiverged", "GroupsLost", "PartitionBroken", "GatherMismatch", "StateNotPlain", "ShardedParamsListed")
+
+
+def reproduces(finding, rc: int | None, out: str) -> bool:
+    v = finding.verdict or {}
+    oracle, err, first = v.get("oracle", ""), v.get("error") or {}, v.get("first") or {}
+    if oracle == "hang":
+        return rc is None or (rc != 0 and ("imeout" in out or "timed out" in out))
+    if rc is None or rc == 0:
+        return False
+    if oracle == "crash":
+        return True
+    if err:  # (fuzzshard's own checks of torch's results, ReplicasDiverged and the like, are asserts in a script)
+        kind = err.get("type", "?") if err.get("type", "?") not in CHECKS else "AssertionError"
+        return kind in out and ((err.get("message", "") or "")[:30] in out or kind == "AssertionError")
+    if "strict" in first.get("quantity", ""):
+        return "FINDING" in out and "strict" in out
+    return "FINDING" in out and first.get("fqn", "") in out
+
+
+def run_script(finding, text: str, timeout: int, env: dict) -> tuple:
+    """(exit code or None on a timeout, stdout + stderr) of the script under torchrun on the case's ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "repro.py"
+        path.write_text(text)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(finding.case.ranks), str(path)]
+        try:
+            r = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout, env=env)
+            return r.returncode, r.stdout + r.stderr
+        except subprocess.TimeoutExpired as e:
+            return None, str(e.stdout or "") + str(e.stderr or "")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-run", action="store_true", help="count and measure only")
+    ap.add_argument("--only", default="", help="signatures containing any of these (comma-separated)")
+    ap.add_argument("--timeout", type=int, default=150)
+    ap.add_argument("--jobs", type=int, default=1, help="scripts run side by side")
+    ap.add_argument("-v", action="store_true", help="print the output tail of each script that does not reproduce")
+    args = ap.parse_args()
+    known = {s: f for s, f in load_known().items() if any(o in s for o in args.only.split(","))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUZZSHARD")}
+    texts = {sig: straight_script(f.case, summary(f.verdict) if f.verdict else "", f.environment, f.verdict)
+             for sig, f in known.items()}
+    lines = [t.count("\n") for t in texts.values() if t is not None]
+    todo = [s for s, t in texts.items() if t is not None and not args.no_run and known[s].case.device == "cpu"]
+    results = {}
+
+    def one(sig):
+        rc, out = run_script(known[sig], texts[sig], args.timeout, env)
+        ok = reproduces(known[sig], rc, out)
+        print(f"{sig}: {'reproduces' if ok else f'does not (exit {rc})'}", file=sys.stderr, flush=True)
+        if args.v and not ok:
+            tail = [ln for ln in out.splitlines() if not ln.startswith(("W1", "[W", "*****"))][-25:]
+            print(f"--- {sig}\n" + "\n".join(tail), file=sys.stderr, flush=True)
+        results[sig] = ok
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(one, todo))
+    rows = []
+    for sig in sorted(known):
+        t = texts[sig]
+        run = "flattened" if t is None else "not run" if sig not in results else \
+            "reproduces" if results[sig] else "does not"
+        rows.append((sig, "-" if t is None else t.count("\n"), run))
+    widths = [max(len(str(x)) for x in col) for col in zip(("signature", "lines", "run"), *rows)]
+    for row in [("signature", "lines", "run"), tuple("-" * w for w in widths), *rows]:
+        print(" | ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    print(f"straight-line scripts: {len(lines)} of {len(known)} findings")
+    if lines:
+        print(f"lines: median {statistics.median(lines):g}, max {max(lines)}, under 100: {sum(n < 100 for n in lines)}")
+    if not args.no_run:
+        print(f"run: {len(results)}, reproduce their finding: {sum(results.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

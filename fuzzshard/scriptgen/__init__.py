@@ -1,0 +1,393 @@
+"""A straight-line standalone repro: only what one finding uses, written out.
+
+``straight_script(case, headline, environment, verdict)`` writes a short
+torch-only script for ``torchrun``: the model as explicit nn modules, the
+target's own calls, the optimizer with the kwargs that differ from torch's
+defaults, the steps, the checkpoint's save and load, and then only the check
+that the finding failed (``verdict``: the oracle, the step, the quantity):
+  - an error (and a crash or a hang): the run up to where it raised, and
+    nothing else: torch's own traceback is the evidence;
+  - a checkpoint round trip: the state right before the save and right after
+    the load, compared exactly;
+  - parity: a plain copy of the model takes the sharded run's params and
+    optimizer state before the step (anchored, as kernel/reference.py does),
+    runs the step on the whole batch and steps from the sharded grads; the
+    difference beyond the kernel's rounding bound (kernel/oracles.py) printed;
+  - no verdict (a case, not a finding): parity at every step, or the round trip.
+Cases it cannot write return None: repro.script falls back to the flattened kernel.
+
+Per-target knowledge lives in one module per target here (dtensor.py,
+fsdp2.py, fsdp1.py, zero.py, sharded_optim.py; dsd.py holds the state-dict
+checkpoint kinds they share), registered in ``WRITERS``. Not a hook in each
+target's Spec: the kernel's target modules are flattened into every fallback
+repro and imported in every worker, and this is driver-only text generation
+that would weigh on both; a new target adds a module here with the same
+functions (imports, unsupported, shard, optimizer, forward_backward, snapshot,
+grads, KINDS and FREEZE_BEFORE_SHARD; the checkpoint kinds of its own as save_<kind> /
+load_<kind>) and one line in ``WRITERS``.
+"""
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+
+import torch
+
+from ..case import Case
+from ..kernel.model import param_shapes
+from ..kernel.oracles import STEP_ULPS
+from ..kernel.reference import reduction_parts  # the kernel's loss/grad bound, as factors
+from . import common, dsd, dtensor, fsdp1, fsdp2, sharded_optim, zero
+
+WRITERS = {"dtensor": dtensor, "fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "sharded_optim": sharded_optim}
+ERROR_ORACLES = ("error_parity", "crash", "hang")
+
+
+def straight_script(case: Case, headline: str = "", environment: dict | None = None,
+                    verdict: dict | None = None) -> str | None:
+    """The script's text (exit 0: torch behaves; 1: the finding shows), or None
+    where the case uses something no writer here writes."""
+    w = WRITERS.get(case.target)
+    if w is None or _unsupported(case, w):
+        return None
+    plan = _plan(case, verdict or {})
+    if plan is None or (plan["mode"] in ("parity", "checkpoint") and w.snapshot(case, case.target_options) is None):
+        return None
+    if plan["mode"] == "parity" and (w.grads(case, case.target_options) is None or case.target_options.get("mp")):
+        return None  # (mixed precision: its reference is the kernel's own replay of the casts)
+    return Writer(case, w, plan, headline, environment or {}).text()
+
+
+def _unsupported(case: Case, w) -> bool:
+    if case.device != "cpu" or case.model.factory or case.dtype not in ("float32", "float64"):
+        return True
+    if not hasattr(torch.optim, case.optim.name) or not common.literal_ok(case.optim.kwargs) \
+            or not all(common.literal_ok(g.overrides) for g in case.groups):
+        return True
+    if any(layer.kind == "act" and layer.act not in common.ACTS for layer in common.walk(case.model.layers)):
+        return True
+    sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
+    if any(w.unsupported(case, o) for o in sides):
+        return True
+    return bool(case.checkpoint) and case.checkpoint.kind not in w.KINDS
+
+
+def _plan(case: Case, verdict: dict) -> dict | None:
+    """What the script runs and checks: mode (error, checkpoint, parity, all),
+    the last saving-side step, whether the loading side runs and its last step,
+    whether each step observes the full state (where the kernel's gathers raised)."""
+    ck, n = case.checkpoint, len(case.schedule)
+    oracle, first, err = verdict.get("oracle", ""), verdict.get("first") or {}, verdict.get("error") or {}
+    save_last = ck.after if ck else n - 1
+    plan = {"mode": "all", "last": save_last, "load": bool(ck), "load_last": n - 1, "observe": False, "check": ""}
+    if oracle in ERROR_ORACLES or (err and not first):
+        phase = err.get("phase", "")
+        plan.update(mode="error", observe=oracle in ("crash", "hang") or "gather" in phase, check=err.get("type", ""))
+        m = re.match(r"step (\d+)", phase)
+        if m:
+            k = int(m.group(1))
+            if ck and k > ck.after:
+                plan["load_last"] = k
+            else:
+                plan.update(last=k, load=False)
+        elif phase in ("shard", "optimizer constructor", "gather initial optimizer state"):
+            plan.update(last=-1, load=False)
+        elif phase == "checkpoint save":
+            plan["load"] = False
+        elif phase.startswith("checkpoint load") or phase == "checkpoint barrier":
+            plan["load_last"] = ck.after if ck else n - 1
+        return plan
+    if oracle == "checkpoint" or (ck and not oracle):
+        plan.update(mode="checkpoint", load_last=ck.after, saved=first.get("quantity", "").startswith("saved"),
+                    quantity=first.get("quantity", ""))
+        return plan
+    if oracle == "parity" or not oracle:
+        k = first.get("step", n - 1)
+        if ck and k > ck.after:
+            return None  # (parity after a load: the flattened kernel)
+        plan.update(mode="parity", last=k, load=False, steps=[k] if first else list(range(k + 1)))
+        return plan
+    return None
+
+
+class Writer:
+    def __init__(self, case: Case, w, plan: dict, headline: str, env: dict):
+        self.case, self.w, self.plan, self.headline, self.env = case, w, plan, headline, env
+        self.ranks = case.ranks
+
+    # ---- the parts ----------------------------------------------------------
+    def text(self) -> str:
+        c, p = self.case, self.plan
+        body = self.side(c.target_options, c.world_size, c.mesh_shape, c.seed, 1.0, 0, p["last"], save=True)
+        if c.checkpoint and p["mode"] != "parity" and p["last"] >= c.checkpoint.after:
+            ck = c.checkpoint
+            body += ["dist.barrier()  # the checkpoint is complete", "",
+                     f"# the loading side, on {ck.world_size} rank(s): a fresh model (another seed) and optimizer "
+                     "(every lr halved), the load"]
+            if p["load"]:
+                body += self.side(ck.target_options, ck.world_size, ck.mesh_shape, c.seed + 1, 0.5, ck.after + 1,
+                                  p["load_last"], save=False)
+        body += self.verdict_lines()
+        parts = [self.header(), self.imports(), self.prologue(), "\n".join(common.model(c, 2)), "\n".join(common.batch(c))]
+        if p["mode"] in ("parity", "checkpoint") or p["observe"]:
+            parts.append("\n".join(self.w.snapshot(c, c.target_options)))
+        if p["mode"] == "parity":
+            parts.append(_CHECK.replace("{u}", f"2.0 ** -{24 if c.dtype == 'float32' else 53}"))
+        parts += ["\n".join(body), _END]
+        return "\n\n".join(x.strip("\n") for x in parts if x) + "\n"
+
+    def header(self) -> str:
+        c, p = self.case, self.plan
+        what = {"error": "runs it and lets torch's error show", "checkpoint":
+                "compares the state right before the save with the state right after the load (exactly)",
+                "parity": "replays each checked step on a plain copy of the model, anchored on the sharded run's state, "
+                          "and compares within rounding bounds",
+                "all": "replays each step on a plain copy of the model, anchored on the sharded run's state"}[p["mode"]]
+        headline = (self.headline or "a fuzzshard case").replace("\\", "/").replace('"', "'")
+        about = textwrap.fill(f"Needs only torch; found with torch {self.env.get('torch', '?')}, "
+                              f"{self.env.get('backend', 'gloo')}. Trains the case with {c.target} and {what}. "
+                              "Exit 0: as expected; 1: the finding (printed).", 100)
+        return f'#!/usr/bin/env python\n"""{headline}\n\nRun: torchrun --nproc-per-node {self.ranks} THIS_FILE.py ' \
+               f'[--setup PATCH.py]\n{about}\n"""'
+
+    def imports(self) -> str:
+        c = self.case
+        out = ["import datetime, os, sys", "import torch, torch.distributed as dist, torch.nn as nn"]
+        own = list(self.w.imports(c, c.target_options))
+        if c.checkpoint and self.plan["mode"] != "parity":
+            own += self.w.imports(c, c.checkpoint.target_options)
+            own += ["import tempfile"] + (dsd.imports(c) if c.checkpoint.kind in dsd.KINDS else
+                                          getattr(self.w, "imports_" + c.checkpoint.kind, lambda c: [])(c))
+        if self.plan["mode"] in ("parity", "checkpoint") or self.plan["observe"]:
+            own += getattr(self.w, "snapshot_imports", lambda: [])()
+        if self.submesh(c.world_size) or (c.checkpoint and self.submesh(c.checkpoint.world_size)):
+            own.append("from torch.distributed.device_mesh import DeviceMesh")
+        return "\n".join(out + list(dict.fromkeys(own)))
+
+    def prologue(self) -> str:
+        c = self.case
+        lines = ["if \"--setup\" in sys.argv:  # a Python file run first (a patch of torch, e.g. a planted bug)",
+                 "    setup = sys.argv[sys.argv.index(\"--setup\") + 1]",
+                 "    exec(compile(open(setup).read(), setup, \"exec\"), {\"__name__\": \"__setup__\", \"__file__\": setup})",
+                 "torch.set_num_threads(1)",
+                 "dist.init_process_group(\"gloo\", timeout=datetime.timedelta(seconds=120))  # a hang fails",
+                 "rank = dist.get_rank()",
+                 "sys.excepthook = lambda kind, err, tb: (  # an error anywhere below is a finding: said, then its traceback",
+                 "    print(f\"FINDING: rank {rank}: {kind.__name__}: {err}\", flush=True), sys.__excepthook__(kind, err, tb), os._exit(1))"]
+        if c.checkpoint and self.plan["mode"] != "parity":
+            lines += ["ckpt = [tempfile.mkdtemp() if rank == 0 else None]",
+                      "dist.broadcast_object_list(ckpt)  # one directory every rank sees", "ckpt = ckpt[0]"]
+        return "\n".join(lines)
+
+    def submesh(self, world: int) -> bool:
+        return world < self.ranks
+
+    def mesh(self, world: int, shape: tuple) -> str:
+        names = ", mesh_dim_names=(\"d0\", \"d1\")" if len(shape) == 2 else ""
+        if not self.submesh(world):
+            return f"init_device_mesh(\"cpu\", {tuple(shape)}{names})"
+        return f"DeviceMesh(\"cpu\", torch.arange({world}).view{tuple(shape)}{names})  # ranks 0..{world - 1}"
+
+    def side(self, options: dict, world: int, shape: tuple, seed: int, lr_scale: float, first: int, last: int,
+             save: bool) -> list[str]:
+        """One side's model, optimizer and steps ``first..last`` (and its save, or its load)."""
+        c, w, p = self.case, self.w, self.plan
+        ck = c.checkpoint
+        sub = self.submesh(world)  # fewer ranks than the script's: its own mesh or group, made by every rank
+        group = "group" if sub else ""
+        shard = w.shard(c, options, shape, "MESH", group)
+        make_opt = w.optimizer(c, options, lr_scale, group)
+        out = [f"# the sharded run on {world} rank(s)" + (f" of {self.ranks}" if sub else "")] if save else []
+        if sub:
+            out += [f"mesh = {self.mesh(world, shape)}"] * ("mesh = MESH" in shard)
+            shard = [ln for ln in shard if ln != "mesh = MESH"]
+        elif not save and (world, tuple(shape)) == (c.world_size, tuple(c.mesh_shape)) and "mesh = MESH" in shard \
+                and self.plan["last"] >= 0:
+            shard = [ln for ln in shard if ln != "mesh = MESH"]  # the saving side's mesh
+        else:
+            shard = [ln.replace("MESH", self.mesh(world, shape)) for ln in shard]
+        inner = [f"model = build({seed})"]
+        frozen = [f"for n in {list(c.frozen)!r}:  # frozen from the start", "    model.get_parameter(n).requires_grad_(False)"] \
+            if c.frozen else []
+        if not save:  # the loading side's params require grad as the saved run left them
+            flags = [(n, False) for s in c.schedule[:ck.after + 1] for n in s.freeze] + \
+                    [(n, True) for s in c.schedule[:ck.after + 1] for n in s.unfreeze]
+            frozen += [f"model.get_parameter({n!r}).requires_grad_({v})" for n, v in flags]
+        inner += (frozen + shard) if w.FREEZE_BEFORE_SHARD else (shard + frozen)
+        inner += make_opt
+        if save and p["check"] and hasattr(w, "check_" + p["check"]):
+            inner += getattr(w, "check_" + p["check"])(c)  # the target's own check that failed
+        if p["mode"] == "parity":
+            inner += ["got, after = [], [snapshot(model, opt)]  # per step: the grads, and the state after it"]
+        if not save:
+            load = dsd.load(c, group) if ck.kind in dsd.KINDS else getattr(w, "load_" + ck.kind)(c, group)
+            if ck.strict and (ck.missing or ck.unexpected):  # a strict load must refuse it
+                load = ["try:", *common.indent(load), "    accepted = True", "except Exception as e:",
+                        "    accepted = False", "    print(f\"rank {rank}: the strict load refused it: {e!r}\"[:300])"]
+            inner += load
+            if p["mode"] == "checkpoint":
+                inner += ["loaded = snapshot(model, opt)"]
+        inner += self.steps(options, world, shape, first, last)
+        if save and ck and p["mode"] != "parity" and last >= ck.after:
+            inner += ["saved = snapshot(model, opt)"] * (p["mode"] == "checkpoint")
+            inner += [f"# save after step {ck.after}"]
+            inner += dsd.save(c, group) if ck.kind in dsd.KINDS else getattr(w, "save_" + ck.kind)(c, group)
+        if sub:
+            uses = any(re.search(r"(?<![\w.])group(?!\w)", ln) for ln in inner)
+            return out + [f"group = dist.new_group(list(range({world})))"] * uses + [f"if rank < {world}:"] + common.indent(inner)
+        return out + inner
+
+    def steps(self, options: dict, world: int, shape: tuple, first: int, last: int) -> list[str]:
+        c, p = self.case, self.plan
+        if last < first:
+            return []
+        body = []
+        for k in range(first, last + 1):  # a step's freezes and unfreezes, and groups added before it
+            s = c.schedule[k]
+            acts = [f"model.get_parameter({n!r}).requires_grad_(False)" for n in s.freeze] + \
+                   [f"model.get_parameter({n!r}).requires_grad_(True)" for n in s.unfreeze]
+            if c.optim.added_at == k and c.optim.added_groups and (k > (c.checkpoint.after if c.checkpoint else -1)
+                                                                   or first == 0):
+                added = common.param_groups(c)[1]
+                acts += [f"for g in {added}:  # groups added mid-run", "    opt.add_param_group(g)"]
+                if getattr(self.w, "added_groups", None):
+                    acts += self.w.added_groups(c)
+            if acts:
+                body += ([f"if k == {k}:"] + common.indent(acts)) if last > first else acts
+        nones = {s.set_to_none for s in c.schedule[first:last + 1]}
+        if nones == {True}:
+            body.append("opt.zero_grad()")
+        elif len(nones) == 1:
+            body.append("opt.zero_grad(set_to_none=False)")
+        else:
+            body.append(f"opt.zero_grad(set_to_none={[s.set_to_none for s in c.schedule]!r}[k])")
+        body.append("x, y = batch(k)")
+        body += self.w.forward_backward(c, options, world, shape)
+        if p["mode"] == "parity":
+            body.append(f"got.append({self.w.grads(c, options)})")
+        elif p["observe"]:
+            body.append(f"seen = {self.w.grads(c, options) or 'None'}  # the grads, gathered")
+        body.append("opt.step()")
+        if p["mode"] == "parity":
+            body.append("after.append(snapshot(model, opt))")
+        elif p["observe"]:
+            body.append("seen = snapshot(model, opt)  # params and optimizer state, gathered")
+        if last == first:
+            return [f"k = {first}"] + body
+        return [f"for k in range({first}, {last + 1}):" if first else f"for k in range({last + 1}):"] + common.indent(body)
+
+    def verdict_lines(self) -> list[str]:
+        c, p = self.case, self.plan
+        if p["mode"] == "error":
+            return ["", "if rank == 0:", "    print(\"PASS: it ran through\")", "fail = []"]
+        if p["mode"] == "checkpoint":
+            return self.checkpoint_check()
+        return self.parity_check()
+
+    def checkpoint_check(self) -> list[str]:
+        c, ck = self.case, self.case.checkpoint
+        out = ["", "# the loaded state must equal the saved one"]
+        if ck.strict and (ck.missing or ck.unexpected):
+            keys = ([f"without {dsd.missing_keys(c)}"] * bool(ck.missing) + ["with an unexpected key"] * ck.unexpected)
+            return out + [f"fail = [\"a strict load accepted a model state dict {' and '.join(keys)} \"",
+                          "        \"(load_state_dict(strict=True) refuses it)\"] if accepted else []",
+                          "if rank == 0:", "    print(f\"FINDING: {fail[0]}\" if fail else \"PASS: the strict load refused it\")"]
+        if ck.missing:
+            out += [f"fresh = dict(build({c.seed + 1}).named_parameters())  # a non-strict load leaves these as they were",
+                    f"saved[0].update({{n: fresh[n].detach() for n in {list(ck.missing)!r}}})"]
+        if self.plan.get("saved"):
+            out += ["# what was saved must equal the state it was saved from"]
+        q = "" if self.plan.get("saved") else self.plan.get("quantity", "")
+        what = "param" if q.startswith("loaded.param") and not q.startswith("loaded.param_groups") else \
+            "state" if q.startswith("loaded.state") else "group" if q.startswith(("loaded.group", "loaded.param_groups")) else ""
+        out += ["fail = []", "if rank == 0:  # saved and loaded: (params, optimizer state, param groups)"]
+        if what in ("", "param"):
+            out += ["    fail += [f\"param {n}: saved {v.tolist()}, loaded {loaded[0][n].tolist()}\"",
+                    "             for n, v in saved[0].items() if not torch.equal(v, loaded[0][n])]"]
+        if what in ("", "state"):
+            out += ["    names = lambda state, n: sorted(k for m, k in state if m == n)",
+                    "    fail += [f\"state of {n}: saved {names(saved[1], n)}, loaded {names(loaded[1], n)}\"",
+                    "             for n in sorted({m for m, _ in saved[1]} ^ {m for m, _ in loaded[1]})]",
+                    "    fail += [f\"state {n}.{k}: saved {v.tolist()}, loaded {loaded[1][n, k].tolist()}\" for (n, k), v in saved[1].items()",
+                    "             if (n, k) in loaded[1] and not (v.dtype == loaded[1][n, k].dtype and torch.equal(v, loaded[1][n, k]))]"]
+        if what in ("", "group"):
+            out += ["    fail += [f\"param group {i} {k}: saved {g[k]!r}, loaded {g2.get(k)!r}\"",
+                    "             for i, (g, g2) in enumerate(zip(saved[2], loaded[2])) for k in g if g[k] != g2.get(k)]"]
+        out += ["    print(\"\\n\".join([\"FINDING: the load changed what was saved\", *fail]) if fail else",
+                "          \"PASS: the loaded state equals the saved one\")"]
+        return out
+
+    def parity_check(self) -> list[str]:
+        c, p = self.case, self.plan
+        b, s, d, kern, depth = reduction_parts(c)
+        step_ulps = STEP_ULPS
+        if c.optim.name == "Adafactor":
+            step_ulps = f"{STEP_ULPS} * 4 * {max([math.prod(sh) for sh in param_shapes(c.model).values()] or [1])}"
+        plain = ["plain = build(%d)" % c.seed]
+        if c.frozen:
+            plain += [f"for n in {list(c.frozen)!r}:", "    plain.get_parameter(n).requires_grad_(False)"]
+        opt = [ln.replace("model.", "plain.").replace("opt = ", "opt_p = ").replace("opt.add", "opt_p.add")
+               for ln in common.optimizer(c)]
+        steps = p["steps"]
+        body = []
+        for k in steps:
+            acts = [f"plain.get_parameter({n!r}).requires_grad_(False)" for n in c.schedule[k].freeze] + \
+                   [f"plain.get_parameter({n!r}).requires_grad_(True)" for n in c.schedule[k].unfreeze]
+            if c.optim.added_at == k and c.optim.added_groups:
+                acts += [f"for g in {common.param_groups(c)[1]}:", "    opt_p.add_param_group(g)"]
+            if acts:
+                body += ([f"if k == {k}:"] + common.indent(acts)) if len(steps) > 1 else acts
+        anchor = ["params, state, _ = after[k]  # the sharded run's state before step k",
+                  "pp = dict(plain.named_parameters())",
+                  "with torch.no_grad():",
+                  "    for n, q in pp.items():",
+                  "        q.copy_(params[n])",
+                  "        q.grad = got[k - 1][n].clone() if k and got[k - 1][n] is not None else None",
+                  "opt_p.state.clear()",
+                  "for (n, name), v in state.items():",
+                  "    opt_p.state[pp[n]][name] = v.clone() if v.dim() or name != \"step\" else v.clone().cpu()"]
+        body += anchor if steps != [0] else []
+        sn = [st.set_to_none for st in c.schedule]
+        body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
+                 "x, y = batch(k)",
+                 "((plain(x) - y) ** 2).mean().backward()  # the whole batch",
+                 f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, 2 * {b} * {s} * {d} * {kern} * {depth})"
+                 "  # summed in another order", "         for n, q in plain.named_parameters()]",
+                 "with torch.no_grad():  # the plain optimizer steps from the sharded grads: only the step differs",
+                 "    for n, q in plain.named_parameters():",
+                 "        q.grad = got[k][n]",
+                 "opt_p.step()",
+                 "(params, state, groups), mine = after[k + 1], snapshot(plain, opt_p)",
+                 f"fail += [check(f\"step {{k}} param {{n}}\", params[n], v, {step_ulps}) for n, v in mine[0].items()]",
+                 f"fail += [check(f\"step {{k}} state {{n}} {{s}}\", state.get((n, s)), mine[1].get((n, s)), {step_ulps})",
+                 "         for n, s in sorted(set(state) | set(mine[1]))]",
+                 "if groups != mine[2]:",
+                 "    fail.append(f\"step {k} param_groups: sharded {groups}, plain {mine[2]}\")"]
+        loop = [f"k = {steps[0]}"] + body if len(steps) == 1 else [f"for k in {steps!r}:"] + common.indent(body)
+        return ["", "# the plain model replays the step on the whole batch from the sharded run's state",
+                *plain, *opt, "fail = []", *loop, "fail = [f for f in fail if f]",
+                "if rank == 0:",
+                "    print(\"\\n\".join([\"FINDING: the sharded run differs from the plain one\", *fail]) if fail else",
+                "          \"PASS: the sharded run matches the plain one\")"]
+
+
+_CHECK = '''U = {u}  # unit roundoff of the dtype
+
+def check(what, got, want, k):  # None if |got - want| <= k ulps of (max|want| + |want|) everywhere, else what differs
+    if got is None or want is None or got.shape != want.shape:
+        return None if got is None and want is None else f"{what}: sharded {got}, plain {want}"
+    g, w, fin = got.double(), want.double(), got.isfinite() & want.isfinite()
+    if not (fin | (g == w) | (g.isnan() & w.isnan())).all():
+        return f"{what}: NaN or inf in one run only"
+    g, w = g.where(fin, 0), w.where(fin, 0)
+    err, bound = (g - w).abs(), k * U * (w.abs().max() + w.abs())
+    if (ok := err <= bound).all():
+        return None
+    i = int((err - bound).where(~ok, -1).argmax())
+    return (f"{what}: sharded {g.flatten()[i].item():.8g}, plain {w.flatten()[i].item():.8g} at flat index {i}, "
+            f"|diff| {err.flatten()[i].item():.3g} > allowed {bound.flatten()[i].item():.3g} ({int((~ok).sum())}/{w.numel()} off)")'''
+
+_END = '''sys.stdout.flush()
+dist.destroy_process_group()
+os._exit(1 if fail else 0)  # skip interpreter teardown: gloo's threads can abort the process there'''

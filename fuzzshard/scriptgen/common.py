@@ -1,0 +1,193 @@
+"""What every target's script shares: Python literals of a Case's values, the
+model as nn modules, the data, the optimizer, the training loop. Each function
+returns lines of code (no trailing newline) for the caller to place."""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+from ..case import Case, Layer
+from ..kernel.model import out_dim, param_shapes
+from ..kernel.optim import _TUPLE_KWARGS  # kwargs torch documents as tuples (a Case holds lists)
+
+ACTS = {"relu": "nn.ReLU()", "gelu": "nn.GELU()", "tanh": "nn.Tanh()", "silu": "nn.SiLU()"}
+WRAPPED = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")  # what wrappers add to a param's name
+
+
+def walk(layers):
+    for layer in layers:
+        yield layer
+        yield from walk(layer.children)
+
+
+def literal_ok(value) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and literal_ok(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(literal_ok(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def lit(value, key: str = "") -> str:
+    """A Python literal of a JSON value; the kwargs torch documents as tuples as tuples."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"
+    if isinstance(value, (list, tuple)):
+        items = [lit(v) for v in value]
+        if key in _TUPLE_KWARGS:
+            return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+        return f"[{', '.join(items)}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {lit(v, k)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def indent(lines: list[str], n: int = 4) -> list[str]:
+    return [" " * n + ln if ln else ln for ln in lines]
+
+
+# ---- the model and the data ------------------------------------------------
+
+def _layer(layer: Layer) -> str:
+    k, nobias = layer.kind, "" if layer.bias else ", bias=False"
+    inner = ", ".join(_layer(c) for c in layer.children)
+    if k == "linear":
+        return f"nn.Linear({layer.d_in}, {layer.d_out}{nobias})"
+    if k == "embedding":
+        return f"nn.Embedding({layer.d_in}, {layer.d_out})"
+    if k == "layernorm":
+        return f"nn.LayerNorm({layer.d_in}{nobias})"
+    if k == "conv1d":
+        return f"Conv({layer.d_in}, {layer.d_out}, {layer.kernel}, padding={layer.kernel // 2}{nobias})"
+    if k == "act":
+        return ACTS[layer.act]
+    return {"seq": "nn.Sequential", "residual": "Residual", "twice": "Twice"}[k] + f"({inner})"
+
+
+_CLASSES = {
+    "conv1d": ["class Conv(nn.Module):  # Conv1d over the sequence axis of a [batch, seq, features] activation",
+               "    def __init__(self, *args, **kwargs):", "        super().__init__()",
+               "        self.conv = nn.Conv1d(*args, **kwargs)", "    def forward(self, x):",
+               "        return self.conv(x.transpose(1, 2)).transpose(1, 2)"],
+    "residual": ["class Residual(nn.Module):  # x + f(x)", "    def __init__(self, *layers):", "        super().__init__()",
+                 "        self.inner = nn.Sequential(*layers)", "    def forward(self, x):", "        return x + self.inner(x)"],
+    "twice": ["class Twice(Residual):  # f(f(x)): one module called twice, its params get two grad contributions",
+              "    def forward(self, x):", "        return self.inner(self.inner(x))"],
+}
+
+
+def model(case: Case, builds: int) -> list[str]:
+    """The classes, and ``build(seed)`` (or ``model = ...`` where it is built once):
+    the kernel's init, bit for bit (the same modules in the same order under the same seed)."""
+    spec = case.model
+    kinds = {layer.kind for layer in walk(spec.layers)}
+    out = []
+    for k in ("conv1d", "residual", "twice"):
+        if k in kinds or (k == "residual" and "twice" in kinds):
+            out += _CLASSES[k] + [""]
+    out += ["class Net(nn.Module):", "    def __init__(self):", "        super().__init__()",
+            "        self.layers = nn.Sequential(" + ", ".join(_layer(x) for x in spec.layers) + ")"]
+    result = "self.layers(x)"
+    if spec.tie_head:
+        emb = spec.layers[0]
+        out += [f"        self.head = nn.Linear({emb.d_out}, {emb.d_in}, bias=False)",
+                "        self.head.weight = self.layers[0].weight  # tied: one Parameter in two modules"]
+        result = f"self.head({result})"
+    if spec.unused:
+        out.append("        self.unused = nn.Linear(2, 3)  # never called: its params get no grad")
+    if spec.buffer:
+        out.append(f"        self.register_buffer(\"scale\", torch.rand({out_dim(spec)}) + 0.5)")
+        result = f"{result} * self.scale"
+    out += ["    def forward(self, x):", f"        return {result}", ""]
+    dtype = case.target_options.get("built_as", case.dtype)
+    out += ["def build(seed):  # the same seed, the same initial params", "    torch.manual_seed(seed)",
+            f"    return Net().to(torch.{dtype})"]
+    return out
+
+
+def batch(case: Case) -> list[str]:
+    m = case.model
+    x = (f"torch.randint(0, {m.d_in}, ({case.batch}, {case.seq}), generator=g)" if m.input == "tokens"
+         else f"torch.randn({case.batch}, {case.seq}, {m.d_in}, generator=g).to(torch.{case.dtype})")
+    return ["def batch(k):  # step k's global inputs and targets (every rank draws the same)",
+            f"    g = torch.Generator().manual_seed({f'{case.seed * 1000} + ' if case.seed else ''}k + 1)",
+            f"    return {x}, torch.randn({case.batch}, {case.seq}, {out_dim(m)}, generator=g).to(torch.{case.dtype})"]
+
+
+# ---- the optimizer ---------------------------------------------------------
+
+def _defaults(name: str) -> dict:
+    try:
+        sig = inspect.signature(getattr(torch.optim, name).__init__)
+    except (TypeError, ValueError):
+        return {}
+    return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+
+
+def _same(default, v) -> bool:
+    """A value that behaves as the default does (a list for a tuple, 0.0 for 0; never a bool for a number)."""
+    if isinstance(default, bool) != isinstance(v, bool) or (default is None) != (v is None):
+        return False
+    if isinstance(default, bool) or default is None:
+        return v is default
+    if isinstance(default, (tuple, list)) and isinstance(v, (tuple, list)):
+        return list(default) == list(v)
+    return isinstance(v, (int, float, str)) and type(default) in (int, float, str) and default == v
+
+
+def kwargs(case: Case, values: dict, lr_scale: float = 1.0, all_keys: bool = False) -> list[str]:
+    """``k=v`` for each kwarg unlike torch's default (``all_keys``: each, for a group's overrides)."""
+    defaults = {} if all_keys else _defaults(case.optim.name)
+    out = []
+    for k, v in values.items():
+        if k == "lr":
+            v = v * lr_scale
+        if k in defaults and _same(defaults[k], v) and not (k == "lr" and case.optim.tensor_lr):
+            continue
+        text = lit(list(v) if isinstance(v, tuple) else v, k)
+        if k == "lr" and case.optim.tensor_lr:  # a tensor lr, on the CPU, as users make it
+            text = f"torch.tensor({text})" if case.optim.tensor_lr == "0d" else f"torch.tensor([{text}])"
+        out.append(f"{k}={text}")
+    return out
+
+
+def param_groups(case: Case, lr_scale: float = 1.0, p: str = "p", iterator: bool = False) -> tuple[str, str]:
+    """(the first argument of the constructor, the groups added after it, as a list literal or "")."""
+    pick = (lambda n: f"({n!r}, {p}[{n!r}])") if case.optim.named else (lambda n: f"{p}[{n!r}]")
+    groups = []
+    for g in case.groups:
+        params = "[" + ", ".join(pick(n) for n in g.params) + "]"
+        if iterator:
+            params = f"iter({params})"
+        extra = kwargs(case, g.overrides, lr_scale, all_keys=True)
+        groups.append("{" + ", ".join([f"\"params\": {params}"] + [f"{e.split('=', 1)[0]!r}: {e.split('=', 1)[1]}"
+                                                                     for e in extra]) + "}" if extra or len(case.groups) > 1 or iterator else params)
+    n = len(groups) - case.optim.added_groups
+    first = groups[0] if len(groups) == 1 and not groups[0].startswith("{") else "[" + ", ".join(groups[:n]) + "]"
+    return first, ("[" + ", ".join(groups[n:]) + "]") if n < len(groups) else ""
+
+
+def optimizer(case: Case, lr_scale: float = 1.0, cls: str = "", names: str = "model.named_parameters()",
+              extra: str = "", iterator: bool = False) -> list[str]:
+    """``opt = torch.optim.X(...)`` over the case's groups (``p``: params by plain FQN); groups added right
+    after the constructor go in through add_param_group."""
+    first, added = param_groups(case, lr_scale, iterator=iterator)
+    cls = cls or f"torch.optim.{case.optim.name}"
+    whole = len(case.groups) == 1 and not case.groups[0].overrides and not case.optim.named and not iterator \
+        and list(case.groups[0].params) == list(param_shapes(case.model)) and names == "model.named_parameters()"
+    if whole:  # every param, in the model's order
+        args = ", ".join(["model.parameters()", *([extra] if extra else []), *kwargs(case, case.optim.kwargs, lr_scale)])
+        return [f"opt = {cls}({args})"]
+    args = ", ".join([first, *([extra] if extra else []), *kwargs(case, case.optim.kwargs, lr_scale)])
+    out = [f"p = dict({names})" if "_wrapped_module" not in names else f"p = {names}",
+           f"opt = {cls}({args})"]
+    if added and not case.optim.added_at:
+        out += [f"for g in {added}:  # added after the constructor", "    opt.add_param_group(g)"]
+    return out
+
+
+def plain_names(expr: str = "model") -> str:
+    """{plain FQN: param} of a model whose wrappers add to the names."""
+    return f"{{n.replace({WRAPPED[0]!r}, '').replace({WRAPPED[1]!r}, ''): q for n, q in {expr}.named_parameters()}}"

@@ -1,0 +1,159 @@
+"""fsdp1: ``FullyShardedDataParallel`` (its sharding strategy, use_orig_params,
+units through a CustomPolicy, ignored modules, ``device_id=cpu``) and its own
+optimizer-state-dict checkpoints: fsdp1_full (FSDP.optim_state_dict under
+FULL_STATE_DICT), fsdp1_sharded (SHARDED_STATE_DICT through DCP,
+load_sharded_optimizer_state_dict), fsdp1_legacy (full_optim_state_dict and
+shard_/scatter_full_optim_state_dict), beside DSD's full/broadcast/dcp."""
+from __future__ import annotations
+
+from ..case import Case
+from . import common, dsd
+from .fsdp2 import module
+
+KINDS = dsd.KINDS + ("fsdp1_full", "fsdp1_sharded", "fsdp1_legacy")
+FREEZE_BEFORE_SHARD = True  # FSDP records requires_grad when it flattens
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_OPTIONS = {"strategy", "orig_params", "wrap", "ignored", "osd", "legacy_load", "legacy", "flatten"}
+
+
+def unsupported(case: Case, options: dict) -> str | None:
+    extra = set(options) - _OPTIONS
+    return f"options {sorted(extra)}" if extra else None
+
+
+def imports(case: Case, options: dict) -> list[str]:
+    out = ["from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy"]
+    if options.get("wrap"):
+        out.append("from torch.distributed.fsdp.wrap import CustomPolicy")
+    if options.get("strategy") in HYBRID:
+        out.append("from torch.distributed.device_mesh import init_device_mesh")
+    return out
+
+
+def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
+    strategy = options.get("strategy", "FULL_SHARD")
+    out, kw = [], []
+    if strategy != "FULL_SHARD":
+        kw.append(f"sharding_strategy=ShardingStrategy.{strategy}")
+    if options.get("orig_params", True):
+        kw.append("use_orig_params=True")
+    if options.get("wrap"):
+        out.append(f"units = [{', '.join(module(u) for u in options['wrap'])}]  # each its own FSDP unit")
+        kw.append("auto_wrap_policy=CustomPolicy(lambda m: any(m is u for u in units))")
+    if options.get("ignored"):
+        out.append(f"ignored = [{', '.join(module(u) for u in options['ignored'])}]  # FSDP leaves these whole")
+        kw.append("ignored_states=ignored")
+    if strategy in HYBRID:
+        out.insert(0, f"mesh = {mesh}")
+        kw.append("device_mesh=mesh")
+    elif group:
+        kw.append(f"process_group={group}")
+    kw.append('device_id=torch.device("cpu")')
+    return out + [f"model = FSDP(model, {', '.join(kw)})"]
+
+
+def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:
+    if options.get("orig_params", True):
+        return common.optimizer(case, lr_scale, names=common.plain_names())
+    o = case.optim  # the flat params, in the one group the case has
+    over = common.kwargs(case, case.groups[0].overrides, lr_scale, all_keys=True)
+    g = "[{" + ", ".join(["\"params\": list(model.parameters())"] + [f"{e.split('=', 1)[0]!r}: {e.split('=', 1)[1]}"
+                                                                     for e in over]) + "}]"
+    return [f"opt = torch.optim.{o.name}({', '.join([g, *common.kwargs(case, o.kwargs, lr_scale)])})  # the flat params"]
+
+
+def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
+    per = case.batch // world
+    out = [f"x, y = x[{per} * rank:{per} * rank + {per}], y[{per} * rank:{per} * rank + {per}]  # this rank's slice"] \
+        if world > 1 else []
+    out += ["loss = ((model(x) - y) ** 2).mean()", "loss.backward()"]
+    if options.get("ignored") and world > 1:
+        out += ["for q in {q for m in ignored for q in m.parameters()}:  # FSDP leaves their grads unreduced",
+                "    if q.grad is not None:", "        dist.all_reduce(q.grad)", f"        q.grad.div_({world})"]
+    return out
+
+
+def snapshot(case: Case, options: dict) -> list[str] | None:
+    return ["def snapshot(model, opt):  # full copies through FSDP's own APIs: params, optimizer state, param groups",
+            "    with FSDP.summon_full_params(model, writeback=False):",
+            f"        params = {{n.replace('_fsdp_wrapped_module.', ''): q.detach().clone() for n, q in model.named_parameters()}}",
+            "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()):",
+            "        osd = FSDP.optim_state_dict(model, opt)",
+            "    return (params, {(n, k): torch.as_tensor(v).detach().clone() for n, s in osd[\"state\"].items() for k, v in s.items()},",
+            "            [{k: v.tolist() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v for k, v in g.items()",
+            "              if k not in (\"params\", \"param_names\")} for g in opt.param_groups])"]
+
+
+def snapshot_imports() -> list[str]:
+    return ["from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType"]
+
+
+def grads(case: Case, options: dict) -> str | None:
+    return None  # (a flat param's grad has no API: parity goes to the flattened kernel)
+
+
+def _full(osd: dict) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in sorted(osd.items()) if v)
+    return f"FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig({args}), " \
+           f"FullOptimStateDictConfig({args}))"
+
+
+def imports_fsdp1_full(case: Case) -> list[str]:
+    return ["from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType"]
+
+
+imports_fsdp1_legacy = imports_fsdp1_full
+
+
+def imports_fsdp1_sharded(case: Case) -> list[str]:
+    return ["import torch.distributed.checkpoint as dcp",
+            "from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict",
+            "from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType"]
+
+
+def save_fsdp1_full(case: Case, group: str) -> list[str]:
+    return [f"with {_full(case.target_options.get('osd', {}))}:",
+            "    msd, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)",
+            "if rank == 0:", "    torch.save({\"model\": msd, \"optim\": osd}, f\"{ckpt}/full.pt\")"]
+
+
+def save_fsdp1_legacy(case: Case, group: str) -> list[str]:
+    osd = case.target_options.get("osd", {})
+    return [f"with {_full(osd)}:", "    msd = model.state_dict()",
+            f"osd = FSDP.full_optim_state_dict(model, opt, rank0_only={osd.get('rank0_only', True)!r})",
+            "if rank == 0:", "    torch.save({\"model\": msd, \"optim\": osd}, f\"{ckpt}/full.pt\")"]
+
+
+def load_fsdp1_full(case: Case, group: str) -> list[str]:
+    how = case.checkpoint.target_options.get("legacy_load", "shard")
+    if case.checkpoint.kind == "fsdp1_full":
+        osd = "FSDP.optim_state_dict_to_load(model, opt, sd[\"optim\"])"
+    elif how == "scatter":
+        osd = "FSDP.scatter_full_optim_state_dict(sd[\"optim\"] if rank == 0 else None, model, optim=opt)"
+    else:
+        osd = "FSDP.shard_full_optim_state_dict(sd[\"optim\"], model, optim=opt)"
+    return ["sd = torch.load(f\"{ckpt}/full.pt\", map_location=\"cpu\")", f"with {_full({})}:",
+            "    model.load_state_dict(sd[\"model\"])", f"    opt.load_state_dict({osd})"]
+
+
+load_fsdp1_legacy = load_fsdp1_full
+
+_SHARDED = "FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), " \
+           "ShardedOptimStateDictConfig())"
+
+
+def save_fsdp1_sharded(case: Case, group: str) -> list[str]:
+    api = "sharded_optim_state_dict" if case.target_options.get("legacy") else "optim_state_dict"
+    pg = f", process_group={group}" if group else ""
+    return [f"with {_SHARDED}:", f"    sd = {{\"model\": model.state_dict(), \"optim\": FSDP.{api}(model, opt)}}",
+            f"dcp.save(sd, storage_writer=dcp.FileSystemWriter(ckpt){pg})"]
+
+
+def load_fsdp1_sharded(case: Case, group: str) -> list[str]:
+    pg = f", process_group={group}" if group else ""
+    to_load = "FSDP.flatten_sharded_optim_state_dict(osd, model, opt)" if case.checkpoint.target_options.get("flatten") \
+        else "FSDP.optim_state_dict_to_load(model, opt, osd)"
+    return ["reader = dcp.FileSystemReader(ckpt)", f"with {_SHARDED}:", "    sd = {\"model\": model.state_dict()}",
+            f"    dcp.load(sd, storage_reader=reader{pg})", "    model.load_state_dict(sd[\"model\"])",
+            "    osd = load_sharded_optimizer_state_dict(model_state_dict=sd[\"model\"], optimizer_key=\"optim\", "
+            "storage_reader=reader)[\"optim\"]", f"    opt.load_state_dict({to_load})"]

@@ -1,0 +1,114 @@
+"""fsdp2: ``fully_shard`` on the case's units (children first, then the root),
+with the options the case draws (reshard_after_forward, CPUOffloadPolicy,
+MixedPrecisionPolicy, activation checkpointing, TP on the inner mesh dim,
+gradient accumulation, a non-root forward, ``model.to`` after sharding,
+compiled blocks or step); each rank trains on its slice of the batch."""
+from __future__ import annotations
+
+from ..case import Case
+from . import common, dsd
+from .dtensor import SNAPSHOT
+
+KINDS = dsd.KINDS
+FREEZE_BEFORE_SHARD = False
+_OPTIONS = {"wrap", "reshard_after_forward", "offload", "mp", "ac", "ac_wrapper", "tp", "microbatches", "nonroot",
+            "built_as", "compile", "compile_step"}
+
+
+def unsupported(case: Case, options: dict) -> str | None:
+    extra = set(options) - _OPTIONS
+    return f"options {sorted(extra)}" if extra else None
+
+
+def module(fqn: str) -> str:
+    """``model.layers[0].inner[1]`` for "layers.0.inner.1"."""
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in fqn.split(".")) if fqn else "model"
+
+
+def imports(case: Case, options: dict) -> list[str]:
+    fsdp = ["fully_shard"] + ["CPUOffloadPolicy"] * bool(options.get("offload")) + \
+        ["MixedPrecisionPolicy"] * bool(options.get("mp"))
+    out = ["from torch.distributed.device_mesh import init_device_mesh",
+           f"from torch.distributed.fsdp import {', '.join(fsdp)}", "from torch.distributed.tensor import DTensor"]
+    if options.get("tp"):
+        styles = sorted({"ColwiseParallel" if s == "colwise" else "RowwiseParallel" for s in options["tp"].values()})
+        out += ["from torch.distributed.tensor import Replicate",
+                f"from torch.distributed.tensor.parallel import {', '.join(styles)}, parallelize_module"]
+    if options.get("ac") and options.get("ac_wrapper"):
+        out += ["from functools import partial", "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper "
+                "import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper"]
+    elif options.get("ac"):
+        out.append("from torch.distributed._composable import checkpoint")
+    return out
+
+
+def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
+    out = [f"mesh = {mesh}"]
+    dp = "mesh"
+    if options.get("tp"):
+        style = {"colwise": "ColwiseParallel(output_layouts=Replicate())",
+                 "rowwise": "RowwiseParallel(input_layouts=Replicate())"}
+        plan = ", ".join(f"{fqn!r}: {style[s]}" for fqn, s in options["tp"].items())
+        out.append(f"parallelize_module(model, mesh[\"d1\"], {{{plan}}})  # TP on the inner dim")
+        dp = "mesh[\"d0\"]"
+    if options.get("ac") and options.get("ac_wrapper"):
+        chosen = ", ".join(module(f) for f in options["ac"])
+        out += [f"chosen = [{chosen}]",
+                "apply_activation_checkpointing(model, check_fn=lambda m: any(m is c for c in chosen),",
+                "    checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))"]
+    elif options.get("ac"):
+        out += [f"checkpoint({module(f)})  # composable activation checkpointing" for f in options["ac"]]
+    if options.get("compile") == "before":
+        out += ["for block in model.layers:", "    block.compile()"]
+    kw = [f"mesh={dp}"]
+    if options.get("reshard_after_forward", True) is not True:
+        kw.append(f"reshard_after_forward={options['reshard_after_forward']!r}")
+    if options.get("offload"):
+        kw.append("offload_policy=CPUOffloadPolicy(pin_memory=False)")
+    if options.get("mp"):
+        mp = options["mp"]
+        args = [f"{k}=torch.{mp[k]}" for k in ("param_dtype", "reduce_dtype", "output_dtype") if mp.get(k)]
+        args += ["cast_forward_inputs=False"] * (not mp.get("cast_forward_inputs", True))
+        kw.append(f"mp_policy=MixedPrecisionPolicy({', '.join(args)})")
+    units = sorted(options.get("wrap", []), key=lambda n: (-n.count("."), n))  # children before parents
+    out += [f"fully_shard({module(u)}, {', '.join(kw)})" for u in units] + [f"fully_shard(model, {', '.join(kw)})"]
+    if options.get("compile") == "after":
+        out += ["for block in model.layers:", "    block.compile()"]
+    if options.get("built_as"):
+        out.append(f"model.to(torch.{case.dtype})  # built in {options['built_as']}, moved after fully_shard")
+    return out
+
+
+def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:
+    names = common.plain_names() if options.get("ac_wrapper") else "model.named_parameters()"
+    out = common.optimizer(case, lr_scale, names=names)
+    if options.get("compile_step"):
+        out += ["step = opt.step", "opt.step = torch.compile(lambda closure=None: step(), fullgraph=False)"]
+    return out
+
+
+def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
+    dp = shape[0] if options.get("tp") else world
+    per = case.batch // dp
+    r = f"rank // {shape[1]}" if options.get("tp") else "rank"
+    out = [f"x, y = x[{per} * ({r}):{per} * ({r}) + {per}], y[{per} * ({r}):{per} * ({r}) + {per}]  # this rank's slice"
+           if dp > 1 else "# one data-parallel rank: the whole batch"]
+    loss = "((model(x) - y) ** 2).mean()" + (" + model.layers[0](x).square().mean()  # a non-root forward too"
+                                              if options.get("nonroot") else "")
+    m = options.get("microbatches", 1)
+    if m > 1:
+        xm = loss.replace("(x)", "(xm)").replace(" - y)", " - ym)")
+        return out + [f"for i, (xm, ym) in enumerate(zip(x.chunk({m}), y.chunk({m}))):  # grad accumulation",
+                      f"    model.set_requires_gradient_sync(i == {m - 1})", f"    loss = {xm.split('  #')[0]}",
+                      f"    (loss / {m}).backward()"]
+    return out + [f"loss = {loss}", "loss.backward()"]
+
+
+def snapshot(case: Case, options: dict) -> list[str] | None:
+    if options.get("ac_wrapper"):
+        return [ln.replace("model.named_parameters()", common.plain_names()) for ln in SNAPSHOT]
+    return SNAPSHOT
+
+
+def grads(case: Case, options: dict) -> str | None:
+    return "{n: None if q.grad is None else q.grad.full_tensor().clone() for n, q in model.named_parameters()}"
