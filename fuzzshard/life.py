@@ -378,7 +378,7 @@ class FindingBook:
     @staticmethod
     def _script(f: Finding) -> str:
         """The finding's standalone .py (repro.py)."""
-        return repro.script(f.case, summary(f.verdict), f.environment)
+        return repro.script(f.case, summary(f.verdict), f.environment, verdict=f.verdict)
 
     def _finding(self, sig: str, found: tuple) -> Finding:
         case, verdict = found
