@@ -18,12 +18,18 @@ Nothing found is lost, and the search ends in time:
   - *shrinking*: each case Hypothesis shrinks a new finding to goes to the
     book (``accept``; its final replay: ``shrunk_to``), which rewrites the
     file; when the search ends the book finishes every finding (``finish``);
-  - *time*: ``duration`` bounds the session; a round that found something
-    searches and shrinks for ``shrink_budget`` more seconds at most, then
-    ends with its smallest cases. While a hang shrinks, cases run under a
-    timeout derived from how long passing cases of that size took: a hang
-    under it is provisional, and only a run at the full timeout puts a hang
-    in a file;
+  - *time*: ``duration`` bounds the session, and its overrun (``grace``)
+    is a tenth of it (at least ``GRACE_FLOOR``), confirmations inside it; a round that found
+    something searches and shrinks for ``shrink_budget`` more seconds at
+    most, then ends with its smallest cases;
+  - *hangs*: once cases of a kind (target, ranks, checkpoint or not) have
+    passed, each case runs under a timeout derived from the slowest of them
+    (``SEARCH_TIMEOUT_FACTOR`` times it, ``SHRINK_TIMEOUT_FACTOR`` while a
+    hang shrinks): a hang under it is provisional, written at once as a file
+    that says so, and confirmed by a run at the full timeout in fresh
+    workers (or as much of it as the session has left);
+  - *spread*: a timed session's rounds draw by what it has covered so far
+    (schedule.py: the least covered cells get more of each round);
   - *stop*: ``request_stop()`` (a signal) ends the session after the case
     that is running; the files already hold every finding seen.
 """
@@ -44,6 +50,7 @@ from .findings import Finding, load_known, summary
 from .judge import judge_many
 from .life import FindingBook
 from .runner import Pool, PoolError
+from .schedule import Scheduler
 
 try:
     BaseExceptionGroup  # noqa: B018 (a builtin from Python 3.11 on)
@@ -51,7 +58,12 @@ except NameError:  # Python 3.10: the backport, which Hypothesis already needs t
     from exceptiongroup import BaseExceptionGroup
 
 SHRINK_TIMEOUT_FACTOR = 5.0  # a case shrinking a hang may take this many times the slowest passing case like it
+SEARCH_TIMEOUT_FACTOR = 3.0  # ... a case searching, this many times
 SHRINK_TIMEOUT_FLOOR = 10.0  # ... and never less than this many seconds
+SEARCH_TIMEOUT_FLOOR = 15.0  # ... searching: a case of shapes torch has not seen yet may take a while on a busy machine
+PASSES_TO_DERIVE = 3  # passing cases of a kind before its own slowest is the measure (before: the slowest of all)
+GRACE_FRACTION = 0.1  # a --duration session may run over by this fraction of it (confirmations included) ...
+GRACE_FLOOR = 20.0  # ... or, a session shorter than 200 s, by this many seconds (a last case, a confirmation)
 
 
 class _RoundOver(KeyboardInterrupt):
@@ -89,6 +101,7 @@ class Stats:
     cases: int = 0
     valid: int = 0
     invalid: int = 0
+    cut: int = 0  # cases the session's end cut short (not judged)
     internal_errors: int = 0
     contaminated: int = 0  # new signatures a fresh run did not confirm
     slow: int = 0  # provisional hangs that finished at the full timeout
@@ -158,6 +171,8 @@ class Session:
         self.stop_reason: str | None = None
         self._failing: dict[str, tuple] = {}  # case JSON -> (signature, verdict) of new findings run
         self._pass_seconds: dict[tuple, float] = {}  # (target, ranks, checkpoint) -> slowest passing case
+        self._passes: collections.Counter = collections.Counter()  # (target, ranks, checkpoint) -> passing cases
+        self.schedule = Scheduler()  # what the session has covered, and what its next rounds draw
         self._last_print = 0.0
         self._deadline: float | None = None
         self.elapsed = 0.0  # the session's length, confirmations included
@@ -193,20 +208,24 @@ class Session:
     # -- the session -------------------------------------------------------
     def run(self) -> list[Finding]:
         self.out.mkdir(parents=True, exist_ok=True)
-        self._deadline = time.monotonic() + self.duration if self.duration else None
-        self.book.until = self._deadline + self.grace() if self._deadline is not None else None  # confirmations end there
+        # the session's clock started with it (its known list read, its book made): the end is counted from there
+        self._deadline = self.stats.started + self.duration if self.duration else None
+        # confirmations and reduction start no later than half-way into the grace: what is then in flight ends in it
+        self.book.until = self._deadline + 0.5 * self.grace() if self._deadline is not None else None
         rnd = 0
         while not self._stopped():
             for target in self.targets:
                 if self._stopped():
                     break
                 n = self.max_examples if not self._deadline else 25
-                self._run_round(target, n, self.seed + rnd, reuse=rnd == 0, pin=self._pin(target, rnd))
+                self._run_round(target, n, self.seed + rnd, reuse=rnd == 0, pin=self._steer(target))
                 self.book.catch_up()
             rnd += 1
             if not self._deadline:
                 break
         self._report_progress(force=True)
+        if self._deadline and self.stats.valid:
+            print(self.schedule.table(), file=self.progress, flush=True)
         self.book.finish()
         self.elapsed = time.monotonic() - self.stats.started
         return list(self.findings.values())
@@ -218,7 +237,7 @@ class Session:
 
     def grace(self) -> float:
         """How far past ``duration`` the session may run to finish a case and confirm its findings."""
-        return max(0.1 * (self.duration or 0.0), self.pool.case_timeout)
+        return max(GRACE_FRACTION * (self.duration or 0.0), GRACE_FLOOR)
 
     def _stopped(self) -> bool:
         return self.stop_reason is not None or (self._deadline is not None and time.monotonic() >= self._deadline)
@@ -226,25 +245,15 @@ class Session:
     def _round_over(self, rnd: _Round) -> bool:
         return self._stopped() or (rnd.found_at is not None and time.monotonic() >= rnd.found_at + self.shrink_budget)
 
-    def _pin(self, target: str, rnd: int) -> dict:
-        """What round ``rnd`` of a timed session holds fixed: after a first round of free draws (which also
-        replays the example database), each round draws one optimizer x implementation, in turn, starting
-        at a place the seed picks (soak cells start apart). Left to itself Hypothesis piles up on the first
-        few: in 6-minute dtensor sessions Adam got 350-520 passing cases and Adamax 0-2, and a bug in
-        Adamax alone went unseen. Shrinking is unchanged: it happens inside a round."""
-        if not self._deadline or rnd == 0:
+    def _steer(self, target: str) -> dict:
+        """What the next round of a timed session draws (schedule.py): every cell of optimizer x implementation,
+        world size x checkpoint (kind x the world size it loads at), mesh and dtype stays possible, and the
+        least covered so far get the most of the round. (Round-robin pins of one optimizer x implementation per
+        round, before, starved the other corners: 468 of ~900 cases of one session went to fused AdamW.)
+        Shrinking is unchanged: the weights are fixed for the round, which is one Hypothesis run."""
+        if not self._deadline:
             return {}
-        from fuzzshard.strategies import NOT_ELEMENTWISE, spec_of
-        from fuzzshard.strategies.optimizers import default_optimizers, implementations
-
-        names = list(self.strategy_kwargs.get("optimizer_names") or default_optimizers())
-        if spec_of(target).elementwise_only:
-            names = [n for n in names if n not in NOT_ELEMENTWISE]
-        turns = [(n, impl) for n in names for impl in implementations(n)]
-        if len(turns) < 2:
-            return {}
-        name, impl = turns[(self.seed + rnd - 1) % len(turns)]
-        return {"optimizer_names": [name], "implementation": impl}
+        return self.schedule.steer(target, self.world_sizes, self.strategy_kwargs)
 
     def _run_round(self, target: str, n: int, seed: int, reuse: bool = True, pin: dict | None = None) -> None:
         """One Hypothesis run over ``target``; ``reuse``: replay the example
@@ -329,16 +338,31 @@ class Session:
     def _run_cases(self, cases: list, rnd: _Round) -> list[tuple[str | None, dict]]:
         """Per case, run side by side: (signature of a new finding or None, verdict)."""
         timeouts = [self._timeout(c, rnd) for c in cases]
-        return [self._tally(c, j, t) for c, j, t in zip(cases, judge_many(self.pool, cases, self.known, timeouts),
-                                                         timeouts)]
+        end = self._end_limit()  # never past the session's end: a case cut there is no verdict
+        cut = [end is not None and end < (t or self.pool.case_timeout) for t in timeouts]
+        timeouts = [min(t or self.pool.case_timeout, end) if c else t for t, c in zip(timeouts, cut)]
+        shrinking = [t if rnd.hang else None for t in timeouts]  # what the summary counts: limits while a hang shrank
+        return [self._tally(c, j, t, k) for c, j, t, k in
+                zip(cases, judge_many(self.pool, cases, self.known, timeouts), shrinking, cut)]
 
-    def _tally(self, case, j, timeout: float | None) -> tuple[str | None, dict]:
+    def _end_limit(self) -> float | None:
+        """Seconds left until the session's end, its grace included (None: no end)."""
+        if self._deadline is None:
+            return None
+        return max(1.0, self._deadline + self.grace() - time.monotonic())
+
+    def _tally(self, case, j, timeout: float | None, cut: bool = False) -> tuple[str | None, dict]:
         st, v = self.stats, j.verdict
         st.cases += 1
         if not j.ran:  # a known hang: counted, not waited out again
             st.known[j.signature] += 1
+            self.schedule.record(case, valid=True, known=True)
             self.on_case(case, v, j.signature)
             return None, v
+        if cut and v.get("oracle") == "hang":  # the session's end cut it short: no verdict
+            st.cut += 1
+            return None, {"status": "cut"}
+        self.schedule.record(case, valid=v["status"] != "invalid", known=j.known)
         if timeout is not None:
             st.derived_timeouts += 1
             st.derived_timeout = timeout
@@ -364,23 +388,34 @@ class Session:
                 st.passed_decoder.update(decoder_coverage(case))
             size = (case.target, case.ranks, bool(case.checkpoint))
             self._pass_seconds[size] = max(self._pass_seconds.get(size, 0.0), j.seconds)
+            self._passes[size] += 1
             self.on_case(case, v, None)
             return None, v
         self.on_case(case, v, j.signature)
         return self.book.new_signature(j), v
 
     def _timeout(self, case, rnd: _Round) -> float | None:
-        """While a hang shrinks: a limit derived from the passing cases."""
-        return self._derived_timeout(case) if rnd.hang else None
+        """A limit derived from the passing cases: a hang is seen within seconds of the slowest passing
+        case of its kind, not after the whole --case-timeout (it is provisional until a run at the full
+        timeout in fresh workers confirms it); while a hang shrinks, a longer one."""
+        if rnd.hang:
+            limit = self._derived_timeout(case, SHRINK_TIMEOUT_FACTOR)
+        elif sum(self._passes.values()) < PASSES_TO_DERIVE:
+            return None
+        else:
+            limit = self._derived_timeout(case, SEARCH_TIMEOUT_FACTOR, PASSES_TO_DERIVE)
+            limit = max(SEARCH_TIMEOUT_FLOOR, limit) if limit is not None else None
+        return limit if limit is not None and limit < self.pool.case_timeout else None  # else: the full one
 
-    def _derived_timeout(self, case) -> float | None:
+    def _derived_timeout(self, case, factor: float = SHRINK_TIMEOUT_FACTOR, passes: int = 1) -> float | None:
         """A limit derived from the slowest passing case of this target, size
-        and kind (every size seen, if none of this one); None before any passed.
+        and kind (every size seen, if fewer than ``passes`` of this one); None before any passed.
         A finding's variants and edits run under it too: a hang there is no face of it."""
         if not self._pass_seconds:
             return None
-        seen = self._pass_seconds.get((case.target, case.ranks, bool(case.checkpoint)), max(self._pass_seconds.values()))
-        return max(SHRINK_TIMEOUT_FLOOR, SHRINK_TIMEOUT_FACTOR * seen)
+        size = (case.target, case.ranks, bool(case.checkpoint))
+        seen = self._pass_seconds[size] if self._passes[size] >= passes else max(self._pass_seconds.values())
+        return max(SHRINK_TIMEOUT_FLOOR, factor * seen)
 
     def _of(self) -> str:
         """ " of N" where a --max-examples session's end is a count: max_examples valid cases per target

@@ -46,13 +46,14 @@ from .rootcause import Matcher
 WRITE_EVERY = 2.0  # seconds between two rewrites of one finding's file while it shrinks
 
 
-def rerun(pool, case, fresh: bool = True) -> Judgement:
+def rerun(pool, case, fresh: bool = True, timeout: float | None = None) -> Judgement:
     """The confirmation run: ``case`` once more, in worker processes that have
     run nothing else (``fresh``) or in the ones there are. A fuzz session and
-    the pytest plugin's check() confirm through here."""
+    the pytest plugin's check() confirm through here. ``timeout``: less than
+    the pool's (a hang confirmed in the time a session has left)."""
     if fresh:
         pool.fresh()
-    return judge(pool, case)
+    return judge(pool, case, timeout=timeout)
 
 
 @dataclass
@@ -127,25 +128,41 @@ class FindingBook:
             if sig in self._suspect:  # one fresh run already said this signature is not what it seems
                 self.stats.contaminated += 1
                 return False
+            provisional = bool(verdict.get("timeout"))  # a hang under a derived limit: on disk before its confirmation
+            if provisional and not self._write_provisional(sig, case, verdict):
+                return False
+            if provisional and self.stopped:
+                return False  # stopped: the file stays, provisional
             confirmed = self.confirm(sig, case, verdict)
             if confirmed is None:
+                if provisional:  # it finished at the full timeout: slow, not hung
+                    self._unwrite(sig)
+                    self._say(f"provisional hang {sig}: finished at the full timeout in fresh workers (slow, not "
+                              f"hung); its file is removed")
                 return False
+            # confirmed: on disk before it is generalized (its variants take a while; a stop meanwhile keeps it)
+            if not self._write(sig, confirmed, first=not provisional):
+                return False  # another cell of a soak wrote it first: a known finding now
             faces = self._generalize(sig, *confirmed)
             known = next((k for s in sorted(faces) if s != sig and (k := known_signature(s, case, self.known))), None)
             if known is not None:  # a known bug in a face not recorded yet: a variant of the case fails as it
+                self._unwrite(sig)
                 self._known_face(sig, known, confirmed)
                 return False
             owner = next((self._owner[s] for s in sorted(faces) if s in self._owner), None)
             if owner is not None:  # the same bug as a finding already made, in another face
+                self._unwrite(sig)
                 self._fold(owner, faces)
                 self._say(f"new signature {sig}: another face of finding {owner} (it fails the same way), folded into it")
                 return False
             self._owner.update({s: sig for s in faces})
-            if not self._write(sig, confirmed, first=True):
-                return False  # another cell of a soak wrote it first: a known finding now
+            if faces != {sig} or self._tables.get(sig):
+                self._write(sig, confirmed, first=False)  # with its faces and generalization table
             self.tracks[sig] = Track(confirmed, confirmed, confirmed, time.monotonic())
             probably = self.matcher.label(*confirmed[:2])
-            self._say(f"new finding {sig}, confirmed in fresh workers -> {self.findings_dir / sig}.json"
+            how = "confirmed in fresh workers" if not confirmed[1].get("timeout") else \
+                f"hung in fresh workers too, for the {confirmed[1]['timeout']:.0f}s the session had left: still provisional"
+            self._say(f"new finding {sig}, {how} -> {self.findings_dir / sig}.json"
                       + (f" ({probably})" if probably else ""))
             return True
         if _smaller(case, track.best[0]):
@@ -206,7 +223,11 @@ class FindingBook:
         if self.until is not None and time.monotonic() > self.until:
             self._say(f"new finding {sig}: no time left to confirm it in fresh workers; written unconfirmed")
             return case, {**verdict, "unconfirmed": True}
-        again = rerun(self.pool, case, fresh)
+        limit = None  # a hang is confirmed at the full timeout, or in what the session has left of its time
+        if verdict.get("oracle") == "hang" and self.until is not None:
+            left = self.until - time.monotonic()
+            limit = left if left < self.pool.case_timeout else None
+        again = rerun(self.pool, case, fresh, timeout=limit)
         if not fresh and again.label != sig:
             return self.confirm(sig, case, verdict)
         got = again.label
@@ -255,6 +276,8 @@ class FindingBook:
         this one bug shows under (``sig`` among them)."""
         if verdict.get("oracle") in ("hang", "crash") or verdict.get("unconfirmed"):
             return {sig}  # named by where it stops, whatever the optimizer; each variant could cost a timeout
+        if not self._time_left():
+            return {sig}  # stopped, or the session's time is up: its variants are not run
         table, faces = generalize(self._judge_variants, case, verdict, self.optimizer_names)
         self._tables[sig] = table
         self._generalized[sig] = case.to_json()
@@ -385,6 +408,8 @@ class FindingBook:
         track = self.tracks.get(sig)
         confirmed = not verdict.get("unconfirmed") and (track is None or found is track.confirmed)
         stage = "confirmed" if confirmed else "unconfirmed" if verdict.get("unconfirmed") else "shrinking"
+        if verdict.get("timeout"):  # a hang seen under a shorter limit than --case-timeout (its "timeout")
+            confirmed, stage = False, "provisional"
         env = environment(self.pool.info, self.pool.options["backend"], self.pool.options["device"])
         if self.plugins:
             env["plugins"] = self.plugins
@@ -395,6 +420,22 @@ class FindingBook:
 
     def _say(self, text: str) -> None:
         print(text, file=self.progress, flush=True)
+
+    def _write_provisional(self, sig: str, case, verdict: dict) -> bool:
+        """A hang seen under a derived limit, on disk at once (stage ``provisional``), before the run at
+        the full timeout that confirms it: a stop or a kill meanwhile keeps it. False: not this session's."""
+        if not self._write(sig, (case, verdict), first=True):
+            return False
+        self._say(f"new finding {sig}: provisional (hung past {verdict['timeout']:.0f}s, a limit derived from the "
+                  f"passing cases) -> {self.findings_dir / sig}.json; confirming at the full timeout in fresh workers")
+        return True
+
+    def _unwrite(self, sig: str) -> None:
+        """Files written at first sight that are no finding of this session after all (a provisional hang
+        that finished at the full timeout; a face of a known finding or of another finding): they go."""
+        self.findings.pop(sig, None)
+        for suffix in (".json", ".py"):
+            (self.findings_dir / f"{sig}{suffix}").unlink(missing_ok=True)
 
 
 class SoakBook(FindingBook):

@@ -123,14 +123,15 @@ def _flips_allowed(spec, options: dict, ck) -> bool:
 
 
 @st.composite
-def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied: tuple = (), **context) -> Checkpoint:
+def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied: tuple = (), kinds=None,
+                **context) -> Checkpoint:
     """A save point in the schedule, how the state is saved, and the loading
     side: any world size of the session (resharding), its own mesh and its
     own target options (another wrapping or placement)."""
     spec = spec_of(target)
     world = draw(st.sampled_from(sorted(world_sizes)))
     mesh_shape = draw(st.sampled_from(_meshes(spec, world)))
-    kind = draw(st.sampled_from(list(spec.checkpoint_kinds)))
+    kind = draw(st.sampled_from(list(kinds or spec.checkpoint_kinds)))  # kinds: a session's schedule picks
     dsd = kind in STATE_DICT_KINDS
     rarely = st.sampled_from([False] * 5 + [True])
     # a tied param has a key per module; FSDP1's flat params hide which keys alias
@@ -178,24 +179,33 @@ def cases(
     implementation: str | None = None,
     models=("topologies",),
     compile: bool = False,
+    steer: dict | None = None,
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
     into every case, False into none (targets whose spec has checkpoint kinds).
     ``implementation``: only for-loop, foreach or fused steps (where the optimizer has it).
     ``models``: the model families drawn ("topologies", "decoder"; strategies/models.py).
-    ``compile``: targets that can (fsdp2) also draw torch.compile of blocks and of the optimizer step."""
+    ``compile``: targets that can (fsdp2) also draw torch.compile of blocks and of the optimizer step.
+    ``steer``: a timed session's weighted choices for this round (fuzzshard/schedule.py): ``plan``, (world
+    size, None or (checkpoint kind, its world size)); ``optimizer``, (name, implementation); ``mesh``, world
+    size -> mesh shapes; ``dtype``. Each a list, a cell as many times as its weight."""
     spec = spec_of(target)
-    world = draw(st.sampled_from(sorted(world_sizes)))
+    steer = steer or {}
+    plan = draw(st.sampled_from(steer["plan"])) if steer.get("plan") else None
+    world = plan[0] if plan else draw(st.sampled_from(sorted(world_sizes)))
     # flat: the optimizer may see flattened params (one group, nothing frozen)
     flat = spec.may_flatten and draw(st.booleans())
     depth = draw(st.integers(1, max_depth))
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
-    mesh_shape = draw(st.sampled_from(_meshes(spec, world)))
+    mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world)))
     model = draw(_model(spec, depth, tuple(models)))
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]
+    if steer.get("optimizer"):
+        name, implementation = draw(st.sampled_from(steer["optimizer"]))
+        optimizer_names = [name]
     optim = draw(optimizers(optimizer_names, device, implementation))
     if not spec.named_params:
         optim = dataclasses.replace(optim, named=False)
@@ -212,7 +222,9 @@ def cases(
         context["flat"] = flat
     options = draw(target_options(target, shapes, mesh_shape, tied, **context))
     ck = None
-    if spec.checkpoint_kinds and (checkpoint or (checkpoint is None and draw(st.booleans()))):
+    if plan and plan[1]:
+        ck = draw(checkpoints(target, [plan[1][1]], n_steps, shapes, tied, kinds=[plan[1][0]], **context))
+    elif not plan and spec.checkpoint_kinds and (checkpoint or (checkpoint is None and draw(st.booleans()))):
         ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied, **context))
     # data parallel: every rank of either side gets an equal slice, in equal microbatches
     microbatches = max(options.get("microbatches", 1), ck.target_options.get("microbatches", 1) if ck else 1)
@@ -228,7 +240,7 @@ def cases(
         frozen=frozen,
         batch=draw(st.integers(1, 2)) * ranks_per_sample if spec.data_parallel else draw(st.integers(1, 4)),
         seq=draw(st.integers(1, 3)) * _seq_multiple(spec, options, mesh_shape, ck),
-        dtype=draw(st.sampled_from(list(dtypes))),
+        dtype=draw(st.sampled_from(steer.get("dtype") or list(dtypes))),
         device=device,
         target_options=options,
         seed=draw(st.integers(0, 2**16 - 1)),

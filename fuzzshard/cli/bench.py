@@ -32,10 +32,21 @@ def add(sub) -> None:
                         "case at a time vs side by side on disjoint ranks, each on its own pool")
     b.add_argument("--workers", type=int, default=4, help="ranks for --soak and --session (default 4)")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (cuda: NCCL, one GPU a rank)")
+    from ..hunt import add_arguments as hunt_arguments
+
+    hunt_arguments(b)  # --hunt: time to first finding of planted bugs (fuzzshard/hunt.py)
 
 
 def run(args) -> int:
     from ..bench import run_bench
+
+    if args.hunt:
+        from ..hunt import run_from_args
+
+        try:
+            return run_from_args(args, parse_duration)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--hunt: {e}") from None
 
     if args.world_size < 1 or args.cases < 1:
         raise UsageError("--world-size and --cases must be >= 1")

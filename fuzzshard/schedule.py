@@ -1,0 +1,187 @@
+"""Coverage-guided scheduling: what a timed session's next round draws.
+
+The session counts, per target, what its cases covered, cell by cell, in a
+few dimensions (``features``): optimizer x implementation, the optimizer's
+flags, world size and mesh, checkpoint kind x (save -> load) world sizes,
+dtype, the target's options, groups, frozen params and steps. Before each
+round, ``Scheduler.steer`` turns those counts into weighted choices the
+strategy draws from (strategies.cases(steer=...)): every cell stays
+possible, and a cell drawn less often so far gets proportionally more of the
+round (a power schedule, as AFL's and HypoFuzz's share time between inputs
+and targets): weight ``ceil(ENERGY * (least + 1) / (count + 1))``, so a
+never-drawn cell gets ENERGY times the weight of one drawn as often as the
+most drawn, and the weights even out as the counts do.
+
+Steered jointly, as one cell each:
+  - *optimizer x implementation* (for-loop, foreach, fused);
+  - *world size x checkpoint*: none, or kind x the world size it loads at (a
+    case saved at 4 ranks and loaded at 3 is one cell); with checkpoints in
+    some cases, the cases without one keep half of each world size's weight;
+  - *mesh* of each world size, and *dtype*.
+A case that hit a known bug counts ``KNOWN_DRAWS`` times: its cells get
+less of the next rounds (such a case shows nothing new, and its run stopped
+at that bug). The rest (flags, target options, groups, frozen params, steps) is counted
+and shown in the coverage table, not steered: the draws there stay
+Hypothesis's own. The weights are fixed for a round, so a round is one
+ordinary Hypothesis run: each draw is a function of its choices, and
+shrinking works as before; the least covered cell is listed first, so the
+all-zero first draw of a round goes there.
+"""
+from __future__ import annotations
+
+import collections
+import math
+
+ENERGY = 8  # a never-drawn cell's weight over that of the most drawn one
+KNOWN_DRAWS = 3  # a case that hit a known bug counts as this many draws of its cells: it showed nothing new, and
+# whatever else its cells hold hides behind that bug (its run stopped there, often with a pool restart)
+
+STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype")
+DIMENSIONS = ("optimizer", "optimizer flag", "world x checkpoint", "mesh", "dtype", "target option", "groups",
+              "frozen", "steps")
+
+
+def _opt_flags(optim) -> list[str]:
+    """The optimizer's boolean flags that are on, and tensor lr / named params: cells of its own."""
+    kw = optim.kwargs
+    out = [k for k, v in sorted(kw.items()) if v is True and k not in ("foreach", "fused")]
+    if kw.get("momentum"):
+        out.append("momentum")
+    if kw.get("weight_decay"):
+        out.append("weight_decay")
+    if optim.tensor_lr:
+        out.append(f"tensor lr {optim.tensor_lr}")
+    if optim.named:
+        out.append("named")
+    return [f"{optim.name}·{f}" for f in out] or [f"{optim.name}·plain"]
+
+
+def _options(value, prefix: str = "") -> list[str]:
+    """A target's options as cells: flags and values by key; a dict keyed by
+    param names (placements, shard specs) by the values it holds."""
+    out = []
+    if isinstance(value, dict):
+        by_param = value and all("." in str(k) or str(k) in ("weight", "bias") for k in value)
+        for k, v in sorted(value.items(), key=lambda kv: str(kv[0])):
+            out += _options(v, prefix if by_param else f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, (list, tuple)):
+        if value and all(isinstance(x, str) and "." not in x for x in value):
+            out += [f"{prefix} {x}" for x in value]
+        elif value:
+            out.append(prefix)
+    elif isinstance(value, bool):
+        if value:
+            out.append(prefix)
+    elif value is not None and isinstance(value, (str, int, float)) and prefix:
+        out.append(f"{prefix}={value}")
+    return out
+
+
+def checkpoint_cell(case) -> str:
+    ck = case.checkpoint
+    return f"W{case.world_size} no checkpoint" if not ck else f"W{case.world_size} {ck.kind} -> W{ck.world_size}"
+
+
+def features(case) -> list[tuple[str, str]]:
+    """(dimension, cell) for each cell ``case`` covers."""
+    o = case.optim
+    out = [("optimizer", f"{o.name}·{o.implementation}")]
+    out += [("optimizer flag", f) for f in _opt_flags(o)]
+    out.append(("world x checkpoint", checkpoint_cell(case)))
+    out.append(("mesh", "x".join(map(str, case.mesh_shape))))
+    out.append(("dtype", case.dtype))
+    out += [("target option", f) for f in dict.fromkeys(_options(case.target_options))]
+    out.append(("groups", f"{len(case.groups)} group(s)" + (" (one empty)" if any(not g.params for g in case.groups) else "")))
+    flips = any(s.freeze or s.unfreeze for s in case.schedule)
+    out.append(("frozen", ("frozen" if case.frozen else "none frozen") + (", flipped mid-run" if flips else "")))
+    out.append(("steps", f"{len(case.schedule)} step(s)"))
+    return out
+
+
+def weights(counts: dict) -> list:
+    """Each cell as many times as its weight, the least covered first (ties in the given order)."""
+    if not counts:
+        return []
+    least = min(counts.values())
+    order = sorted(counts, key=lambda c: counts[c])  # stable: ties keep their order
+    times = {c: -(-ENERGY * (least + 1) // (counts[c] + 1)) for c in order}
+    common = math.gcd(*times.values())
+    return [c for c in order for _ in range(times[c] // common)]
+
+
+class Scheduler:
+    """Per target: the cells drawn (every case run, valid or not: a cell that
+    is mostly invalid must not hold the schedule) and the valid ones (the table)."""
+
+    def __init__(self):
+        self.drawn: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # target -> (dim, cell)
+        self.valid: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def record(self, case, valid: bool, known: bool = False) -> None:
+        cells = features(case)
+        for cell in cells:
+            self.drawn[case.target][cell] += KNOWN_DRAWS if known else 1
+        if valid:
+            self.valid[case.target].update(cells)
+
+    def steer(self, target: str, world_sizes, strategy_kwargs: dict) -> dict:
+        """The strategy arguments of the next round of ``target``: ``steer`` (see strategies.cases)."""
+        from fuzzshard.case import mesh_shapes
+        from fuzzshard.strategies import DTYPES, NOT_ELEMENTWISE, spec_of
+        from fuzzshard.strategies.optimizers import default_optimizers, implementations
+
+        spec = spec_of(target)
+        seen = self.drawn[target]
+        names = list(strategy_kwargs.get("optimizer_names") or default_optimizers())
+        if spec.elementwise_only:
+            names = [n for n in names if n not in NOT_ELEMENTWISE]
+        impl = strategy_kwargs.get("implementation")
+        turns = [(n, i) for n in names for i in implementations(n) if impl is None or i == impl]
+        steer = {"optimizer": weights({t: seen["optimizer", f"{t[0]}·{t[1]}"] for t in turns})}
+        steer["optimizer"] = [tuple(t) for t in steer["optimizer"]]
+
+        worlds = sorted(set(world_sizes))
+        checkpoint = strategy_kwargs.get("checkpoint")  # None: in some cases, True: every case, False: none
+        kinds = list(spec.checkpoint_kinds or ()) if checkpoint is not False else []
+        # each world size's share: by how often it has been drawn (least first); then its cells
+        share = weights({w: sum(n for (dim, c), n in seen.items() if dim == "world x checkpoint"
+                                and c.startswith(f"W{w} ")) for w in worlds})
+        plan = []
+        for w in dict.fromkeys(share):
+            mass = share.count(w)
+            with_ck = weights({(w, (k, w2)): seen["world x checkpoint", f"W{w} {k} -> W{w2}"]
+                               for k in kinds for w2 in worlds})
+            if checkpoint is True and with_ck:
+                plan += with_ck * mass
+            elif with_ck:  # some: half of the world's draws without a checkpoint, half with one
+                plan += [(w, None)] * (mass * len(with_ck)) + with_ck * mass
+            else:
+                plan += [(w, None)] * mass
+        steer["plan"] = plan
+        steer["mesh"] = {w: weights({m: seen["mesh", "x".join(map(str, m))] for m in _meshes(spec, w, mesh_shapes)})
+                         for w in worlds}
+        dtypes = list(strategy_kwargs.get("dtypes") or DTYPES)
+        steer["dtype"] = weights({d: seen["dtype", d] for d in dtypes})
+        return {"steer": steer}
+
+    def table(self, target: str | None = None, width: int = 100) -> str:
+        """The valid cases per cell, by dimension: the session's spread (least covered first)."""
+        lines = []
+        for t in sorted(self.valid) if target is None else [target]:
+            counts = self.valid[t]
+            if not counts:
+                continue
+            lines.append(f"coverage of {t} (valid cases per cell, least first):")
+            for dim in DIMENSIONS:
+                cells = sorted(((c, n) for (d, c), n in counts.items() if d == dim), key=lambda cn: (cn[1], cn[0]))
+                if not cells:
+                    continue
+                ns = [n for _, n in cells]
+                head = f"  {dim} ({len(cells)} cells, {min(ns)}-{max(ns)}): "
+                text = ", ".join(f"{c} {n}" for c, n in cells)
+                lines.append(head + text)
+        return "\n".join(lines)
+
+
+def _meshes(spec, world: int, mesh_shapes) -> list:
+    return [(world,)] if spec.flat_mesh else mesh_shapes(world)
