@@ -53,11 +53,9 @@ def too_old(version: str | None = None) -> str | None:
 
 def shard_size_and_offset(size: int, chunks: int, index: int) -> tuple[int, int]:
     """(length, offset) of chunk ``index`` of a dim of ``size`` split as Shard splits it over ``chunks``
-    ranks: ``Shard.local_shard_size_and_offset`` from 2.9 on, ``Shard._local_shard_size_on_dim(...,
-    return_offset=True)`` before."""
+    ranks: ``Shard.local_shard_size_and_offset`` from 2.9 on, the private ``_local_shard_size_and_offset``
+    (same arguments and result) in 2.8."""
     from torch.distributed.tensor import Shard
 
-    public = getattr(Shard, "local_shard_size_and_offset", None)
-    if public is not None:
-        return tuple(public(size, chunks, index))
-    return tuple(Shard._local_shard_size_on_dim(size, chunks, index, return_offset=True))
+    f = getattr(Shard, "local_shard_size_and_offset", None) or Shard._local_shard_size_and_offset
+    return tuple(f(size, chunks, index))

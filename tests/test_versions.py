@@ -103,3 +103,15 @@ def test_known_table_records_each_release_in_the_files_and_the_readme(tmp_path, 
     assert "| root cause | 2.10.0 | 2.14.1 |" in readme
     # 2.14.1 checked this finding alone: the root cause's other findings are no evidence there
     assert "| `dtensor-conv-handlers-skip-redistribution` | reproduces 1/0/0 | **fixed** 0/1/0 |" in readme
+
+
+def test_known_sample_takes_one_cheap_runnable_finding_per_root_cause():
+    """`known --check --sample N` (the version smoke pass): N root causes, one finding each, on at most 2
+    ranks of this device, never a hang counted by its trigger (it would run nothing)."""
+    from fuzzshard.cli.known import _sample
+    from fuzzshard.findings import load_known
+
+    known = load_known()
+    got = _sample(known, 6, "cpu")
+    assert len(got) == 6 and len({f.root_cause for f in got.values()}) == 6
+    assert all(f.case.ranks <= 2 and f.case.device == "cpu" and not f.trigger for f in got.values())

@@ -16,6 +16,8 @@ def add(sub) -> None:
                        "hand-reduced scripts.")
     k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
+    k.add_argument("--sample", type=int, metavar="N", help="with --check: only N root causes, one finding each "
+                   "(the smallest cases on at most 2 ranks): a quick check of another torch (ci/version_smoke.sh)")
     k.add_argument("--json", metavar="FILE", help="with --check: also write each signature's outcome on this torch "
                    "to FILE (ci/known_table.py joins several releases' files into the known README's table)")
     k.add_argument("--minimal", nargs="*", metavar="ROOT_CAUSE",
@@ -36,6 +38,8 @@ def run(args) -> int:
     if args.markdown:
         print(known_markdown(known))
         return 0
+    if args.check and args.sample:
+        known = _sample(known, args.sample, args.device)
     causes = load_root_causes(known)
     if args.minimal is not None:
         return _check_minimal(causes, args.minimal)
@@ -93,6 +97,19 @@ def run(args) -> int:
                        "NOW FAILS DIFFERENTLY" if n["differs"] else "skipped")
             print(f"  {rid:55} {verdict:22} {n['reproduces']} / {n['fixed']} / {n['differs']} / {n['skipped']}")
     return 0
+
+
+def _sample(known: dict, n: int, device: str) -> dict:
+    """One finding of each of ``n`` root causes: per root cause its smallest case on ``device`` on at most 2
+    ranks that runs (no hang trigger: a known hang is counted without running), the cheapest root causes first."""
+    best: dict = {}
+    for sig, f in sorted(known.items()):
+        if f.root_cause and not f.trigger and f.case.device == device and f.case.ranks <= 2:
+            size = len(f.case.to_json())
+            if f.root_cause not in best or size < best[f.root_cause][0]:
+                best[f.root_cause] = (size, sig)
+    chosen = sorted(best.values())[:n]
+    return {sig: known[sig] for _, sig in chosen}
 
 
 def _check_minimal(causes: dict, only: list) -> int:
