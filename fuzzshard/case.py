@@ -137,7 +137,7 @@ class Case:
                 raise CaseError(f"{what}world size {world} is impossible")
             if math.prod(mesh) != world:
                 raise CaseError(f"{what}mesh {mesh} does not hold {world} ranks")
-            if tuple(mesh) not in mesh_shapes(world):
+            if tuple(mesh) not in mesh_shapes(world, 3):
                 # the pool creates subgroups for these meshes only; a side of 1 is the smaller mesh
                 raise CaseError(f"{what}mesh {list(mesh)}: {world} ranks take one of "
                                 f"{[list(m) for m in mesh_shapes(world)]} (no side of 1)")
@@ -180,9 +180,13 @@ class Case:
         return cls.from_dict(data)
 
 
-def mesh_shapes(world: int) -> list[tuple[int, ...]]:
-    """Meshes a world size can take: 1-D, then each 2-D factorisation with both sides > 1."""
-    return [(world,)] + [(a, world // a) for a in range(2, world) if world % a == 0]
+def mesh_shapes(world: int, dims: int = 2) -> list[tuple[int, ...]]:
+    """Meshes a world size can take: 1-D, then each 2-D factorisation with both
+    sides > 1, then (``dims`` 3) each 3-D one with every side > 1 (8 ranks and
+    more: what a simulated session draws, strategies' ``mesh_dims``)."""
+    two = [(a, world // a) for a in range(2, world) if world % a == 0]
+    three = [(a, b, c // b) for a, c in two for b in range(2, c) if c % b == 0] if dims >= 3 else []
+    return [(world,)] + two + three
 
 
 class CaseError(ValueError):

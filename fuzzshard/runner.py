@@ -68,6 +68,7 @@ class Pool:
         scratch: str | None = None,
         zygote: bool = True,
         placed: bool = False,
+        simulate: bool = False,
     ):
         if size < 1:
             raise ValueError("a pool needs at least one worker")
@@ -91,6 +92,8 @@ class Pool:
             # subgroups for cases placed at any offset, so run_many runs them side by side
             "placed": placed and size > 1,
         }
+        if simulate:  # --simulate (simulate.py): each worker runs a whole case alone, side by side with the others
+            self.options.update(simulate=True, placed=True, backend="fake")
         # a cell spanning processes (span.Link): ranks from link.local on are
         # spawned elsewhere; it has no spare set, and its checkpoints go to a
         # scratch folder every node sees
@@ -231,7 +234,7 @@ class Pool:
         if self.lost:
             raise LostRank(self.lost)
         for case in cases:
-            if not 1 <= case.ranks <= self.size:
+            if not 1 <= self._ranks(case) <= self.size:
                 raise ValueError(f"case needs world size {case.ranks}, the pool has {self.size} workers")
         timeouts = timeouts or [None] * len(cases)
         queue = [_Job(i, c, (localize, bare), min(t or self.case_timeout, self.case_timeout))
@@ -243,7 +246,7 @@ class Pool:
         try:
             while queue or running:
                 for job in [] if broken else list(queue):
-                    offset = self._free_block(job.case.ranks, busy, placeable(job.case))
+                    offset = self._free_block(self._ranks(job.case), busy, placeable(job.case) or self._ranks(job.case) == 1)
                     if offset is not None:
                         queue.remove(job)
                         running.append(job)
@@ -263,6 +266,10 @@ class Pool:
                 job.reset()
         return results
 
+    def _ranks(self, case: Case) -> int:
+        """The workers a case takes: its ranks, or one that simulates them all (``simulate``)."""
+        return 1 if self.options.get("simulate") else case.ranks
+
     def _free_block(self, w: int, busy: dict, placeable: bool = True) -> int | None:
         """The lowest offset o with ranks o..o+w-1 all free (0 only, without placed workers)."""
         offsets = range(self.size - w + 1) if self.options["placed"] and placeable else [0]
@@ -275,7 +282,7 @@ class Pool:
         job.deadline = job.t0 + job.timeout
         localize, bare = job.how
         text = job.case.to_json()
-        for r in range(offset, offset + job.case.ranks):
+        for r in range(offset, offset + self._ranks(job.case)):
             try:
                 self.conns[r].send(("case", text, localize, job.ckpt_dir, bare, offset))
                 job.waiting.add(r)
@@ -306,7 +313,7 @@ class Pool:
         seconds = time.monotonic() - job.t0
         if job.waiting and job.raised_at is not None:
             self.stuck_seconds += time.monotonic() - job.raised_at
-        verdict = self._combine(job.case.ranks, job.answers, job.dead, seconds, job.offset)
+        verdict = self._combine(self._ranks(job.case), job.answers, job.dead, seconds, job.offset)
         if verdict.get("oracle") == "hang" and job.timeout < self.case_timeout:
             verdict["timeout"] = round(job.timeout, 1)  # a shortened limit: provisional until re-run at the full one
         self.history.append((job.case, verdict))

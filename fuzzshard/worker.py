@@ -62,8 +62,13 @@ def main() -> None:
         where = {"store": open_store(store, options["collective_timeout"])}
     else:  # a cell of this machine: a file store in the driver's temp folder
         where = {"init_method": f"file://{store}"}
-    dist.init_process_group(options["backend"], rank=rank, world_size=size, timeout=timeout, **where)
-    meshes = Meshes(size, options["mesh_device"], placed=options.get("placed", False))
+    if options.get("simulate"):  # --simulate: this process runs whole cases alone, every rank (simulate.py)
+        from .simulate import SimulatedWorld
+
+        meshes = SimulatedWorld()
+    else:
+        dist.init_process_group(options["backend"], rank=rank, world_size=size, timeout=timeout, **where)
+        meshes = Meshes(size, options["mesh_device"], placed=options.get("placed", False))
     # Connect last: a spare generation gets fully ready before the driver needs it.
     conn = Client(tuple(options["address"]), authkey=bytes.fromhex(os.environ["FUZZSHARD_AUTHKEY"]))
     info = {"rank": rank, "torch": torch.__version__, "targets": targets.names()}

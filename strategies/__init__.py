@@ -103,8 +103,9 @@ def spec_of(target: str):
     return targets.get(target).spec
 
 
-def _meshes(spec, world: int) -> list[tuple[int, ...]]:
-    return [(world,)] if spec.flat_mesh else mesh_shapes(world)
+def _meshes(spec, world: int, mesh_dims: int = 2) -> list[tuple[int, ...]]:
+    """The meshes drawn for ``world`` ranks: fewer dims first (shrinking goes there), at most ``mesh_dims``."""
+    return [(world,)] if spec.flat_mesh else mesh_shapes(world, mesh_dims)
 
 
 def _seq_multiple(spec, options: dict, mesh_shape: tuple, ck) -> int:
@@ -124,13 +125,13 @@ def _flips_allowed(spec, options: dict, ck) -> bool:
 
 @st.composite
 def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied: tuple = (), kinds=None,
-                **context) -> Checkpoint:
+                mesh_dims: int = 2, **context) -> Checkpoint:
     """A save point in the schedule, how the state is saved, and the loading
     side: any world size of the session (resharding), its own mesh and its
     own target options (another wrapping or placement)."""
     spec = spec_of(target)
     world = draw(st.sampled_from(sorted(world_sizes)))
-    mesh_shape = draw(st.sampled_from(_meshes(spec, world)))
+    mesh_shape = draw(st.sampled_from(_meshes(spec, world, mesh_dims)))
     kind = draw(st.sampled_from(list(kinds or spec.checkpoint_kinds)))  # kinds: a session's schedule picks
     dsd = kind in STATE_DICT_KINDS
     rarely = st.sampled_from([False] * 5 + [True])
@@ -180,6 +181,7 @@ def cases(
     models=("topologies",),
     compile: bool = False,
     steer: dict | None = None,
+    mesh_dims: int = 2,
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
     into every case, False into none (targets whose spec has checkpoint kinds).
@@ -188,7 +190,8 @@ def cases(
     ``compile``: targets that can (fsdp2) also draw torch.compile of blocks and of the optimizer step.
     ``steer``: a timed session's weighted choices for this round (fuzzshard/schedule.py): ``plan``, (world
     size, None or (checkpoint kind, its world size)); ``optimizer``, (name, implementation); ``mesh``, world
-    size -> mesh shapes; ``dtype``. Each a list, a cell as many times as its weight."""
+    size -> mesh shapes; ``dtype``. Each a list, a cell as many times as its weight.
+    ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py)."""
     spec = spec_of(target)
     steer = steer or {}
     plan = draw(st.sampled_from(steer["plan"])) if steer.get("plan") else None
@@ -198,7 +201,7 @@ def cases(
     depth = draw(st.integers(1, max_depth))
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
-    mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world)))
+    mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world, mesh_dims)))
     model = draw(_model(spec, depth, tuple(models)))
     shapes = param_shapes(model)
     if spec.elementwise_only:
@@ -223,9 +226,10 @@ def cases(
     options = draw(target_options(target, shapes, mesh_shape, tied, **context))
     ck = None
     if plan and plan[1]:
-        ck = draw(checkpoints(target, [plan[1][1]], n_steps, shapes, tied, kinds=[plan[1][0]], **context))
+        ck = draw(checkpoints(target, [plan[1][1]], n_steps, shapes, tied, kinds=[plan[1][0]], mesh_dims=mesh_dims,
+                              **context))
     elif not plan and spec.checkpoint_kinds and (checkpoint or (checkpoint is None and draw(st.booleans()))):
-        ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied, **context))
+        ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied, mesh_dims=mesh_dims, **context))
     # data parallel: every rank of either side gets an equal slice, in equal microbatches
     microbatches = max(options.get("microbatches", 1), ck.target_options.get("microbatches", 1) if ck else 1)
     ranks_per_sample = math.lcm(world, ck.world_size if ck else 1) * microbatches

@@ -31,6 +31,10 @@ def add(sub) -> None:
                    help="instead: one fuzz session over world sizes 1..--workers (--cases examples, --seed), one "
                         "case at a time vs side by side on disjoint ranks, each on its own pool")
     b.add_argument("--workers", type=int, default=4, help="ranks for --soak and --session (default 4)")
+    b.add_argument("--simulate", action="store_true",
+                   help="instead: cases/s of the same cases simulated under LocalTensorMode (one worker, and one "
+                        "per core side by side) and real (a warm pool of W gloo processes) at W=2, 4, 8, and "
+                        "simulated alone at W=16 and 64 (--cases per world size; docs/simulate.md)")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (cuda: NCCL, one GPU a rank)")
     from ..hunt import add_arguments as hunt_arguments
 
@@ -54,6 +58,11 @@ def run(args) -> int:
     if len(names) != 1:
         raise UsageError("bench measures one target at a time")
     models = tuple(model_families(args.models)) if args.models else ("topologies",)
+    if args.simulate:
+        from ..simulate import run_bench as run_simulate_bench
+
+        run_simulate_bench(args.cases, args.seed, names[0])
+        return 0
     if args.soak:
         from ..bench import run_soak_bench
 

@@ -143,7 +143,8 @@ def start_pool(args, size: int, log_dir=None, spare: bool = False, placed: bool 
 
     try:
         return Pool(size, device=args.device, backend=args.backend, worker_setup=args.setups,
-                    case_timeout=args.case_timeout, log_dir=log_dir, spare=spare, placed=placed).start()
+                    case_timeout=args.case_timeout, log_dir=log_dir, spare=spare, placed=placed,
+                    simulate=getattr(args, "simulate", False)).start()
     except PoolError as e:
         raise UsageError(f"could not start {size} workers: {e}") from None
 

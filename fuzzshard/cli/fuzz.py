@@ -39,6 +39,12 @@ def add(sub) -> None:
                         "in packs and run side by side on disjoint ranks, so a world-size-1 case does not leave "
                         "three ranks waiting (2.5x the cases/s of a session over world sizes 1-4 here); a packed "
                         "session draws other cases than one at a time with the same seed")
+    f.add_argument("--simulate", action="store_true",
+                   help="run each case's ranks in one process under torch's LocalTensorMode (a fake process "
+                        "group), one case per worker side by side: world sizes up to 64 and 3-dim meshes "
+                        "(default --world-sizes 5,6,7,8,12,16,32,64); each finding is then re-run on real gloo "
+                        "processes at its shrunk world size where that fits (<= 8), and one that does not fail "
+                        "there goes to OUT/simulation_limits/, never a finding (docs/simulate.md)")
     draw_args(f)
     pool_args(f)
 
@@ -48,15 +54,19 @@ def run(args) -> int:
 
     from ..engine import Session
 
+    if args.simulate:
+        from ..simulate import simulate_args
+
+        simulate_args(args)
     sizes = parse_world_sizes(args.world_sizes)
     duration = parse_duration(args.duration) if args.duration else None
     shrink_budget = parse_duration(args.shrink_budget) if args.shrink_budget else None
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError("--max-examples must be >= 1")
     check_pool_args(args)
-    check_gpus(args, max(sizes))
+    check_gpus(args, 1 if args.simulate else max(sizes))
     names = resolve_targets(args.target)
-    draws = strategy_kwargs(args)
+    draws = {**strategy_kwargs(args), **getattr(args, "simulate_draws", {})}
     from .. import targets
 
     if args.compile and not any(targets.get(n).spec.compiled for n in names):
@@ -65,7 +75,7 @@ def run(args) -> int:
     database = redis_url(args.redis) if args.redis else None
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     out_dir(args.out)
-    warn_cores(max(sizes))
+    warn_cores(1 if args.simulate else max(sizes))
     print(f"fuzzshard: targets {','.join(names)} · world sizes {sizes} · seed {seed} · out {args.out}", file=sys.stderr)
     session = None
     stops = []
@@ -83,11 +93,13 @@ def run(args) -> int:
     # explicit handlers: a shell starts a background job with SIGINT ignored, and Python keeps that
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    pool = start_pool(args, max(sizes), log_dir=os.path.join(args.out, "logs"), spare=True, placed=not args.one_at_a_time)
+    pool = start_pool(args, args.simulate_workers if args.simulate else max(sizes), log_dir=os.path.join(args.out, "logs"),
+                      spare=True, placed=not args.one_at_a_time)
     try:
         session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
                           duration=duration, seed=seed, device=args.device, strategy_kwargs=draws,
-                          database=database, shrink_budget=shrink_budget, plugins=args.plugin or ())
+                          database=database, shrink_budget=shrink_budget, plugins=args.plugin or (),
+                          **({"pack": pool.size} if args.simulate and not args.one_at_a_time else {}))
         if session.pack > 1:
             print(f"fuzzshard: cases drawn in packs of up to {session.pack}, run side by side on disjoint ranks of "
                   f"{pool.size} (--one-at-a-time: one at a time)", file=sys.stderr)
@@ -99,6 +111,11 @@ def run(args) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # closing the pool is not to be interrupted
         pool.close()
     findings = list(session.findings.values())
+    if args.simulate and findings:  # a simulated finding is one only once real process groups fail the same way
+        from ..simulate import confirm
+
+        confirm(findings, args.out, args)
+        findings = [f for f in findings if os.path.exists(os.path.join(args.out, f"{f.signature}.json"))]
     _print_session_report(session, findings, args.out)
     if findings:
         return 1

@@ -37,7 +37,7 @@ def rank_sets(size: int, placed: bool = False) -> list[tuple[int, ...]]:
     out = set()
     for w in range(1, size + 1):
         for o in range(size - w + 1 if placed else 1):
-            for shape in mesh_shapes(w):
+            for shape in mesh_shapes(w, 3):
                 for dim in _slices(shape):
                     out.update(tuple(r + o for r in s) for s in dim)
     return sorted(out, key=lambda s: (len(s), s))

@@ -1,0 +1,335 @@
+"""``--simulate``: a case's ranks in one process, under torch's LocalTensorMode.
+
+torch.distributed._local_tensor (torch >= 2.10) runs SPMD code once for all
+ranks: every tensor made inside ``LocalTensorMode(W)`` is a LocalTensor that
+holds one plain tensor per rank, each op runs on every rank's tensor, and a
+collective on the fake process group ("fake" backend) is done on those
+tensors as gloo would do it between processes. So a case of 8, 16 or 64
+ranks runs in one worker process, and each worker of the pool runs one
+simulated case beside the others (runner.Pool(simulate=True)).
+
+The kernel (kernel/run.py) runs unchanged: ``SimulatedWorld`` stands where
+kernel/mesh.py's Meshes stands. While a case runs, ``placed()`` makes the
+fake world of the case's size and ``job(w)`` enters LocalTensorMode over
+ranks 0..w-1 around exactly what the ranks run (the sharded training, the
+save, the load); the reference and the oracles run outside it on plain
+tensors. Three things the harness does differently, and why:
+
+  * the model and the batches are made outside the mode and then given to
+    every rank as the same tensor. A real rank seeds its own generator and
+    draws them itself, all ranks alike; under the mode one explicit
+    torch.Generator is shared by all simulated ranks, which then draw one
+    after the other and get different batches (a harness artefact, not a bug);
+  * the observations (full params, grads, state: what the reporting rank
+    gathers) are rank 0's tensors, as the real reporter sees its own;
+  * gather.py's batched all-gather (it indexes a Python list with this rank's
+    coordinate, which is every rank's at once here) is off: each tensor is
+    gathered with its own ``full_tensor()``, which gives the same bytes.
+
+A simulated finding is a finding only once its shrunk case fails the same
+way on real gloo process groups (``confirm``); one that passes there is a
+LocalTensor limitation, written under OUT/simulation_limits/ and never
+reported as a finding; one too large for this machine is "simulated only".
+docs/simulate.md says which targets run simulated and why the others do not.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+# the targets a simulated session draws: measured, see docs/simulate.md
+SIMULATED_TARGETS = ("dtensor",)
+# the targets whose cases may draw 3-dim meshes (their options say a placement per mesh dim)
+THREE_DIM_TARGETS = ("dtensor",)
+# the largest world size confirmed on real process groups here (ranks are processes: 8 on this machine)
+REAL_MAX = int(os.environ.get("FUZZSHARD_REAL_MAX", "8"))
+DEFAULT_WORLD_SIZES = "5,6,7,8,12,16,32,64"
+LIMITS = "simulation_limits"  # OUT/<this>/: simulated findings that do not reproduce on real process groups
+
+
+def available() -> str | None:
+    """None if this torch can simulate, else why not (one line)."""
+    try:
+        import torch.distributed._local_tensor  # noqa: F401
+        from torch._C._distributed_c10d import FakeProcessGroup  # noqa: F401
+    except ImportError as e:
+        return f"this torch has no LocalTensorMode ({e}); --simulate needs torch >= 2.10"
+    return None
+
+
+def simulate_args(args) -> None:
+    """``fuzz --simulate``: its checks and defaults, into ``args`` (a UsageError says what is wrong)."""
+    from .cli.common import UsageError, resolve_targets
+
+    why = available()
+    if why:
+        raise UsageError(f"--simulate: {why}")
+    if (args.device or "cpu") != "cpu":
+        raise UsageError("--simulate runs on CPU (LocalTensorMode over a fake process group)")
+    names = resolve_targets(args.target)
+    if args.target == "all":
+        names = [n for n in names if n in SIMULATED_TARGETS]
+        args.target = ",".join(names)
+    other = [n for n in names if n not in SIMULATED_TARGETS]
+    if other:
+        raise UsageError(f"--simulate runs {', '.join(SIMULATED_TARGETS)}; not {', '.join(other)} "
+                         "(docs/simulate.md says why)")
+    if args.checkpoints == "all":
+        raise UsageError("--simulate draws no checkpoints: torch.save, broadcast_from_rank0 and DCP of LocalTensors "
+                         "fail under LocalTensorMode (docs/simulate.md)")
+    if args.checkpoints == "some":  # the default: said, not silent
+        print("fuzzshard: --simulate: no checkpoints (saving and loading LocalTensors is not simulated: "
+              "docs/simulate.md)", file=sys.stderr)
+        args.checkpoints = "none"
+    if args.world_sizes == "1,2,3,4":  # draw_args' default: a simulated session is for the sizes a pool cannot reach
+        args.world_sizes = DEFAULT_WORLD_SIZES
+    args.simulate_workers = max(1, os.cpu_count() or 1)  # one simulated case per core, side by side
+    args.simulate_draws = {"mesh_dims": 3} if all(n in THREE_DIM_TARGETS for n in names) else {}
+
+
+# -- the worker side ----------------------------------------------------------------------------------
+class SimulatedWorld:
+    """What kernel/mesh.py's Meshes is to a real pool worker, for one process
+    that runs whole cases alone: a fake default process group of the case's
+    size, its meshes, and LocalTensorMode around what the ranks run."""
+
+    def __init__(self):
+        self.size = 0
+        self._groups: dict[int, object] = {}
+        self._world(1)  # a default group from the start: the worker's exit destroys it
+
+    def _world(self, n: int) -> None:
+        import torch.distributed as dist
+
+        if self.size == n:
+            return
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+        self.size, self._groups = n, {}
+
+    # -- the Meshes interface kernel/run.py uses --------------------------------------------------
+    @contextlib.contextmanager
+    def placed(self, offset: int, n: int):
+        """The case's world: ``n`` fake ranks, whatever pool rank runs it."""
+        self._world(n)
+        with _patched():
+            yield
+
+    def group(self, w: int):
+        import torch.distributed as dist
+
+        if w == self.size:
+            return dist.group.WORLD
+        if w not in self._groups:
+            self._groups[w] = dist.new_group(list(range(w)))
+        return self._groups[w]
+
+    def mesh(self, w: int, shape: tuple[int, ...]):
+        import torch
+        from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+        from torch.distributed.device_mesh import DeviceMesh
+
+        names = tuple(f"d{i}" for i in range(len(shape))) if len(shape) > 1 else None
+        with maybe_disable_local_tensor_mode():
+            return DeviceMesh("cpu", torch.arange(w).view(*shape), mesh_dim_names=names)
+
+    @contextlib.contextmanager
+    def job(self, w: int):
+        """Ranks 0..w-1, all of them in this process (and as the default group's first w)."""
+        from torch.distributed import distributed_c10d as c10d
+        from torch.distributed._local_tensor import LocalTensorMode
+
+        saved = c10d._world.default_pg
+        c10d._world.default_pg = self.group(w)
+        try:
+            with LocalTensorMode(w):
+                yield
+        finally:
+            c10d._world.default_pg = saved
+
+
+def rank0(x):
+    """``x`` with every LocalTensor in it replaced by rank 0's tensor: what the
+    reporting rank of a real run holds."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(x, LocalTensor):
+        return x._local_tensors[min(x._ranks)]
+    if isinstance(x, dict):
+        return {k: rank0(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rank0(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(rank0(v) for v in x)
+    return x
+
+
+def _lift(t, mode):
+    """A plain tensor as every rank's own copy of it."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return t if isinstance(t, LocalTensor) else mode.rank_map(lambda r: t.detach().clone())
+
+
+@contextlib.contextmanager
+def _patched():
+    """The three differences the module docstring names, for the length of one
+    simulated case (a simulated worker runs nothing else)."""
+    import torch
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    from .kernel import gather, run
+
+    build_model, make_batch, run_sharded, batchable = (run.build_model, run.make_batch, run._run_sharded,
+                                                       gather._gather_batchable)
+
+    def built(*args, **kwargs):
+        mode = enabled_local_tensor_mode()
+        if mode is None:
+            return build_model(*args, **kwargs)
+        with mode.disable():
+            net = build_model(*args, **kwargs)
+        shared: dict[int, torch.nn.Parameter] = {}  # a tied param stays one param
+        for m in net.modules():
+            for name, p in list(m.named_parameters(recurse=False)):
+                if id(p) not in shared:
+                    shared[id(p)] = torch.nn.Parameter(_lift(p.data, mode), requires_grad=p.requires_grad)
+                setattr(m, name, shared[id(p)])
+            for name, b in list(m.named_buffers(recurse=False)):
+                m._buffers[name] = _lift(b, mode)
+        return net
+
+    def batch(*args, **kwargs):
+        mode = enabled_local_tensor_mode()
+        if mode is None:
+            return make_batch(*args, **kwargs)
+        with mode.disable():
+            x, y = make_batch(*args, **kwargs)
+        return _lift(x, mode), _lift(y, mode)
+
+    def sharded(*args, **kwargs):
+        obs, error = run_sharded(*args, **kwargs)
+        return rank0(obs), error
+
+    run.build_model, run.make_batch, run._run_sharded = built, batch, sharded
+    gather._gather_batchable = lambda t: enabled_local_tensor_mode() is None and batchable(t)
+    try:
+        yield
+    finally:
+        run.build_model, run.make_batch, run._run_sharded = build_model, make_batch, run_sharded
+        gather._gather_batchable = batchable
+
+
+# -- the driver side: confirming on real process groups ------------------------------------------------
+def confirm(findings: list, out: str | Path, args, progress=sys.stderr) -> dict:
+    """Each simulated finding's case run on real gloo process groups (fresh
+    workers, its own world size) where it fits this machine (<= REAL_MAX):
+      * the same signature: confirmed, its file says so (``simulation``);
+      * anything else: a LocalTensor limitation (or a harness one), its files
+        moved to OUT/simulation_limits/ with what the real run said;
+      * larger than REAL_MAX: "simulated only", its file says so.
+    Returns {"confirmed": [...], "limits": [...], "simulated_only": [...]} (signatures)."""
+    from .cli.common import start_pool
+    from .findings import atomic_write
+    from .judge import judge
+
+    out = Path(out)
+    result: dict = {"confirmed": [], "limits": [], "simulated_only": []}
+    for f in findings:
+        path = out / f"{f.signature}.json"
+        data = json.loads(path.read_text()) if path.exists() else f.to_dict()
+        w = f.case.ranks
+        if w > REAL_MAX:
+            data["simulation"] = {"status": "simulated only", "world_size": w,
+                                  "why": f"{w} ranks: more than the {REAL_MAX} this machine runs for real"}
+            atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+            result["simulated_only"].append(f.signature)
+            print(f"fuzzshard: {f.signature}: SIMULATED ONLY (world size {w} > {REAL_MAX})", file=progress)
+            continue
+        print(f"fuzzshard: {f.signature}: confirming on {w} real gloo processes", file=progress, flush=True)
+        pool = start_pool(argparse.Namespace(**{**vars(args), "simulate": False}), w)  # real gloo processes
+        try:
+            j = judge(pool, f.case)
+        finally:
+            pool.close()
+        real = {"signature": j.signature, "status": j.verdict.get("status"), "world_size": w,
+                "seconds": round(j.seconds, 3)}
+        if j.verdict.get("status") == "finding":
+            real["summary"] = _summary(j.verdict)
+        if j.signature == f.signature:
+            data["simulation"] = {"status": "confirmed on real process groups", "real": real}
+            atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+            result["confirmed"].append(f.signature)
+            print(f"fuzzshard: {f.signature}: CONFIRMED on {w} real processes", file=progress)
+        else:
+            limits = out / LIMITS
+            limits.mkdir(parents=True, exist_ok=True)
+            data["simulation"] = {"status": "LocalTensor limitation: not reproduced on real process groups",
+                                  "real": real}
+            atomic_write(limits / f"{f.signature}.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+            if (out / f"{f.signature}.py").exists():
+                shutil.move(out / f"{f.signature}.py", limits / f"{f.signature}.py")
+            path.unlink(missing_ok=True)
+            result["limits"].append(f.signature)
+            print(f"fuzzshard: {f.signature}: not a finding: real processes give {j.label} "
+                  f"-> {limits}/{f.signature}.json (a LocalTensor limitation)", file=progress)
+    return result
+
+
+def _summary(verdict: dict) -> str:
+    from .findings import summary
+
+    return summary(verdict)
+
+
+# -- bench --simulate -----------------------------------------------------------------------------------
+def run_bench(n: int, seed: int, target: str = "dtensor", echo=print, real_worlds=(2, 4, 8),
+              sim_worlds=(2, 4, 8, 16, 64), workers: int | None = None) -> dict:
+    """Cases/s of the same cases simulated (one worker; and ``workers`` side
+    by side, as a simulated session runs them) and real (a warm gloo pool of
+    W processes, one case at a time), per world size. Each pool runs one
+    untimed case of the size first (imports, torch's per-shape caches)."""
+    import time
+
+    from .bench import fixed_cases
+    from .runner import Pool
+
+    workers = workers or max(1, os.cpu_count() or 1)
+    out: dict = {}
+    echo(f"bench --simulate: {n} {target} cases per world size (seed {seed}); real: a warm pool of W gloo "
+         f"processes; simulated: LocalTensorMode in one worker, and in {workers} side by side")
+    for w in sorted(set(real_worlds) | set(sim_worlds)):
+        *cases, spare = fixed_cases(n + 1, w, seed, target)
+        row: dict = {}
+        sides = ([("real", dict(size=w), False)] if w in real_worlds else []) + \
+                ([("sim1", dict(size=1, simulate=True), False)] + ([("simN", dict(size=workers, simulate=True), True)]
+                                                                    if workers > 1 else []) if w in sim_worlds else [])
+        for name, kwargs, side_by_side in sides:
+            with Pool(case_timeout=600, spare=False, placed=side_by_side, **kwargs) as pool:
+                pool.run_many([spare] * (pool.size if kwargs.get("simulate") else 1))  # every worker warm
+                t0 = time.perf_counter()
+                results = pool.run_many(cases) if side_by_side else [pool.run(c) for c in cases]
+                seconds = time.perf_counter() - t0
+            statuses = collections_counter(r.verdict.get("status") for r in results)
+            row[name] = {"cases_per_s": len(cases) / seconds, "seconds": seconds, "statuses": statuses}
+            echo(f"  W={w:<3} {name:5} {len(cases) / seconds:7.2f} cases/s  ({seconds:.1f}s; "
+                 f"{', '.join(f'{k} {v}' for k, v in sorted(statuses.items()))})")
+        if "real" in row and "sim1" in row:
+            best = max(row["sim1"]["cases_per_s"], row.get("simN", row["sim1"])["cases_per_s"])
+            echo(f"  W={w:<3} simulated / real: {best / row['real']['cases_per_s']:.2f}x")
+        out[w] = row
+    return out
+
+
+def collections_counter(items) -> dict:
+    import collections
+
+    return dict(collections.Counter(items))

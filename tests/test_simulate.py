@@ -1,0 +1,88 @@
+"""--simulate (fuzzshard/simulate.py): a case's ranks in one worker under
+LocalTensorMode; a simulated finding counts only once real process groups
+fail the same way, else it is a LocalTensor limitation kept apart."""
+import argparse
+import json
+
+import pytest
+
+from cases import simple_case
+from conftest import PLANTED, run_cli
+from fuzzshard.case import Case, mesh_shapes
+from fuzzshard.findings import Finding, write_finding
+from fuzzshard.judge import judge
+from fuzzshard.runner import Pool
+
+pytest.importorskip("torch.distributed._local_tensor")
+
+BUG = PLANTED / "large_group_partial_averaged.py"
+
+
+def wide_case(world: int) -> Case:
+    """layers.0's input dim sharded: its matmul leaves a Partial sum over all ``world`` ranks."""
+    return simple_case(world, optim="SGD", placements={"layers.0.weight": ["S1"], "layers.2.weight": ["R"]})
+
+
+@pytest.fixture(scope="module")
+def sim_pool():
+    """One simulated worker with the planted bug that shows only on mesh dims of 5 or more ranks."""
+    with Pool(1, simulate=True, worker_setup=str(BUG), case_timeout=120) as pool:
+        yield pool
+
+
+def test_a_simulated_worker_runs_any_world_size_and_the_planted_bug_shows_from_5_ranks_on(sim_pool):
+    assert sim_pool.run(wide_case(4)).verdict == {"status": "pass"}
+    v = sim_pool.run(wide_case(5)).verdict
+    assert v["status"] == "finding" and v["oracle"] == "parity", v
+    assert v["first"]["quantity"] in ("loss", "grad") and v["first"]["step"] == 0
+
+
+def test_a_simulated_finding_is_confirmed_on_real_processes_or_kept_apart_as_a_limitation(sim_pool, tmp_path):
+    case = wide_case(5)
+    j = judge(sim_pool, case)
+    assert j.signature and j.signature.startswith("dtensor.parity."), j.label
+    found = Finding(j.signature, case, j.verdict, deterministic=True, environment={}, stage="confirmed")
+    write_finding(tmp_path, found, "# script\n")
+    # not a finding: the same signature claimed for a case that passes on real processes
+    bogus = Finding("dtensor.parity.SGD.forloop.simulated-only.param", simple_case(2, optim="SGD"), j.verdict,
+                    deterministic=True, environment={}, stage="confirmed")
+    write_finding(tmp_path, bogus, "# script\n")
+    # too large to run for real here
+    big = Finding("dtensor.parity.big", wide_case(12), j.verdict, deterministic=True, environment={}, stage="confirmed")
+    write_finding(tmp_path, big, None)
+    args = argparse.Namespace(device="cpu", backend=None, setups=[str(BUG)], case_timeout=120.0, simulate=True)
+    from fuzzshard.simulate import LIMITS, confirm
+
+    result = confirm([found, bogus, big], tmp_path, args)
+    assert result == {"confirmed": [found.signature], "limits": [bogus.signature], "simulated_only": [big.signature]}
+    data = json.loads((tmp_path / f"{found.signature}.json").read_text())
+    assert data["simulation"]["real"]["signature"] == found.signature and data["simulation"]["real"]["world_size"] == 5
+    assert not (tmp_path / f"{bogus.signature}.json").exists()
+    limit = json.loads((tmp_path / LIMITS / f"{bogus.signature}.json").read_text())
+    assert limit["simulation"]["real"]["status"] == "pass" and (tmp_path / LIMITS / f"{bogus.signature}.py").exists()
+    assert json.loads((tmp_path / f"{big.signature}.json").read_text())["simulation"]["status"] == "simulated only"
+
+
+def test_meshes_of_three_dims_are_drawn_only_when_asked():
+    from hypothesis import HealthCheck, given, settings
+
+    import fuzzshard.strategies as fst
+
+    assert mesh_shapes(8) == [(8,), (2, 4), (4, 2)]
+    assert mesh_shapes(8, 3)[-1] == (2, 2, 2) and all(len(m) <= 3 for m in mesh_shapes(64, 3))
+    seen = {2: set(), 3: set()}
+    for dims in (2, 3):
+        @settings(max_examples=40, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(fst.cases(target="dtensor", world_sizes=[8], checkpoint=False, mesh_dims=dims))
+        def draw(case):
+            case.check_world()  # a 3-dim mesh is a possible case
+            seen[dims].add(len(case.mesh_shape))
+
+        draw()
+    assert max(seen[2]) == 2 and 3 in seen[3]
+
+
+def test_simulate_refuses_a_target_it_cannot_carry_and_says_why(tmp_path):
+    r = run_cli("fuzz", "--simulate", "--target", "fsdp2", "--max-examples", 1, "--out", tmp_path / "out")
+    assert r.returncode == 2
+    assert "--simulate runs dtensor; not fsdp2 (docs/simulate.md says why)" in r.stderr, r.stderr
