@@ -99,8 +99,8 @@ def _plan(case: Case, verdict: dict) -> dict | None:
             plan["load_last"] = ck.after if ck else n - 1
         return plan
     if oracle == "checkpoint" or (ck and not oracle):
-        plan.update(mode="checkpoint", load_last=ck.after, saved=first.get("quantity", "").startswith("saved"),
-                    quantity=first.get("quantity", ""))
+        saved = first.get("quantity", "").startswith("saved") and ck.kind in ("full", "fsdp1_full", "fsdp1_legacy")
+        plan.update(mode="checkpoint", load_last=ck.after, saved=saved, load=not saved, quantity=first.get("quantity", ""))
         return plan
     if oracle == "parity" or not oracle:
         k = first.get("step", n - 1)
@@ -297,7 +297,12 @@ class Writer:
             out += [f"fresh = dict(build({c.seed + 1}).named_parameters())  # a non-strict load leaves these as they were",
                     f"saved[0].update({{n: fresh[n].detach() for n in {list(ck.missing)!r}}})"]
         if self.plan.get("saved"):
-            out += ["# what was saved must equal the state it was saved from"]
+            return ["", "# what was saved must equal the optimizer state it was saved from", "fail = []", "if rank == 0:",
+                    "    file = torch.load(f\"{ckpt}/full.pt\")[\"optim\"][\"state\"]",
+                    "    fail = [f\"saved state {n}.{k}: {torch.as_tensor(v).tolist()}, the optimizer's {saved[1][n, k].tolist()}\"",
+                    "            for n, s in file.items() for k, v in s.items() if not torch.equal(torch.as_tensor(v), saved[1][n, k])]",
+                    "    print(\"\\n\".join([\"FINDING: the checkpoint holds other values than the optimizer\", *fail]) if fail else",
+                    "          \"PASS: the checkpoint holds the optimizer's state\")"]
         q = "" if self.plan.get("saved") else self.plan.get("quantity", "")
         what = "param" if q.startswith("loaded.param") and not q.startswith("loaded.param_groups") else \
             "state" if q.startswith("loaded.state") else "group" if q.startswith(("loaded.group", "loaded.param_groups")) else ""

@@ -77,7 +77,7 @@ def snapshot(case: Case, options: dict) -> list[str] | None:
     return ["def snapshot(model, opt):  # full copies through FSDP's own APIs: params, optimizer state, param groups",
             "    with FSDP.summon_full_params(model, writeback=False):",
             f"        params = {{n.replace('_fsdp_wrapped_module.', ''): q.detach().clone() for n, q in model.named_parameters()}}",
-            "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()):",
+            "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(offload_to_cpu=False)):",
             "        osd = FSDP.optim_state_dict(model, opt)",
             "    return (params, {(n, k): torch.as_tensor(v).detach().clone() for n, s in osd[\"state\"].items() for k, v in s.items()},",
             "            [{k: v.tolist() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v for k, v in g.items()",

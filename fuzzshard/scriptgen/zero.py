@@ -60,15 +60,16 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
 
 def snapshot(case: Case, options: dict) -> list[str] | None:
     return ["def snapshot(model, opt):  # params (every rank's replica the same), optimizer state (each rank: its partition's)",
-            "    name, world = {q: n for n, q in model.named_parameters()}, dist.get_world_size(opt.process_group)",
+            "    local, group = getattr(opt, \"optim\", opt), getattr(opt, \"process_group\", None)  # (a plain one: all of it)",
+            "    name, world = {q: n for n, q in model.named_parameters()}, dist.get_world_size(group)",
             "    for n, q in model.named_parameters():",
             "        reps = [torch.empty_like(q) for _ in range(world)]",
-            "        dist.all_gather(reps, q.detach().contiguous(), group=opt.process_group)",
+            "        dist.all_gather(reps, q.detach().contiguous(), group=group)",
             "        assert all(torch.equal(r, reps[0]) for r in reps), f\"the replicas of {n} differ: {[r.tolist() for r in reps]}\"",
-            "    mine = {(name[q], k): torch.as_tensor(v).clone() for g in opt.optim.param_groups for q in g[\"params\"]",
-            "            for k, v in opt.optim.state.get(q, {}).items()}",
+            "    mine = {(name[q], k): torch.as_tensor(v).clone() for g in local.param_groups for q in g[\"params\"]",
+            "            for k, v in local.state.get(q, {}).items()}",
             "    parts = [None] * world",
-            "    dist.all_gather_object(parts, mine, group=opt.process_group)",
+            "    dist.all_gather_object(parts, mine, group=group)",
             "    return ({n: q.detach().clone() for n, q in model.named_parameters()}, {k: v for s in parts for k, v in s.items()},",
             "            [{k: v.tolist() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v for k, v in g.items()",
             "              if k not in (\"params\", \"param_names\")} for g in opt.param_groups])"]
