@@ -258,12 +258,3 @@ def loss_fn(out, target):
     if not target.is_floating_point():
         return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
     return ((out - target) ** 2).mean()
-
-
-def objective(model: nn.Module, x, y, options: dict):
-    """The training loss; with ``nonroot`` (fsdp2, layers.0 its own unit) plus
-    a call of layers.0 straight on the input, from outside the root's forward."""
-    loss = loss_fn(model(x), y)
-    if options.get("nonroot"):
-        loss = loss + submodule(model, "layers.0")(x).square().mean()
-    return loss

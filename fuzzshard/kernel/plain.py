@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..case import Case
-from .model import build_model, objective
+from .model import build_model
 from .optim import add_late_groups, adds_groups_before, build_optimizer, load_state_by_fqn
 
 
@@ -62,12 +62,13 @@ def anchor(model, opt, case: Case, rec: dict) -> None:
 SENSITIVITY_DRAWS = 4
 
 
-def sensitivity(model, params: dict, x, y, options: dict, scale: float = 1.0) -> dict[str, float]:
+def sensitivity(model, params: dict, x, y, objective, scale: float = 1.0) -> dict[str, float]:
     """How far one ulp moves each result: rerun forward/backward with every
     param and float input nudged by one ulp (random direction, fixed seed),
     and take the largest change per tensor. Rounding anywhere in a legitimate
     run acts like such nudges, so k times this bounds it even where a result
-    cancels to ~0 (e.g. through a LayerNorm over a near-constant row)."""
+    cancels to ~0 (e.g. through a LayerNorm over a near-constant row).
+    ``objective(model, x, y)``: the loss (the target's, under the step's options)."""
     saved = {n: p.detach().clone() for n, p in params.items()}
     grads_before = {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
     g = torch.Generator().manual_seed(1234)  # fixed: a replay measures the same bound
@@ -83,7 +84,7 @@ def sensitivity(model, params: dict, x, y, options: dict, scale: float = 1.0) ->
                 p.copy_(nudge(saved[n]) if perturb else saved[n])
                 p.grad = None
         xin = nudge(x) if perturb and x.is_floating_point() else x
-        loss = objective(model, xin, y, options) * scale
+        loss = objective(model, xin, y) * scale
         loss.backward()
         return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
 

@@ -9,6 +9,7 @@ step, taken from the sharded grads, with the step tolerance.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -16,25 +17,22 @@ import torch
 from ..case import Case
 from ..verdict import Mismatch, error_record, finding, invalid, passing
 from .localize import Trace, localize_divergence
-from .model import make_batch, objective, out_dim, param_shapes
+from .model import make_batch, out_dim, param_shapes
 from .optim import group_hparams, resume_defaults, state_by_fqn
 from .oracles import (SCALAR_STATE, UNIT_ROUNDOFF, compare, compare_hparams, compiled_scalar_state_tolerance,
-                      compiled_state_allowance, compiled_step_allowance, compiled_step_tolerance, reduction_tolerance,
+                      compiled_state_allowance, compiled_step_allowance, reduction_tolerance,
                       step_tolerance)
 from .plain import anchor, before_step, options_at, sensitivity, setup, torch_dtype
 
 
-def step_tolerance_for(case: Case, numel: int) -> dict:
+def step_tolerance_for(case: Case, numel: int, target_cls) -> dict:
     """Adafactor reduces over a param (row/column means); Muon's Newton-Schulz
     runs in bfloat16 whatever the param dtype, one reduction per iteration."""
     if case.optim.name == "Adafactor":
         return step_tolerance(case.dtype, 4 * numel)
     if case.optim.name == "Muon":
         return step_tolerance("bfloat16", case.optim.kwargs.get("ns_steps", 5))
-    tol = step_tolerance(case.dtype)
-    if case.target_options.get("compile_step"):
-        return compiled_step_tolerance(tol, case.dtype, case.optim.kwargs.get("betas", ()), scalar_dtype(case))
-    return tol
+    return target_cls.step_tolerance(case, step_tolerance(case.dtype))  # fsdp2's compiled step widens it
 
 
 def scalar_dtype(case: Case) -> str:
@@ -61,7 +59,7 @@ def reference_error(case: Case, device: str, target_cls) -> dict | None:
                     p.grad = own[1][n]
             else:
                 x, y, scale = target_cls.reference_batch(case, k, x, y)
-                (objective(model, x, y, options) * scale).backward()
+                (target_cls.objective(model, x, y, options) * scale).backward()
             opt.step()
     except Exception as e:
         return error_record(e)
@@ -127,7 +125,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
         return invalid(f"reference rejects the config: {error_record(e)['text']}")
     red_tol = reduction_tolerance(case.dtype, reduction_length(case))
     numel = max([p.numel() for p in model.parameters()] or [1])
-    step_tol = step_tolerance_for(case, numel)
+    step_tol = step_tolerance_for(case, numel, target_cls)
     params = dict(model.named_parameters())
     mismatches = _compare_state(-1, obs["init_state"], state_by_fqn(opt, model, lambda t: t), step_tol)
     prev = {"params": obs["init"], "state": obs["init_state"], "grads": {n: None for n in params}}
@@ -159,7 +157,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                 x, y, scale = target_cls.reference_batch(case, k, x, y)
                 sens = None  # measured below, only if a comparison fails without it
                 trace = Trace(model, lambda t, fqn: t, lambda t, fqn: t, target_cls.trace_points(case)) if localize and rec["trace"] else None
-                loss = objective(model, x, y, options) * scale
+                loss = target_cls.objective(model, x, y, options) * scale
                 loss.backward()
                 grads, tol = {n: p.grad for n, p in params.items()}, red_tol
             traced = None
@@ -178,7 +176,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             if here and sens is None:
                 # a sensitivity only widens a bound: what matches without it matches with it, so the
                 # five forward/backward passes that measure it run only where something does not
-                sens = sensitivity(model, params, x, y, options, scale)
+                sens = sensitivity(model, params, x, y, functools.partial(target_cls.objective, options=options), scale)
                 with part("compare"):
                     here = loss_and_grads(sens)
             if traced is not None:  # name the module behind this step's divergence, if it has one

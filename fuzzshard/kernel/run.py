@@ -240,9 +240,7 @@ def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
     """(the sharded model, its initial params): requires_grad as ``case.frozen``
     and then the ``flags`` steps leave it, set after sharding, or before it
     for a target that registers the trainable params when it wraps (DDP)."""
-    # fsdp2's built_as: built in another dtype, shard() moves it to the case's
-    built_as = target.case.target_options.get("built_as", case.dtype)
-    model = build_model(case.model, seed, device, getattr(torch, built_as))
+    model = build_model(case.model, seed, device, getattr(torch, target.build_dtype()))
     init = {n: p.detach().to(torch_dtype(case)).clone() for n, p in model.named_parameters()}
 
     def set_flags(m):
@@ -277,8 +275,10 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
                     "groups": target.group_hparams(opt)}
 
     with target.uneven(model, opt, observe_grads, observe_step, out.append if keep else lambda rec: None) as runs:
-        _steps(case, target, model, opt, [k for k in steps if runs(k)], device, keep, trace, phase, out,
-               observe_grads, observe_step)
+        mine = [k for k in steps if runs(k)]
+        _steps(case, target, model, opt, mine, device, keep, trace, phase, out, observe_grads, observe_step)
+        if len(mine) < len(steps):  # the target's uneven inputs: the rest of the steps are shadowed on leaving
+            phase("other", "joined: shadowing the other ranks' steps (uneven inputs)")
     if trace:
         trace.remove()
     return out
@@ -306,5 +306,3 @@ def _steps(case: Case, target, model, opt, steps, device: str, keep: bool, trace
         rec = {"loss": full_loss.detach().clone(), **grads, **observe_step(), "trace": traced}
         if keep:
             out.append(rec)
-    if case.target_options.get("uneven"):
-        phase("other", "joined: shadowing the other ranks' steps (uneven inputs)")

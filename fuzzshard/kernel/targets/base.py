@@ -76,6 +76,23 @@ class Target:
         return sorted({cls.step_device(o, device) for o in sides})
 
     @classmethod
+    def objective(cls, model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
+        """The training loss under these target options, the reference's too: the
+        plain loss, unless the target's options add to it (fsdp2's nonroot)."""
+        return loss_fn(model(x), y)
+
+    @classmethod
+    def step_tolerance(cls, case: Case, tol: dict) -> dict:
+        """The optimizer step's tolerance: ``tol``, the eager step's, unless the
+        target runs the step otherwise (fsdp2's compiled step)."""
+        return tol
+
+    def build_dtype(self) -> str:
+        """The dtype the model is built in, before ``shard``: the case's, unless
+        the target moves it there after sharding (fsdp2's built_as)."""
+        return self.case.dtype
+
+    @classmethod
     def reference_batch(cls, case: Case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
         """(inputs, targets, loss scale) the reference trains step k on: the
         whole global batch, unless the target trains on less (zero's uneven inputs)."""

@@ -11,7 +11,7 @@ but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
 decoder transformer torchtitan's plan, {module FQN: decoder.TP_STYLES key},
 with ``sp`` (sequence parallelism) and ``loss_parallel``) and
 ``nonroot`` (the loss also calls the wrapped layers.0 from outside the root's
-forward: FSDP2's non-root forward; see model.objective), and with ``--compile``
+forward: FSDP2's non-root forward; see ``objective``), and with ``--compile``
 ``compile`` (each block ``module.compile()``d "before" or "after"
 ``fully_shard``) and ``compile_step`` (the optimizer step under torch.compile);
 the reference stays eager.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -36,9 +37,10 @@ from torch.utils._pytree import tree_map_only
 from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
 from ..gather import full_batched
-from ..model import objective, param_shapes, submodule, tied_modules
-from ..oracles import mixed_precision_tolerance
+from ..model import loss_fn, param_shapes, submodule, tied_modules
+from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
+from ..reference import scalar_dtype
 from ..state_io import STATE_DICT_KINDS
 from .base import Spec, Target
 
@@ -266,11 +268,11 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
     for r in range(world):
         acc = {}
         for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
-            for key, v in sensitivity(low, params, xm, ym, options, 1.0 / m).items():
+            for key, v in sensitivity(low, params, xm, ym, functools.partial(FSDP2Target.objective, options=options), 1.0 / m).items():
                 sens[key] = sens.get(key, 0.0) + v / world
             for p in params.values():
                 p.grad = None
-            local = objective(low, xm, ym, options) / m
+            local = FSDP2Target.objective(low, xm, ym, options) / m
             local.backward()
             loss += local.detach().double() / world
             for n, p in params.items():
@@ -305,6 +307,26 @@ class FSDP2Target(Target):
     def step_device(cls, options: dict, device: str) -> str:
         """CPUOffloadPolicy: "the optimizer step runs on CPU with CPU optimizer states"."""
         return "cpu" if options.get("offload") else device
+
+    @classmethod
+    def objective(cls, model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
+        """``nonroot``: plus a call of layers.0 (its own fully_shard) straight on
+        the input, from outside the root's forward."""
+        loss = loss_fn(model(x), y)
+        if options.get("nonroot"):
+            loss = loss + submodule(model, "layers.0")(x).square().mean()
+        return loss
+
+    @classmethod
+    def step_tolerance(cls, case: Case, tol: dict) -> dict:
+        """``compile_step``: the compiled step's bound (oracles.compiled_step_tolerance)."""
+        if not case.target_options.get("compile_step"):
+            return tol
+        return compiled_step_tolerance(tol, case.dtype, case.optim.kwargs.get("betas", ()), scalar_dtype(case))
+
+    def build_dtype(self) -> str:
+        """``built_as``: built in this dtype; ``shard`` moves it to the case's with model.to()."""
+        return self.case.target_options.get("built_as", self.case.dtype)
 
     @classmethod
     def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y) -> tuple | None:
@@ -402,7 +424,7 @@ class FSDP2Target(Target):
             if k > 1:
                 model.set_requires_gradient_sync(i == k - 1)
             with self._loss_context():
-                loss = objective(model, xm, ym, self.case.target_options) / k
+                loss = self.objective(model, xm, ym, self.case.target_options) / k
                 loss.backward()
             losses.append(loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach())
         # the global mean is an observation, summed in float64: a bfloat16 loss (mixed precision) summed in
