@@ -162,7 +162,7 @@ class Writer:
         if self.plan["mode"] in ("parity", "checkpoint") or self.plan["observe"]:
             own += getattr(self.w, "snapshot_imports", lambda: [])()
         if self.submesh(c.world_size) or (c.checkpoint and self.submesh(c.checkpoint.world_size)):
-            own.append("from torch.distributed.device_mesh import DeviceMesh")
+            own += ["from torch.distributed.device_mesh import DeviceMesh", "from torch.distributed import distributed_c10d as c10d"]
         return "\n".join(out + list(dict.fromkeys(own)))
 
     def prologue(self) -> str:
@@ -175,6 +175,8 @@ class Writer:
                  "rank = dist.get_rank()",
                  "sys.excepthook = lambda kind, err, tb: (  # an error anywhere below is a finding: said, then its traceback",
                  "    print(f\"FINDING: rank {rank}: {kind.__name__}: {err}\", flush=True), sys.__excepthook__(kind, err, tb), os._exit(1))"]
+        if self.submesh(c.world_size) or (c.checkpoint and self.submesh(c.checkpoint.world_size)):
+            lines.append("everyone = c10d._world.default_pg  # every rank: the script's world")
         if c.checkpoint and self.plan["mode"] != "parity":
             lines += ["ckpt = [tempfile.mkdtemp() if rank == 0 else None]",
                       "dist.broadcast_object_list(ckpt)  # one directory every rank sees", "ckpt = ckpt[0]"]
@@ -233,9 +235,10 @@ class Writer:
             inner += ["saved = snapshot(model, opt)"] * (p["mode"] == "checkpoint")
             inner += [f"# save after step {ck.after}"]
             inner += dsd.save(c, group) if ck.kind in dsd.KINDS else getattr(w, "save_" + ck.kind)(c, group)
-        if sub:
-            uses = any(re.search(r"(?<![\w.])group(?!\w)", ln) for ln in inner)
-            return out + [f"group = dist.new_group(list(range({world})))"] * uses + [f"if rank < {world}:"] + common.indent(inner)
+        if sub:  # as torchrun with this side's ranks: torch code that takes the default group (DCP, DSD, FSDP) sees them
+            return out + [f"group = dist.new_group(list(range({world})))", f"if rank < {world}:",
+                          f"    c10d._world.default_pg = group  # ranks 0..{world - 1} as the default group (as the kernel runs it)",
+                          *common.indent(inner)] + ["c10d._world.default_pg = everyone"]
         return out + inner
 
     def steps(self, options: dict, world: int, shape: tuple, first: int, last: int) -> list[str]:
