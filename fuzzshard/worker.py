@@ -32,8 +32,11 @@ def main() -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    # Ctrl-C reaches the whole process group: the driver decides what a stop means, not each rank
+    # Ctrl-C, and SIGTERM from `timeout` or a batch scheduler, reach the whole process group: the driver
+    # decides what a stop means (it ends after the case running, then closes the pool), not each rank; a
+    # rank killed by it would be a crash of that case, never the user's stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     _name(f"fuzzshard-r{rank}")  # what ps and top show
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # the driver asks a stuck rank where it waits

@@ -150,7 +150,9 @@ def zygote() -> Zygote:
 def main(fd: int) -> None:
     import select
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides what a Ctrl-C means
+    # the driver decides what a Ctrl-C or a SIGTERM to the whole group means (the zygote's workers die with it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from .worker import _die_with_parent, _name
 
     _die_with_parent()
