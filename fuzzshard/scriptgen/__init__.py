@@ -133,7 +133,8 @@ class Writer:
         if p["mode"] in ("parity", "checkpoint") or p["observe"]:
             parts.append("\n".join(self.w.snapshot(c, c.target_options)))
         if p["mode"] == "parity":
-            parts.append(_CHECK.replace("{u}", f"2.0 ** -{24 if c.dtype == 'float32' else 53}"))
+            u = 8 if c.optim.name == "Muon" else 24 if c.dtype == "float32" else 53  # (Muon: Newton-Schulz in bfloat16)
+            parts.append(_CHECK.replace("{u}", f"2.0 ** -{u}"))
         parts += ["\n".join(body), _END]
         return "\n\n".join(x.strip("\n") for x in parts if x) + "\n"
 
@@ -332,6 +333,8 @@ class Writer:
         step_ulps = STEP_ULPS
         if c.optim.name == "Adafactor":
             step_ulps = f"{STEP_ULPS} * 4 * {max([math.prod(sh) for sh in param_shapes(c.model).values()] or [1])}"
+        elif c.optim.name == "Muon":  # one reduction per Newton-Schulz iteration
+            step_ulps = f"{STEP_ULPS} * {c.optim.kwargs.get('ns_steps', 5)}"
         plain = ["plain = build(%d)" % c.seed]
         if c.frozen:
             plain += [f"for n in {list(c.frozen)!r}:", "    plain.get_parameter(n).requires_grad_(False)"]
