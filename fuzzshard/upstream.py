@@ -114,7 +114,7 @@ def choose_script(finding: Finding, rc: RootCause | None, attachment: Path | Non
     if text is not None:
         kind = "straight" if len(text) <= INLINE_LIMIT else "flat"  # (too long for an issue body: attached)
         return Script(_plain_docstring(text, "repro.py" if kind == "straight" else name),
-                      "repro.py" if kind == "straight" else name, case.world_size, kind)
+                      "repro.py" if kind == "straight" else name, case.ranks, kind)
     text = repro.script(case, headline, finding.environment, flat=True)
     return Script(text, name, max(case.ranks, (case.checkpoint.world_size if case.checkpoint else 0) or 0), "flat")
 
