@@ -120,6 +120,8 @@ def test_a_signal_stops_the_session_after_its_current_case(tmp_path, sig, setup,
     assert bool(written) == bool(setup), written
     for s in written:
         assert f"FINDING {s}" in text
+    # the ranks ignore the group's signal, as they ignore Ctrl-C: the case running is never a crash by it
+    assert not any(".crash." in s for s in written) and "CONTAMINATED" not in text, text[-3000:]
 
 
 def test_duration_bounds_the_session_shrinking_and_confirmations_included(tmp_path):
