@@ -115,3 +115,19 @@ def test_known_sample_takes_one_cheap_runnable_finding_per_root_cause():
     got = _sample(known, 6, "cpu")
     assert len(got) == 6 and len({f.root_cause for f in got.values()}) == 6
     assert all(f.case.ranks <= 2 and f.case.device == "cpu" and not f.trigger for f in got.values())
+
+
+def test_a_sharding_propagation_failure_is_named_by_its_op_not_by_the_call_it_dumps():
+    """torch 2.9's "Sharding propagation failed for Op(op=aten.index_put_, args_schema=...)" prints the
+    call's specs, shapes and a mask's values: one bug gave 6 signatures in a 2.9 session. The op alone
+    names it (another op's failure stays another signature)."""
+    from fuzzshard.oracle.error_parity import _digest
+
+    masks = ["Sharding propagation failed for Op(op=aten.index_put_.default, args_schema=Spec(S(0) on (2, 2)), "
+             "[DTensor(local_tensor=tensor([[False, False],",
+             "Sharding propagation failed for Op(op=aten.index_put_.default, args_schema=Spec(S(0) on (1, 1)), "
+             "[DTensor(local_tensor=tensor([[False]]), device_mesh=DeviceMesh((1,), device: 'cpu', stride: (1,)), "
+             "placements=(Shard(dim=0),))], Spec(R on ()) @ mesh: (1,))"]
+    conv = "Sharding propagation failed for Op(op=aten.convolution.default, args_schema=Spec(R on (2, 5, 1)), " \
+           "Spec(S(1) on (3, 5, 1)), None, [1], [0], [1], False, [0], 1 @ mesh: (1,))."
+    assert _digest(masks[0]) == _digest(masks[1]) != _digest(conv)
