@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 V=${1:?usage: ci/version_smoke.sh TORCH_VERSION [OUT_DIR]}
 OUT=${2:-$(mktemp -d -t "smoke-$V-XXXX")}
+mkdir -p "$OUT"
 VENV=${VENVS:-$HOME/.cache/fuzzshard/venvs}/torch-$V
 EXAMPLES=${EXAMPLES:-12}
 t0=$SECONDS

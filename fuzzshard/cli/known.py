@@ -39,7 +39,7 @@ def run(args) -> int:
         print(known_markdown(known))
         return 0
     if args.check and args.sample:
-        known = _sample(known, args.sample, args.device)
+        known = _sample(known, args.sample, args.device or "cpu")
     causes = load_root_causes(known)
     if args.minimal is not None:
         return _check_minimal(causes, args.minimal)
