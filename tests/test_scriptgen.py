@@ -117,6 +117,7 @@ def test_a_findings_script_holds_only_what_its_verdict_needs():
     first = {"step": 0, "fqn": "layers.2.weight", "quantity": "param"}
     src = straight_script(ck, "", None, {"oracle": "parity", "first": first})
     assert "dcp" not in src and "plain = build(0)" in src and "for k in" not in src
+    assert "param {n}" in src and "grad {n}" not in src and "state {n}" not in src  # only the quantity that failed
 
 
 def _zero_case():

@@ -106,7 +106,10 @@ def _plan(case: Case, verdict: dict) -> dict | None:
         k = first.get("step", n - 1)
         if ck and k > ck.after:
             return None  # (parity after a load: the flattened kernel)
-        plan.update(mode="parity", last=k, load=False, steps=[k] if first else list(range(k + 1)))
+        q = first.get("quantity", "")  # what the replay compares: the grads (the forward) or what the step made
+        what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
+            "state" if q.startswith("state") else "group" if q.startswith("param_groups") else ""
+        plan.update(mode="parity", last=k, load=False, steps=[k] if first else list(range(k + 1)), what=what)
         return plan
     return None
 
@@ -360,21 +363,27 @@ class Writer:
                   "    opt_p.state[pp[n]][name] = v.clone() if v.dim() or name != \"step\" else v.clone().cpu()"]
         body += anchor if steps != [0] else []
         sn = [st.set_to_none for st in c.schedule]
-        body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
-                 "x, y = batch(k)",
-                 "((plain(x) - y) ** 2).mean().backward()  # the whole batch",
-                 f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, 2 * {b} * {s} * {d} * {kern} * {depth})"
-                 "  # summed in another order", "         for n, q in plain.named_parameters()]",
-                 "with torch.no_grad():  # the plain optimizer steps from the sharded grads: only the step differs",
-                 "    for n, q in plain.named_parameters():",
-                 "        q.grad = got[k][n]",
-                 "opt_p.step()",
-                 "(params, state, groups), mine = after[k + 1], snapshot(plain, opt_p)",
-                 f"fail += [check(f\"step {{k}} param {{n}}\", params[n], v, {step_ulps}) for n, v in mine[0].items()]",
-                 f"fail += [check(f\"step {{k}} state {{n}} {{s}}\", state.get((n, s)), mine[1].get((n, s)), {step_ulps})",
-                 "         for n, s in sorted(set(state) | set(mine[1]))]",
-                 "if groups != mine[2]:",
-                 "    fail.append(f\"step {k} param_groups: sharded {groups}, plain {mine[2]}\")"]
+        what = p.get("what", "")
+        if what in ("", "grad"):
+            body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
+                     "x, y = batch(k)",
+                     "((plain(x) - y) ** 2).mean().backward()  # the whole batch"]
+            body += [f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, 2 * {b} * {s} * {d} * {kern} * {depth})"
+                     "  # summed in another order", "         for n, q in plain.named_parameters()]"]
+        if what != "grad":
+            body += ["with torch.no_grad():  # the plain optimizer steps from the sharded grads: only the step differs",
+                     "    for n, q in plain.named_parameters():",
+                     "        q.grad = got[k][n]",
+                     "opt_p.step()",
+                     "(params, state, groups), mine = after[k + 1], snapshot(plain, opt_p)"]
+        if what in ("", "param"):
+            body += [f"fail += [check(f\"step {{k}} param {{n}}\", params[n], v, {step_ulps}) for n, v in mine[0].items()]"]
+        if what in ("", "state"):
+            body += [f"fail += [check(f\"step {{k}} state {{n}} {{s}}\", state.get((n, s)), mine[1].get((n, s)), {step_ulps})",
+                     "         for n, s in sorted(set(state) | set(mine[1]))]"]
+        if what in ("", "group"):
+            body += ["if groups != mine[2]:",
+                     "    fail.append(f\"step {k} param_groups: sharded {groups}, plain {mine[2]}\")"]
         loop = [f"k = {steps[0]}"] + body if len(steps) == 1 else [f"for k in {steps!r}:"] + common.indent(body)
         return ["", "# the plain model replays the step on the whole batch from the sharded run's state",
                 *plain, *opt, "fail = []", *loop, "fail = [f for f in fail if f]",
