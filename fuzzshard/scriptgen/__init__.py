@@ -234,6 +234,8 @@ class Writer:
             inner += load
             if p["mode"] == "checkpoint":
                 inner += ["loaded = snapshot(model, opt)"]
+            elif p["observe"]:
+                inner += ["seen = snapshot(model, opt)  # the loaded params and optimizer state, gathered"]
         inner += self.steps(options, world, shape, first, last)
         if save and ck and p["mode"] != "parity" and last >= ck.after:
             inner += ["saved = snapshot(model, opt)"] * (p["mode"] == "checkpoint")
