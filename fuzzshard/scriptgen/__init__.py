@@ -275,8 +275,8 @@ class Writer:
         body += self.w.forward_backward(c, options, world, shape)
         if p["mode"] == "parity":
             body.append(f"got.append({self.w.grads(c, options)})")
-        elif p["observe"]:
-            body.append(f"seen = {self.w.grads(c, options) or 'None'}  # the grads, gathered")
+        elif p["observe"] and self.w.grads(c, options):
+            body.append(f"seen = {self.w.grads(c, options)}  # the grads, gathered")
         body.append("opt.step()")
         if p["mode"] == "parity":
             body.append("after.append(snapshot(model, opt))")
