@@ -49,6 +49,7 @@ THREE_DIM_TARGETS = ("dtensor",)
 # the largest world size confirmed on real process groups here (ranks are processes: 8 on this machine)
 REAL_MAX = int(os.environ.get("FUZZSHARD_REAL_MAX", "8"))
 DEFAULT_WORLD_SIZES = "5,6,7,8,12,16,32,64"
+SIMULATED_CASE_TIMEOUT = 600.0  # --case-timeout's default under --simulate (a 64-rank case takes a minute here)
 LIMITS = "simulation_limits"  # OUT/<this>/: simulated findings that do not reproduce on real process groups
 
 
@@ -88,6 +89,8 @@ def simulate_args(args) -> None:
         args.checkpoints = "none"
     if args.world_sizes == "1,2,3,4":  # draw_args' default: a simulated session is for the sizes a pool cannot reach
         args.world_sizes = DEFAULT_WORLD_SIZES
+    if args.case_timeout == 120.0:  # pool_args' default: a simulated case runs its W ranks one after the other
+        args.case_timeout = SIMULATED_CASE_TIMEOUT
     args.simulate_workers = max(1, os.cpu_count() or 1)  # one simulated case per core, side by side
     args.simulate_draws = {"mesh_dims": 3} if all(n in THREE_DIM_TARGETS for n in names) else {}
 
