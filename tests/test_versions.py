@@ -89,6 +89,10 @@ def test_known_table_records_each_release_in_the_files_and_the_readme(tmp_path, 
 
     known_dir = tmp_path / "known"
     shutil.copytree(ROOT / "fuzzshard/known", known_dir)
+    for f in known_dir.glob("*.json"):  # a clean slate: what the real list recorded is not this test's input
+        data = json.loads(f.read_text())
+        if isinstance(data, dict) and data.pop("seen_on", None) is not None:
+            f.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     sig = "dtensor.parity.forward.Conv1d"
     res = {"torch": "2.10.0+cu128", "device": "cpu", "results": {sig: "reproduces", "no.such.sig": "fixed",
                                                                   "dtensor.hang.load.broadcast": "skipped"}}

@@ -94,7 +94,7 @@ def _digest(message: str, names: bool = False) -> str:
     (``optim.state.layers.0.bias.step``), as in state-dict messages."""
     # DTensor's "Sharding propagation failed for Op(op=aten.X, args_schema=...)" dumps the call: its specs,
     # shapes and a mask DTensor's values vary per case (and per release's printing); the op stays, it names the gap
-    message = re.sub(r"Op\(op=aten\.(\w+)[^\n]*", r"Op(op=\1)", message)
+    message = re.sub(r"Op\(op=aten\.(\w+)[^\n]*", r"op \1", message)
     template = re.sub(r"aten\.[\w.]+", "OP", message)
     # a list of FQNs (cut short or not) and an FQN opening the message vary per case
     template = re.sub(r"\[\s*'[^\]]*(\]\.?|$)", "[NAMES]", template)
