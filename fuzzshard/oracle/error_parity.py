@@ -95,7 +95,7 @@ def _digest(message: str, names: bool = False) -> str:
     # DTensor's "Sharding propagation failed for Op(op=aten.X, args_schema=...)" dumps the call: its specs,
     # shapes and a mask DTensor's values vary per case (and per release's printing); the op stays, it names the gap
     message = re.sub(r"Op\(op=aten\.(\w+)[^\n]*", r"op \1", message)
-    template = re.sub(r"aten\.[\w.]+", "OP", message)
+    template = re.sub(r"aten(\.|::)[\w.]+", "OP", message)  # aten::X: 2.10's C++ messages ("found no DeviceMesh ...")
     # a list of FQNs (cut short or not) and an FQN opening the message vary per case
     template = re.sub(r"\[\s*'[^\]]*(\]\.?|$)", "[NAMES]", template)
     template = re.sub(r"^\w+(\.\w+)+ (?=is not in)", "NAME ", template)
