@@ -107,7 +107,7 @@ TABLES = {
     "param groups": lambda c: [c.get("groups", "?")],
     "frozen params": lambda c: ["some" if c.get("frozen") else "none"] if "frozen" in c else ["?"],
     "target options": lambda c: [f"{c.get('target')}: {t}" for t in c.get("options", ["?"])],
-    "checkpoint kind": lambda c: [c.get("ck")],
+    "checkpoint kind": lambda c: [c.get("ck") or "none"],
     "checkpoint kind x world sizes (saved -> loaded)":
         lambda c: [f"{c['ck']} W{c.get('world')} -> W{c.get('ck_world')}"] if c.get("ck") else [],
     "steps": lambda c: [c.get("steps", "?")],
@@ -175,10 +175,16 @@ def _natural(key: str):
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", key)]
 
 
+def _n(count: int, noun: str) -> str:
+    """"1 suspected bug", "2 suspected bugs"."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def headline(s: dict) -> str:
-    return (f"{s['cases']} cases in {s['span'] / 60:.1f} min over {s['cells']} cell runs "
-            f"({s['cases'] / s['span']:.2f} cases/s) · {len(s['findings'])} new findings in {len(s['groups'])} "
-            f"suspected bugs · {s['known_hits']} known-bug hits in {len(s['known'])} root causes")
+    return (f"{_n(s['cases'], 'case')} in {s['span'] / 60:.1f} min over {_n(s['cells'], 'cell run')} "
+            f"({s['cases'] / s['span']:.2f} cases/s, first case to last) · {_n(len(s['findings']), 'new finding')} "
+            f"in {_n(len(s['groups']), 'suspected bug')} · {_n(s['known_hits'], 'known-bug hit')} in "
+            f"{_n(len(s['known']), 'root cause')}")
 
 
 def text(summary: dict) -> str:
@@ -223,7 +229,9 @@ def clip(text: str, n: int) -> str:
 
 def linked(upstream: str) -> str:
     """An upstream state with its issue or PR linked ("pytorch/pytorch#186129 (open)"), HTML-escaped."""
-    return re.sub(r"([\w.-]+/[\w.-]+)#(\d+)", lambda m: f"<a href='https://github.com/{m[1]}/issues/{m[2]}'>{m[0]}</a>",
+    # owner/repo#N, or a bare #N (PyTorch's own, as by-design notes write them)
+    return re.sub(r"(?<![\w/&])([\w.-]+/[\w.-]+)?#(\d+)\b",
+                  lambda m: f"<a href='https://github.com/{m[1] or 'pytorch/pytorch'}/issues/{m[2]}'>{m[0]}</a>",
                   html.escape(upstream))
 
 
