@@ -41,7 +41,7 @@ def test_report_tells_new_findings_from_known_hits_and_groups_them_by_root_cause
     assert r.returncode == 0, r.stderr
     text = r.stdout
     assert "6 cases in 1.0 min" in text and "1 new finding in 1 suspected bug ·" in text, text
-    assert "1 known-bug hits in 1 root causes" in text, text
+    assert "1 known-bug hit in 1 root cause" in text, text
     # the new finding under its suspected root cause, hit twice (a resumed cell calls its own finding known)
     assert re.search(r"^  (root cause \S+ \(probably\)|new: .+): 1 finding\(s\)\n +0\.3  x2 +" + re.escape(NEW_SIG),
                      text, re.M), text
