@@ -20,6 +20,9 @@ SLOW = {
         "world size 4 with mixed precision (2.5 min): fsdp2_skip_average proves fsdp2's parity",
     "test_planted.py::test_two_planted_bugs_are_two_findings_each_one_file":
         "100 examples, each with a checkpoint: folding is unit-tested in test_generalize.py and by skip_weight_decay's faces",
+    "test_plugin.py::test_a_users_model_and_parallelism_from_one_file_are_fuzzed_and_a_tp_bug_found":
+        "a torchtitan-style TP + FSDP2 plugin on a decoder at world size 4 (4 min): plugins stay in the default tier "
+        "through test_a_users_optimizer_from_one_file_is_fuzzed_and_its_planted_bug_found",
     "test_redis.py::test_a_second_run_replays_the_first_runs_failure_from_redis":
         "a fuzz session, then a soak that replays it: every database write is checked by the other redis tests",
     "test_redis.py::test_a_soak_goes_on_when_redis_goes_away": "a soak of up to 3 minutes",
