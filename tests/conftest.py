@@ -52,6 +52,18 @@ def torchrun(script, nproc, *args, cwd, timeout=300):
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def replay_clean_then_buggy(tmp_path, case, bug: str) -> str:
+    """A hand-written case passes on clean torch and fails with ``bug``; the failing replay's output (the
+    caller checks the signature in it: exit 1 alone is any finding)."""
+    path = tmp_path / "case.json"
+    path.write_text(case.to_json())
+    clean = run_cli("replay", path)
+    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    buggy = run_cli("replay", path, setup=bug)
+    assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
+    return buggy.stdout
+
+
 @pytest.fixture
 def cli():
     return run_cli

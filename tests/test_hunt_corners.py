@@ -5,25 +5,15 @@ the hunt itself is a benchmark, never a test)."""
 import dataclasses
 
 from cases import simple_case
-from conftest import run_cli
+from conftest import replay_clean_then_buggy
 
 from fuzzshard.case import Optim, Step
-
-
-def _clean_then_buggy(tmp_path, case, bug: str) -> str:
-    path = tmp_path / "case.json"
-    path.write_text(case.to_json())
-    clean = run_cli("replay", path)
-    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
-    buggy = run_cli("replay", path, setup=bug)
-    assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
-    return buggy.stdout
 
 
 def test_a_crash_that_needs_world_size_3_and_rprop(tmp_path):
     case = simple_case(3, placements={"layers.0.weight": ["R"], "layers.2.weight": ["R"]})  # Rprop's step on a
     case = dataclasses.replace(case, optim=Optim("Rprop", {"lr": 0.01, "foreach": False}))  # shard: a known bug
-    out = _clean_then_buggy(tmp_path, case, "crash_w3_rprop.py")
+    out = replay_clean_then_buggy(tmp_path, case, "crash_w3_rprop.py")
     assert "dtensor.crash.Killed_by_SIGABRT" in out, out
 
 
@@ -31,5 +21,5 @@ def test_fsdp2_hsdp_2x2_exp_avg_sq_from_the_second_step(tmp_path):
     case = simple_case(4, optim="Adam", foreach=False)
     case = dataclasses.replace(case, target="fsdp2", mesh_shape=(2, 2), batch=4, schedule=(Step(), Step()),
                                target_options={"wrap": ["layers.0"], "reshard_after_forward": True})
-    out = _clean_then_buggy(tmp_path, case, "fsdp2_hsdp_exp_avg_sq.py")
+    out = replay_clean_then_buggy(tmp_path, case, "fsdp2_hsdp_exp_avg_sq.py")
     assert "fsdp2.parity.Adam.forloop.state.exp_avg_sq" in out, out

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import PLANTED, run_cli, torchrun
+from conftest import PLANTED, replay_clean_then_buggy, run_cli, torchrun
 
 BUGS = [
     # target, bug file, optimizers to draw, world sizes, seed, the finding's file pattern, smallest world size that shows it
@@ -188,7 +188,7 @@ def test_zero_param_group_added_mid_run_is_partitioned_and_trained(tmp_path):
         case, target="zero", batch=4, target_options={"ddp": {}},
         optim=dataclasses.replace(case.optim, added_groups=1, added_at=2), schedule=(Step(),) * 3,
         checkpoint=Checkpoint(after=0, kind="consolidate", world_size=2, mesh_shape=(2,)))
-    buggy = _replay_clean_then_buggy(tmp_path, case, "zero_add_group_unpartitioned.py")
+    buggy = replay_clean_then_buggy(tmp_path, case, "zero_add_group_unpartitioned.py")
     assert "step 2: add_param_group" in buggy and "PartitionBroken" in buggy, buggy
 
 
@@ -206,19 +206,8 @@ def test_zero_uneven_inputs_under_join_train_the_joined_ranks_partition(tmp_path
     case = simple_case(2, optim="Adam")
     case = dataclasses.replace(case, target="zero", batch=4, schedule=(Step(),) * 3,
                                target_options={"ddp": {}, "uneven": [3, 1]})
-    buggy = _replay_clean_then_buggy(tmp_path, case, "zero_join_stale_grads.py")
+    buggy = replay_clean_then_buggy(tmp_path, case, "zero_join_stale_grads.py")
     assert "zero.parity." in buggy and "step 1" in buggy, buggy
-
-
-def _replay_clean_then_buggy(tmp_path, case, bug: str) -> str:
-    """A hand-written case passes on clean torch and fails with ``bug``; the failing replay's output."""
-    path = tmp_path / "case.json"
-    path.write_text(case.to_json())
-    clean = run_cli("replay", path)
-    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
-    buggy = run_cli("replay", path, setup=bug)
-    assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
-    return buggy.stdout
 
 
 def test_fsdp2_tensor_parallel_trains_in_parity_and_a_tp_grad_bug_is_caught(tmp_path):
@@ -235,7 +224,7 @@ def test_fsdp2_tensor_parallel_trains_in_parity_and_a_tp_grad_bug_is_caught(tmp_
     case = dataclasses.replace(case, target="fsdp2", mesh_shape=(2, 2), batch=4,
                                target_options={"wrap": ["layers.0"], "reshard_after_forward": True,
                                                "tp": {"layers.0": "rowwise", "layers.2": "colwise"}})
-    buggy = _replay_clean_then_buggy(tmp_path, case, "tp_colwise_input_grad_averaged.py")
+    buggy = replay_clean_then_buggy(tmp_path, case, "tp_colwise_input_grad_averaged.py")
     assert "fsdp2.parity.backward" in buggy and "output grad of layers.1 " in buggy, buggy
     assert "grad layers.0.weight step 0" in buggy, buggy
 
@@ -253,7 +242,7 @@ def test_fsdp2_model_to_dtype_after_fully_shard_is_replayed_and_a_stale_shard_is
     case = dataclasses.replace(case, target="fsdp2", batch=4,
                                target_options={"wrap": ["layers.0"], "reshard_after_forward": True,
                                                "built_as": "float64"})
-    buggy = _replay_clean_then_buggy(tmp_path, case, "fsdp2_to_dtype_stale_shard.py")
+    buggy = replay_clean_then_buggy(tmp_path, case, "fsdp2_to_dtype_stale_shard.py")
     assert "FAIL: fsdp2.error.fwdbwd" in buggy and "only the sharded run raises" in buggy, buggy
 
 
