@@ -21,9 +21,9 @@ import json
 import sys
 
 from fuzzshard.cli import known_markdown
-from fuzzshard.findings import KNOWN_DIR, Finding, environment, load_finding, load_known, write_finding
-from fuzzshard.judge import judge
-from fuzzshard.runner import Pool
+from fuzzshard.findings.record import KNOWN_DIR, Finding, environment, load_finding, load_known, write_finding
+from fuzzshard.findings.judge import judge
+from fuzzshard.pool.runner import Pool
 
 
 def main(pairs, trigger=None, as_recorded=False, devices=()):

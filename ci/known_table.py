@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from fuzzshard.cli.known import known_markdown
-from fuzzshard.findings import KNOWN_DIR, load_known
+from fuzzshard.findings.record import KNOWN_DIR, load_known
 
 
 def release_of(version: str) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Re-reduce the known list: each known finding's case made 1-minimal
-(fuzzshard/reduce.py) on a warm pool, the smaller case confirmed in fresh
+(fuzzshard/findings/reduce.py) on a warm pool, the smaller case confirmed in fresh
 workers, then written back with its new verdict and what the reducer took
 out ("removed"). Prints, per finding, its size before and after, and the
 median layers and steps of the list before and after.
@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from fuzzshard.findings import KNOWN_DIR, load_finding
-from fuzzshard.judge import judge, judge_many
-from fuzzshard.reduce import reduce
-from fuzzshard.runner import Pool
+from fuzzshard.findings.record import KNOWN_DIR, load_finding
+from fuzzshard.findings.judge import judge, judge_many
+from fuzzshard.findings.reduce import reduce
+from fuzzshard.pool.runner import Pool
 
 
 def layers(case) -> int:

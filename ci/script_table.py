@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fuzzshard.findings import load_known, summary  # noqa: E402
+from fuzzshard.findings.record import load_known, summary  # noqa: E402
 from fuzzshard.scriptgen import straight_script  # noqa: E402
 
 

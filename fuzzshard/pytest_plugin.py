@@ -62,9 +62,9 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def fuzz_pool(request):
     """One pool of workers for the whole test session (spawned once)."""
-    from .runner import Pool
+    from .pool.runner import Pool
 
-    from .worker import run_setup_file
+    from .pool.worker import run_setup_file
 
     opt = request.config.getoption
     setups = opt("--fuzzshard-plugin") + [p for p in [opt("--fuzzshard-worker-setup")] if p]

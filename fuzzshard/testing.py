@@ -10,9 +10,9 @@ import os
 import pytest
 from hypothesis import reject
 
-from .findings import Finding, environment, load_known, summary, write_finding
-from .judge import judge
-from .life import FindingBook, rerun
+from .findings.record import Finding, environment, load_known, summary, write_finding
+from .findings.judge import judge
+from .findings.life import FindingBook, rerun
 
 # where a failing example's files go (the pytest plugin's --fuzzshard-out sets it): the same
 # <signature>.json + .py a fuzz session writes; each smaller example of it rewrites them

@@ -188,7 +188,7 @@ def cases(
     ``implementation``: only for-loop, foreach or fused steps (where the optimizer has it).
     ``models``: the model families drawn ("topologies", "decoder"; strategies/models.py).
     ``compile``: targets that can (fsdp2) also draw torch.compile of blocks and of the optimizer step.
-    ``steer``: a timed session's weighted choices for this round (fuzzshard/schedule.py): ``plan``, (world
+    ``steer``: a timed session's weighted choices for this round (fuzzshard/session/schedule.py): ``plan``, (world
     size, None or (checkpoint kind, its world size)); ``optimizer``, (name, implementation); ``mesh``, world
     size -> mesh shapes; ``dtype``. Each a list, a cell as many times as its weight.
     ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py)."""

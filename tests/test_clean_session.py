@@ -5,7 +5,7 @@ are left to their own sessions (test_planted's and `--checkpoints all`) so this
 suite keeps its case stream, and its time, within CI's budget."""
 import pytest
 
-from fuzzshard.engine import Session
+from fuzzshard.session.engine import Session
 from fuzzshard.strategies.optimizers import default_optimizers
 
 

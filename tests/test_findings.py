@@ -4,9 +4,9 @@ import dataclasses
 import pytest
 import torch
 
-from fuzzshard.findings import is_known, known_signature, load_known, signature, triggered
+from fuzzshard.findings.record import is_known, known_signature, load_known, signature, triggered
 from fuzzshard.kernel.model import named_params, submodule
-from fuzzshard.rootcause import Matcher
+from fuzzshard.findings.rootcause import Matcher
 
 
 def test_every_known_trigger_matches_its_own_case_and_the_tp_one_only_empty_shards():
@@ -53,8 +53,8 @@ Current thread 0x00007f0000000002 (most recent call first):
 def test_a_crash_is_named_by_where_it_died_and_a_crash_elsewhere_is_new():
     """A known crash hides only itself: the signal alone (any SIGABRT in
     FSDP1) would count every new abort as known."""
-    from fuzzshard.findings import is_known, signature
-    from fuzzshard.runner import _where
+    from fuzzshard.findings.record import is_known, signature
+    from fuzzshard.pool.runner import _where
 
     assert _where(FAULTHANDLER_DUMP) == "zero.after_backward:all_reduce"  # innermost frame of ours, then torch's
     known = load_known()
@@ -71,7 +71,7 @@ def test_a_crash_is_named_by_where_it_died_and_a_crash_elsewhere_is_new():
 def test_a_hang_or_crash_signature_names_no_fuzzshard_module():
     """Where a rank hangs or dies is said as the kind of step it was in (the kernel's phase) and
     torch's function: renaming or moving fuzzshard's own code moves no signature (issue 29)."""
-    from fuzzshard.findings import signature
+    from fuzzshard.findings.record import signature
 
     known = load_known()
     f = known["dtensor.hang.load.broadcast"]
@@ -87,8 +87,8 @@ def test_a_fused_step_divergence_says_whether_the_grad_it_read_was_contiguous():
     """The known fused-Adam bug (a non-contiguous grad read as contiguous) hides
     only itself: a fused divergence on grads laid out as the kernel expects is new,
     and it no longer matches that root cause."""
-    from fuzzshard.findings import is_known, signature
-    from fuzzshard.rootcause import Matcher
+    from fuzzshard.findings.record import is_known, signature
+    from fuzzshard.findings.rootcause import Matcher
 
     known = load_known()
     sig = "dtensor.parity.Adam.fused.param.noncontig_grad"
@@ -106,8 +106,8 @@ def test_a_fused_step_divergence_says_whether_the_grad_it_read_was_contiguous():
 def test_a_missing_sharding_strategy_is_named_by_its_op():
     """DTensor's 'no sharding strategy' is a gap of one op: a new op's gap (an int8
     matmul, say) is a new finding, not a hit of the known optimizer-ops one."""
-    from fuzzshard.findings import is_known, signature
-    from fuzzshard.rootcause import Matcher
+    from fuzzshard.findings.record import is_known, signature
+    from fuzzshard.findings.rootcause import Matcher
 
     known = load_known()
     sig = "dtensor.error.step.NotImplementedError.af1d5b0d._foreach_copy_"

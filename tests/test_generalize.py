@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 from cases import simple_case
 
-from fuzzshard.generalize import Face, faces_of, generalize, same_way, table_text, variants
-from fuzzshard.judge import internal_error
+from fuzzshard.findings.generalize import Face, faces_of, generalize, same_way, table_text, variants
+from fuzzshard.findings.judge import internal_error
 from fuzzshard.verdict import finding, passing
 
 

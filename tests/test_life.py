@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from cases import simple_case
 
-from fuzzshard.engine import Stats
-from fuzzshard.life import FindingBook, SoakBook
+from fuzzshard.session.engine import Stats
+from fuzzshard.findings.life import FindingBook, SoakBook
 from fuzzshard.verdict import finding, passing
 
 SIG = "dtensor.parity.SGD.forloop.param"

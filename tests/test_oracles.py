@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
-from fuzzshard.findings import _digest, signature
+from fuzzshard.findings.record import _digest, signature
 from fuzzshard.kernel.oracles import (SCALAR_STATE, UNIT_ROUNDOFF, compare, compare_hparams,
                                       compiled_scalar_state_tolerance, compiled_state_allowance, compiled_step_allowance,
                                       compiled_step_tolerance, reduction_tolerance, step_tolerance)

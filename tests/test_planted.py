@@ -86,7 +86,7 @@ def test_two_planted_bugs_are_two_findings_each_one_file(tmp_path):
 def test_known_silent_torch_bug_reproduces_standalone(tmp_path):
     """A recorded torch bug, as a user would paste it upstream: the script that
     `fuzzshard script` writes fails under torchrun on unmodified torch."""
-    from fuzzshard.findings import KNOWN_DIR
+    from fuzzshard.findings.record import KNOWN_DIR
 
     known = KNOWN_DIR / "dtensor.parity.forward.Conv1d.json"
     world = json.loads(known.read_text())["case"]["world_size"]
@@ -251,7 +251,7 @@ def test_a_load_missing_a_key_is_refused_when_strict_and_keeps_the_fresh_param_w
     accepts a missing key under strict=True (a recorded torch bug, so the
     replay still fails); with strict=False the same load passes, the missing
     param checked equal to the fresh model's."""
-    from fuzzshard.findings import KNOWN_DIR
+    from fuzzshard.findings.record import KNOWN_DIR
 
     known = KNOWN_DIR / "fsdp2.checkpoint.full.loaded.strict.json"
     assert run_cli("replay", known).returncode == 1

@@ -15,7 +15,7 @@ import redis
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 from conftest import PLANTED, run_cli
-from fuzzshard.database import open_database
+from fuzzshard.session.database import open_database
 
 PREFIX = b"hypothesis-example:"  # RedisExampleDatabase's key prefix
 PLANTED_ARGS = ["--optimizers", "SGD", "--world-sizes", "1", "--checkpoints", "none", "--case-timeout", "60",

@@ -1,4 +1,4 @@
-"""The reducer (fuzzshard/reduce.py): every edit is a well-formed, smaller
+"""The reducer (fuzzshard/findings/reduce.py): every edit is a well-formed, smaller
 case, and a reduction ends 1-minimal. Pure: no process group runs."""
 import dataclasses
 import json
@@ -11,7 +11,7 @@ import fuzzshard.strategies as fst
 from cases import simple_case
 from fuzzshard.case import Case
 from fuzzshard.kernel.model import build_model, make_batch, param_shapes
-from fuzzshard.reduce import edits, reduce, size
+from fuzzshard.findings.reduce import edits, reduce, size
 
 TARGETS = ["dtensor", "fsdp2", "fsdp1", "zero", "sharded_optim"]
 FEW = settings(deadline=None, database=None, phases=[Phase.generate],

@@ -6,7 +6,7 @@ import re
 
 from conftest import run_cli
 
-from fuzzshard.findings import KNOWN_DIR
+from fuzzshard.findings.record import KNOWN_DIR
 
 KNOWN_SIG = "fsdp2.checkpoint.full.loaded.strict"  # root cause dsd-full-load-refills-missing-keys
 NEW_SIG = "dtensor.parity.SGD.forloop.param"  # written by "this run"
@@ -60,7 +60,7 @@ def test_report_tells_new_findings_from_known_hits_and_groups_them_by_root_cause
 
 
 def test_the_page_cuts_text_at_words_and_links_upstream_issues():
-    from fuzzshard.report import clip, linked
+    from fuzzshard.report.page import clip, linked
 
     text = "error parity: only the sharded run raises, in step 0: a bare AssertionError in torch"
     assert clip(text, 40) == "error parity: only the sharded run…" and clip(text, 200) == text

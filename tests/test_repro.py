@@ -6,7 +6,8 @@ import inspect
 
 import pytest
 
-from fuzzshard import repro, targets
+from fuzzshard import targets
+from fuzzshard.findings.record import repro
 
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from cases import simple_case
 from conftest import PLANTED
-from fuzzshard.findings import signature
-from fuzzshard.runner import Pool
+from fuzzshard.findings.record import signature
+from fuzzshard.pool.runner import Pool
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +55,8 @@ def test_a_rank_that_raises_alone_costs_a_short_wait_and_a_restart_not_the_case_
     """Row-wise Embedding(6, 5) over 4 ranks (a known torch bug): rank 3's shard is
     empty and it raises; ranks 0-2 wait in a collective for it. The verdict is rank 3's
     error with the others stuck, after GRACE_AFTER_ERROR, not the case timeout."""
-    from fuzzshard.findings import KNOWN_DIR, load_finding
-    from fuzzshard.runner import GRACE_AFTER_ERROR
+    from fuzzshard.findings.record import KNOWN_DIR, load_finding
+    from fuzzshard.pool.runner import GRACE_AFTER_ERROR
 
     case = load_finding(KNOWN_DIR / "dtensor.error.fwdbwd.RuntimeError.a009374a.json").case
     restarts, stuck = fuzz_pool.restarts, fuzz_pool.stuck_seconds
@@ -82,8 +82,8 @@ def test_cases_side_by_side_run_on_disjoint_ranks_and_give_the_verdicts_they_giv
     import dataclasses
 
     from fuzzshard.case import Checkpoint
-    from fuzzshard.findings import KNOWN_DIR, load_finding
-    from fuzzshard.judge import label
+    from fuzzshard.findings.record import KNOWN_DIR, load_finding
+    from fuzzshard.findings.judge import label
 
     pool = side_by_side_pool
     dcp = dataclasses.replace(simple_case(2, optim="Adam"),
@@ -112,7 +112,7 @@ def test_a_hang_beside_other_cases_costs_them_nothing(side_by_side_pool):
 
 def test_a_session_on_a_placed_pool_draws_packs_and_counts_cases(side_by_side_pool, tmp_path):
     """--side-by-side: packs of up to four cases over world sizes 1-4, max_examples counting cases, not packs."""
-    from fuzzshard.engine import Session
+    from fuzzshard.session.engine import Session
 
     session = Session(side_by_side_pool, ["dtensor"], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=12, seed=3,
                       strategy_kwargs={"optimizer_names": ["SGD"], "checkpoint": False})

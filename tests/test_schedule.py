@@ -10,10 +10,10 @@ from cases import simple_case
 from conftest import PLANTED
 from hypothesis import HealthCheck, given, settings
 
-from fuzzshard.engine import Session, Stats
-from fuzzshard.findings import signature
-from fuzzshard.life import FindingBook
-from fuzzshard.schedule import ENERGY, KNOWN_DRAWS, Scheduler, features, weights
+from fuzzshard.session.engine import Session, Stats
+from fuzzshard.findings.record import signature
+from fuzzshard.findings.life import FindingBook
+from fuzzshard.session.schedule import ENERGY, KNOWN_DRAWS, Scheduler, features, weights
 from fuzzshard.verdict import ErrorRecord, finding, passing
 
 
@@ -162,7 +162,7 @@ def test_a_stop_keeps_a_provisional_hang_and_the_session_end_bounds_its_confirma
 
 
 def test_the_hunt_set_names_planted_files_and_prefixes_of_its_targets():
-    from fuzzshard.hunt import load_set, pick, table
+    from fuzzshard.session.hunt import load_set, pick, table
 
     folder, bugs = load_set()
     assert folder == PLANTED and len(bugs) >= 10

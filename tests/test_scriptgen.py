@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from cases import simple_case
 from conftest import PLANTED, torchrun
-from fuzzshard import repro, targets
+from fuzzshard import targets
+from fuzzshard.findings.record import repro
 from fuzzshard.case import Checkpoint, Group
-from fuzzshard.findings import KNOWN_DIR, load_finding
+from fuzzshard.findings.record import KNOWN_DIR, load_finding
 from fuzzshard.kernel.model import build_model, make_batch
 from fuzzshard.kernel.reference import reference_error
 from fuzzshard.scriptgen import WRITERS, straight_script

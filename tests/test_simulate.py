@@ -1,4 +1,4 @@
-"""--simulate (fuzzshard/simulate.py): a case's ranks in one worker under
+"""--simulate (fuzzshard/session/simulate.py): a case's ranks in one worker under
 LocalTensorMode; a simulated finding counts only once real process groups
 fail the same way, else it is a LocalTensor limitation kept apart."""
 import argparse
@@ -9,9 +9,9 @@ import pytest
 from cases import simple_case
 from conftest import PLANTED, run_cli
 from fuzzshard.case import Case, mesh_shapes
-from fuzzshard.findings import Finding, write_finding
-from fuzzshard.judge import judge
-from fuzzshard.runner import Pool
+from fuzzshard.findings.record import Finding, write_finding
+from fuzzshard.findings.judge import judge
+from fuzzshard.pool.runner import Pool
 
 pytest.importorskip("torch.distributed._local_tensor")
 
@@ -51,7 +51,7 @@ def test_a_simulated_finding_is_confirmed_on_real_processes_or_kept_apart_as_a_l
     big = Finding("dtensor.parity.big", wide_case(12), j.verdict, deterministic=True, environment={}, stage="confirmed")
     write_finding(tmp_path, big, None)
     args = argparse.Namespace(device="cpu", backend=None, setups=[str(BUG)], case_timeout=120.0, simulate=True)
-    from fuzzshard.simulate import LIMITS, confirm
+    from fuzzshard.session.simulate import LIMITS, confirm
 
     result = confirm([found, bogus, big], tmp_path, args)
     assert result == {"confirmed": [found.signature], "limits": [bogus.signature], "simulated_only": [big.signature]}

@@ -157,7 +157,7 @@ def test_a_hang_shrinks_under_a_derived_timeout_and_is_confirmed_at_the_full_one
 
 
 def test_replay_exits_1_only_for_the_recorded_signature(tmp_path):
-    from fuzzshard.findings import KNOWN_DIR
+    from fuzzshard.findings.record import KNOWN_DIR
 
     finding = json.loads((KNOWN_DIR / "fsdp2.checkpoint.full.loaded.strict.json").read_text())
     finding["signature"] = "fsdp2.parity.Adam.forloop.param"  # as if another bug had been recorded

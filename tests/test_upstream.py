@@ -3,7 +3,7 @@ import re
 
 from conftest import run_cli
 
-from fuzzshard.findings import KNOWN_DIR
+from fuzzshard.findings.record import KNOWN_DIR
 
 
 def test_a_silent_known_finding_reports_its_hand_reduced_script_and_the_recorded_numbers_as_such(tmp_path):
@@ -51,9 +51,9 @@ def test_upstream_of_a_broken_file_is_a_one_line_error(tmp_path):
 
 
 def test_every_silent_root_cause_has_a_hand_reduced_script_that_says_how_to_run_it():
-    from fuzzshard.findings import load_known
-    from fuzzshard.rootcause import load_root_causes
-    from fuzzshard.upstream import _ROOT
+    from fuzzshard.findings.record import load_known
+    from fuzzshard.findings.rootcause import load_root_causes
+    from fuzzshard.report.upstream import _ROOT
 
     causes = load_root_causes(load_known())
     silent = [rc for rc in causes.values() if rc.kind == "silent"]
@@ -86,8 +86,8 @@ JARGON = re.compile(r"parity:|\d+\*?\d* ulps|signature|oracle|anchored|fuzzshard
 
 
 def _reports():
-    from fuzzshard.findings import load_known
-    from fuzzshard.upstream import report
+    from fuzzshard.findings.record import load_known
+    from fuzzshard.report.upstream import report
 
     known = load_known()
     return [(sig, known[sig], *report(known[sig], known, run=False)) for sig in _FACES]
@@ -104,8 +104,8 @@ def test_a_report_speaks_torch_not_the_fuzzer_and_names_no_repository_path():
 
 
 def test_a_report_says_the_bug_once():
-    from fuzzshard.findings import load_known
-    from fuzzshard.rootcause import load_root_causes
+    from fuzzshard.findings.record import load_known
+    from fuzzshard.findings.rootcause import load_root_causes
 
     causes = load_root_causes(load_known())
     for sig, finding, text, _ in _reports():

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from fuzzshard.findings import KNOWN_DIR
+from fuzzshard.findings.record import KNOWN_DIR
 from fuzzshard.verdict import ErrorRecord, Mismatch, Verdict
 
 KNOWN = sorted(p for p in KNOWN_DIR.glob("*.json") if p.name != "root_causes.json")

@@ -61,7 +61,7 @@ def test_shard_size_and_offset_is_torch_chunking(size, n):
 
 
 def _fake(sig, root, seen):
-    from fuzzshard.findings import load_known
+    from fuzzshard.findings.record import load_known
 
     f = next(iter(load_known().values()))
     return f.__class__(sig, f.case, f.verdict, root_cause=root, seen_on=seen)
@@ -113,7 +113,7 @@ def test_known_sample_takes_one_cheap_runnable_finding_per_root_cause():
     """`known --check --sample N` (the version smoke pass): N root causes, one finding each, on at most 2
     ranks of this device, never a hang counted by its trigger (it would run nothing)."""
     from fuzzshard.cli.known import _sample
-    from fuzzshard.findings import load_known
+    from fuzzshard.findings.record import load_known
 
     known = load_known()
     got = _sample(known, 6, "cpu")

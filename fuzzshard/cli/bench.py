@@ -36,16 +36,16 @@ def add(sub) -> None:
                         "per core side by side) and real (a warm pool of W gloo processes) at W=2, 4, 8, and "
                         "simulated alone at W=16 and 64 (--cases per world size; docs/simulate.md)")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (cuda: NCCL, one GPU a rank)")
-    from ..hunt import add_arguments as hunt_arguments
+    from ..session.hunt import add_arguments as hunt_arguments
 
-    hunt_arguments(b)  # --hunt: time to first finding of planted bugs (fuzzshard/hunt.py)
+    hunt_arguments(b)  # --hunt: time to first finding of planted bugs (fuzzshard/session/hunt.py)
 
 
 def run(args) -> int:
-    from ..bench import run_bench
+    from ..session.bench import run_bench
 
     if args.hunt:
-        from ..hunt import run_from_args
+        from ..session.hunt import run_from_args
 
         try:
             return run_from_args(args, parse_duration)
@@ -59,17 +59,17 @@ def run(args) -> int:
         raise UsageError("bench measures one target at a time")
     models = tuple(model_families(args.models)) if args.models else ("topologies",)
     if args.simulate:
-        from ..simulate import run_bench as run_simulate_bench
+        from ..session.simulate import run_bench as run_simulate_bench
 
         run_simulate_bench(args.cases, args.seed, names[0])
         return 0
     if args.soak:
-        from ..bench import run_soak_bench
+        from ..session.bench import run_soak_bench
 
         run_soak_bench(parse_duration(args.soak), args.workers, names[0], args.seed)
         return 0
     if args.session:
-        from ..bench import run_session_bench
+        from ..session.bench import run_session_bench
 
         if args.workers < 2:
             raise UsageError("--session needs --workers >= 2 (side by side needs two ranks)")
@@ -82,7 +82,7 @@ def run(args) -> int:
             raise UsageError("--device cuda: no CUDA device is available here")
         check_gpus(args, args.world_size)
     if args.scaling:
-        from ..bench import run_scaling
+        from ..session.bench import run_scaling
 
         run_scaling(args.cases, args.seed, names[0], device=args.device, models=models)
         return 0

@@ -120,7 +120,7 @@ def check_pool_args(args, device: str | None = None) -> None:
 
 def run_setup(path: str) -> None:
     """A --plugin or --worker-setup file, run in this process."""
-    from ..worker import run_setup_file
+    from ..pool.worker import run_setup_file
 
     try:
         run_setup_file(path)
@@ -139,7 +139,7 @@ def recorded_plugins(environment, given=()) -> list[str]:
 def start_pool(args, size: int, log_dir=None, spare: bool = False, placed: bool = False):
     """``spare``: keep a warm second set of workers for instant restarts (long sessions);
     ``placed``: run cases side by side (Pool.run_many)."""
-    from ..runner import Pool, PoolError
+    from ..pool.runner import Pool, PoolError
 
     try:
         return Pool(size, device=args.device, backend=args.backend, worker_setup=args.setups,
@@ -218,7 +218,7 @@ def raw_finding(path) -> dict:
 
 def load_file(path):
     from ..case import CaseError
-    from ..findings import load_finding
+    from ..findings.record import load_finding
 
     try:
         finding = load_finding(path)

@@ -52,10 +52,10 @@ def add(sub) -> None:
 def run(args) -> int:
     import signal
 
-    from ..engine import Session
+    from ..session.engine import Session
 
     if args.simulate:
-        from ..simulate import simulate_args
+        from ..session.simulate import simulate_args
 
         simulate_args(args)
     sizes = parse_world_sizes(args.world_sizes)
@@ -112,7 +112,7 @@ def run(args) -> int:
         pool.close()
     findings = list(session.findings.values())
     if args.simulate and findings:  # a simulated finding is one only once real process groups fail the same way
-        from ..simulate import confirm
+        from ..session.simulate import confirm
 
         confirm(findings, args.out, args)
         findings = [f for f in findings if os.path.exists(os.path.join(args.out, f"{f.signature}.json"))]
@@ -147,7 +147,7 @@ def _print_session_report(session, findings, out) -> None:
     if st.passed_decoder:
         cover = ", ".join(f"{k} {v}" for k, v in st.passed_decoder.most_common())
         print(f"passing decoder cases by TP plan element: {cover}", file=sys.stderr)
-    from ..rootcause import grouped
+    from ..findings.rootcause import grouped
 
     matcher = session.matcher
     stage = {"confirmed": "", "shrinking": " (shrunk in warm workers, not yet re-run fresh: `fuzzshard replay` it)",
@@ -188,8 +188,8 @@ def _print_session_report(session, findings, out) -> None:
 
 def _print_finding(f, out, stage: str, folded: int) -> None:
     """A new finding: its summary, its other faces, what the reducer took out, what it fails and passes with, its files."""
-    from ..findings import summary
-    from ..generalize import Face, table_text
+    from ..findings.record import summary
+    from ..findings.generalize import Face, table_text
 
     print(f"FINDING {f.signature}{stage}\n        {summary(f.verdict)}", file=sys.stderr)
     if f.faces:
@@ -209,11 +209,11 @@ def _write_index(out, groups: dict, matcher) -> None:
     """OUT/INDEX.md: the session's new findings grouped by suspected root cause."""
     from pathlib import Path
 
-    from ..findings import atomic_write, summary
-    from ..rootcause import address
+    from ..findings.record import atomic_write, summary
+    from ..findings.rootcause import address
 
     lines = ["# New findings by suspected root cause", "",
-             "Grouped by what identifies a bug (see fuzzshard/rootcause.py): a group named after a known root "
+             "Grouped by what identifies a bug (see fuzzshard/findings/rootcause.py): a group named after a known root "
              "cause has the address of its known findings; a `new:` group is one address no known finding has.", ""]
     for key, members in groups.items():
         lines += [f"## {key}", "", f"address: {address(members[0].case, members[0].verdict)}", ""]

@@ -27,9 +27,9 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
-    from ..findings import load_known
-    from ..judge import judge
-    from ..rootcause import load_root_causes
+    from ..findings.record import load_known
+    from ..findings.judge import judge
+    from ..findings.rootcause import load_root_causes
 
     known = load_known()
     if not known:
@@ -114,7 +114,7 @@ def _sample(known: dict, n: int, device: str) -> dict:
 
 def _check_minimal(causes: dict, only: list) -> int:
     """Each root cause's hand-reduced script, run here: exit 1 (and BUG REPRODUCED) is the bug."""
-    from ..upstream import run_minimal
+    from ..report.upstream import run_minimal
 
     unknown = sorted(set(only) - set(causes))
     if unknown:
@@ -133,8 +133,8 @@ def _check_minimal(causes: dict, only: list) -> int:
 
 
 def known_markdown(known: dict) -> str:
-    from ..findings import ORACLES
-    from ..rootcause import load_root_causes
+    from ..findings.record import ORACLES
+    from ..findings.rootcause import load_root_causes
 
     causes = load_root_causes(known)
     rows = ["# Known findings in PyTorch", "",

@@ -22,8 +22,8 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
-    from ..findings import summary
-    from ..judge import judge
+    from ..findings.record import summary
+    from ..findings.judge import judge
 
     recorded = raw_finding(args.file)
     # the plugins the finding was found with (its optimizer, model or parallelism) load again, wherever they still are

@@ -17,7 +17,7 @@ def add(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from ..report import html_page, summarize, text
+    from ..report.page import html_page, summarize, text
 
     if not Path(args.dir, "cells").is_dir():
         raise UsageError(f"{args.dir} holds no soak run (no cells/ folder)")

@@ -19,8 +19,8 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
-    from .. import repro
-    from ..findings import summary
+    from ..findings import repro
+    from ..findings.record import summary
 
     finding = load_file(args.file)
     text = repro.script(finding.case, summary(finding.verdict) if finding.verdict else "", finding.environment,

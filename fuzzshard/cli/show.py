@@ -12,7 +12,7 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
-    from ..show import render
+    from ..report.show import render
 
     print(render(load_file(args.file)))
     return 0

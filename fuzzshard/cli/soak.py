@@ -38,7 +38,7 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
-    from ..soak import Soak
+    from ..session.soak import Soak
 
     duration, epoch = parse_duration(args.duration), parse_duration(args.epoch)
     sizes = parse_world_sizes(args.world_sizes)
@@ -55,7 +55,7 @@ def run(args) -> int:
         if not cells or min(cells) < 1 or max(cells) > max(sizes):
             raise UsageError(f"--cells sizes must be 1..{max(sizes)} (the largest --world-sizes), got {args.cells!r}")
         # the cells say how many ranks; under torchrun they split every process's ranks together
-        from ..soak import torchrun_slot
+        from ..session.soak import torchrun_slot
 
         procs = (torchrun_slot() or {"world": 1})["world"]
         if sum(cells) % procs:

@@ -22,8 +22,8 @@ def add(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from ..findings import load_known
-    from ..upstream import report
+    from ..findings.record import load_known
+    from ..report.upstream import report
 
     finding = load_file(args.file)
     out = Path(args.output) if args.output else None

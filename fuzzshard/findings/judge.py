@@ -8,8 +8,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .findings import known_signature, signature, triggered
-from .verdict import failure, finding
+from .record import known_signature, signature, triggered
+from ..verdict import failure, finding
 
 
 @dataclass
@@ -79,7 +79,7 @@ def localized(pool, case, verdict: dict, timeout: float | None = None) -> dict:
     return verdict
 
 
-_PACKAGE = str(Path(__file__).resolve().parent) + "/"
+_PACKAGE = str(Path(__file__).resolve().parent.parent) + "/"
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 # what Python raises for a mistake in the code that raised it (a name or an attribute that is not there,
 # a call with the wrong arguments, an import that fails): torch's own errors reach Python as RuntimeError,

@@ -14,13 +14,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import oracle
-from .case import Case, CaseError
+from .. import oracle
+from ..case import Case, CaseError
 # each oracle's knowledge lives in oracle/; these names stay importable from here (cli, tests)
-from .oracle import ORACLES, Oracle  # noqa: F401
-from .oracle.error_parity import _digest, missing_strategy_op  # noqa: F401
+from ..oracle import ORACLES, Oracle  # noqa: F401
+from ..oracle.error_parity import _digest, missing_strategy_op  # noqa: F401
 
-KNOWN_DIR = Path(__file__).parent / "known"
+KNOWN_DIR = Path(__file__).resolve().parent.parent / "known"
 ROOT_CAUSES = "root_causes.json"  # known/: root cause id -> title, kind, upstream state (not a finding)
 
 
@@ -34,7 +34,7 @@ def signature(case: Case, verdict: dict) -> str:
 
 def compiled_tag(case: Case) -> str:
     """What ran under torch.compile, as its target's spec names it ("" for nothing)."""
-    from . import targets
+    from .. import targets
 
     tag = targets.get(case.target).spec.compiled if case.target in targets.names() else None
     return tag(case) if tag else ""
@@ -209,7 +209,7 @@ def known_signature(sig: str, case: Case, known: dict[str, Finding]) -> str | No
     """The known finding ``sig`` is on this case's device: itself, or the
     same bug under a built-in target the case's target is made of (a plugin's
     parallelism on FSDP2 meets FSDP2's and DTensor's known bugs)."""
-    from . import targets
+    from .. import targets
 
     family = getattr(targets.get(case.target), "known_as", ()) if case.target in targets.names() else ()
     sigs = [sig]
@@ -242,7 +242,7 @@ def triggered(case: Case, known: dict[str, Finding]) -> str | None:
 def facts(case: Case) -> dict:
     """What a case is beyond its fields, for triggers to name as ``facts.NAME``:
     its target's derived facts (the target's spec says which)."""
-    from . import targets
+    from .. import targets
 
     derive = targets.get(case.target).spec.facts if case.target in targets.names() else None
     return derive(case) if derive else {}

@@ -20,8 +20,8 @@ import math
 import time
 from typing import Callable, Iterator
 
-from .case import Case
-from .kernel.model import param_shapes
+from ..case import Case
+from ..kernel.model import param_shapes
 
 # optimizer kwargs left alone: lr is the step itself, foreach/fused the implementation (a dimension of its own)
 KEEP_KWARGS = ("lr", "foreach", "fused")
@@ -148,8 +148,8 @@ def _copy(data: dict, **fields) -> dict:
 
 
 def _spec(target: str):
-    from . import targets
-    from .kernel.targets.base import Spec
+    from .. import targets
+    from ..kernel.targets.base import Spec
 
     return targets.get(target).spec if target in targets.names() else Spec()
 
@@ -610,7 +610,7 @@ def _optim_edits(data: dict) -> Iterator[Edit]:
 
 def _torch_defaults(name: str) -> dict:
     """{kwarg: default} of the optimizer's constructor, as JSON values (tuples as lists)."""
-    from .kernel.optim import optimizer_class
+    from ..kernel.optim import optimizer_class
 
     try:
         params = inspect.signature(optimizer_class(name).__init__).parameters.values()

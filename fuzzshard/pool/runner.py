@@ -24,8 +24,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from .case import Case
-from .verdict import ErrorRecord, failure, finding
+from ..case import Case
+from ..verdict import ErrorRecord, failure, finding
 
 START_TIMEOUT = 300.0
 # Once one rank has raised, the others are usually stuck in a collective
@@ -505,7 +505,7 @@ def spawn_worker(options: dict, rank: int, authkey: str, log_path: str):
     """One worker, forked by this process's zygote (zygote.py: torch is
     imported there once, not per worker), its output appended to
     ``log_path``; a Popen-like handle. If the zygote cannot start, a plain
-    ``python -m fuzzshard.worker`` (multiprocessing's spawn would re-import
+    ``python -m fuzzshard.pool.worker`` (multiprocessing's spawn would re-import
     the caller's __main__)."""
     env = {**os.environ, "FUZZSHARD_AUTHKEY": authkey, "OMP_NUM_THREADS": "1",
            "FUZZSHARD_WORKER": json.dumps({**options, "rank": rank}), "FUZZSHARD_PHASE": phase_path(log_path)}
@@ -517,7 +517,7 @@ def spawn_worker(options: dict, rank: int, authkey: str, log_path: str):
         except (OSError, EOFError):
             pass
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "fuzzshard.worker"], env=env,
+        return subprocess.Popen([sys.executable, "-m", "fuzzshard.pool.worker"], env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -69,8 +69,8 @@ def load_cases(out: str | Path, prefix: str = "") -> list[dict]:
 def load_findings(out: str | Path, matcher=None) -> list[dict]:
     """This run's findings, each with its suspected root cause (or address) as ``group``
     (``matcher``: a rootcause.Matcher over the known findings; built here if not given)."""
-    from .findings import Finding, load_known
-    from .rootcause import Matcher
+    from ..findings.record import Finding, load_known
+    from ..findings.rootcause import Matcher
 
     matcher = matcher or Matcher(load_known())
     found = []
@@ -117,8 +117,8 @@ TABLES = {
 
 
 def summarize(out: str | Path) -> dict:
-    from .findings import load_known
-    from .rootcause import Matcher
+    from ..findings.record import load_known
+    from ..findings.rootcause import Matcher
 
     known = load_known()
     matcher = Matcher(known)  # the known findings' root causes, read once

@@ -85,7 +85,7 @@ class Soak:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
         if self.slot:
-            from .span import Coordinator
+            from ..pool.span import Coordinator
 
             self.coord = Coordinator(self.me, self.slot["world"])
         end = time.monotonic() + self.duration
@@ -165,12 +165,12 @@ class Soak:
                     "origin": {"host": socket.gethostname(), **(self.slot or {})}}
             if len(procs) > 1:
                 spec["span"] = {"store": self.coord.where, "local": len(mine), "members": procs[1:]}
-            module, log = "fuzzshard.soak", "cell.log"
+            module, log = "fuzzshard.session.soak", "cell.log"
         else:
             spec = {"name": name, "ranks": mine, "gpus": {str(k): first_gpu + slots[k][1] for k in mine},
                     "leader": slots[0][0], "out": str(self.out), "store": self.coord.where, "deadline": deadline,
                     "case_timeout": self.options["case_timeout"]}
-            module, log = "fuzzshard.span", f"member-r{self.me}.log"
+            module, log = "fuzzshard.pool.span", f"member-r{self.me}.log"
         log_dir = self.out / "logs" / name
         log_dir.mkdir(parents=True, exist_ok=True)
         with open(log_dir / log, "ab") as f:
@@ -235,9 +235,9 @@ class Soak:
 # -- one cell ------------------------------------------------------------------
 def run_cell(spec: dict) -> int:
     from .engine import Session
-    from .life import SoakBook
-    from .report import option_tokens
-    from .runner import LostRank, Pool, PoolError
+    from ..findings.life import SoakBook
+    from ..report.page import option_tokens
+    from ..pool.runner import LostRank, Pool, PoolError
 
     class SoakSession(Session):
         fallback_db = "db"
@@ -259,13 +259,13 @@ def run_cell(spec: dict) -> int:
 
     out = Path(spec["out"])
     device = spec["device"]
-    from .worker import run_setup_file
+    from ..pool.worker import run_setup_file
 
     for path in spec["worker_setup"] or []:  # here too: a plugin's optimizer is drawn in this process
         run_setup_file(path)
     link = None
     if "span" in spec:  # ranks on other torchrun processes too
-        from .span import Link
+        from ..pool.span import Link
 
         link = Link(spec["span"]["store"], spec["name"], spec["span"]["local"], spec["span"].get("members", []))
     pool = Pool(spec["size"], device=device, backend=spec["backend"], worker_setup=spec["worker_setup"],

@@ -13,9 +13,9 @@ import importlib
 import inspect
 import re
 
-from . import targets
-from .case import Case
-from .scriptgen import straight_script
+from .. import targets
+from ..case import Case
+from ..scriptgen import straight_script
 
 _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
 

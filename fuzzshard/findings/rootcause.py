@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from . import oracle
-from .findings import KNOWN_DIR, ROOT_CAUSES, Finding, compiled_tag
+from .. import oracle
+from .record import KNOWN_DIR, ROOT_CAUSES, Finding, compiled_tag
 # reading where a traceback points is the oracles' (their addresses use it); still importable from here
-from .oracle.source import telling_frame, torch_frames  # noqa: F401
+from ..oracle.source import telling_frame, torch_frames  # noqa: F401
 
 
 @dataclass

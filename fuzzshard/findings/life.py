@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import repro
-from .findings import (Finding, atomic_write, environment, known_signature, load_finding, load_known, publish_finding,
+from .record import (Finding, atomic_write, environment, known_signature, load_finding, load_known, publish_finding,
                        summary, write_finding)
 from .generalize import generalize
 from .judge import Judgement, judge, judge_many, label

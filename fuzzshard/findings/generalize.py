@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from .case import Case, CaseError
-from .findings import signature
+from ..case import Case, CaseError
+from .record import signature
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,9 @@ def variants(case: Case, optimizer_names=None) -> list[tuple[str, str, Case]]:
     """(dimension, value, case) for each one-dimension change of ``case``
     that is still a well-formed case (the reference may still refuse it:
     that variant is then "invalid")."""
-    from . import targets
-    from .strategies import NOT_ELEMENTWISE, ONLY_2D
-    from .strategies.optimizers import accepts, default_optimizers, implementations
+    from .. import targets
+    from ..strategies import NOT_ELEMENTWISE, ONLY_2D
+    from ..strategies.optimizers import accepts, default_optimizers, implementations
 
     out = []
     name, impl = case.optim.name, case.optim.implementation

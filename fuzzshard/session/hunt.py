@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_SET = Path(__file__).resolve().parent.parent / "tests" / "planted" / "hunt.json"
+DEFAULT_SET = Path(__file__).resolve().parent.parent.parent / "tests" / "planted" / "hunt.json"
 DEFAULT_SEEDS = (1, 2, 3)
 DEFAULT_CAP = 90.0
 POLL = 0.25  # seconds between two looks at a session's --out
@@ -236,7 +236,7 @@ def _seconds(text: str) -> float:
 
 
 def main(argv=None) -> int:
-    """``python -m fuzzshard.hunt``: the same as ``fuzzshard bench --hunt``."""
+    """``python -m fuzzshard.session.hunt``: the same as ``fuzzshard bench --hunt``."""
     ap = argparse.ArgumentParser(prog="fuzzshard bench --hunt", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     ap.add_argument("--json", default=None, help="also write the rows here")

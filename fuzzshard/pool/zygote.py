@@ -35,9 +35,9 @@ def warm_modules() -> list[str]:
     import ast
     import pkgutil
 
-    from . import kernel
+    from .. import kernel
 
-    ours = ["fuzzshard.worker", "fuzzshard.case"]
+    ours = ["fuzzshard.pool.worker", "fuzzshard.case"]
     ours += [m.name for m in pkgutil.walk_packages(kernel.__path__, "fuzzshard.kernel.")]
     named: set[str] = set()
     for name in ours:
@@ -59,7 +59,7 @@ class Zygote:
     def __init__(self):
         ours, theirs = socket.socketpair()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "fuzzshard.zygote", str(theirs.fileno())],
+        self.proc = subprocess.Popen([sys.executable, "-m", "fuzzshard.pool.zygote", str(theirs.fileno())],
                                      pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -162,7 +162,7 @@ def main(fd: int) -> None:
             importlib.import_module(name)
         except ImportError:  # a module another torch release has (versions.py chooses): the worker will not need it
             pass
-    from . import targets
+    from .. import targets
 
     for name in targets.names():  # each target's module and what it imports
         targets.get(name)

@@ -15,7 +15,7 @@ import time
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 
-from .runner import Pool
+from ..pool.runner import Pool
 
 
 def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor", device: str = "cpu",
@@ -85,7 +85,7 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
         measure(pool, spare)  # the process's own first-call costs (lazy imports, allocator): no case's
         rows = [measure(pool, case) for case in cases]
         restarts, restart_s = pool.restarts, pool.restart_seconds
-        from . import targets
+        from .. import targets
 
         ckpt_ms = _checkpoint_cost(pool, cases) if targets.get(target).spec.checkpoint_kinds else {}
     finally:
@@ -131,7 +131,7 @@ def run_scaling(n: int, seed: int, target: str = "dtensor", echo=print, device: 
     """How a case's cost grows: ``n`` cases per world size on one warm pool
     of max(worlds) ranks, each measured as bench measures it; then the same
     runs by model depth (modules holding params) and by steps."""
-    from .kernel.model import param_shapes
+    from ..kernel.model import param_shapes
 
     pool = Pool(max(worlds), device=device).start()
     rows = []
@@ -181,8 +181,8 @@ def _checkpoint_cost(pool, cases) -> dict:
     """kind -> (mean extra ms, cases): each case run again without and then
     with a round trip after its first step, back to back (the first pass's
     times carry cold-start costs, so they are no fair baseline)."""
-    from . import targets
-    from .case import Checkpoint
+    from .. import targets
+    from ..case import Checkpoint
 
     out = {}
     kinds = [k for k in targets.get(cases[0].target).spec.checkpoint_kinds if k != "broadcast"]  # reads what full writes
@@ -212,7 +212,7 @@ def run_soak_bench(seconds: float, workers: int, target: str, seed: int = 0, ech
     import tempfile
     from pathlib import Path
 
-    from .report import load_cases
+    from ..report.page import load_cases
 
     base = [sys.executable, "-m", "fuzzshard"]
     worlds = ",".join(str(w) for w in range(1, workers + 1))

@@ -22,7 +22,7 @@ from multiprocessing.connection import Client
 
 
 def main() -> None:
-    """Forked by the zygote (or started as ``python -m fuzzshard.worker``) for
+    """Forked by the zygote (or started as ``python -m fuzzshard.pool.worker``) for
     ``runner.Pool``, with its options in the environment; stdout/stderr
     already go to its log file."""
     options = json.loads(os.environ["FUZZSHARD_WORKER"])
@@ -42,11 +42,11 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # the driver asks a stuck rank where it waits
     faulthandler.enable(all_threads=True)  # a rank killed by SIGSEGV or SIGABRT says where it died (an abort
     # in a gloo thread has no Python frames of its own: the main thread says where the case was)
-    from . import targets
-    from .case import Case
-    from .kernel.mesh import Meshes
-    from .kernel.run import _Phase, run_bare, run_case
-    from .verdict import failure
+    from .. import targets
+    from ..case import Case
+    from ..kernel.mesh import Meshes
+    from ..kernel.run import _Phase, run_bare, run_case
+    from ..verdict import failure
 
     if os.environ.get("FUZZSHARD_PHASE"):  # where this rank is (kernel/run.py), for the driver to read if it hangs
         _Phase.sink = os.open(os.environ["FUZZSHARD_PHASE"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -66,7 +66,7 @@ def main() -> None:
     else:  # a cell of this machine: a file store in the driver's temp folder
         where = {"init_method": f"file://{store}"}
     if options.get("simulate"):  # --simulate: this process runs whole cases alone, every rank (simulate.py)
-        from .simulate import SimulatedWorld
+        from ..session.simulate import SimulatedWorld
 
         meshes = SimulatedWorld()
     else:

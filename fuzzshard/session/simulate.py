@@ -65,7 +65,7 @@ def available() -> str | None:
 
 def simulate_args(args) -> None:
     """``fuzz --simulate``: its checks and defaults, into ``args`` (a UsageError says what is wrong)."""
-    from .cli.common import UsageError, resolve_targets
+    from ..cli.common import UsageError, resolve_targets
 
     why = available()
     if why:
@@ -189,7 +189,7 @@ def _patched():
     import torch
     from torch.distributed._local_tensor import enabled_local_tensor_mode
 
-    from .kernel import gather, run
+    from ..kernel import gather, run
 
     build_model, make_batch, run_sharded, batchable = (run.build_model, run.make_batch, run._run_sharded,
                                                        gather._gather_batchable)
@@ -240,9 +240,9 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr) -> dict:
         moved to OUT/simulation_limits/ with what the real run said;
       * larger than REAL_MAX: "simulated only", its file says so.
     Returns {"confirmed": [...], "limits": [...], "simulated_only": [...]} (signatures)."""
-    from .cli.common import start_pool
-    from .findings import atomic_write
-    from .judge import judge
+    from ..cli.common import start_pool
+    from ..findings.record import atomic_write
+    from ..findings.judge import judge
 
     out = Path(out)
     result: dict = {"confirmed": [], "limits": [], "simulated_only": []}
@@ -288,7 +288,7 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr) -> dict:
 
 
 def _summary(verdict: dict) -> str:
-    from .findings import summary
+    from ..findings.record import summary
 
     return summary(verdict)
 
@@ -303,7 +303,7 @@ def run_bench(n: int, seed: int, target: str = "dtensor", echo=print, real_world
     import time
 
     from .bench import fixed_cases
-    from .runner import Pool
+    from ..pool.runner import Pool
 
     workers = workers or max(1, os.cpu_count() or 1)
     out: dict = {}

@@ -46,10 +46,10 @@ from hypothesis import strategies as st
 from hypothesis import seed as hseed
 from hypothesis.control import current_build_context
 
-from .findings import Finding, load_known, summary
-from .judge import judge_many
-from .life import FindingBook
-from .runner import Pool, PoolError
+from ..findings.record import Finding, load_known, summary
+from ..findings.judge import judge_many
+from ..findings.life import FindingBook
+from ..pool.runner import Pool, PoolError
 from .schedule import Scheduler
 
 try:

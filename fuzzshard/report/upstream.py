@@ -25,15 +25,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import oracle, repro
-from .findings import Finding
-from .oracle.source import link as _link
-from .rootcause import Matcher, RootCause
-from .scriptgen import straight_script
+from .. import oracle
+from ..findings import repro
+from ..findings.record import Finding
+from ..oracle.source import link as _link
+from ..findings.rootcause import Matcher, RootCause
+from ..scriptgen import straight_script
 
 RUN_TIMEOUT = 300  # seconds for the script's run here
 INLINE_LIMIT = 40_000  # GitHub refuses an issue body over 65,536 characters
-_ROOT = Path(__file__).resolve().parent.parent  # a root cause's minimal script is named from the repository
+_ROOT = Path(__file__).resolve().parent.parent.parent  # a root cause's minimal script is named from the repository
 
 
 @dataclass
@@ -215,7 +216,7 @@ def _root_cause(finding: Finding, known: dict) -> RootCause | None:
 
 def _component(rc: RootCause | None, target: str) -> str:
     """What the title's [brackets] name: the root cause's component, else the target's (its spec says)."""
-    from . import targets
+    from .. import targets
 
     if rc and rc.component:
         return rc.component

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from .case import Layer
-from .findings import Finding, summary
+from ..case import Layer
+from ..findings.record import Finding, summary
 
 
 def render(finding: Finding) -> str:
@@ -43,8 +43,8 @@ def render(finding: Finding) -> str:
     lines += _options("target options", c.target_options)
     ck = c.checkpoint
     if ck:
-        from . import targets
-        from .kernel.state_io import STATE_DICT_KINDS
+        from .. import targets
+        from ..kernel.state_io import STATE_DICT_KINDS
 
         how = targets.get(c.target).spec.checkpoint_kinds.get(ck.kind, ck.kind)  # each target says how
         api = "set_model_state_dict + set_optimizer_state_dict" if ck.split else "set_state_dict"
