@@ -274,7 +274,28 @@ def code_map() -> str:
     return "\n".join(lines)
 
 
+def folders() -> str:
+    """The README's map: the packages (each one's docstring says what it holds) and the top-level modules."""
+    rows = ["```text"]
+    # in the order a case flows: drawn, run, judged, handed over; a package not named here comes last
+    flow = ["strategies", "session", "pool", "kernel", "oracle", "findings", "scriptgen", "report", "cli"]
+    pkgs = sorted([ROOT / "strategies" / "__init__.py", *(ROOT / "fuzzshard").glob("*/__init__.py")],
+                  key=lambda p: (flow.index(p.parent.name) if p.parent.name in flow else len(flow), p.parent.name))
+    top = _listed(sorted(p for p in (ROOT / "fuzzshard").glob("*.py") if p.name not in ("__init__.py", "__main__.py")))
+    shown = [(_rel(p.parent) + "/", module_doc(p)) for p in _listed(pkgs)]
+    shown += [("fuzzshard/" + ", ".join(p.stem for p in top), "the Case and the Verdict that cross to the ranks and back; targets, plugins, "
+               "pytest, torch versions")]
+    shown += [("tests/  ci/  docs/", "the suite and its planted bugs, CI and cluster scripts, these pages")]
+    width = max(len(name) for name, _ in shown[:-2]) + 2
+    for name, doc in shown:
+        rows.append(f"{name:{width}}{first_sentence(doc, 100).replace('`', '')}" if len(name) < width
+                    else f"{name}\n{'':{width}}{first_sentence(doc, 100).replace('`', '')}")
+    rows.append("```")
+    return "\n".join(rows)
+
+
 GENERATORS = {
+    "folders": folders,
     "known-counts": known_counts,
     "known-short": known_short,
     "targets": targets_table,

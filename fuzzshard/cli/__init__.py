@@ -1,5 +1,7 @@
-"""fuzzshard's command line: one module a subcommand (fuzz.py, soak.py, replay.py, ...), each with
-``add(sub)``, its flags and help, and ``run(args)``; common.py holds what they share.
+"""fuzzshard's command line: the parser and one module a subcommand.
+
+Each subcommand's module (fuzz.py, soak.py, replay.py, ...) has ``add(sub)``, its flags and help, and
+``run(args)``; common.py holds what they share.
 Exit codes: 0 nothing new found / passes now, 1 findings / still fails, 2 bad usage or input (one clear
 line on stderr); replay also 3, fails with another signature.
 

@@ -1,5 +1,6 @@
-"""The oracles as the driver knows them: one module per way a case fails,
-each holding everything said about such a finding (its kind, signature,
+"""The oracles as the driver knows them: one module per way a case fails.
+
+Each holds everything said about such a finding (its kind, signature,
 summary, root-cause address, issue title, expected/actual text and suspected
 torch source), so findings.py, rootcause.py and upstream.py look an oracle up
 instead of branching on its name.
@@ -13,10 +14,12 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
+from ..verdict import Verdict
+
 
 @dataclass(frozen=True)
 class Oracle:
-    """One way a case fails. ``verdict`` is a finding's verdict dict, ``case`` its Case."""
+    """One way a case fails. ``verdict`` is a finding's Verdict, ``case`` its Case."""
     name: str  # as a verdict names it ("oracle")
     kind: str  # how such a finding shows to a user: silent, raises, hang, crash
     signature: Callable  # (case, verdict) -> the finding's name, what identifies the bug (findings.signature)
@@ -40,16 +43,16 @@ from .source import frame_source  # noqa: E402
 ORACLES = {o.name: o for o in (parity.ORACLE, checkpoint.ORACLE, error_parity.ORACLE, hang.ORACLE, crash.ORACLE)}
 
 
-def _unknown_summary(verdict: dict) -> str:
-    return json.dumps(verdict)[:300]
+def _unknown_summary(verdict: Verdict) -> str:
+    return json.dumps(verdict.to_dict())[:300]
 
 
 # a verdict naming no oracle above (an old or hand-made file): named and shown by what it says
 UNKNOWN = Oracle(
     "", "?",
-    signature=lambda case, v: f"{case.target}.{v.get('oracle', 'unknown')}",
+    signature=lambda case, v: f"{case.target}.{v.oracle or 'unknown'}",
     summary=_unknown_summary,
-    address=lambda case, v: v.get("oracle", "") or "?",
+    address=lambda case, v: v.oracle or "?",
     title=lambda case, v: _unknown_summary(v),
     expected_actual=lambda v: ranks_finish(v, _unknown_summary(v)),
     source=lambda case, v: frame_source(v),
@@ -63,6 +66,6 @@ def get(name: str) -> Oracle | None:
     return ORACLES.get(name)
 
 
-def of(verdict: dict) -> Oracle:
+def of(verdict: Verdict) -> Oracle:
     """The oracle behind ``verdict`` (UNKNOWN for a name none has)."""
-    return ORACLES.get(verdict.get("oracle", ""), UNKNOWN)
+    return ORACLES.get(verdict.oracle, UNKNOWN)
