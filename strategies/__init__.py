@@ -25,8 +25,7 @@ from fuzzshard.kernel.model import param_shapes, tied_modules
 from .models import models
 from .optimizers import NOT_ELEMENTWISE, ONLY_2D, default_optimizers, group_overrides, optimizer_kwargs
 
-__all__ = ["cases", "checkpoints", "models", "optimizers", "param_groups", "schedules", "placements",
-           "target_options", "spec_of"]
+__all__ = ["cases", "checkpoints", "models", "optimizers", "param_groups", "schedules", "target_options", "spec_of"]
 
 DTYPES = ["float32", "float64"]
 
@@ -83,11 +82,6 @@ def schedules(draw, n_steps: int, names: list[str]) -> tuple[Step, ...]:
         steps.append(Step(set_to_none=draw(st.booleans()), freeze=target if flip == "freeze" else (),
                           unfreeze=target if flip == "unfreeze" else ()))
     return tuple(steps)
-
-
-def placements(shapes: dict, mesh_shape: tuple, tied: tuple = (), **context):
-    """dtensor's options: per param, per mesh dim, Replicate or Shard(d) on any of its dims."""
-    return target_options("dtensor", shapes, mesh_shape, tied, **context)
 
 
 def target_options(target: str, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context):
@@ -250,24 +244,11 @@ def cases(
         seed=draw(st.integers(0, 2**16 - 1)),
         checkpoint=ck,
     )
-    if spec.to_dtype and draw(st.integers(0, 3)) == 3:  # drawn last: the draws before stay as they were
-        other = "float64" if case.dtype == "float32" else "float32"
-        case = dataclasses.replace(case, target_options={**case.target_options, "built_as": other})
-    if spec.nonroot and not model.factory and "layers.0" in options.get("wrap", ()) and draw(st.booleans()):
-        # a forward of the layers.0 unit from outside the root's (adds to the loss; see model.objective)
-        case = dataclasses.replace(case, target_options={**case.target_options, "nonroot": True})
-    if not spec.add_param_group:
-        return case
-    # drawn last, so the draws before it stay as they were
-    added = draw(st.integers(0, n_groups - 1))
-    # mid-run (before a later step) now and then; right after the constructor when shrunk
-    added_at = draw(st.integers(1, n_steps - 1)) if added and n_steps > 1 and draw(st.booleans()) else 0
-    case = dataclasses.replace(case, optim=dataclasses.replace(optim, added_groups=added, added_at=added_at))
-    if spec.generator_groups and draw(st.integers(0, 7)) == 7:  # rarely (and never when shrunk): a known trap
-        case = dataclasses.replace(case, target_options={**options, "generator_groups": True})
-    if spec.joinable and spec.joinable(case) and draw(st.integers(0, 3)) == 3:
-        # uneven inputs under Join: rank r runs the first counts[r] steps, one rank all of them
-        counts = [draw(st.integers(1, n_steps)) for _ in range(world)]
-        counts[draw(st.integers(0, world - 1))] = n_steps
-        case = dataclasses.replace(case, target_options={**case.target_options, "uneven": counts})
+    if spec.add_param_group:  # drawn after the rest of the case, so the draws before it stay as they were
+        added = draw(st.integers(0, n_groups - 1))
+        # mid-run (before a later step) now and then; right after the constructor when shrunk
+        added_at = draw(st.integers(1, n_steps - 1)) if added and n_steps > 1 and draw(st.booleans()) else 0
+        case = dataclasses.replace(case, optim=dataclasses.replace(optim, added_groups=added, added_at=added_at))
+    if spec.late_options:  # the target's options that depend on the whole case: drawn last of all
+        case = dataclasses.replace(case, target_options=spec.late_options(draw, case))
     return case

@@ -144,9 +144,8 @@ def _print_session_report(session, findings, out) -> None:
         cover = ", ".join(f"{k} {v} ({'·'.join(str(by[k, i]) for i in ('forloop', 'foreach', 'fused'))})"
                           for k, v in sorted(st.passed_by_optimizer.items()))
         print(f"passing cases by optimizer (for-loop·foreach·fused): {cover}", file=sys.stderr)
-    if st.passed_decoder:
-        cover = ", ".join(f"{k} {v}" for k, v in st.passed_decoder.most_common())
-        print(f"passing decoder cases by TP plan element: {cover}", file=sys.stderr)
+    for title, cells in st.passed_coverage.items():  # what the targets say their cases covered (Spec.coverage)
+        print(f"passing {title}: {', '.join(f'{k} {v}' for k, v in cells.most_common())}", file=sys.stderr)
     from ..findings.rootcause import grouped
 
     matcher = session.matcher

@@ -42,12 +42,14 @@ class Spec:
     flat_mesh: bool = False  # one flat process group: 1-D meshes only
     may_flatten: bool = False  # may flatten params: a drawn "flat" case keeps one group and nothing frozen
     add_param_group: bool = False  # draws groups added through add_param_group (after the constructor or mid-run)
-    to_dtype: bool = False  # draws a model built in another dtype and moved with model.to() after sharding
-    nonroot: bool = False  # draws a forward of a wrapped layers.0 from outside the root's
-    generator_groups: bool = False  # draws a group's params given as a one-shot iterator
     # requires_grad recorded when it wraps (options -> bool): no freeze or unfreeze mid-run then
     flags_fixed: Callable | None = None
-    joinable: Callable | None = None  # (case) -> whether it may draw uneven inputs under Join
+    # the body of a Hypothesis composite too: late_options(draw, case) -> target_options, the case's plus what
+    # depends on the whole drawn case; drawn last of all, so the draws before stay as they were
+    late_options: Callable | None = None
+    # (case) -> {title: cells}: what a case covered of the target's own options, counted over a session's
+    # passing cases and printed as "passing TITLE: cell N, ..." (fsdp2: decoder cases by TP plan element)
+    coverage: Callable | None = None
     check: Callable | None = None  # (case) -> what makes the case impossible for this target, or None
     seq_multiple: Callable | None = None  # (options, mesh_shape) -> the sequence length is a multiple of this
     compiled: Callable | None = None  # (case) -> "" or a tag for what runs under torch.compile (in signatures)

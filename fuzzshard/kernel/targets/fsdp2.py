@@ -148,6 +148,36 @@ def draw_decoder_tp(draw, sizes: dict, tp: int) -> dict:
     return out
 
 
+def draw_late_options(draw, case) -> dict:
+    """Now and then a model built in the other float dtype and moved to the
+    case's with model.to() after fully_shard (``built_as``); with layers.0 of
+    a drawn topology wrapped on its own, half the time a forward of it from
+    outside the root's (``nonroot``, adds to the loss: see ``objective``)."""
+    import hypothesis.strategies as st
+
+    out = dict(case.target_options)
+    if draw(st.integers(0, 3)) == 3:
+        out["built_as"] = "float64" if case.dtype == "float32" else "float32"
+    if not case.model.factory and "layers.0" in out.get("wrap", ()) and draw(st.booleans()):
+        out["nonroot"] = True
+    return out
+
+
+def coverage(case) -> dict:
+    """A decoder case's share of the TP plan: its elements' styles (heads, mlp,
+    the embedding rowwise, the head colwise), sp, loss_parallel, a checkpoint;
+    "no TP" without a plan."""
+    if case.model.factory != "decoder":
+        return {}
+    opts = case.target_options
+    cells = {"cases"} | set((opts.get("tp") or {}).values()) | {k for k in ("sp", "loss_parallel") if opts.get(k)}
+    if not opts.get("tp"):
+        cells.add("no TP")
+    if case.checkpoint:
+        cells.add("checkpoint")
+    return {"decoder cases by TP plan element": cells}
+
+
 def draw_mp_policy(draw) -> dict:
     """A MixedPrecisionPolicy for every unit: compute (param) dtype, reduce
     dtype, output dtype and cast_forward_inputs."""
@@ -300,8 +330,8 @@ def _cast(tree, dtype):
 class FSDP2Target(Target):
     name = "fsdp2"
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
-                to_dtype=True, nonroot=True, check=check, facts=facts, compiled=compiled, seq_multiple=seq_multiple,
-                component="FSDP2")
+                late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
+                seq_multiple=seq_multiple, component="FSDP2")
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:

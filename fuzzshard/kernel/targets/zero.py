@@ -70,8 +70,25 @@ def joinable(case) -> bool:
     added and nothing frozen mid-run (a joined rank runs no schedule)."""
     return ("ddp" in case.target_options and case.world_size > 1 and len(case.schedule) > 1
             and case.checkpoint is None and not case.model.unused and not case.optim.added_groups
-            and not any(s.freeze or s.unfreeze for s in case.schedule)
-            and not case.target_options.get("generator_groups"))
+            and not any(s.freeze or s.unfreeze for s in case.schedule))
+
+
+def draw_late_options(draw, case) -> dict:
+    """Once the groups added later are drawn: rarely (and never when shrunk)
+    each group's params as a one-shot iterator (``generator_groups``, a known
+    trap); else, where ``joinable``, now and then uneven inputs under Join:
+    rank r runs the first counts[r] steps, one rank all of them."""
+    import hypothesis.strategies as st
+
+    out = dict(case.target_options)
+    n_steps, world = len(case.schedule), case.world_size
+    if draw(st.integers(0, 7)) == 7:
+        out["generator_groups"] = True
+    elif joinable(case) and draw(st.integers(0, 3)) == 3:
+        counts = [draw(st.integers(1, n_steps)) for _ in range(world)]
+        counts[draw(st.integers(0, world - 1))] = n_steps
+        out["uneven"] = counts
+    return out
 
 
 def check(case) -> str | None:
@@ -121,10 +138,11 @@ class _Shadow(Joinable):
 class ZeroTarget(Target):
     name = "zero"
     # DDP records the params that require grad when it wraps
-    spec = Spec(options=draw_options, data_parallel=True, flat_mesh=True, add_param_group=True, generator_groups=True,
+    spec = Spec(options=draw_options, data_parallel=True, flat_mesh=True, add_param_group=True,
+                late_options=draw_late_options,
                 checkpoint_kinds={"consolidate": "consolidate_state_dict + state_dict(), torch.save; "
                                                  "load_state_dict on every rank"},
-                flags_fixed=lambda options: "ddp" in options, joinable=joinable, check=check,
+                flags_fixed=lambda options: "ddp" in options, check=check,
                 component="ZeroRedundancyOptimizer")
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
 
