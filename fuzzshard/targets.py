@@ -39,6 +39,11 @@ def names() -> list[str]:
     return sorted(set(_BUILTIN) | set(_USER))
 
 
+def builtin() -> list[str]:
+    """The targets fuzzshard ships (kernel/targets/), without those a plugin registered."""
+    return list(_BUILTIN)
+
+
 def get(name: str) -> type:
     if name in _USER:
         return _USER[name]

@@ -9,11 +9,12 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 
 import fuzzshard.strategies as fst
 from cases import simple_case
+from fuzzshard import targets
 from fuzzshard.case import Case
 from fuzzshard.kernel.model import build_model, make_batch, param_shapes
 from fuzzshard.findings.reduce import edits, reduce, size
 
-TARGETS = ["dtensor", "fsdp2", "fsdp1", "zero", "sharded_optim"]
+TARGETS = targets.builtin()
 FEW = settings(deadline=None, database=None, phases=[Phase.generate],
                suppress_health_check=list(HealthCheck))
 

@@ -7,12 +7,12 @@ import inspect
 import pytest
 
 from fuzzshard import targets
-from fuzzshard.findings.record import repro
+from fuzzshard.findings import repro
 
 
 
 
-@pytest.mark.parametrize("target", sorted(targets._BUILTIN) + ["parallelize"])
+@pytest.mark.parametrize("target", targets.builtin() + ["parallelize"])
 def test_flattened_modules_define_each_top_level_name_once(target):
     if target == "parallelize":  # a plugin's parallelism: fsdp2's module and the adapter
         modules = repro.kernel_modules("fsdp2") + ["fuzzshard.kernel.targets.parallelize"]

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from cases import simple_case
 from conftest import PLANTED, torchrun
 from fuzzshard import targets
-from fuzzshard.findings.record import repro
+from fuzzshard.findings import repro
 from fuzzshard.case import Checkpoint, Group
 from fuzzshard.findings.record import KNOWN_DIR, load_finding
 from fuzzshard.kernel.model import build_model, make_batch
@@ -174,7 +174,7 @@ def test_a_known_fsdp1_finding_reproduces_the_torch_bug(tmp_path):
 
 
 def test_every_built_in_target_has_a_writer():
-    assert set(WRITERS) == {"dtensor", "fsdp2", "fsdp1", "zero", "sharded_optim"} <= set(targets.names())
+    assert set(WRITERS) == set(targets.builtin())
 
 
 @settings(max_examples=2, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
