@@ -54,7 +54,7 @@ def main() -> int:
                 continue
             case = f.case
             before.append((layers(case), len(case.schedule)))
-            skip = ("a hang" if f.verdict.get("oracle") == "hang" or f.trigger else
+            skip = ("a hang" if f.verdict.oracle == "hang" or f.trigger else
                     "another device" if case.device != "cpu" or (f.devices and "cpu" not in f.devices) else
                     "a plugin's" if f.environment.get("plugins") else "")
             if not skip and judge(pool, case, {}).label != f.signature:
@@ -77,7 +77,7 @@ def main() -> int:
                 again = judge(pool, small, {})
                 if again.label == f.signature:
                     data = json.loads(path.read_text())
-                    data.update(case=small.to_dict(), verdict=again.verdict, removed=f.removed + removed)
+                    data.update(case=small.to_dict(), verdict=again.verdict.to_dict(), removed=f.removed + removed)
                     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
                 else:
                     removed, small = [f"(the reduced case gave {again.label} in fresh workers: kept the old one)"], case

@@ -34,8 +34,10 @@ CHECKS = ("ReplicasDiverged", "GroupsLost", "PartitionBroken", "GatherMismatch",
 
 
 def reproduces(finding, rc: int | None, out: str) -> bool:
-    v = finding.verdict or {}
-    oracle, err, first = v.get("oracle", ""), v.get("error") or {}, v.get("first") or {}
+    v = finding.verdict
+    oracle = v.oracle if v else ""
+    err = v.error_record if v and v.error else None
+    quantity, fqn = (v.first.quantity, v.first.fqn or "") if v and v.first else ("", "")
     if oracle == "hang":
         return rc is None or (rc != 0 and ("imeout" in out or "timed out" in out))
     if rc is None or rc == 0:
@@ -43,11 +45,11 @@ def reproduces(finding, rc: int | None, out: str) -> bool:
     if oracle == "crash":
         return True
     if err:  # (fuzzshard's own checks of torch's results, ReplicasDiverged and the like, are asserts in a script)
-        kind = err.get("type", "?") if err.get("type", "?") not in CHECKS else "AssertionError"
-        return kind in out and ((err.get("message", "") or "")[:30] in out or kind == "AssertionError")
-    if "strict" in first.get("quantity", ""):
+        kind = err.type if err.type not in CHECKS else "AssertionError"
+        return kind in out and (err.message[:30] in out or kind == "AssertionError")
+    if "strict" in quantity:
         return "FINDING" in out and "strict" in out
-    return "FINDING" in out and first.get("fqn", "") in out
+    return "FINDING" in out and fqn in out
 
 
 def run_script(finding, text: str, timeout: int, env: dict) -> tuple:

@@ -13,6 +13,7 @@ from hypothesis import reject
 from .findings.record import Finding, environment, load_known, summary, write_finding
 from .findings.judge import judge
 from .findings.life import FindingBook, rerun
+from .verdict import Verdict
 
 # where a failing example's files go (the pytest plugin's --fuzzshard-out sets it): the same
 # <signature>.json + .py a fuzz session writes; each smaller example of it rewrites them
@@ -26,7 +27,7 @@ class Contaminated(RuntimeError):
     """A verdict the warm workers gave and fresh ones did not: state carried between cases."""
 
 
-def check(pool, case, known: dict | None = None) -> dict:
+def check(pool, case, known: dict | None = None) -> Verdict:
     """Run ``case`` on ``pool``; returns the verdict of a passing (or known) case."""
     global _KNOWN
     if known is None:
@@ -36,10 +37,10 @@ def check(pool, case, known: dict | None = None) -> dict:
         pytest.fail(f"this case needs {case.ranks} ranks and the pool has {pool.size}: draw world sizes up to "
                     f"{pool.size}, or pass --fuzzshard-world-size {case.ranks}", pytrace=False)
     j = judge(pool, case, known)
-    if j.verdict["status"] == "invalid":
+    if j.verdict.status == "invalid":
         reject()
-    if j.verdict["status"] == "error":
-        raise RuntimeError(f"fuzzshard could not run the case: {j.verdict.get('error')}")
+    if j.verdict.status == "error":
+        raise RuntimeError(f"fuzzshard could not run the case: {j.verdict.error}")
     if j.signature is None or j.known:
         return j.verdict
     if j.signature not in _CONFIRMED:
@@ -53,7 +54,7 @@ def check(pool, case, known: dict | None = None) -> dict:
                          f"  replay: fuzzshard replay {path}")
 
 
-def _write(pool, sig: str, case, verdict: dict):
+def _write(pool, sig: str, case, verdict: Verdict):
     """OUT_DIR/<sig>.json + .py, as a fuzz session writes them; a smaller case of the same signature
     (Hypothesis shrinking) replaces a larger one, a larger one never a smaller."""
     f = Finding(sig, case, verdict, environment=environment(pool.info, pool.options["backend"], pool.options["device"]))

@@ -16,7 +16,8 @@ STATUSES = ("pass", "finding", "invalid", "error")
 class _Record:
     """A dict on disk as a dataclass: its named keys as fields, the rest in
     ``extra``; ``keys`` remembers which named keys the dict had (None is a
-    value too), so writing it back gives the same dict."""
+    value too), so writing it back gives the same dict; a field set since
+    (not None) is written too."""
 
     @classmethod
     def from_dict(cls, d: dict):
@@ -25,8 +26,8 @@ class _Record:
                    keys=tuple(k for k in names if k in d))
 
     def to_dict(self) -> dict:
-        def kept(k: str) -> bool:  # read from a dict: the keys it had; built in code: the fields set
-            return k in self.keys if self.keys is not None else getattr(self, k) is not None
+        def kept(k: str) -> bool:  # the fields set, and those a dict it was read from had (None or not)
+            return getattr(self, k) is not None or (self.keys is not None and k in self.keys)
 
         return {**{k: getattr(self, k) for k in _names(type(self)) if kept(k)}, **self.extra}
 
@@ -75,6 +76,16 @@ class Verdict(_Record):
     @property
     def is_finding(self) -> bool:
         return self.status == "finding"
+
+    @property
+    def error_record(self) -> ErrorRecord:
+        """Its error as a record: an empty one where it has none, or only a message (status "error")."""
+        return self.error if isinstance(self.error, ErrorRecord) else ErrorRecord("", "")
+
+    @property
+    def quantity(self) -> str:
+        """What its first mismatch is of (loss, grad, param, state.NAME, ...), "" without one."""
+        return self.first.quantity if self.first else ""
 
     @classmethod
     def from_dict(cls, d: dict) -> Verdict:

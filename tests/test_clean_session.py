@@ -20,7 +20,7 @@ def test_clean_session_finds_nothing_new(fuzz_pool, tmp_path, target, optimizer)
     session = Session(fuzz_pool, [target], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=15, seed=2024,
                       strategy_kwargs={"optimizer_names": [optimizer], "checkpoint": False})
     findings = session.run()
-    assert not findings, "\n".join(f"{f.signature}: {f.verdict.get('first') or f.verdict.get('error')}" for f in findings)
+    assert not findings, "\n".join(f"{f.signature}: {f.verdict.first or f.verdict.error}" for f in findings)
     st = session.stats
     assert st.internal_errors == 0
     if (target, optimizer) not in EVERY_CASE_HITS_A_KNOWN_BUG:
@@ -36,7 +36,7 @@ def test_clean_session_over_every_optimizer_finds_nothing_new(fuzz_pool, tmp_pat
     session = Session(fuzz_pool, [target], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=60, seed=2024,
                       strategy_kwargs={"checkpoint": checkpoint})
     findings = session.run()
-    assert not findings, "\n".join(f"{f.signature}: {f.verdict.get('first') or f.verdict.get('error')}" for f in findings)
+    assert not findings, "\n".join(f"{f.signature}: {f.verdict.first or f.verdict.error}" for f in findings)
     st = session.stats
     assert st.internal_errors == 0
     assert len(st.passed_by_optimizer) >= 4, st

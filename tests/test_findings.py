@@ -61,10 +61,12 @@ def test_a_crash_is_named_by_where_it_died_and_a_crash_elsewhere_is_new():
     sig = "fsdp1.crash.Killed_by_SIGABRT.other.all_gather_single"
     f = known[sig]
     assert signature(f.case, f.verdict) == sig and is_known(sig, f.case, known)
-    elsewhere = {**f.verdict, "where": {"1": "run._steps:all_reduce"}, "phase": {"1": "fwdbwd"}}
+    elsewhere = dataclasses.replace(f.verdict, extra={**f.verdict.extra, "where": {"1": "run._steps:all_reduce"},
+                                                      "phase": {"1": "fwdbwd"}})
     other = signature(f.case, elsewhere)
     assert other == "fsdp1.crash.Killed_by_SIGABRT.fwdbwd.all_reduce" and not is_known(other, f.case, known)
-    nowhere = {k: v for k, v in f.verdict.items() if k != "where"}  # no stack came back: the bare signal, not known
+    # no stack came back: the bare signal, not known
+    nowhere = dataclasses.replace(f.verdict, extra={k: v for k, v in f.verdict.extra.items() if k != "where"})
     assert not is_known(signature(f.case, nowhere), f.case, known)
 
 
@@ -75,10 +77,11 @@ def test_a_hang_or_crash_signature_names_no_fuzzshard_module():
 
     known = load_known()
     f = known["dtensor.hang.load.broadcast"]
-    moved = {**f.verdict, "where": {"0": "somewhere_else.renamed:broadcast", "1": "x.y:redispatch"}}
+    moved = dataclasses.replace(f.verdict, extra={**f.verdict.extra, "where": {"0": "somewhere_else.renamed:broadcast",
+                                                                              "1": "x.y:redispatch"}})
     assert signature(f.case, moved) == signature(f.case, f.verdict) == "dtensor.hang.load.broadcast"
     for sig, g in known.items():
-        if g.verdict.get("oracle") in ("hang", "crash"):
+        if g.verdict.oracle in ("hang", "crash"):
             assert signature(g.case, g.verdict) == sig
             assert not any(part in sig.split(".") for part in ("state_io", "run", "zero.after_backward", "grads")), sig
 
@@ -93,11 +96,11 @@ def test_a_fused_step_divergence_says_whether_the_grad_it_read_was_contiguous():
     known = load_known()
     sig = "dtensor.parity.Adam.fused.param.noncontig_grad"
     f = known[sig]
-    assert f.verdict["first"]["grad"] == "non-contiguous" and signature(f.case, f.verdict) == sig
+    assert f.verdict.first.extra["grad"] == "non-contiguous" and signature(f.case, f.verdict) == sig
     matcher = Matcher(known)
     assert matcher.suspects(f.case, f.verdict) == ["cpu-fused-optim-noncontiguous-grad"]
-    first = {k: v for k, v in f.verdict["first"].items() if k != "grad"}
-    contiguous = {**f.verdict, "first": first, "mismatches": [first]}
+    first = dataclasses.replace(f.verdict.first, extra={k: v for k, v in f.verdict.first.extra.items() if k != "grad"})
+    contiguous = dataclasses.replace(f.verdict, first=first, mismatches=[first])
     other = signature(f.case, contiguous)
     assert other == "dtensor.parity.Adam.fused.param" and not is_known(other, f.case, known)
     assert matcher.suspects(f.case, contiguous) == []
@@ -113,8 +116,8 @@ def test_a_missing_sharding_strategy_is_named_by_its_op():
     sig = "dtensor.error.step.NotImplementedError.af1d5b0d._foreach_copy_"
     f = known[sig]
     assert signature(f.case, f.verdict) == sig
-    message = f.verdict["error"]["message"].replace("_foreach_copy_", "_weight_int8pack_mm")
-    other = {**f.verdict, "error": {**f.verdict["error"], "message": message}}
+    message = f.verdict.error.message.replace("_foreach_copy_", "_weight_int8pack_mm")
+    other = dataclasses.replace(f.verdict, error=dataclasses.replace(f.verdict.error, message=message))
     new = signature(f.case, other)
     assert new == "dtensor.error.step.NotImplementedError.af1d5b0d._weight_int8pack_mm"
     assert not is_known(new, f.case, known) and Matcher(known).suspects(f.case, other) == []

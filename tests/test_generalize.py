@@ -6,11 +6,12 @@ from cases import simple_case
 
 from fuzzshard.findings.generalize import Face, faces_of, generalize, same_way, table_text, variants
 from fuzzshard.findings.judge import internal_error
-from fuzzshard.verdict import finding, passing
+from fuzzshard.verdict import Verdict, finding, passing
 
 
 def _step_verdict(fqns, step=0, quantity="param"):
-    return finding("parity", [{"quantity": quantity, "fqn": f, "step": step, "detail": "differs"} for f in fqns])
+    return Verdict.from_dict(finding("parity", [{"quantity": quantity, "fqn": f, "step": step, "detail": "differs"}
+                                                for f in fqns]))
 
 
 def test_variants_change_one_dimension_each_and_stay_well_formed():
@@ -36,17 +37,17 @@ def test_the_same_failure_on_the_same_params_is_one_bug_and_other_params_another
     assert not same_way(a, _step_verdict(["layers.0.weight"]))  # other params: another bug
     assert not same_way(a, _step_verdict(["layers.2.weight", "layers.2.bias"], step=1))  # another step
     assert not same_way(a, _step_verdict(["layers.2.weight", "layers.2.bias"], quantity="grad"))  # a grad bug
-    assert not same_way(a, passing())
+    assert not same_way(a, Verdict.from_dict(passing()))
 
 
 def test_faces_are_the_quantities_of_the_same_phase_only():
     case = simple_case(optim="Adam", lr=0.01, foreach=True)
-    v = finding("parity", [{"quantity": "param", "fqn": "layers.0.weight", "step": 0, "detail": ""},
-                           {"quantity": "state.exp_avg", "fqn": "layers.0.weight", "step": 0, "detail": ""},
-                           {"quantity": "param", "fqn": "layers.0.weight", "step": 1, "detail": ""}])
+    v = Verdict.from_dict(finding("parity", [{"quantity": "param", "fqn": "layers.0.weight", "step": 0, "detail": ""},
+                                             {"quantity": "state.exp_avg", "fqn": "layers.0.weight", "step": 0, "detail": ""},
+                                             {"quantity": "param", "fqn": "layers.0.weight", "step": 1, "detail": ""}]))
     assert faces_of(case, v) == {"dtensor.parity.Adam.foreach.param", "dtensor.parity.Adam.foreach.state.exp_avg"}
-    grad = finding("parity", [{"quantity": "grad", "fqn": "layers.0.weight", "step": 0, "detail": ""},
-                              {"quantity": "param", "fqn": "layers.0.weight", "step": 0, "detail": ""}])
+    grad = Verdict.from_dict(finding("parity", [{"quantity": "grad", "fqn": "layers.0.weight", "step": 0, "detail": ""},
+                                                {"quantity": "param", "fqn": "layers.0.weight", "step": 0, "detail": ""}]))
     assert faces_of(case, grad) == {"dtensor.parity.grad"}  # the params a wrong grad moved are no face of it
 
 
@@ -57,9 +58,9 @@ def test_generalize_folds_the_variants_that_fail_the_same_way_and_tabulates_the_
     def judge_many(cases):  # the bug shows in every optimizer but SGD; Adagrad fails on other params
         out = []
         for c in cases:
-            v = (passing() if c.optim.name == "SGD" else _step_verdict(["layers.0.weight"]) if c.optim.name == "Adagrad"
+            v = (Verdict.from_dict(passing()) if c.optim.name == "SGD" else _step_verdict(["layers.0.weight"]) if c.optim.name == "Adagrad"
                  else bug)
-            sig = f"dtensor.parity.{c.optim.name}.{c.optim.implementation}.param" if v["status"] == "finding" else None
+            sig = f"dtensor.parity.{c.optim.name}.{c.optim.implementation}.param" if v.is_finding else None
             out.append(SimpleNamespace(verdict=v, label=sig or "pass"))
         return out
 
@@ -75,7 +76,8 @@ def test_generalize_folds_the_variants_that_fail_the_same_way_and_tabulates_the_
 
 def _error(type_, frames):
     tb = "Traceback (most recent call last):\n" + "".join(f'  File "{f}", line 7, in fn\n    x\n' for f in frames)
-    return finding("error_parity", error={"type": type_, "message": "m", "phase": "forward", "traceback": tb})
+    return Verdict.from_dict(finding("error_parity", error={"type": type_, "message": "m", "phase": "forward",
+                                                            "traceback": tb}))
 
 
 def test_an_error_in_fuzzshards_own_code_is_internal_and_torchs_is_a_finding():

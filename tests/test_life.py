@@ -9,7 +9,7 @@ from cases import simple_case
 
 from fuzzshard.session.engine import Stats
 from fuzzshard.findings.life import FindingBook, SoakBook
-from fuzzshard.verdict import finding, passing
+from fuzzshard.verdict import Verdict, finding, passing
 
 SIG = "dtensor.parity.SGD.forloop.param"
 
@@ -29,8 +29,8 @@ class ScriptedPool:
         out = []
         for c in cases:
             bad = c.optim.name == "SGD" and (self.fresh_fails or not self.generation)
-            v = finding("parity", [{"quantity": "param", "fqn": "layers.2.weight", "step": 0, "detail": "d"}]) \
-                if bad else passing()
+            v = Verdict.from_dict(finding("parity", [{"quantity": "param", "fqn": "layers.2.weight", "step": 0,
+                                                      "detail": "d"}]) if bad else passing())
             self.history.append((c, v))
             out.append(SimpleNamespace(verdict=v, seconds=0.0, timings={}))
         return out

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 from fuzzshard.findings.record import _digest, signature
+from fuzzshard.verdict import ErrorRecord, Mismatch, Verdict
 from fuzzshard.kernel.oracles import (SCALAR_STATE, UNIT_ROUNDOFF, compare, compare_hparams,
                                       compiled_scalar_state_tolerance, compiled_state_allowance, compiled_step_allowance,
                                       compiled_step_tolerance, reduction_tolerance, step_tolerance)
@@ -245,13 +246,13 @@ def _case(optim="Adam"):
 
 
 def test_signatures_name_the_bug_not_the_case():
-    parity = {"status": "finding", "oracle": "parity", "first": {"quantity": "state.exp_avg", "step": 0, "fqn": "x"}}
+    parity = Verdict("finding", "parity", first=Mismatch("state.exp_avg", "x", 0, ""))
     assert signature(_case(), parity) == "dtensor.parity.Adam.forloop.state.exp_avg"
-    localized = {"status": "finding", "oracle": "parity", "first": {"quantity": "forward", "module": "Conv1d", "step": 0}}
+    localized = Verdict("finding", "parity", first=Mismatch("forward", "", 0, "", extra={"module": "Conv1d"}))
     assert signature(_case("SGD"), localized) == "dtensor.parity.forward.Conv1d"
-    e1 = {"oracle": "error_parity", "error": {"type": "RuntimeError", "phase": "step 0: optimizer.step",
-          "message": "aten.add_.Tensor: in-place operations that require placement changes are not supported. The input has placement (Shard(dim=1),)"}}
-    e2 = {"oracle": "error_parity", "error": {"type": "RuntimeError", "phase": "step 2: optimizer.step",
-          "message": "aten.lerp.Scalar: in-place operations that require placement changes are not supported. The input has placement (_NormPartial(2),)"}}
+    e1 = Verdict("finding", "error_parity", error=ErrorRecord("RuntimeError", phase="step 0: optimizer.step",
+                 message="aten.add_.Tensor: in-place operations that require placement changes are not supported. The input has placement (Shard(dim=1),)"))
+    e2 = Verdict("finding", "error_parity", error=ErrorRecord("RuntimeError", phase="step 2: optimizer.step",
+                 message="aten.lerp.Scalar: in-place operations that require placement changes are not supported. The input has placement (_NormPartial(2),)"))
     assert signature(_case("Adam"), e1) == signature(_case("SGD"), e2)
     assert _digest("shape [3, 4] bad") == _digest("shape [7, 1] bad") != _digest("another message")

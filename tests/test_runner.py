@@ -19,36 +19,36 @@ def planted_pool():
 def test_one_pool_runs_every_world_size_and_mesh(fuzz_pool):
     restarts = fuzz_pool.restarts  # the pool is shared with other tests of the session
     for world in (1, 2, 3, 4, 2):
-        assert fuzz_pool.run(simple_case(world)).verdict == {"status": "pass"}
+        assert fuzz_pool.run(simple_case(world)).verdict.to_dict() == {"status": "pass"}
     mesh_2x2 = simple_case(4, placements={"layers.0.weight": ["S0", "R"], "layers.2.weight": ["R", "R"]})
     mesh_2x2 = mesh_2x2.__class__(**{**mesh_2x2.__dict__, "mesh_shape": (2, 2)})
-    assert fuzz_pool.run(mesh_2x2).verdict == {"status": "pass"}
+    assert fuzz_pool.run(mesh_2x2).verdict.to_dict() == {"status": "pass"}
     assert fuzz_pool.restarts == restarts
 
 
 def test_invalid_config_is_rejected_not_reported(fuzz_pool):
     v = fuzz_pool.run(simple_case(2, optim="SGD", nesterov=True, momentum=0.0)).verdict
-    assert v["status"] == "invalid" and "Nesterov" in v["reason"]
+    assert v.status == "invalid" and "Nesterov" in v.extra["reason"]
 
 
 def test_planted_hang_becomes_a_hang_result_and_the_session_goes_on(planted_pool):
     t0 = time.monotonic()
     v = planted_pool.run(simple_case(2, lr=0.123)).verdict
-    assert v["oracle"] == "hang" and 1 in v["stuck_ranks"], v  # rank 0 waits on rank 1 too
+    assert v.oracle == "hang" and 1 in v.extra["stuck_ranks"], v  # rank 0 waits on rank 1 too
     # where each stuck rank waits (its stack, dumped on request) names the hang
-    assert v["where"][1].startswith("run._steps:"), v["where"]
+    assert v.extra["where"][1].startswith("run._steps:"), v.extra["where"]
     # the signature names the kind of step rank 1 was in (optimizer.step), not fuzzshard's function
-    assert v["phase"][1] == "step" and signature(simple_case(2, lr=0.123), v).startswith("dtensor.hang.step"), v
+    assert v.extra["phase"][1] == "step" and signature(simple_case(2, lr=0.123), v).startswith("dtensor.hang.step"), v
     assert time.monotonic() - t0 < 20 + 15
-    assert planted_pool.run(simple_case(2)).verdict == {"status": "pass"}
+    assert planted_pool.run(simple_case(2)).verdict.to_dict() == {"status": "pass"}
     assert planted_pool.restarts == 1
 
 
 def test_planted_crash_becomes_a_crash_result_and_the_session_goes_on(planted_pool):
     v = planted_pool.run(simple_case(3, lr=0.321)).verdict
-    assert v["oracle"] == "crash" and 1 in v["dead_ranks"], v
-    assert "SIGABRT" in v["error"]["type"]
-    assert planted_pool.run(simple_case(3)).verdict == {"status": "pass"}
+    assert v.oracle == "crash" and 1 in v.extra["dead_ranks"], v
+    assert "SIGABRT" in v.error.type
+    assert planted_pool.run(simple_case(3)).verdict.to_dict() == {"status": "pass"}
 
 
 def test_a_rank_that_raises_alone_costs_a_short_wait_and_a_restart_not_the_case_timeout(fuzz_pool):
@@ -62,11 +62,11 @@ def test_a_rank_that_raises_alone_costs_a_short_wait_and_a_restart_not_the_case_
     restarts, stuck = fuzz_pool.restarts, fuzz_pool.stuck_seconds
     r = fuzz_pool.run(case)
     v = r.verdict
-    assert v["oracle"] == "error_parity" and v["rank"] == 3 and v["stuck_ranks"] == [0, 1, 2], v
+    assert v.oracle == "error_parity" and v.rank == 3 and v.extra["stuck_ranks"] == [0, 1, 2], v
     assert signature(case, v) == "dtensor.error.fwdbwd.RuntimeError.a009374a"
     assert fuzz_pool.restarts == restarts + 1
     assert 0 < fuzz_pool.stuck_seconds - stuck < GRACE_AFTER_ERROR + 1.0 and r.seconds < fuzz_pool.case_timeout
-    assert fuzz_pool.run(simple_case(4)).verdict == {"status": "pass"}  # the fresh set runs the next case
+    assert fuzz_pool.run(simple_case(4)).verdict.to_dict() == {"status": "pass"}  # the fresh set runs the next case
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_cases_side_by_side_run_on_disjoint_ranks_and_give_the_verdicts_they_giv
     assert [r.offset for r in side[:3]] == [0, 1, 3]  # the 3-rank case waits for three free ranks in a row
     alone = [pool.run(c) for c in cases]
     assert {r.offset for r in alone} == {0}
-    assert side[1].verdict == {"status": "pass"}
+    assert side[1].verdict.to_dict() == {"status": "pass"}
     assert label(known, side[2].verdict) == "dtensor.checkpoint.dcp.loaded.state.missing"
     assert [label(c, r.verdict) for c, r in zip(cases, side)] == [label(c, r.verdict) for c, r in zip(cases, alone)]
 
@@ -104,9 +104,9 @@ def test_a_hang_beside_other_cases_costs_them_nothing(side_by_side_pool):
     pool = side_by_side_pool
     restarts = pool.restarts
     side = pool.run_many([simple_case(2, lr=0.123), simple_case(1), simple_case(2)])
-    assert side[0].verdict["oracle"] == "hang" and 1 in side[0].verdict["stuck_ranks"], side[0].verdict
+    assert side[0].verdict.oracle == "hang" and 1 in side[0].verdict.extra["stuck_ranks"], side[0].verdict
     # the 1-rank case runs on rank 2, then the 2-rank one on ranks 2-3, while ranks 0-1 hang
-    assert [(r.offset, r.verdict) for r in side[1:]] == [(2, {"status": "pass"}), (2, {"status": "pass"})]
+    assert [(r.offset, r.verdict.to_dict()) for r in side[1:]] == [(2, {"status": "pass"}), (2, {"status": "pass"})]
     assert pool.restarts == restarts + 1
 
 

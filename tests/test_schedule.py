@@ -14,7 +14,7 @@ from fuzzshard.session.engine import Session, Stats
 from fuzzshard.findings.record import signature
 from fuzzshard.findings.life import FindingBook
 from fuzzshard.session.schedule import ENERGY, KNOWN_DRAWS, Scheduler, features, weights
-from fuzzshard.verdict import ErrorRecord, finding, passing
+from fuzzshard.verdict import ErrorRecord, Verdict, finding, passing
 
 
 def test_weights_give_the_least_covered_cells_the_most_draws_and_keep_every_cell():
@@ -104,7 +104,7 @@ class HangPool:
             self.check()
         out = []
         for c, t in zip(cases, timeouts):
-            v = passing() if self.finishes and self.generation else hang(t)
+            v = Verdict.from_dict(passing()) if self.finishes and self.generation else hang(t)
             self.history.append((c, v))
             out.append(SimpleNamespace(verdict=v, seconds=0.0, timings={}))
         return out
@@ -113,7 +113,7 @@ class HangPool:
 def hang(timeout=None):
     v = finding("hang", error=ErrorRecord("Hang", "ranks [1] still running").to_dict(), stuck_ranks=[1],
                 where={1: "run._steps:step"})
-    return {**v, "timeout": timeout} if timeout else v
+    return Verdict.from_dict({**v, "timeout": timeout} if timeout else v)
 
 
 def _book(tmp_path, pool):

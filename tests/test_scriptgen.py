@@ -17,6 +17,7 @@ from fuzzshard.findings.record import KNOWN_DIR, load_finding
 from fuzzshard.kernel.model import build_model, make_batch
 from fuzzshard.kernel.reference import reference_error
 from fuzzshard.scriptgen import WRITERS, straight_script
+from fuzzshard.verdict import ErrorRecord, Mismatch, Verdict
 from strategies import cases
 
 # the whole script for the drawn topologies (up to 4 layers deep, 3 groups, 3 steps, every step compared);
@@ -107,16 +108,16 @@ def test_what_the_generator_does_not_write_falls_back_to_the_flattened_kernel():
 def test_a_findings_script_holds_only_what_its_verdict_needs():
     """An error: the run and no comparison; a checkpoint finding: the round trip and the state compared, no
     plain model; a parity finding: the plain model and no checkpoint."""
-    err = {"oracle": "error_parity", "error": {"type": "RuntimeError", "message": "x", "phase": "step 0: optimizer.step"}}
+    err = Verdict("finding", "error_parity", error=ErrorRecord("RuntimeError", "x", phase="step 0: optimizer.step"))
     ck = dataclasses.replace(simple_case(2), checkpoint=Checkpoint(0, "dcp", 1, (1,)))
     src = straight_script(simple_case(2), "", None, err)
     assert "def check" not in src and "snapshot" not in src and "opt.step()" in src and src.count("\n") < 70
-    first = {"step": 0, "fqn": "layers.0.bias", "quantity": "loaded.param_groups.lr"}
-    src = straight_script(ck, "", None, {"oracle": "checkpoint", "first": first})
+    first = Mismatch("loaded.param_groups.lr", "layers.0.bias", 0, "")
+    src = straight_script(ck, "", None, Verdict("finding", "checkpoint", first=first))
     assert "dcp.save" in src and "dcp.load" in src and "plain" not in src and "param group" in src
     assert "state of" not in src and src.count("\n") < 110
-    first = {"step": 0, "fqn": "layers.2.weight", "quantity": "param"}
-    src = straight_script(ck, "", None, {"oracle": "parity", "first": first})
+    first = Mismatch("param", "layers.2.weight", 0, "")
+    src = straight_script(ck, "", None, Verdict("finding", "parity", first=first))
     assert "dcp" not in src and "plain = build(0)" in src and "for k in" not in src
     assert "param {n}" in src and "grad {n}" not in src and "state {n}" not in src  # only the quantity that failed
 
@@ -169,7 +170,7 @@ def test_a_known_fsdp1_finding_reproduces_the_torch_bug(tmp_path):
     assert src is not None and src.count("\n") < 120 and "load_sharded_optimizer_state_dict" in src
     (tmp_path / "repro.py").write_text(src)
     r = torchrun(tmp_path / "repro.py", f.case.ranks, cwd=tmp_path)
-    assert r.returncode != 0 and "FINDING" in r.stdout and f.verdict["first"]["fqn"] in r.stdout, \
+    assert r.returncode != 0 and "FINDING" in r.stdout and f.verdict.first.fqn in r.stdout, \
         r.stdout + r.stderr[-2000:]
 
 

@@ -31,10 +31,10 @@ def sim_pool():
 
 
 def test_a_simulated_worker_runs_any_world_size_and_the_planted_bug_shows_from_5_ranks_on(sim_pool):
-    assert sim_pool.run(wide_case(4)).verdict == {"status": "pass"}
+    assert sim_pool.run(wide_case(4)).verdict.to_dict() == {"status": "pass"}
     v = sim_pool.run(wide_case(5)).verdict
-    assert v["status"] == "finding" and v["oracle"] == "parity", v
-    assert v["first"]["quantity"] in ("loss", "grad") and v["first"]["step"] == 0
+    assert v.status == "finding" and v.oracle == "parity", v
+    assert v.first.quantity in ("loss", "grad") and v.first.step == 0
 
 
 def test_a_simulated_finding_is_confirmed_on_real_processes_or_kept_apart_as_a_limitation(sim_pool, tmp_path):

@@ -26,3 +26,19 @@ def test_a_verdict_without_a_known_status_is_refused():
     with pytest.raises(ValueError, match="status"):
         Verdict.from_dict({"status": "maybe"})
     assert Verdict.from_dict({"status": "error", "error": "rank 0 returned no verdict"}).error == "rank 0 returned no verdict"
+
+
+def test_a_field_set_after_the_read_is_written_and_the_helpers_read_what_is_there():
+    """The runner names the rank of a verdict it read; oracles read an error record and the first
+    quantity whatever the verdict holds."""
+    from dataclasses import replace
+
+    from fuzzshard.verdict import finding
+
+    v = Verdict.from_dict({"status": "error", "error": "boom"})
+    assert replace(v, rank=2).to_dict() == {"status": "error", "error": "boom", "rank": 2}
+    assert v.error_record == ErrorRecord("", "") and v.quantity == ""
+    parity = Verdict.from_dict(finding("parity", [Mismatch("grad", "w", 0, "d").to_dict()]))
+    assert parity.quantity == "grad" and parity.error_record.type == ""
+    raised = Verdict.from_dict(finding("error_parity", error=ErrorRecord("KeyError", "k").to_dict()))
+    assert raised.error_record.type == "KeyError" and raised.quantity == ""

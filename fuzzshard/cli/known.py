@@ -154,7 +154,7 @@ def known_markdown(known: dict) -> str:
     rows += ["", "## Findings", "", "| signature | kind | root cause | torch, device | W | diagnosis |",
              "|---|---|---|---|---|---|"]
     for sig, f in sorted(known.items()):
-        oracle = ORACLES.get(f.verdict.get("oracle", ""))
+        oracle = ORACLES.get(f.verdict.oracle)
         kind = "?" if oracle is None else oracle.kind.replace("silent", "**silent**")
         where = ", ".join(f.devices) if f.devices else f.environment.get("device") or f.case.device
         rows.append(f"| [`{sig}`]({sig}.json) | {kind} | `{f.root_cause or '?'}` | {f.environment.get('torch', '?')}, "

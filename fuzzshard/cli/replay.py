@@ -41,19 +41,19 @@ def run(args) -> int:
     finally:
         pool.close()
     v, sig = j.verdict, j.signature
-    if v["status"] == "invalid":
-        raise UsageError(f"{args.file}: the case is invalid: {v['reason']}")
-    if v["status"] == "error":
-        raise UsageError(f"{args.file}: fuzzshard could not run the case: {v['error']}")
-    if v["status"] == "pass":
+    if v.status == "invalid":
+        raise UsageError(f"{args.file}: the case is invalid: {v.extra['reason']}")
+    if v.status == "error":
+        raise UsageError(f"{args.file}: fuzzshard could not run the case: {v.error}")
+    if v.status == "pass":
         print(f"PASS: {args.file} no longer fails" + (f" ({finding.signature})" if finding.signature else ""))
         return 0
     if finding.signature and sig != finding.signature:
         print(f"FAILS DIFFERENTLY: {sig}\n  recorded: {finding.signature}\n  now:      {sig}\n{summary(v)}")
         return REPLAY_DIFFERENT
     print(f"FAIL: {sig}\n{summary(v)}")
-    for m in v.get("mismatches", [])[1:]:
-        print(f"  also: {m['quantity']} {m['fqn']} step {m['step']}: {m['detail']}")
+    for m in (v.mismatches or [])[1:]:
+        print(f"  also: {m.quantity} {m.fqn} step {m.step}: {m.detail}")
     return 1
 
 

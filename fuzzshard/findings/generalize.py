@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ..case import Case, CaseError
 from .record import signature
+from ..verdict import Verdict
 
 
 @dataclass(frozen=True)
@@ -85,57 +86,55 @@ def _with_optimizer(case: Case, name: str, impl: str, accepts) -> Case:
     return replace(case, optim=replace(case.optim, name=name, kwargs=kwargs), groups=groups)
 
 
-def _shape(verdict: dict) -> tuple:
+def _shape(verdict: Verdict) -> tuple:
     """What a failure looks like beyond the optimizer, implementation or
     checkpoint kind that surfaced it: the oracle, its phase (a step, a
     forward/backward quantity, a checkpoint's saved/loaded/resumed), the step,
     and the params that diverged there; an error's type and message."""
-    oracle = verdict.get("oracle")
-    first = verdict.get("first")
+    oracle, first = verdict.oracle, verdict.first
     if oracle in ("parity", "checkpoint") and first:
-        q = first["quantity"]
+        q = first.quantity
         phase = q.split(".")[0] if oracle == "checkpoint" else q if q in ("loss", "grad", "forward", "backward") else "step"
-        at = [m for m in verdict.get("mismatches") or [first] if m.get("step") == first["step"]]
-        return oracle, phase, first.get("module"), first["step"], frozenset(m.get("fqn") for m in at)
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    return oracle, err.get("type"), err.get("message")
+        at = [m for m in verdict.mismatches or [first] if m.step == first.step]
+        return oracle, phase, first.extra.get("module"), first.step, frozenset(m.fqn for m in at)
+    err = verdict.error_record
+    return oracle, err.type, err.message
 
 
-def same_way(a: dict, b: dict) -> bool:
+def same_way(a: Verdict, b: Verdict) -> bool:
     """Whether verdict ``b`` is the failure of verdict ``a`` in another face (see _shape)."""
-    if a.get("status") != "finding" or b.get("status") != "finding":
+    if not a.is_finding or not b.is_finding:
         return False
     sa, sb = _shape(a), _shape(b)
     if sa[:-1] != sb[:-1]:
         return False
-    if a.get("oracle") not in ("parity", "checkpoint"):
+    if a.oracle not in ("parity", "checkpoint"):
         return sa == sb
     # the params that diverged: the same ones (a verdict keeps its first few mismatches: then one set holds the other)
-    cut = a.get("count", 0) > len(a.get("mismatches") or []) or b.get("count", 0) > len(b.get("mismatches") or [])
+    cut = any(v.extra.get("count", 0) > len(v.mismatches or []) for v in (a, b))
     return sa[-1] == sb[-1] or (cut and (sa[-1] <= sb[-1] or sb[-1] <= sa[-1]))
 
 
-def faces_of(case: Case, verdict: dict) -> set[str]:
+def faces_of(case: Case, verdict: Verdict) -> set[str]:
     """The signatures of every quantity this one run got wrong where it first
     diverged (an optimizer-step bug shows in the param and in each state)."""
-    first = verdict.get("first")
-    if verdict.get("oracle") not in ("parity", "checkpoint") or not first:
+    first = verdict.first
+    if verdict.oracle not in ("parity", "checkpoint") or not first:
         return {signature(case, verdict)}
     # the same phase only: a grad bug also leaves the params after that step wrong, which is no face of it
     phase = _shape(verdict)[1]
-    at = [m for m in verdict.get("mismatches") or [first]
-          if m.get("step") == first["step"] and _shape({**verdict, "first": m})[1] == phase]
-    return {signature(case, {**verdict, "first": m}) for m in at} | {signature(case, verdict)}
+    at = [m for m in verdict.mismatches or [first] if m.step == first.step and _shape(replace(verdict, first=m))[1] == phase]
+    return {signature(case, replace(verdict, first=m)) for m in at} | {signature(case, verdict)}
 
 
-def generalize(judge_many, case: Case, verdict: dict, optimizer_names=None) -> tuple[list[Face], set[str]]:
+def generalize(judge_many, case: Case, verdict: Verdict, optimizer_names=None) -> tuple[list[Face], set[str]]:
     """Run every variant of ``case`` (``judge_many``: cases -> Judgements, side
     by side where the pool can); returns the table of faces and the
     signatures one bug shows under (the finding's own among them)."""
     found = variants(case, optimizer_names)
     table, sigs = [], faces_of(case, verdict)
     for (dim, value, v), j in zip(found, judge_many([v for _, _, v in found]) if found else []):
-        status = j.verdict.get("status")
+        status = j.verdict.status
         if status != "finding":
             outcome = {"pass": "passes", "invalid": "invalid"}.get(status, "error")
             table.append(Face(dim, value, outcome))

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .record import known_signature, signature, triggered
-from ..verdict import failure, finding
+from ..verdict import ErrorRecord, Verdict, failure, finding
 
 
 @dataclass
 class Judgement:
-    verdict: dict
+    verdict: Verdict
     signature: str | None = None  # a finding's
     known: bool = False  # a known torch finding on this case's device
     seconds: float = 0.0  # the run, as the pool timed it
@@ -24,7 +24,7 @@ class Judgement:
     @property
     def label(self) -> str:
         """The verdict in one word: its signature, or its status."""
-        return self.signature or self.verdict.get("status", "?")
+        return self.signature or self.verdict.status
 
 
 def judge(pool, case, known: dict | None = None, timeout: float | None = None) -> Judgement:
@@ -44,7 +44,7 @@ def judge_many(pool, cases: list, known: dict | None = None, timeouts: list | No
     for i, case in enumerate(cases):
         hang = triggered(case, known)
         if hang:
-            out[i] = Judgement(finding("hang", known_trigger=hang), hang, True, ran=False)
+            out[i] = Judgement(Verdict.from_dict(finding("hang", known_trigger=hang)), hang, True, ran=False)
         else:
             run.append(i)
     for i, result in zip(run, pool.run_many([cases[i] for i in run], [timeouts[i] for i in run])):
@@ -54,9 +54,9 @@ def judge_many(pool, cases: list, known: dict | None = None, timeouts: list | No
 
 def _signed(pool, case, result, known: dict, timeout: float | None) -> Judgement:
     verdict = result.verdict
-    if verdict.get("status") == "finding" and (why := internal_error(verdict)):
-        verdict = failure(why, (verdict.get("error") or {}).get("traceback"))
-    if verdict.get("status") != "finding":
+    if verdict.is_finding and (why := internal_error(verdict)):
+        verdict = Verdict.from_dict(failure(why, verdict.error_record.traceback))
+    if not verdict.is_finding:
         return Judgement(verdict, seconds=result.seconds, timings=result.timings)
     verdict = localized(pool, case, verdict, timeout)
     sig = signature(case, verdict)
@@ -64,17 +64,17 @@ def _signed(pool, case, result, known: dict, timeout: float | None) -> Judgement
     return Judgement(verdict, as_known or sig, as_known is not None, result.seconds, result.timings)
 
 
-def label(case, verdict: dict) -> str:
+def label(case, verdict: Verdict) -> str:
     """A recorded verdict in one word, as Judgement.label."""
-    return signature(case, verdict) if verdict.get("status") == "finding" else verdict.get("status", "?")
+    return signature(case, verdict) if verdict.is_finding else verdict.status
 
 
-def localized(pool, case, verdict: dict, timeout: float | None = None) -> dict:
+def localized(pool, case, verdict: Verdict, timeout: float | None = None) -> Verdict:
     """A loss or grad divergence is re-run recording per-module activations, so
     its signature names the first diverging module, not a whole model."""
-    if verdict.get("oracle") == "parity" and verdict["first"]["quantity"] in ("loss", "grad"):
+    if verdict.oracle == "parity" and verdict.quantity in ("loss", "grad"):
         again = pool.run(case, localize=True, timeout=timeout).verdict
-        if again.get("oracle") == "parity":
+        if again.oracle == "parity":
             return again
     return verdict
 
@@ -89,15 +89,15 @@ _CODE_ERRORS = ("AttributeError", "NameError", "UnboundLocalError", "ImportError
                 "TypeError", "SyntaxError")
 
 
-def internal_error(verdict: dict) -> str | None:
+def internal_error(verdict: Verdict) -> str | None:
     """Why an error verdict is fuzzshard's own fault, not torch's (None: it is a finding): a
     programming error whose innermost frame is in fuzzshard's package (say an API this torch does
     not have: "type object 'Shard' has no attribute 'local_shard_size_and_offset'")."""
-    err = verdict.get("error")
-    if verdict.get("oracle") != "error_parity" or not isinstance(err, dict) or err.get("type") not in _CODE_ERRORS:
+    err = verdict.error
+    if verdict.oracle != "error_parity" or not isinstance(err, ErrorRecord) or err.type not in _CODE_ERRORS:
         return None
-    frames = _FRAME.findall(err.get("traceback") or "")
+    frames = _FRAME.findall(err.traceback or "")
     if not frames or not str(Path(frames[-1][0]).resolve()).startswith(_PACKAGE):
         return None
     where = f"{Path(frames[-1][0]).resolve().relative_to(Path(_PACKAGE).parent)}:{frames[-1][1]} in {frames[-1][2]}"
-    return f"{err['type']} in fuzzshard's own code ({where}): {err.get('message', '')}"
+    return f"{err.type} in fuzzshard's own code ({where}): {err.message}"

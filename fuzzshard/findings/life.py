@@ -31,7 +31,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +42,7 @@ from .generalize import generalize
 from .judge import Judgement, judge, judge_many, label
 from .reduce import reduce as reduce_case
 from .rootcause import Matcher
+from ..verdict import Verdict
 
 WRITE_EVERY = 2.0  # seconds between two rewrites of one finding's file while it shrinks
 
@@ -121,14 +122,14 @@ class FindingBook:
             return None
         return j.signature
 
-    def accept(self, sig: str, case, verdict: dict) -> bool:
+    def accept(self, sig: str, case, verdict: Verdict) -> bool:
         """Whether this new-signature verdict counts (and drives shrinking)."""
         track = self.tracks.get(sig)
         if track is None:
             if sig in self._suspect:  # one fresh run already said this signature is not what it seems
                 self.stats.contaminated += 1
                 return False
-            provisional = bool(verdict.get("timeout"))  # a hang under a derived limit: on disk before its confirmation
+            provisional = bool(verdict.extra.get("timeout"))  # a hang under a derived limit: on disk before its confirmation
             if provisional and not self._write_provisional(sig, case, verdict):
                 return False
             if provisional and self.stopped:
@@ -160,21 +161,21 @@ class FindingBook:
                 self._write(sig, confirmed, first=False)  # with its faces and generalization table
             self.tracks[sig] = Track(confirmed, confirmed, confirmed, time.monotonic())
             probably = self.matcher.label(*confirmed[:2])
-            how = "confirmed in fresh workers" if not confirmed[1].get("timeout") else \
-                f"hung in fresh workers too, for the {confirmed[1]['timeout']:.0f}s the session had left: still provisional"
+            how = "confirmed in fresh workers" if not confirmed[1].extra.get("timeout") else \
+                f"hung in fresh workers too, for the {confirmed[1].extra['timeout']:.0f}s the session had left: still provisional"
             self._say(f"new finding {sig}, {how} -> {self.findings_dir / sig}.json"
                       + (f" ({probably})" if probably else ""))
             return True
         if _smaller(case, track.best[0]):
             track.best = (case, verdict)
-            if not verdict.get("timeout"):  # a provisional hang never reaches the file
+            if not verdict.extra.get("timeout"):  # a provisional hang never reaches the file
                 self._rewrite(sig, track)
         return True
 
-    def shrunk_to(self, sig: str, case, verdict: dict) -> None:
+    def shrunk_to(self, sig: str, case, verdict: Verdict) -> None:
         """Hypothesis's final replay names its minimal example: that is the best case."""
         track = self.tracks.get(sig)
-        if track is not None and not verdict.get("timeout") and case.to_json() != track.best[0].to_json():
+        if track is not None and not verdict.extra.get("timeout") and case.to_json() != track.best[0].to_json():
             track.best = (case, verdict)
             self._rewrite(sig, track)
 
@@ -200,7 +201,7 @@ class FindingBook:
             track = self.tracks[sig]
             if track.best is not track.confirmed and self._time_left():
                 again = None
-                if not track.best[1].get("unconfirmed"):
+                if not track.best[1].extra.get("unconfirmed"):
                     again, first = self.confirm(sig, *track.best, fresh=first), False
                 if again is not None:
                     track.confirmed = track.best = again
@@ -213,7 +214,7 @@ class FindingBook:
                 self._generalize_again(sig)
 
     # -- confirmation ----------------------------------------------------------
-    def confirm(self, sig: str, case, verdict: dict, fresh: bool = True) -> tuple | None:
+    def confirm(self, sig: str, case, verdict: Verdict, fresh: bool = True) -> tuple | None:
         """(case, verdict) when fresh workers give ``sig`` too, else None
         (a contaminated verdict is reported; a provisional hang that finishes
         was only slow). At the full case timeout. ``fresh=False``: in the
@@ -222,9 +223,9 @@ class FindingBook:
         before = list(self.pool.history)
         if self.until is not None and time.monotonic() > self.until:
             self._say(f"new finding {sig}: no time left to confirm it in fresh workers; written unconfirmed")
-            return case, {**verdict, "unconfirmed": True}
+            return case, replace(verdict, extra={**verdict.extra, "unconfirmed": True})
         limit = None  # a hang is confirmed at the full timeout, or in what the session has left of its time
-        if verdict.get("oracle") == "hang" and self.until is not None:
+        if verdict.oracle == "hang" and self.until is not None:
             left = self.until - time.monotonic()
             limit = left if left < self.pool.case_timeout else None
         again = rerun(self.pool, case, fresh, timeout=limit)
@@ -233,7 +234,7 @@ class FindingBook:
         got = again.label
         if got == sig:
             return case, again.verdict
-        if verdict.get("timeout"):
+        if verdict.extra.get("timeout"):
             self.stats.slow += 1
             return None
         self.stats.contaminated += 1
@@ -241,9 +242,9 @@ class FindingBook:
         self._report_contaminated(sig, case, verdict, again.verdict, got, before)
         return None
 
-    def _report_contaminated(self, sig, case, warm: dict, fresh: dict, got: str, before: list) -> None:
+    def _report_contaminated(self, sig, case, warm: Verdict, fresh: Verdict, got: str, before: list) -> None:
         ran_before = [f"{c.target} W{c.ranks} {c.optim.name}: {label(c, v)}" for c, v in before[:-1]]
-        record = {"signature": sig, "fresh_signature": got, "warm_verdict": warm, "fresh_verdict": fresh,
+        record = {"signature": sig, "fresh_signature": got, "warm_verdict": warm.to_dict(), "fresh_verdict": fresh.to_dict(),
                   "ran_before_in_that_generation": ran_before, "case": case.to_dict()}
         self.contaminated.append(record)
         path = self._record("contaminated", sig, record)
@@ -251,14 +252,14 @@ class FindingBook:
                   f"ones; {len(ran_before)} case(s) ran before it in that generation "
                   f"({', '.join(ran_before[-3:]) or 'none'}) -> {path}")
 
-    def report_internal(self, case, verdict: dict) -> Path:
+    def report_internal(self, case, verdict: Verdict) -> Path:
         """OUT/internal/<digest>.json: an error in fuzzshard's own code, with its case (kept apart: never a finding)."""
-        name = hashlib.sha1(str(verdict.get("error")).encode()).hexdigest()[:8]
+        name = hashlib.sha1(str(verdict.error).encode()).hexdigest()[:8]
         path = self.out / "internal" / f"{name}.json"
+        traceback = verdict.extra.get("traceback")
         if not path.exists():  # one file per error; the first case that met it
-            self._record("internal", name, {"error": verdict.get("error"), "traceback": verdict.get("traceback"),
-                                            "case": case.to_dict()})
-        print(f"\nfuzzshard internal error (not a finding): {verdict.get('error')}\n{verdict.get('traceback', '')}"
+            self._record("internal", name, {"error": verdict.error, "traceback": traceback, "case": case.to_dict()})
+        print(f"\nfuzzshard internal error (not a finding): {verdict.error}\n{traceback or ''}"
               f"\n  -> {path}", file=self.progress)
         return path
 
@@ -270,11 +271,11 @@ class FindingBook:
         return path
 
     # -- one finding per bug ---------------------------------------------------
-    def _generalize(self, sig: str, case, verdict: dict) -> set[str]:
+    def _generalize(self, sig: str, case, verdict: Verdict) -> set[str]:
         """Re-run ``case`` along the dimensions a bug may not depend on
         (generalize.py): its table is kept for the file; returns the signatures
         this one bug shows under (``sig`` among them)."""
-        if verdict.get("oracle") in ("hang", "crash") or verdict.get("unconfirmed"):
+        if verdict.oracle in ("hang", "crash") or verdict.extra.get("unconfirmed"):
             return {sig}  # named by where it stops, whatever the optimizer; each variant could cost a timeout
         if not self._time_left():
             return {sig}  # stopped, or the session's time is up: its variants are not run
@@ -300,7 +301,7 @@ class FindingBook:
         how = f" with {rows[0].dimension} {rows[0].value}" if rows else " (another quantity of the same run)"
         record = {"signature": sig, "known": known, "root_cause": self.known[known].root_cause,
                   "generalization": [f.to_dict() for f in self._tables.get(sig, [])],
-                  "verdict": verdict, "case": case.to_dict()}
+                  "verdict": verdict.to_dict(), "case": case.to_dict()}
         path = self._record("known_faces", sig, record)
         self._say(f"new signature {sig}: the known finding {known} in another face (it fails the same way{how}; "
                   f"root cause {self.known[known].root_cause or '?'}) -> {path}")
@@ -348,9 +349,9 @@ class FindingBook:
         kept while the case still gives ``sig``, to a fixed point, within
         ``shrink_budget``; the file is rewritten as it shrinks."""
         case, verdict = track.best
-        if verdict.get("oracle") == "hang" or verdict.get("timeout") or verdict.get("unconfirmed"):
+        if verdict.oracle == "hang" or verdict.extra.get("timeout") or verdict.extra.get("unconfirmed"):
             return  # each edit could cost a timeout
-        verdicts: dict[str, dict] = {}
+        verdicts: dict[str, Verdict] = {}
 
         def keeps_bugs(cases: list) -> list[bool]:
             judged = self._judge_variants(cases)
@@ -379,7 +380,7 @@ class FindingBook:
 
     # -- its files ---------------------------------------------------------------
     def _rewrite(self, sig: str, track: Track, force: bool = False) -> None:
-        if track.best is track.written or track.best[1].get("timeout"):
+        if track.best is track.written or track.best[1].extra.get("timeout"):
             return
         if force or time.monotonic() - track.last_write >= WRITE_EVERY:
             self._write(sig, track.best, first=False)
@@ -406,27 +407,29 @@ class FindingBook:
     def _finding(self, sig: str, found: tuple) -> Finding:
         case, verdict = found
         track = self.tracks.get(sig)
-        confirmed = not verdict.get("unconfirmed") and (track is None or found is track.confirmed)
-        stage = "confirmed" if confirmed else "unconfirmed" if verdict.get("unconfirmed") else "shrinking"
-        if verdict.get("timeout"):  # a hang seen under a shorter limit than --case-timeout (its "timeout")
+        unconfirmed = verdict.extra.get("unconfirmed")
+        confirmed = not unconfirmed and (track is None or found is track.confirmed)
+        stage = "confirmed" if confirmed else "unconfirmed" if unconfirmed else "shrinking"
+        if verdict.extra.get("timeout"):  # a hang seen under a shorter limit than --case-timeout (its "timeout")
             confirmed, stage = False, "provisional"
         env = environment(self.pool.info, self.pool.options["backend"], self.pool.options["device"])
         if self.plugins:
             env["plugins"] = self.plugins
         faces = sorted(s for s, o in self._owner.items() if o == sig and s != sig)
         table = [f.to_dict() for f in self._tables.get(sig, [])]
-        return Finding(sig, case, {k: v for k, v in verdict.items() if k != "unconfirmed"}, deterministic=confirmed,
+        kept = replace(verdict, extra={k: v for k, v in verdict.extra.items() if k != "unconfirmed"})
+        return Finding(sig, case, kept, deterministic=confirmed,
                        environment=env, stage=stage, faces=faces, generalization=table, removed=self._removed.get(sig, []))
 
     def _say(self, text: str) -> None:
         print(text, file=self.progress, flush=True)
 
-    def _write_provisional(self, sig: str, case, verdict: dict) -> bool:
+    def _write_provisional(self, sig: str, case, verdict: Verdict) -> bool:
         """A hang seen under a derived limit, on disk at once (stage ``provisional``), before the run at
         the full timeout that confirms it: a stop or a kill meanwhile keeps it. False: not this session's."""
         if not self._write(sig, (case, verdict), first=True):
             return False
-        self._say(f"new finding {sig}: provisional (hung past {verdict['timeout']:.0f}s, a limit derived from the "
+        self._say(f"new finding {sig}: provisional (hung past {verdict.extra['timeout']:.0f}s, a limit derived from the "
                   f"passing cases) -> {self.findings_dir / sig}.json; confirming at the full timeout in fresh workers")
         return True
 

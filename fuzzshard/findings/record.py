@@ -19,12 +19,13 @@ from ..case import Case, CaseError
 # each oracle's knowledge lives in oracle/; these names stay importable from here (cli, tests)
 from ..oracle import ORACLES, Oracle  # noqa: F401
 from ..oracle.error_parity import _digest, missing_strategy_op  # noqa: F401
+from ..verdict import Verdict
 
 KNOWN_DIR = Path(__file__).resolve().parent.parent / "known"
 ROOT_CAUSES = "root_causes.json"  # known/: root cause id -> title, kind, upstream state (not a finding)
 
 
-def signature(case: Case, verdict: dict) -> str:
+def signature(case: Case, verdict: Verdict) -> str:
     """The finding's name: target, oracle and what identifies the bug (each oracle's module in oracle/ says)."""
     sig = oracle.of(verdict).signature(case, verdict)
     # a compiled run's bug is compile's until an eager run shows it too: its own name, never an eager one's
@@ -40,7 +41,7 @@ def compiled_tag(case: Case) -> str:
     return tag(case) if tag else ""
 
 
-def summary(verdict: dict) -> str:
+def summary(verdict: Verdict) -> str:
     """One line: what diverged, where, by how much, against which tolerance."""
     return oracle.of(verdict).summary(verdict)
 
@@ -64,7 +65,7 @@ def environment(pool_info: dict | None, backend: str, device: str | None = None)
 class Finding:
     signature: str
     case: Case
-    verdict: dict
+    verdict: Verdict | None  # None: a bare case file, no finding
     deterministic: bool = True
     count: int = 1
     environment: dict = field(default_factory=dict)
@@ -95,7 +96,7 @@ class Finding:
             "deterministic": self.deterministic,
             "stage": self.stage,
             "diagnosis": self.diagnosis,
-            "verdict": _jsonable(self.verdict),
+            "verdict": _jsonable(self.verdict.to_dict()),
             "environment": self.environment,
             "case": self.case.to_dict(),
             **({"trigger": self.trigger} if self.trigger else {}),
@@ -111,10 +112,14 @@ class Finding:
     def from_dict(cls, data: dict) -> Finding:
         if not isinstance(data, dict) or "case" not in data:
             raise CaseError("not a fuzzshard finding: no 'case' field")
+        try:
+            verdict = Verdict.from_dict(data["verdict"]) if data.get("verdict") else None
+        except (ValueError, TypeError) as e:  # a status it cannot have, a mismatch without its fields
+            raise CaseError(f"not a fuzzshard finding: its verdict: {e}") from None
         return cls(
             signature=data.get("signature", ""),
             case=Case.from_dict(data["case"]),
-            verdict=data.get("verdict", {}),
+            verdict=verdict,
             deterministic=data.get("deterministic", True),
             stage=data.get("stage", "confirmed"),
             environment=data.get("environment", {}),
@@ -140,7 +145,7 @@ def load_finding(path: str | os.PathLike) -> Finding:
     except json.JSONDecodeError as e:
         raise CaseError(f"{path} is not valid JSON ({e})") from None
     if isinstance(data, dict) and "case" not in data and "target" in data:
-        return Finding(signature="", case=Case.from_dict(data), verdict={})
+        return Finding(signature="", case=Case.from_dict(data), verdict=None)
     return Finding.from_dict(data)
 
 

@@ -16,6 +16,7 @@ import re
 from .. import targets
 from ..case import Case
 from ..scriptgen import straight_script
+from ..verdict import Verdict
 
 _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
 
@@ -86,7 +87,7 @@ def flatten(modules: list[str]) -> str:
 
 
 def script(case: Case, headline: str = "", environment: dict | None = None, flat: bool = False,
-           verdict: dict | None = None) -> str:
+           verdict: Verdict | None = None) -> str:
     """The standalone repro of ``case``: the straight-line script (scriptgen/:
     only what the case uses; with the finding's ``verdict``, only the check it
     failed) where it can be written, else, or with ``flat``, the flattened kernel."""

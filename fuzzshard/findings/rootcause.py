@@ -25,6 +25,7 @@ from .. import oracle
 from .record import KNOWN_DIR, ROOT_CAUSES, Finding, compiled_tag
 # reading where a traceback points is the oracles' (their addresses use it); still importable from here
 from ..oracle.source import telling_frame, torch_frames  # noqa: F401
+from ..verdict import Verdict
 
 
 @dataclass
@@ -63,7 +64,7 @@ def load_root_causes(known: dict[str, Finding] | None = None) -> dict[str, RootC
     return causes
 
 
-def address(case, verdict: dict) -> str:
+def address(case, verdict: Verdict) -> str:
     """What identifies the bug behind a finding, whatever surfaced it (a
     compiled run's, with what ran compiled: compile's bugs are its own)."""
     where = oracle.of(verdict).address(case, verdict)  # each oracle's module says what identifies its bugs
@@ -82,10 +83,10 @@ class Matcher:
             if f.root_cause and f.verdict:
                 self.by_address.setdefault(address(f.case, f.verdict), set()).add(f.root_cause)
 
-    def suspects(self, case, verdict: dict) -> list[str]:
+    def suspects(self, case, verdict: Verdict) -> list[str]:
         return sorted(self.by_address.get(address(case, verdict), ()))
 
-    def label(self, case, verdict: dict) -> str:
+    def label(self, case, verdict: Verdict) -> str:
         """"probably root cause X: title" or "" ."""
         ids = self.suspects(case, verdict)
         if not ids:
@@ -94,7 +95,7 @@ class Matcher:
             return f"probably root cause {ids[0]}: {self.causes[ids[0]].title}"
         return f"probably one of the root causes {', '.join(ids)}"
 
-    def group(self, case, verdict: dict) -> str:
+    def group(self, case, verdict: Verdict) -> str:
         """The key a session groups new findings by: the suspected root cause,
         else the address, with every step divergence one group: a bug in code
         the optimizers share (weight decay, a DTensor op they all call) shows

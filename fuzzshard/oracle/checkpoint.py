@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from . import Oracle
 from .source import frame_source
+from ..verdict import Verdict
 
 
-def signature(case, verdict: dict) -> str:
+def signature(case, verdict: Verdict) -> str:
     """What did not survive which kind of round trip."""
-    quantity = verdict["first"]["quantity"]
+    quantity = verdict.first.quantity
     if ".param_groups" in quantity:
         # which hyperparameter shows first is incidental; an empty group is part of the address
         quantity = quantity.split(".param_groups")[0] + ".group"
@@ -18,15 +19,15 @@ def signature(case, verdict: dict) -> str:
     return f"{case.target}.checkpoint.{case.checkpoint.kind}.{quantity}"
 
 
-def summary(verdict: dict) -> str:
-    m = verdict["first"]
-    then = verdict.get("then") or {}  # an error the run met after the load: downstream of this divergence
+def summary(verdict: Verdict) -> str:
+    m = verdict.first
+    then = verdict.extra.get("then") or {}  # an error the run met after the load: downstream of this divergence
     after = f"; then {then.get('phase')} raised {then.get('type')}: {then.get('message')}" if then else ""
-    return (f"checkpoint round trip: {m['quantity']} of {m['fqn'] or 'the optimizer'} (saved after step {m['step']}) "
-            f"differs: {m['detail']}; {verdict['count']} mismatches in all{after}")
+    return (f"checkpoint round trip: {m.quantity} of {m.fqn or 'the optimizer'} (saved after step {m.step}) "
+            f"differs: {m.detail}; {verdict.extra['count']} mismatches in all{after}")
 
 
-def address(case, verdict: dict) -> str:
+def address(case, verdict: Verdict) -> str:
     """The state-dict API family (every DCP state_dict kind is one) and what did not survive."""
     kind = case.checkpoint.kind if case.checkpoint else "?"
     from ..kernel.state_io import STATE_DICT_KINDS  # the kinds that go through DCP's state_dict API
@@ -67,17 +68,15 @@ def _thing(quantity: str) -> str:
     return f"`{rest}`"
 
 
-def title(case, verdict: dict) -> str:
-    first = verdict.get("first") or {}
-    quantity = first.get("quantity", "?")
+def title(case, verdict: Verdict) -> str:
+    quantity = verdict.quantity or "?"
     if quantity == "loaded.strict":
         return f"a strict load through the {_kind(case)} accepts a state dict with missing keys"
     return f"{_thing(quantity)} does not survive a save and load through the {_kind(case)}"
 
 
-def what(case, verdict: dict) -> str:
-    first = verdict.get("first") or {}
-    quantity = first.get("quantity", "?")
+def what(case, verdict: Verdict) -> str:
+    quantity = verdict.quantity or "?"
     if quantity == "loaded.strict":
         return (f"No error is raised: a strict load through the {_kind(case)} accepts a model state dict with "
                 f"missing keys, which `load_state_dict(strict=True)` refuses.")
@@ -87,20 +86,19 @@ def what(case, verdict: dict) -> str:
     return f"No error is raised, but after a save and load through the {_kind(case)}, {_thing(quantity)} differs from what was saved."
 
 
-def expected(case, verdict: dict) -> str:
+def expected(case, verdict: Verdict) -> str:
     return "what is saved is what the load gives back, as `state_dict()` / `load_state_dict()` on the same model do"
 
 
-def expected_actual(verdict: dict) -> list[str]:
+def expected_actual(verdict: Verdict) -> list[str]:
     rows = ["**Expected**: what is saved is what the load gives back; **actual**:", ""]
-    for m in verdict.get("mismatches", [])[:6]:
-        detail = str(m.get("detail")).replace("reference", "unsharded")
-        if m.get("quantity") == "loaded.strict":  # the detail says it all
+    for m in (verdict.mismatches or [])[:6]:
+        detail = str(m.detail).replace("reference", "unsharded")
+        if m.quantity == "loaded.strict":  # the detail says it all
             rows.append(f"- {detail}")
             continue
-        rows.append(f"- {_thing(m.get('quantity', '?'))}" + (f" of `{m['fqn']}`" if m.get("fqn") else "")
-                    + f" (saved after step {m.get('step')}): {detail}")
-    then = verdict.get("then") or {}
+        rows.append(f"- {_thing(m.quantity)}" + (f" of `{m.fqn}`" if m.fqn else "") + f" (saved after step {m.step}): {detail}")
+    then = verdict.extra.get("then") or {}
     if then:
         rows.append(f"- then {then.get('phase')} raised `{then.get('type')}: {then.get('message')}`")
     return rows + [""]

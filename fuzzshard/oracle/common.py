@@ -4,31 +4,32 @@ from __future__ import annotations
 
 import re
 
+from ..verdict import Verdict
+
 
 def slug(text: str) -> str:
     """``text`` safe in a signature (and a file name)."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
 
 
-def where(verdict: dict) -> str:
+def where(verdict: Verdict) -> str:
     """".phase.torch_function" of the lowest rank in ``where`` (the runner's "kernel function:torch
     function"), or "": the phase is the kind of step that rank was in (``phase``, kernel/run.py's _Phase:
     fwdbwd, step, save, load, ...), never fuzzshard's own module or function name, so a signature does not
     move when fuzzshard's code does; a record without it names the torch function alone."""
-    at = {str(r): w for r, w in (verdict.get("where") or {}).items()}
+    at = {str(r): w for r, w in (verdict.extra.get("where") or {}).items()}
     if not at:
         return ""
     r = min(at, key=int)
-    phase = {str(k): v for k, v in (verdict.get("phase") or {}).items()}.get(r, "")
+    phase = {str(k): v for k, v in (verdict.extra.get("phase") or {}).items()}.get(r, "")
     theirs = at[r].rsplit(":", 1)[-1] if ":" in at[r] else ""
     parts = [slug(x) for x in (phase, theirs) if x]
     return "".join(f".{x}" for x in parts if x)
 
 
-def ranks_finish(verdict: dict, actual: str) -> list[str]:
+def ranks_finish(verdict: Verdict, actual: str) -> list[str]:
     """Expected/actual of a run that did not finish (a crash, a hang): ``actual`` and the log's tail."""
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    log = plain_trace(err.get("log", "")).strip().splitlines()
+    log = plain_trace(verdict.error_record.extra.get("log", "")).strip().splitlines()
     return [f"**Expected**: every rank finishes; **actual**: {actual}", ""] + \
         (["```", "\n".join(log[-25:]), "```", ""] if log else [])
 
@@ -65,10 +66,10 @@ def plain_trace(text: str) -> str:
     return "\n".join(out)
 
 
-def torch_calls(verdict: dict) -> str:
+def torch_calls(verdict: Verdict) -> str:
     """Where the stuck or dead ranks were, as torch calls: "rank 0 in `all_reduce`, rank 1 in `all_gather`"
     (the runner's ``where`` names the harness function too: only the torch one is said)."""
-    at = verdict.get("where") or {}
+    at = verdict.extra.get("where") or {}
     return ", ".join(f"rank {r} in `{w.rsplit(':', 1)[-1]}`" for r, w in sorted(at.items(), key=lambda x: int(x[0])))
 
 

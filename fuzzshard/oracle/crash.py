@@ -3,35 +3,34 @@ the runner reports the signal and where the lowest dead rank was."""
 from __future__ import annotations
 
 from . import Oracle
+from ..verdict import Verdict
 from .common import ranks_finish, slug, torch_calls, where
 from .source import frame_source
 
 
-def signature(case, verdict: dict) -> str:
+def signature(case, verdict: Verdict) -> str:
     """The signal, and where the lowest dead rank died: a crash elsewhere is another bug."""
-    return f"{case.target}.crash.{slug((verdict.get('error') or {}).get('type', 'Crash'))}" + where(verdict)
+    return f"{case.target}.crash.{slug(verdict.error_record.type or 'Crash')}" + where(verdict)
 
 
-def summary(verdict: dict) -> str:
-    return f"crash: {(verdict.get('error') or {}).get('type')}: ranks {verdict.get('dead_ranks')} died"
+def summary(verdict: Verdict) -> str:
+    return f"crash: {verdict.error_record.type}: ranks {verdict.extra.get('dead_ranks')} died"
 
 
-def address(case, verdict: dict) -> str:
+def address(case, verdict: Verdict) -> str:
     """The signal and the lowest dead rank's place (kernel function:torch function)."""
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    at = verdict.get("where") or {}
-    return f"crash ({err.get('type', '?')}) at {at[min(at)] if at else 'an unknown place'}"
+    at = verdict.extra.get("where") or {}
+    return f"crash ({verdict.error_record.type or '?'}) at {at[min(at)] if at else 'an unknown place'}"
 
 
-def _happens(verdict: dict) -> str:
+def _happens(verdict: Verdict) -> str:
     """"a rank is killed by SIGABRT (rank 0 in `all_gather_single`)": the signal and the torch call it was in."""
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
     at = torch_calls(verdict)
-    how = err.get("type", "killed by a signal")
+    how = verdict.error_record.type or "killed by a signal"
     return f"a rank is {how[:1].lower()}{how[1:]}" + (f" ({at})" if at else "")
 
 
-def what(case, verdict: dict) -> str:
+def what(case, verdict: Verdict) -> str:
     return f"A{_happens(verdict)[1:]}, where the same model trains without sharding."
 
 

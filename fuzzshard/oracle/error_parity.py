@@ -9,6 +9,7 @@ import re
 from . import Oracle
 from .common import plain_trace, short
 from .source import frame_source, innermost
+from ..verdict import ErrorRecord, Verdict
 
 # DTensor's refusal of an op it has no sharding strategy for: a gap of that op alone, so the op is part
 # of the name (elsewhere the op in a message varies per case: the template is the bug)
@@ -21,63 +22,62 @@ def missing_strategy_op(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def signature(case, verdict: dict) -> str:
+def signature(case, verdict: Verdict) -> str:
     """The root cause is the message template, not which optimizer or op surfaced it
     (but a missing sharding strategy names its op)."""
-    err = verdict.get("error") or {}
-    phase = err.get("stage") or _phase_kind(err.get("phase", ""))  # (records older than "stage")
-    digest = _digest(err.get("message", ""), names=phase in ("save", "load"))
-    op = missing_strategy_op(err.get("message", ""))
-    return f"{case.target}.error.{phase}.{err.get('type', 'Error')}.{digest}" + (f".{op}" if op else "")
+    err = verdict.error_record
+    phase = err.extra.get("stage") or _phase_kind(err.phase or "")  # (records older than "stage")
+    digest = _digest(err.message, names=phase in ("save", "load"))
+    op = missing_strategy_op(err.message)
+    return f"{case.target}.error.{phase}.{err.type or 'Error'}.{digest}" + (f".{op}" if op else "")
 
 
-def summary(verdict: dict) -> str:
-    err = verdict.get("error") or {}
-    return f"error parity: only the sharded run raises, in {err.get('phase')}: {err.get('type')}: {err.get('message')}"
+def summary(verdict: Verdict) -> str:
+    err = verdict.error_record
+    return f"error parity: only the sharded run raises, in {err.phase}: {err.type}: {err.message}"
 
 
-def address(case, verdict: dict) -> str:
+def address(case, verdict: Verdict) -> str:
     """The exception type and the innermost torch frame that made it."""
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    op = missing_strategy_op(err.get("message", ""))  # a missing sharding strategy: the op is the bug
-    return f"raises {err.get('type', 'Error')} in {innermost(err.get('traceback', ''))}" + \
+    err = verdict.error_record
+    op = missing_strategy_op(err.message)  # a missing sharding strategy: the op is the bug
+    return f"raises {err.type or 'Error'} in {innermost(err.traceback or '')}" + \
         (f" (no sharding strategy for aten.{op})" if op else "")
 
 
-def _phase(err: dict) -> str:
+def _phase(err: ErrorRecord) -> str:
     """Where it raised, as a user's loop names it ("optimizer.step", "forward/backward", "checkpoint load")."""
-    return re.sub(r"^step \d+: ", "", err.get("phase", "") or "training")
+    return re.sub(r"^step \d+: ", "", err.phase or "training")
 
 
-def title(case, verdict: dict) -> str:
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    return f"{err.get('type', 'error')} in {_phase(err)} where the unsharded model trains: " \
-           f"{short(err.get('message', ''), 90)}"
+def title(case, verdict: Verdict) -> str:
+    err = verdict.error_record
+    return f"{err.type or 'error'} in {_phase(err)} where the unsharded model trains: {short(err.message, 90)}"
 
 
-def _checked(err: dict) -> bool:
+def _checked(err: ErrorRecord) -> bool:
     """Whether the harness raised it: a check of torch's result (replicas that differ, params lost), not torch's error."""
-    return bool(re.search(rf"fuzzshard\.[\w.]+\.{re.escape(err.get('type', '?'))}\b", err.get("traceback", "")))
+    return bool(re.search(rf"fuzzshard\.[\w.]+\.{re.escape(err.type or '?')}\b", err.traceback or ""))
 
 
-def what(case, verdict: dict) -> str:
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
+def what(case, verdict: Verdict) -> str:
+    err = verdict.error_record
     if _checked(err):
-        return f"In the sharded run's {_phase(err)}, {short(err.get('message', ''), 300)}; without sharding, the same model trains normally."
-    return f"The sharded run raises `{err.get('type', 'an error')}` in {_phase(err)}, where the same model trains without sharding."
+        return f"In the sharded run's {_phase(err)}, {short(err.message, 300)}; without sharding, the same model trains normally."
+    return f"The sharded run raises `{err.type or 'an error'}` in {_phase(err)}, where the same model trains without sharding."
 
 
-def expected(case, verdict: dict) -> str:
+def expected(case, verdict: Verdict) -> str:
     return "the sharded model trains, as the same model does without sharding"
 
 
-def expected_actual(verdict: dict) -> list[str]:
+def expected_actual(verdict: Verdict) -> list[str]:
     """The exception, and the traceback's tail folded."""
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    tb = plain_trace(err.get("traceback", "")).strip().splitlines()
+    err = verdict.error_record
+    tb = plain_trace(err.traceback or "").strip().splitlines()
     return ["**Expected**: the sharded model trains, as the same model does without sharding; " +
-            (f"**actual**: {short(err.get('message', ''), 300)} in {_phase(err)}." if _checked(err) else
-             f"**actual**: `{err.get('type')}: {short(err.get('message', ''), 300)}` in {_phase(err)}."), "",
+            (f"**actual**: {short(err.message, 300)} in {_phase(err)}." if _checked(err) else
+             f"**actual**: `{err.type}: {short(err.message, 300)}` in {_phase(err)}."), "",
             "<details><summary>traceback</summary>", "", "```", "\n".join(tb[-30:]), "```", "</details>", ""]
 
 

@@ -3,27 +3,27 @@ runner reports where each stuck rank waits."""
 from __future__ import annotations
 
 from . import Oracle
+from ..verdict import Verdict
 from .common import ranks_finish, torch_calls, where
 from .source import frame_source
 
 
-def signature(case, verdict: dict) -> str:
+def signature(case, verdict: Verdict) -> str:
     """Where the lowest stuck rank waits names the hang."""
     return f"{case.target}.hang" + where(verdict)
 
 
-def summary(verdict: dict) -> str:
-    return f"hang: {(verdict.get('error') or {}).get('message')}"
+def summary(verdict: Verdict) -> str:
+    return f"hang: {verdict.error_record.message}"
 
 
-def address(case, verdict: dict) -> str:
+def address(case, verdict: Verdict) -> str:
     """Where the lowest stuck rank waits (kernel function:torch function)."""
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    at = verdict.get("where") or {}
-    return f"hang ({err.get('type', '?')}) at {at[min(at)] if at else 'an unknown place'}"
+    at = verdict.extra.get("where") or {}
+    return f"hang ({verdict.error_record.type or '?'}) at {at[min(at)] if at else 'an unknown place'}"
 
 
-def _happens(verdict: dict) -> str:
+def _happens(verdict: Verdict) -> str:
     """"the ranks hang (rank 0 in `all_reduce`, rank 1 in `all_gather`)"."""
     at = torch_calls(verdict)
     return "the ranks hang" + (f" ({at})" if at else "")

@@ -8,6 +8,8 @@ import importlib
 import inspect
 import re
 
+from ..verdict import Verdict
+
 # frames that pass an error along rather than make it: the address is the innermost frame that is not one
 _PASSING = ("_ops.py", "nn/modules/module.py", "autograd/graph.py", "autograd/__init__.py", "_tensor.py",
             "utils/_stats.py", "utils/_contextlib.py", "_compile.py", "_dynamo/", "__init__.py",
@@ -40,11 +42,11 @@ def innermost(traceback_text: str) -> str:
     return "torch (no telling frame)" if frames else "fuzzshard or the test (no torch frame)"
 
 
-def frame_source(verdict: dict, innermost_first: bool = False) -> str:
+def frame_source(verdict: Verdict, innermost_first: bool = False) -> str:
     """"`torch/x.py:N` (function) <url>, the innermost torch frame" of the verdict's error traceback
     or crash log (a faulthandler dump: ``innermost_first``), or ""."""
-    err = verdict.get("error") if isinstance(verdict.get("error"), dict) else {}
-    made = telling_frame(torch_frames(err.get("traceback", "") + "\n" + err.get("log", ""),
+    err = verdict.error_record
+    made = telling_frame(torch_frames((err.traceback or "") + "\n" + err.extra.get("log", ""),
                                       innermost_first=innermost_first))
     if not made:
         return ""

@@ -22,10 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..case import Case
-from ..verdict import ErrorRecord, failure, finding
+from ..verdict import ErrorRecord, Verdict, failure, finding
 
 START_TIMEOUT = 300.0
 # Once one rank has raised, the others are usually stuck in a collective
@@ -47,7 +47,7 @@ class LostRank(PoolError):
 
 @dataclass
 class Result:
-    verdict: dict
+    verdict: Verdict
     seconds: float
     timings: dict = field(default_factory=dict)
     offset: int = 0  # the pool rank the case's rank 0 ran on
@@ -108,7 +108,7 @@ class Pool:
         self.confirmations = 0  # fresh generations started to confirm a finding
         self.restart_seconds = 0.0
         self.stuck_seconds = 0.0  # waited after a rank raised for ranks that never answered (then restarted)
-        self.history: list[tuple[Case, dict]] = []  # (case, verdict) run by the current workers, in order
+        self.history: list[tuple[Case, Verdict]] = []  # (case, verdict) run by the current workers, in order
         self._gens = 0
 
     # -- lifecycle -------------------------------------------------------
@@ -301,9 +301,10 @@ class Pool:
             job = busy.pop(r)
             job.waiting.discard(r)
             try:
-                _, verdict, timings = conn.recv()
+                _, sent, timings = conn.recv()
+                verdict = Verdict.from_dict(sent) if sent is not None else None  # the ranks send dicts (the kernel's)
                 job.answers[r - job.offset] = (verdict, timings)
-                if verdict is not None and (verdict.get("oracle") == "error_parity" or verdict["status"] == "invalid"):
+                if verdict is not None and (verdict.oracle == "error_parity" or verdict.status == "invalid"):
                     job.raised_at = job.raised_at or time.monotonic()
                     job.deadline = min(job.deadline, time.monotonic() + GRACE_AFTER_ERROR)
             except (EOFError, OSError):  # the worker's socket closed: it died
@@ -314,8 +315,8 @@ class Pool:
         if job.waiting and job.raised_at is not None:
             self.stuck_seconds += time.monotonic() - job.raised_at
         verdict = self._combine(self._ranks(job.case), job.answers, job.dead, seconds, job.offset)
-        if verdict.get("oracle") == "hang" and job.timeout < self.case_timeout:
-            verdict["timeout"] = round(job.timeout, 1)  # a shortened limit: provisional until re-run at the full one
+        if verdict.oracle == "hang" and job.timeout < self.case_timeout:
+            verdict.extra["timeout"] = round(job.timeout, 1)  # a shortened limit: provisional until re-run at the full one
         self.history.append((job.case, verdict))
         job.reset(keep_answers=True)
         return Result(verdict, seconds, job.answers.get(0, (None, {}))[1], job.offset)
@@ -333,7 +334,7 @@ class Pool:
         except subprocess.TimeoutExpired:
             return None
 
-    def _combine(self, w: int, answers: dict, dead: dict, seconds: float, offset: int = 0) -> dict:
+    def _combine(self, w: int, answers: dict, dead: dict, seconds: float, offset: int = 0) -> Verdict:
         """One verdict from a case's ranks; ``answers``, ``dead`` and what the
         verdict says are by the case's own ranks 0..w-1 (the pool's
         offset..offset+w-1), as a run at offset 0 or under torchrun says them."""
@@ -342,34 +343,34 @@ class Pool:
             where = {d: at for d in sorted(dead)
                      if dead[d] is not None and dead[d] < 0 and (at := self._where_died(d + offset))}
             phases = {d: p for d in sorted(dead) if (p := self._phase_of(d + offset))}
-            return finding("crash", error=ErrorRecord(_exit_name(dead[r]), f"rank {r} died",
-                                                      extra={"log": self._log_tail(r + offset)}).to_dict(),
-                           dead_ranks=sorted(dead), exitcode=dead[r], **({"where": where} if where else {}),
-                           **({"phase": phases} if phases else {}))
+            return Verdict.from_dict(finding(
+                "crash", error=ErrorRecord(_exit_name(dead[r]), f"rank {r} died",
+                                           extra={"log": self._log_tail(r + offset)}).to_dict(),
+                dead_ranks=sorted(dead), exitcode=dead[r], **({"where": where} if where else {}),
+                **({"phase": phases} if phases else {})))
         verdicts = {r: v for r, (v, _) in answers.items() if v is not None}
         for r in sorted(verdicts):  # any fuzzshard-internal error surfaces as such
-            if verdicts[r]["status"] == "error":
-                return {**verdicts[r], "rank": r}
+            if verdicts[r].status == "error":
+                return replace(verdicts[r], rank=r)
         for r in sorted(verdicts):  # the reference raising too makes the case invalid, stuck ranks or not
-            if verdicts[r]["status"] == "invalid":
+            if verdicts[r].status == "invalid":
                 return verdicts[r]
         # an exception on some ranks explains the others waiting, and a load that changed something
         # (seen by the reporting rank) explains an exception after it: the earliest divergence is the bug
-        for r in sorted(verdicts, key=lambda r: (not verdicts[r].get("then"), r)):
-            if verdicts[r].get("oracle") == "error_parity" or verdicts[r].get("then"):
-                out = {**verdicts[r], "rank": r}
-                if len(answers) < w:
-                    out["stuck_ranks"] = sorted(set(range(w)) - set(answers))
-                return out
+        for r in sorted(verdicts, key=lambda r: (not verdicts[r].extra.get("then"), r)):
+            if verdicts[r].oracle == "error_parity" or verdicts[r].extra.get("then"):
+                stuck = {"stuck_ranks": sorted(set(range(w)) - set(answers))} if len(answers) < w else {}
+                return replace(verdicts[r], rank=r, extra={**verdicts[r].extra, **stuck})
         if len(answers) < w:
             stuck = sorted(set(range(w)) - set(answers))
             where = {r: self._where_stuck(r + offset) for r in stuck}
             phases = {r: p for r in stuck if (p := self._phase_of(r + offset))}
             waits = "; ".join(f"rank {r}: {where[r] or '?'}" for r in stuck)
-            return finding("hang", error=ErrorRecord("Hang", f"ranks {stuck} still running after {seconds:.0f}s, in "
-                                                     + waits).to_dict(), stuck_ranks=stuck, where=where,
-                           **({"phase": phases} if phases else {}))
-        return verdicts.get(0, failure("rank 0 returned no verdict"))
+            return Verdict.from_dict(finding(
+                "hang", error=ErrorRecord("Hang", f"ranks {stuck} still running after {seconds:.0f}s, in "
+                                          + waits).to_dict(), stuck_ranks=stuck, where=where,
+                **({"phase": phases} if phases else {})))
+        return verdicts.get(0) or Verdict.from_dict(failure("rank 0 returned no verdict"))
 
 
 

@@ -39,19 +39,20 @@ from ..kernel.model import param_shapes
 from ..kernel.oracles import STEP_ULPS
 from ..kernel.reference import reduction_parts  # the kernel's loss/grad bound, as factors
 from . import common, dsd, dtensor, fsdp1, fsdp2, sharded_optim, zero
+from ..verdict import Verdict
 
 WRITERS = {"dtensor": dtensor, "fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "sharded_optim": sharded_optim}
 ERROR_ORACLES = ("error_parity", "crash", "hang")
 
 
 def straight_script(case: Case, headline: str = "", environment: dict | None = None,
-                    verdict: dict | None = None) -> str | None:
+                    verdict: Verdict | None = None) -> str | None:
     """The script's text (exit 0: torch behaves; 1: the finding shows), or None
     where the case uses something no writer here writes."""
     w = WRITERS.get(case.target)
     if w is None or _unsupported(case, w):
         return None
-    plan = _plan(case, verdict or {})
+    plan = _plan(case, verdict)
     if plan is None or (plan["mode"] in ("parity", "checkpoint") and w.snapshot(case, case.target_options) is None):
         return None
     if plan["mode"] == "parity" and (w.grads(case, case.target_options) is None or case.target_options.get("mp")):
@@ -73,17 +74,18 @@ def _unsupported(case: Case, w) -> bool:
     return bool(case.checkpoint) and case.checkpoint.kind not in w.KINDS
 
 
-def _plan(case: Case, verdict: dict) -> dict | None:
+def _plan(case: Case, verdict: Verdict | None) -> dict | None:
     """What the script runs and checks: mode (error, checkpoint, parity, all),
     the last saving-side step, whether the loading side runs and its last step,
     whether each step observes the full state (where the kernel's gathers raised)."""
     ck, n = case.checkpoint, len(case.schedule)
-    oracle, first, err = verdict.get("oracle", ""), verdict.get("first") or {}, verdict.get("error") or {}
+    oracle, first = (verdict.oracle or "", verdict.first) if verdict else ("", None)
     save_last = ck.after if ck else n - 1
     plan = {"mode": "all", "last": save_last, "load": bool(ck), "load_last": n - 1, "observe": False, "check": ""}
-    if oracle in ERROR_ORACLES or (err and not first):
-        phase = err.get("phase", "")
-        plan.update(mode="error", observe=oracle in ("crash", "hang") or "gather" in phase, check=err.get("type", ""))
+    if oracle in ERROR_ORACLES or (verdict and verdict.error and not first):
+        err = verdict.error_record
+        phase = err.phase or ""
+        plan.update(mode="error", observe=oracle in ("crash", "hang") or "gather" in phase, check=err.type)
         m = re.match(r"step (\d+)", phase)
         if m:
             k = int(m.group(1))
@@ -99,14 +101,15 @@ def _plan(case: Case, verdict: dict) -> dict | None:
             plan["load_last"] = ck.after if ck else n - 1
         return plan
     if oracle == "checkpoint" or (ck and not oracle):
-        saved = first.get("quantity", "").startswith("saved") and ck.kind in ("full", "fsdp1_full", "fsdp1_legacy")
-        plan.update(mode="checkpoint", load_last=ck.after, saved=saved, load=not saved, quantity=first.get("quantity", ""))
+        quantity = verdict.quantity if verdict else ""
+        saved = quantity.startswith("saved") and ck.kind in ("full", "fsdp1_full", "fsdp1_legacy")
+        plan.update(mode="checkpoint", load_last=ck.after, saved=saved, load=not saved, quantity=quantity)
         return plan
     if oracle == "parity" or not oracle:
-        k = first.get("step", n - 1)
+        k = first.step if first else n - 1
         if ck and k > ck.after:
             return None  # (parity after a load: the flattened kernel)
-        q = first.get("quantity", "")  # what the replay compares: the grads (the forward) or what the step made
+        q = first.quantity if first else ""  # what the replay compares: the grads (the forward) or what the step made
         what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
             "state" if q.startswith("state") else "group" if q.startswith("param_groups") else ""
         plan.update(mode="parity", last=k, load=False, steps=[k] if first else list(range(k + 1)), what=what)

@@ -57,7 +57,7 @@ def measure(pool, case) -> dict:
     t0 = time.perf_counter()
     r = pool.run(case)
     row = {"warm": time.perf_counter() - t0}
-    row.update(status=r.verdict["status"], **{k: r.timings.get(k, 0.0) for k in SPLIT[1:]},
+    row.update(status=r.verdict.status, **{k: r.timings.get(k, 0.0) for k in SPLIT[1:]},
                dispatch=row["warm"] - sum(r.timings.values()))
     hot = {"bare": [], "warm_hot": []}
     for _ in range(HOT_RUNS):
@@ -196,7 +196,7 @@ def _checkpoint_cost(pool, cases) -> dict:
             with_ck = pool.run(dataclasses.replace(case, checkpoint=ck))
             if pool.restarts != restarts:  # it crashed (a known bug): warm the new workers before the next pair
                 pool.run(case)
-            elif plain.verdict["status"] == with_ck.verdict["status"] == "pass":
+            elif plain.verdict.status == with_ck.verdict.status == "pass":
                 extra.append(with_ck.seconds - plain.seconds)
         if extra:
             out[kind] = (1000 * sum(extra) / len(extra), len(extra))

@@ -52,6 +52,7 @@ from ..findings.judge import judge_many
 from ..findings.life import FindingBook
 from ..pool.runner import Pool, PoolError
 from .schedule import Scheduler
+from ..verdict import Verdict
 
 try:
     BaseExceptionGroup  # noqa: B018 (a builtin from Python 3.11 on)
@@ -267,7 +268,7 @@ class Session:
             if new and self.pack > 1 and not rnd.pending and self.stats.valid - rnd.valid_before >= n:
                 raise _RoundOver  # a round's cases, not its packs, are what max_examples counts
             ran = dict(zip(new, self._run_cases(list(new.values()), rnd)))
-            invalid = bool(ran) and all(v["status"] == "invalid" for _, v in ran.values())
+            invalid = bool(ran) and all(v is not None and v.status == "invalid" for _, v in ran.values())
             raised = None
             for key, case in cases.items():
                 if key in ran:
@@ -281,7 +282,7 @@ class Session:
                         self.book.shrunk_to(sig, case, verdict)
                 rnd.pending.add(sig)
                 rnd.found_at = rnd.found_at or time.monotonic()
-                rnd.hang = rnd.hang or verdict.get("oracle") == "hang"
+                rnd.hang = rnd.hang or verdict.oracle == "hang"
                 raised = raised or (sig, verdict)  # the first drives shrinking; the others are on disk, confirmed
             if raised is None and invalid:
                 reject()
@@ -321,12 +322,13 @@ class Session:
         self.database = open_database(self.database, str(self.out / self.fallback_db), self.progress)
         return self.database
 
-    def on_case(self, case, verdict: dict, sig: str | None) -> None:
+    def on_case(self, case, verdict: Verdict, sig: str | None) -> None:
         """Called once per case run (``sig``: its finding's signature, known or
         new); a soak logs it here."""
 
-    def _run_cases(self, cases: list, rnd: _Round) -> list[tuple[str | None, dict]]:
-        """Per case, run side by side: (signature of a new finding or None, verdict)."""
+    def _run_cases(self, cases: list, rnd: _Round) -> list[tuple[str | None, Verdict | None]]:
+        """Per case, run side by side: (signature of a new finding or None, verdict; None: cut short by the
+        session's end)."""
         timeouts = [self._timeout(c, rnd) for c in cases]
         end = self._end_limit()  # never past the session's end: a case cut there is no verdict
         cut = [end is not None and end < (t or self.pool.case_timeout) for t in timeouts]
@@ -341,7 +343,7 @@ class Session:
             return None
         return max(1.0, self._deadline + self.grace() - time.monotonic())
 
-    def _tally(self, case, j, timeout: float | None, cut: bool = False) -> tuple[str | None, dict]:
+    def _tally(self, case, j, timeout: float | None, cut: bool = False) -> tuple[str | None, Verdict | None]:
         st, v = self.stats, j.verdict
         st.cases += 1
         if not j.ran:  # a known hang: counted, not waited out again
@@ -349,10 +351,10 @@ class Session:
             self.schedule.record(case, valid=True, known=True)
             self.on_case(case, v, j.signature)
             return None, v
-        if cut and v.get("oracle") == "hang":  # the session's end cut it short: no verdict
+        if cut and v.oracle == "hang":  # the session's end cut it short: no verdict
             st.cut += 1
-            return None, {"status": "cut"}
-        self.schedule.record(case, valid=v["status"] != "invalid", known=j.known)
+            return None, None
+        self.schedule.record(case, valid=v.status != "invalid", known=j.known)
         if timeout is not None:
             st.derived_timeouts += 1
             st.derived_timeout = timeout
@@ -361,17 +363,17 @@ class Session:
         for k, t in j.timings.items():
             st.timings[k] += t
         self._report_progress()
-        if v["status"] == "invalid":
+        if v.status == "invalid":
             st.invalid += 1
             self.on_case(case, v, None)
             return None, v
         st.valid += 1
-        if v["status"] == "error":
+        if v.status == "error":
             st.internal_errors += 1
             self.book.report_internal(case, v)
             self.on_case(case, v, None)
             return None, v
-        if v["status"] != "finding":
+        if not v.is_finding:
             st.passed_by_optimizer[case.optim.name] += 1
             st.passed_by_implementation[case.optim.name, case.optim.implementation] += 1
             coverage = target_class(case.target).spec.coverage

@@ -263,9 +263,9 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr) -> dict:
             j = judge(pool, f.case)
         finally:
             pool.close()
-        real = {"signature": j.signature, "status": j.verdict.get("status"), "world_size": w,
+        real = {"signature": j.signature, "status": j.verdict.status, "world_size": w,
                 "seconds": round(j.seconds, 3)}
-        if j.verdict.get("status") == "finding":
+        if j.verdict.is_finding:
             real["summary"] = _summary(j.verdict)
         if j.signature == f.signature:
             data["simulation"] = {"status": "confirmed on real process groups", "real": real}
@@ -287,7 +287,7 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr) -> dict:
     return result
 
 
-def _summary(verdict: dict) -> str:
+def _summary(verdict) -> str:
     from ..findings.record import summary
 
     return summary(verdict)
@@ -321,7 +321,7 @@ def run_bench(n: int, seed: int, target: str = "dtensor", echo=print, real_world
                 t0 = time.perf_counter()
                 results = pool.run_many(cases) if side_by_side else [pool.run(c) for c in cases]
                 seconds = time.perf_counter() - t0
-            statuses = collections_counter(r.verdict.get("status") for r in results)
+            statuses = collections_counter(r.verdict.status for r in results)
             row[name] = {"cases_per_s": len(cases) / seconds, "seconds": seconds, "statuses": statuses}
             echo(f"  W={w:<3} {name:5} {len(cases) / seconds:7.2f} cases/s  ({seconds:.1f}s; "
                  f"{', '.join(f'{k} {v}' for k, v in sorted(statuses.items()))})")
