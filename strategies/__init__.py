@@ -92,9 +92,14 @@ def target_options(target: str, shapes: dict, mesh_shape: tuple, tied: tuple = (
 
 def spec_of(target: str):
     """What ``target`` can do (kernel/targets/base.py's Spec, declared in the target's module)."""
+    return _target_class(target).spec
+
+
+def _target_class(target: str):
+    """``target``'s class (kernel/targets/base.py's Target): its hooks, where what a case is depends on the target."""
     from fuzzshard import targets
 
-    return targets.get(target).spec
+    return targets.get(target)
 
 
 def _meshes(spec, world: int, mesh_dims: int = 2) -> list[tuple[int, ...]]:
@@ -225,7 +230,8 @@ def cases(
     elif not plan and spec.checkpoint_kinds and (checkpoint or (checkpoint is None and draw(st.booleans()))):
         ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied, mesh_dims=mesh_dims, **context))
     # data parallel: every rank of either side gets an equal slice, in equal microbatches
-    microbatches = max(options.get("microbatches", 1), ck.target_options.get("microbatches", 1) if ck else 1)
+    split = _target_class(target).microbatches
+    microbatches = max(split(options), split(ck.target_options) if ck else 1)
     ranks_per_sample = math.lcm(world, ck.world_size if ck else 1) * microbatches
     case = Case(
         target=target,

@@ -147,11 +147,16 @@ def _copy(data: dict, **fields) -> dict:
     return new
 
 
-def _spec(target: str):
+def _target_class(target: str):
+    """``target``'s class; the base class's defaults for a target no longer registered."""
     from .. import targets
-    from ..kernel.targets.base import Spec
+    from ..kernel.targets.base import Target
 
-    return targets.get(target).spec if target in targets.names() else Spec()
+    return targets.get(target) if target in targets.names() else Target
+
+
+def _spec(target: str):
+    return _target_class(target).spec
 
 
 # -- FQNs ---------------------------------------------------------------------
@@ -431,7 +436,8 @@ def _batch_unit(data: dict) -> int:
         return 1
     ck = data["checkpoint"]
     sides = [data["target_options"]] + ([ck["target_options"]] if ck else [])
-    return math.lcm(data["world_size"], ck["world_size"] if ck else 1) * max(o.get("microbatches", 1) for o in sides)
+    split = _target_class(data["target"]).microbatches
+    return math.lcm(data["world_size"], ck["world_size"] if ck else 1) * max(split(o) for o in sides)
 
 
 def _seq_unit(data: dict) -> int:

@@ -84,6 +84,13 @@ class Target:
         return loss_fn(model(x), y)
 
     @classmethod
+    def microbatches(cls, options: dict) -> int:
+        """How many equal microbatches each data-parallel rank's slice is split
+        into under these target options (a drawn batch is a multiple of it): 1,
+        unless the target accumulates grads (fsdp2's microbatches)."""
+        return 1
+
+    @classmethod
     def step_tolerance(cls, case: Case, tol: dict) -> dict:
         """The optimizer step's tolerance: ``tol``, the eager step's, unless the
         target runs the step otherwise (fsdp2's compiled step)."""

@@ -362,9 +362,10 @@ class FSDP2Target(Target):
     def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y) -> tuple | None:
         return mixed_precision_reference(case, model, options, world, x, y) if options.get("mp") else None
 
-    @property
-    def microbatches(self) -> int:
-        return self.case.target_options.get("microbatches", 1)
+    @classmethod
+    def microbatches(cls, options: dict) -> int:
+        """``microbatches``: gradient accumulation, this many forward/backwards a step."""
+        return options.get("microbatches", 1)
 
     @property
     def localizable(self) -> bool:
@@ -372,7 +373,7 @@ class FSDP2Target(Target):
         per step, and in the same dtype."""
         opts = self.case.target_options
         # (a compiled block's submodules run inside its graph: no hooks of their own)
-        return self.microbatches == 1 and not opts.get("mp") and not opts.get("compile")
+        return self.microbatches(opts) == 1 and not opts.get("mp") and not opts.get("compile")
 
     @classmethod
     def trace_points(cls, case: Case):
@@ -445,7 +446,7 @@ class FSDP2Target(Target):
         """This rank's slice, in ``microbatches`` equal parts, each loss scaled
         by 1/microbatches; the grads sync on the last one only. Returns the
         global mean loss."""
-        world, k = self.dp_size(), self.microbatches
+        world, k = self.dp_size(), self.microbatches(self.case.target_options)
         per = x.shape[0] // world
         r = self.dp_rank()
         xs, ys = x[r * per:(r + 1) * per].chunk(k), y[r * per:(r + 1) * per].chunk(k)
