@@ -25,7 +25,6 @@ from ..kernel.model import param_shapes
 
 # optimizer kwargs left alone: lr is the step itself, foreach/fused the implementation (a dimension of its own)
 KEEP_KWARGS = ("lr", "foreach", "fused")
-HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")  # fsdp1's strategies that take a 2-D mesh
 
 Edit = tuple[str, "dict | None"]  # (what it does, the edited case's dict; None: it cannot be made)
 
@@ -402,31 +401,10 @@ def _decoder_edits(data: dict) -> Iterator[Edit]:
 
 # -- world, mesh, batch -------------------------------------------------------
 
-def _fit_options(options: dict, mesh: list, n_steps: int) -> dict:
-    """Target options that name mesh dims or ranks, fitted to another mesh:
-    dtensor's placements (one per mesh dim), fsdp1's hybrid strategy (2-D
-    only), fsdp2's reshard_after_forward (an int divides the shard group),
-    zero's consolidate_to and uneven counts (one per rank), sharded_optim's
-    chunk ranks."""
-    out, world = copy.deepcopy(options), math.prod(mesh)
-    if "placements" in out:
-        out["placements"] = {n: (p + ["R"] * len(mesh))[:len(mesh)] for n, p in out["placements"].items()}
-    if out.get("strategy") in HYBRID and len(mesh) == 1:
-        out["strategy"] = "FULL_SHARD"
-    raf, shard = out.get("reshard_after_forward"), mesh[0] if out.get("tp") else mesh[-1]
-    if type(raf) is int and not (1 < raf < shard and shard % raf == 0):
-        out["reshard_after_forward"] = True
-    if out.get("consolidate_to", 0) >= world:
-        del out["consolidate_to"]
-    if "uneven" in out:
-        counts = (out["uneven"] + [n_steps] * world)[:world]
-        if max(counts) != n_steps:
-            counts[-1] = n_steps
-        out["uneven"] = counts
-    if "shard" in out:
-        shards = {n: {**s, "ranks": [r for r in s["ranks"] if r < world]} for n, s in out["shard"].items()}
-        out["shard"] = {n: s for n, s in shards.items() if s["ranks"]}
-    return out
+def _fit_options(target: str, options: dict, mesh: list, n_steps: int) -> dict:
+    """Target options that name mesh dims or ranks, fitted to another mesh (the target's Spec.fit_options)."""
+    out, fit = copy.deepcopy(options), _spec(target).fit_options
+    return fit(out, mesh, n_steps) if fit else out
 
 
 def _batch_unit(data: dict) -> int:
@@ -454,7 +432,7 @@ def _reworld(data: dict, checkpoint: bool, mesh: list) -> dict:
     new = copy.deepcopy(data)
     side = new["checkpoint"] if checkpoint else new
     side.update(world_size=math.prod(mesh), mesh_shape=mesh,
-                target_options=_fit_options(side["target_options"], mesh, len(new["schedule"])))
+                target_options=_fit_options(new["target"], side["target_options"], mesh, len(new["schedule"])))
     unit = _batch_unit(new)
     new["batch"] = unit * max(1, new["batch"] // unit)
     return new
@@ -563,9 +541,9 @@ def _checkpoint_edits(data: dict) -> Iterator[Edit]:
     n_steps = len(data["schedule"])
     if ck["target_options"] != data["target_options"]:
         yield changed("the saving side's target options",
-                      target_options=_fit_options(data["target_options"], ck["mesh_shape"], n_steps))
+                      target_options=_fit_options(data["target"], data["target_options"], ck["mesh_shape"], n_steps))
         yield ("saving side: the loading side's target options",
-               _copy(data, target_options=_fit_options(ck["target_options"], data["mesh_shape"], n_steps)))
+               _copy(data, target_options=_fit_options(data["target"], ck["target_options"], data["mesh_shape"], n_steps)))
 
 
 def _option_edits(data: dict) -> Iterator[Edit]:

@@ -51,6 +51,9 @@ class Spec:
     # passing cases and printed as "passing TITLE: cell N, ..." (fsdp2: decoder cases by TP plan element)
     coverage: Callable | None = None
     check: Callable | None = None  # (case) -> what makes the case impossible for this target, or None
+    # (options, mesh_shape, n_steps) -> the options fitted to another mesh (the reducer's world and mesh edits):
+    # what names mesh dims or ranks; given a copy, it may change it
+    fit_options: Callable | None = None
     seq_multiple: Callable | None = None  # (options, mesh_shape) -> the sequence length is a multiple of this
     compiled: Callable | None = None  # (case) -> "" or a tag for what runs under torch.compile (in signatures)
     facts: Callable | None = None  # (case) -> {name: value}: derived facts a known finding's trigger can name

@@ -31,6 +31,14 @@ def draw_placements(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_
     return {"placements": out}
 
 
+def fit_placements(options: dict, mesh_shape: list, n_steps: int) -> dict:
+    """One placement per mesh dim: cut, or Replicate on a dim added."""
+    if "placements" in options:
+        options["placements"] = {n: (p + ["R"] * len(mesh_shape))[:len(mesh_shape)]
+                                 for n, p in options["placements"].items()}
+    return options
+
+
 def parse_placement(text: str):
     """"R" -> Replicate(), "S1" -> Shard(1)."""
     return Replicate() if text == "R" else Shard(int(text[1:]))
@@ -38,7 +46,8 @@ def parse_placement(text: str):
 
 class DTensorTarget(Target):
     name = "dtensor"
-    spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, component="DTensor")
+    spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
+                component="DTensor")
 
     def shard(self, model: nn.Module) -> nn.Module:
         placements = self.case.target_options.get("placements", {})

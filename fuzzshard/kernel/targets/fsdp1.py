@@ -93,6 +93,13 @@ KINDS = {**STATE_DICT_KINDS,
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
+def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
+    """A hybrid strategy takes a 2-D mesh: FULL_SHARD on a 1-D one."""
+    if options.get("strategy") in HYBRID and len(mesh_shape) == 1:
+        options["strategy"] = "FULL_SHARD"
+    return options
+
+
 class StateNotPlain(AssertionError):
     """The optimizer holds a sharded tensor type where torch.optim holds a plain tensor."""
 
@@ -101,7 +108,7 @@ class FSDP1Target(Target):
     name = "fsdp1"
     # FSDP1 records requires_grad when it wraps; it steps each rank's flat 1-D slice of a param
     spec = Spec(options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
-                may_flatten=True, flags_fixed=lambda options: True, component="FSDP")
+                may_flatten=True, flags_fixed=lambda options: True, fit_options=fit_options, component="FSDP")
     localizable = False  # wrapped module names differ from the reference's
     freeze_before_shard = True  # FSDP records requires_grad per original param when it flattens
 

@@ -215,6 +215,15 @@ def check(case) -> str | None:
     return None
 
 
+def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
+    """reshard_after_forward as an int divides the shard group (the outer
+    mesh dim under TP, else the inner one): True where it no longer does."""
+    raf, shard = options.get("reshard_after_forward"), mesh_shape[0] if options.get("tp") else mesh_shape[-1]
+    if type(raf) is int and not (1 < raf < shard and shard % raf == 0):
+        options["reshard_after_forward"] = True
+    return options
+
+
 def seq_multiple(options: dict, mesh_shape: tuple) -> int:
     """Sequence parallelism shards the sequence over the TP ranks: its length is a multiple of the TP degree."""
     return mesh_shape[-1] if options.get("sp") else 1
@@ -331,7 +340,7 @@ class FSDP2Target(Target):
     name = "fsdp2"
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
-                seq_multiple=seq_multiple, component="FSDP2")
+                seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2")
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:

@@ -14,6 +14,8 @@ ranks that hold the chunks, in chunk order).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -45,6 +47,15 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **_) -
     return {"shard": out}
 
 
+def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
+    """Each param's chunks on the ranks the world still has; a param left with none stays dense."""
+    if "shard" in options:
+        world = math.prod(mesh_shape)
+        shards = {n: {**s, "ranks": [r for r in s["ranks"] if r < world]} for n, s in options["shard"].items()}
+        options["shard"] = {n: s for n, s in shards.items() if s["ranks"]}
+    return options
+
+
 class ShardedParamsListed(AssertionError):
     """named_params_with_sharded_tensor lists other params than the module has."""
 
@@ -66,7 +77,7 @@ def _shard_slices(md) -> tuple:
 class ShardedOptimTarget(Target):
     name = "sharded_optim"
     # ShardedOptimizer takes one flat set of params, steps each local shard on its own
-    spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True,
+    spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True, fit_options=fit_options,
                 component="ShardedOptimizer")
     localizable = False  # the forward runs on gathered copies, not on the module's params
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 
 import torch
@@ -91,6 +92,20 @@ def draw_late_options(draw, case) -> dict:
     return out
 
 
+def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
+    """consolidate_to names a rank of the world; uneven holds a step count per
+    rank, one of them every step."""
+    world = math.prod(mesh_shape)
+    if options.get("consolidate_to", 0) >= world:
+        del options["consolidate_to"]
+    if "uneven" in options:
+        counts = (options["uneven"] + [n_steps] * world)[:world]
+        if max(counts) != n_steps:
+            counts[-1] = n_steps
+        options["uneven"] = counts
+    return options
+
+
 def check(case) -> str | None:
     uneven = case.target_options.get("uneven")
     if uneven is not None and (len(uneven) != case.world_size or max(uneven) != len(case.schedule) or min(uneven) < 1):
@@ -142,7 +157,7 @@ class ZeroTarget(Target):
                 late_options=draw_late_options,
                 checkpoint_kinds={"consolidate": "consolidate_state_dict + state_dict(), torch.save; "
                                                  "load_state_dict on every rank"},
-                flags_fixed=lambda options: "ddp" in options, check=check,
+                flags_fixed=lambda options: "ddp" in options, check=check, fit_options=fit_options,
                 component="ZeroRedundancyOptimizer")
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
 
