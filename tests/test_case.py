@@ -169,6 +169,22 @@ def test_tensor_parallel_on_a_tied_embedding_raises_a_clear_case_error():
     Case.from_dict(data).check_world()
 
 
+def test_a_targets_coverage_is_what_it_says_of_its_own_options():
+    """fsdp2 counts a decoder case by its TP plan's elements (the session summary's
+    "passing decoder cases by TP plan element" line); a topology, or a target that
+    says nothing (dtensor), counts in no such cell."""
+    from cases import simple_case
+    from fuzzshard import targets
+
+    data = _decoder_case(seq=2, tied=False)
+    data["target_options"] = {"tp": {"layers.0.attention": "heads", "output": "colwise"}, "sp": True, "wrap": []}
+    cover = targets.get("fsdp2").spec.coverage
+    assert cover(Case.from_dict(data)) == {"decoder cases by TP plan element": {"cases", "heads", "colwise", "sp"}}
+    data["target_options"] = {}
+    assert cover(Case.from_dict(data)) == {"decoder cases by TP plan element": {"cases", "no TP"}}
+    assert cover(simple_case(2)) == {} and targets.get("dtensor").spec.coverage is None
+
+
 def _decoder_case(seq: int, tied: bool) -> dict:
     """A one-block decoder fsdp2 case on a 2 x 2 mesh, as a dict to edit."""
     from cases import simple_case
