@@ -86,3 +86,42 @@ def test_simulate_refuses_a_target_it_cannot_carry_and_says_why(tmp_path):
     r = run_cli("fuzz", "--simulate", "--target", "fsdp2", "--max-examples", 1, "--out", tmp_path / "out")
     assert r.returncode == 2
     assert "--simulate runs dtensor; not fsdp2 (docs/simulate.md says why)" in r.stderr, r.stderr
+
+
+def _drawn(worlds, n: int, seed: int) -> list:
+    """``n`` dtensor cases per world size as a simulated session draws them (meshes of up to 3 dims)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    import fuzzshard.strategies as fst
+
+    out = []
+    for w in worlds:
+        @hseed(seed)
+        @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(fst.cases(target="dtensor", world_sizes=[w], checkpoint=False, mesh_dims=3))
+        def draw(case):
+            out.append(case)
+
+        draw()
+    return out
+
+
+def _untraced(x):
+    """A verdict without its tracebacks (the shortcuts add their own frames to them, nothing else)."""
+    if isinstance(x, dict):
+        return {k: _untraced(v) for k, v in x.items() if k != "traceback"}
+    return [_untraced(v) for v in x] if isinstance(x, list) else x
+
+
+def test_the_shortcuts_through_localtensor_change_no_verdict(monkeypatch):
+    """simulate_fast.py's shortcuts give the verdicts torch's own loop gives: parity numbers, errors, passes."""
+    cases = _drawn((5, 8, 12), 6, seed=7)
+    verdicts = {}
+    for shortcuts in ("1", "0"):
+        monkeypatch.setenv("FUZZSHARD_SIMULATE_SHORTCUTS", shortcuts)
+        with Pool(1, simulate=True, case_timeout=120) as pool:
+            verdicts[shortcuts] = [_untraced(pool.run(c).verdict) for c in cases]
+    assert {v["status"] for v in verdicts["0"]} >= {"pass", "finding"}
+    assert verdicts["1"] == verdicts["0"]

@@ -190,6 +190,7 @@ def _patched():
     from torch.distributed._local_tensor import enabled_local_tensor_mode
 
     from ..kernel import gather, run
+    from .simulate_fast import installed
 
     build_model, make_batch, run_sharded, batchable = (run.build_model, run.make_batch, run._run_sharded,
                                                        gather._gather_batchable)
@@ -225,7 +226,8 @@ def _patched():
     run.build_model, run.make_batch, run._run_sharded = built, batch, sharded
     gather._gather_batchable = lambda t: enabled_local_tensor_mode() is None and batchable(t)
     try:
-        yield
+        with installed():  # LocalTensorMode's costs a case does not need (simulate_fast.py)
+            yield
     finally:
         run.build_model, run.make_batch, run._run_sharded = build_model, make_batch, run_sharded
         gather._gather_batchable = batchable

@@ -1,0 +1,155 @@
+"""Three shortcuts through LocalTensorMode for a simulated case, each giving
+bit for bit what it replaces (docs/simulate.md, "Speed").
+
+LocalTensorMode (torch.distributed._local_tensor) runs every op once per
+simulated rank, and around each rank's run it saves and restores that rank's
+RNG state (a 5 KB copy each way, plus an accelerator query) and rebuilds the
+op's arguments through the generic pytree. At 64 ranks that, not the ops,
+is most of a case. A simulated worker runs only simulated cases, so while
+one runs (``installed()``) it takes three shortcuts:
+
+  * **the rank loop**: an op that draws no random numbers (no
+    ``nondeterministic_seeded`` tag) runs on each rank's tensors without the
+    RNG save/restore, which only a random op can notice, and its arguments
+    are rebuilt per rank by a plain walk over the lists, tuples and dicts an
+    aten op takes. Random ops, ``split`` and ``hash_tensor`` (special-cased
+    by torch) keep torch's loop;
+  * **sharding propagation's output metadata** (global shape, stride and
+    dtype of an op's result, from the global metadata of its inputs) is the
+    same on every rank, so it runs once with the mode off, as a real rank
+    runs it, not once per simulated rank on fake tensors;
+  * **splitting a tensor into shards** (``Shard._split_tensor``:
+    distribute_tensor's scatter, reduce-scatter's padding) runs once per
+    distinct tensor: every rank of a freshly distributed param holds the
+    same bytes, so splitting them W times into W chunks (W² ops at 64 ranks)
+    gives the same chunks as splitting one. Ranks holding the same bits share
+    the chunks, which these callers only read (scatter, cat, index).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed._local_tensor as ltm  # a simulated worker's import only: torch >= 2.10 (simulate.available)
+from torch._ops import OpOverload
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._local_tensor import (LocalTensor, _map_to_rank_local_val, enabled_local_tensor_mode,
+                                             maybe_disable_local_tensor_mode)
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> an int dtype to compare bits
+
+
+@contextlib.contextmanager
+def installed():
+    """The shortcuts, for the length of one simulated case (torch's own functions back afterwards);
+    none with FUZZSHARD_SIMULATE_SHORTCUTS=0 in the environment (to rule them out)."""
+    if os.environ.get("FUZZSHARD_SIMULATE_SHORTCUTS", "1") == "0":
+        yield
+        return
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.placement_types import Shard
+
+    saved = (ltm._for_each_rank_run_func, ShardingPropagator._propagate_tensor_meta_non_cached,
+             Shard.__dict__["_split_tensor_helper"])
+    ltm._for_each_rank_run_func = _rank_loop(saved[0])
+    ShardingPropagator._propagate_tensor_meta_non_cached = _meta_once(saved[1])
+    Shard._split_tensor_helper = staticmethod(_split_once(saved[2].__func__))
+    try:
+        yield
+    finally:
+        ltm._for_each_rank_run_func, ShardingPropagator._propagate_tensor_meta_non_cached = saved[:2]
+        Shard._split_tensor_helper = saved[2]
+
+
+def _rank_loop(torch_loop):
+    own_loop = (torch.ops.aten.split.Tensor, torch.ops.aten.hash_tensor.default)  # torch special-cases these
+    seeded, inplace_view = torch.Tag.nondeterministic_seeded, torch.Tag.inplace_view
+
+    def loop(func, ranks, args, kwargs, *, alias: bool = True):
+        if not isinstance(func, OpOverload) or seeded in func.tags or func in own_loop:
+            return torch_loop(func, ranks, args, kwargs, alias=alias)
+        a, k = _waited(args), _waited(kwargs)
+        results = {r: func(*_on_rank(a, r), **_on_rank(k, r)) for r in sorted(ranks)}
+        if ltm._is_inplace_op(func):  # as torch's loop: self, its size re-read after an in-place view op
+            if inplace_view in func.tags:
+                args[0]._sync_meta()
+            return args[0]
+        out = ltm._combine_rank_results(results, None)
+        return return_and_correct_aliasing(func, args, kwargs, out) if alias else out
+
+    return loop
+
+
+def _on_rank(x, r: int):
+    """``x`` with every LocalTensor (and per-rank int) replaced by rank ``r``'s."""
+    if isinstance(x, LocalTensor):
+        return x._local_tensors[r]
+    kind = type(x)
+    if kind is list or kind is tuple:
+        return kind([_on_rank(v, r) for v in x])
+    if kind is dict:
+        return {key: _on_rank(v, r) for key, v in x.items()}
+    return _map_to_rank_local_val(x, r) if kind is torch.SymInt else x
+
+
+def _waited(x):
+    """``x`` with every AsyncCollectiveTensor waited for (torch's loop does it first)."""
+    kind = type(x)
+    if kind is list or kind is tuple:
+        return kind([_waited(v) for v in x])
+    if kind is dict:
+        return {key: _waited(v) for key, v in x.items()}
+    return x.wait() if isinstance(x, AsyncCollectiveTensor) else x
+
+
+def _meta_once(propagate):
+    def meta(self, op_schema):
+        with maybe_disable_local_tensor_mode():
+            return propagate(self, op_schema)
+
+    return meta
+
+
+def _split_once(split):
+    def once(tensor, num_chunks, with_padding, contiguous, dim):
+        mode = enabled_local_tensor_mode()
+        # only where every rank's tensor has one shape (the pad sizes are then plain ints, the same on every
+        # rank) and no autograd graph is recorded through the split
+        groups = None
+        if mode is not None and isinstance(tensor, LocalTensor) and all(type(s) is int for s in tensor._size) \
+                and not (tensor.requires_grad and torch.is_grad_enabled()):
+            with mode.disable():
+                groups = _same_bits(tensor._local_tensors)
+        if groups is None or len(groups) == len(tensor._local_tensors):  # nothing to share
+            return split(tensor, num_chunks, with_padding, contiguous, dim)
+        with mode.disable():
+            per_rank = {}
+            for first, ranks in groups:
+                chunks, pads = split(first, num_chunks, with_padding, contiguous, dim)
+                per_rank.update((r, chunks) for r in ranks)
+            return [LocalTensor({r: per_rank[r][i] for r in sorted(per_rank)}) for i in range(len(chunks))], pads
+
+    return once
+
+
+def _same_bits(tensors: dict) -> list:
+    """[(a tensor, the ranks whose tensor has its dtype, strides and bits)], in rank order."""
+    groups: list = []
+    for r in sorted(tensors):
+        t = tensors[r]
+        for first, ranks in groups:
+            if first is t or _bit_equal(first, t):
+                ranks.append(r)
+                break
+        else:
+            groups.append((t, [r]))
+    return groups
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = _BITS.get(a.element_size())
+    if bits is None or a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+        return False
+    return torch.equal(a.view(bits), b.view(bits))
