@@ -151,17 +151,17 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
 
 
 @st.composite
-def _model(draw, spec, depth: int, families=("topologies",)):
+def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
     """A plugin's model (only those a target names in ``spec.models``, if it
-    does), or one of ``families``: a drawn topology, the decoder transformer.
-    No plugin model and topologies alone: the draw is as it always was."""
+    does), or one of ``families``: a drawn topology (dims 1..``max_dim``), the
+    decoder transformer. No plugin model and topologies alone: the draw is as it always was."""
     from .models import USER, decoders, user_models
 
     names = [n for n in USER if n in spec.models] if spec.models else list(USER)
     if names and (spec.models or draw(st.booleans())):
         return draw(user_models(names))
     family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
-    return draw(decoders()) if family == "decoder" else draw(models(depth))
+    return draw(decoders()) if family == "decoder" else draw(models(depth, max_dim))
 
 
 @st.composite
@@ -181,6 +181,7 @@ def cases(
     compile: bool = False,
     steer: dict | None = None,
     mesh_dims: int = 2,
+    dims_up_to_world: bool = False,
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
     into every case, False into none (targets whose spec has checkpoint kinds).
@@ -190,7 +191,9 @@ def cases(
     ``steer``: a timed session's weighted choices for this round (fuzzshard/session/schedule.py): ``plan``, (world
     size, None or (checkpoint kind, its world size)); ``optimizer``, (name, implementation); ``mesh``, world
     size -> mesh shapes; ``dtype``. Each a list, a cell as many times as its weight.
-    ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py)."""
+    ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py).
+    ``dims_up_to_world``: a topology's dims drawn up to max(9, world size), not 9 (a simulated session's: at
+    64 ranks, dims of 1-9 leave most shards empty); they shrink towards 1 as always."""
     spec = spec_of(target)
     steer = steer or {}
     plan = draw(st.sampled_from(steer["plan"])) if steer.get("plan") else None
@@ -201,7 +204,7 @@ def cases(
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world, mesh_dims)))
-    model = draw(_model(spec, depth, tuple(models)))
+    model = draw(_model(spec, depth, tuple(models), max(9, world) if dims_up_to_world else 9))
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]

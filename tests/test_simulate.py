@@ -61,6 +61,7 @@ def test_a_simulated_finding_is_confirmed_on_real_processes_or_kept_apart_as_a_l
     limit = json.loads((tmp_path / LIMITS / f"{bogus.signature}.json").read_text())
     assert limit["simulation"]["real"]["status"] == "pass" and (tmp_path / LIMITS / f"{bogus.signature}.py").exists()
     assert json.loads((tmp_path / f"{big.signature}.json").read_text())["simulation"]["status"] == "simulated only"
+    assert big.stage == "simulated only" and found.stage == "confirmed"  # what the FINDING line says (cli/fuzz.py)
 
 
 def test_meshes_of_three_dims_are_drawn_only_when_asked():

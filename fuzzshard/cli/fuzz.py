@@ -152,7 +152,9 @@ def _print_session_report(session, findings, out) -> None:
     stage = {"confirmed": "", "shrinking": " (shrunk in warm workers, not yet re-run fresh: `fuzzshard replay` it)",
              "unconfirmed": " (UNCONFIRMED: no time was left to re-run it in fresh workers)",
              "provisional": " (PROVISIONAL hang: it hung under a limit derived from passing cases; no time was left "
-                            "to confirm it at --case-timeout in fresh workers: `fuzzshard replay` it)"}
+                            "to confirm it at --case-timeout in fresh workers: `fuzzshard replay` it)",
+             "simulated only": " (SIMULATED ONLY: more ranks than this machine runs for real, so never run on real "
+                               "process groups: docs/simulate.md)"}
     groups = grouped(findings, matcher)
     for key, members in groups.items():  # new findings first: what the user came for
         if len(groups) > 1 or len(members) > 1 or key.startswith("root cause"):

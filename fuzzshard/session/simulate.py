@@ -50,6 +50,7 @@ THREE_DIM_TARGETS = ("dtensor",)
 REAL_MAX = int(os.environ.get("FUZZSHARD_REAL_MAX", "8"))
 DEFAULT_WORLD_SIZES = "5,6,7,8,12,16,32,64"
 SIMULATED_CASE_TIMEOUT = 600.0  # --case-timeout's default under --simulate (a 64-rank case takes a minute here)
+SIMULATED_ONLY = "simulated only"  # the stage of a finding too large to confirm here (cli/fuzz.py prints it)
 LIMITS = "simulation_limits"  # OUT/<this>/: simulated findings that do not reproduce on real process groups
 
 
@@ -92,7 +93,9 @@ def simulate_args(args) -> None:
     if args.case_timeout == 120.0:  # pool_args' default: a simulated case runs its W ranks one after the other
         args.case_timeout = SIMULATED_CASE_TIMEOUT
     args.simulate_workers = max(1, os.cpu_count() or 1)  # one simulated case per core, side by side
-    args.simulate_draws = {"mesh_dims": 3} if all(n in THREE_DIM_TARGETS for n in names) else {}
+    # dims that grow with the world size: at 64 ranks, dims of 1-9 would leave most shards empty
+    args.simulate_draws = {"dims_up_to_world": True, **({"mesh_dims": 3} if all(n in THREE_DIM_TARGETS for n in names)
+                                                        else {})}
 
 
 # -- the worker side ----------------------------------------------------------------------------------
@@ -253,7 +256,8 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr) -> dict:
         data = json.loads(path.read_text()) if path.exists() else f.to_dict()
         w = f.case.ranks
         if w > REAL_MAX:
-            data["simulation"] = {"status": "simulated only", "world_size": w,
+            f.stage = data["stage"] = SIMULATED_ONLY  # what the session's FINDING line and index say of it
+            data["simulation"] = {"status": SIMULATED_ONLY, "world_size": w,
                                   "why": f"{w} ranks: more than the {REAL_MAX} this machine runs for real"}
             atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
             result["simulated_only"].append(f.signature)
