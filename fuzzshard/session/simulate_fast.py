@@ -106,10 +106,21 @@ def _waited(x):
 
 def _meta_once(propagate):
     def meta(self, op_schema):
+        if _per_rank_int((op_schema.args_schema, op_schema.kwargs_schema)):  # a rank's own size: per rank, as torch
+            return propagate(self, op_schema)
         with maybe_disable_local_tensor_mode():
             return propagate(self, op_schema)
 
     return meta
+
+
+def _per_rank_int(x) -> bool:
+    """Whether ``x`` holds an int that differs between simulated ranks (a LocalIntNode)."""
+    if isinstance(x, (list, tuple)):
+        return any(_per_rank_int(v) for v in x)
+    if isinstance(x, dict):
+        return any(_per_rank_int(v) for v in x.values())
+    return isinstance(x, torch.SymInt) and isinstance(x.node, ltm.LocalIntNode)
 
 
 def _split_once(split):
