@@ -38,6 +38,7 @@ from torch.distributed._local_tensor import (LocalTensor, _map_to_rank_local_val
                                              maybe_disable_local_tensor_mode)
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+SHARED_MAX = 8  # a split is done once per distinct tensor where at most this many differ (a 2x4 mesh's 8)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> an int dtype to compare bits
 
 
@@ -133,7 +134,7 @@ def _split_once(split):
                 and not (tensor.requires_grad and torch.is_grad_enabled()):
             with mode.disable():
                 groups = _same_bits(tensor._local_tensors)
-        if groups is None or len(groups) == len(tensor._local_tensors):  # nothing to share
+        if groups is None:  # nothing (or too little) to share
             return split(tensor, num_chunks, with_padding, contiguous, dim)
         with mode.disable():
             per_rank = {}
@@ -145,8 +146,9 @@ def _split_once(split):
     return once
 
 
-def _same_bits(tensors: dict) -> list:
-    """[(a tensor, the ranks whose tensor has its dtype, strides and bits)], in rank order."""
+def _same_bits(tensors: dict) -> list | None:
+    """[(a tensor, the ranks whose tensor has its dtype, strides and bits)], in rank order; None where
+    more than SHARED_MAX differ (each rank's own sum, say: comparing them all would cost more than it saves)."""
     groups: list = []
     for r in sorted(tensors):
         t = tensors[r]
@@ -155,6 +157,8 @@ def _same_bits(tensors: dict) -> list:
                 ranks.append(r)
                 break
         else:
+            if len(groups) == min(SHARED_MAX, len(tensors) - 1):
+                return None
             groups.append((t, [r]))
     return groups
 
