@@ -9,7 +9,8 @@ is most of a case. A simulated worker runs only simulated cases, so while
 one runs (``installed()``) it takes three shortcuts:
 
   * **the rank loop**: an op that draws no random numbers (no
-    ``nondeterministic_seeded`` tag) runs on each rank's tensors without the
+    ``nondeterministic_seeded`` tag; or one of DTensor's per-rank padding and
+    shard-size helpers) runs on each rank's tensors without the
     RNG save/restore, which only a random op can notice, and its arguments
     are rebuilt per rank by a plain walk over the lists, tuples and dicts an
     aten op takes. Random ops, ``split`` and ``hash_tensor`` (special-cased
@@ -38,6 +39,10 @@ from torch.distributed._local_tensor import (LocalTensor, _map_to_rank_local_val
                                              maybe_disable_local_tensor_mode)
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+# DTensor's per-rank Python helpers (maybe_run_for_local_tensor: pad, unpad, shard sizes and offsets), which draw
+# no random numbers either; any other Python function keeps torch's loop
+RANDOM_FREE = ("torch.distributed.tensor.placement_types", "torch.distributed.tensor._collective_utils",
+               "torch.distributed.tensor._utils")
 SHARED_MAX = 8  # a split is done once per distinct tensor where at most this many differ (a 2x4 mesh's 8)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> an int dtype to compare bits
 
@@ -69,7 +74,8 @@ def _rank_loop(torch_loop):
     seeded, inplace_view = torch.Tag.nondeterministic_seeded, torch.Tag.inplace_view
 
     def loop(func, ranks, args, kwargs, *, alias: bool = True):
-        if not isinstance(func, OpOverload) or seeded in func.tags or func in own_loop:
+        if not (func.__module__ in RANDOM_FREE if not isinstance(func, OpOverload) else
+                seeded not in func.tags and func not in own_loop):
             return torch_loop(func, ranks, args, kwargs, alias=alias)
         a, k = _waited(args), _waited(kwargs)
         results = {r: func(*_on_rank(a, r), **_on_rank(k, r)) for r in sorted(ranks)}
