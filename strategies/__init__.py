@@ -189,8 +189,9 @@ def cases(
     ``models``: the model families drawn ("topologies", "decoder"; strategies/models.py).
     ``compile``: targets that can (fsdp2) also draw torch.compile of blocks and of the optimizer step.
     ``steer``: a timed session's weighted choices for this round (fuzzshard/session/schedule.py): ``plan``, (world
-    size, None or (checkpoint kind, its world size)); ``optimizer``, (name, implementation); ``mesh``, world
-    size -> mesh shapes; ``dtype``. Each a list, a cell as many times as its weight.
+    size, None or (checkpoint kind, its world size)); ``optimizer by world``, world size -> (name,
+    implementation) (pairs: the world size is drawn first); ``mesh``, world size -> mesh shapes; ``dtype``.
+    Each a list, a cell as many times as its weight.
     ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py).
     ``dims_up_to_world``: a topology's dims drawn up to max(9, world size), not 9 (a simulated session's: at
     64 ranks, dims of 1-9 leave most shards empty); they shrink towards 1 as always."""
@@ -208,8 +209,9 @@ def cases(
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]
-    if steer.get("optimizer"):
-        name, implementation = draw(st.sampled_from(steer["optimizer"]))
+    turns = (steer.get("optimizer by world") or {}).get(world)
+    if turns:
+        name, implementation = draw(st.sampled_from(turns))
         optimizer_names = [name]
     optim = draw(optimizers(optimizer_names, device, implementation))
     if not spec.named_params:

@@ -29,7 +29,8 @@ def test_a_timed_session_steers_each_round_to_what_it_covered_least(tmp_path):
     assert Session(None, ["dtensor"], tmp_path, max_examples=10)._steer("dtensor") == {}  # a count-bound one: free
     session._deadline = 1.0  # as run() sets it
     first = session._steer("dtensor")["steer"]
-    assert len(set(first["optimizer"])) == len(first["optimizer"])  # nothing covered: every cell once
+    for turns in first["optimizer by world"].values():  # nothing covered: every cell once, at each world size
+        assert len(set(turns)) == len(turns)
     worlds = {w for w, _ in first["plan"]}
     assert worlds == {1, 2, 3, 4}
     # every checkpoint kind x load world size is a cell, and half a world's draws have no checkpoint
@@ -41,8 +42,11 @@ def test_a_timed_session_steers_each_round_to_what_it_covered_least(tmp_path):
     for _ in range(40):
         session.schedule.record(case, valid=True)
     steer = session._steer("dtensor")["steer"]
-    assert steer["optimizer"].count(("AdamW", "fused")) == 1
-    assert steer["optimizer"][0] != ("AdamW", "fused") and steer["optimizer"].count(steer["optimizer"][0]) == ENERGY
+    at1 = steer["optimizer by world"][1]
+    assert at1.count(("AdamW", "fused")) == 1 and at1[0] != ("AdamW", "fused") and at1.count(at1[0]) == ENERGY
+    # pairs: fused AdamW was drawn only at world size 1, so at 3 it is as fresh as any other optimizer
+    at3 = steer["optimizer by world"][3]
+    assert len(set(at3)) == len(at3) and ("AdamW", "fused") in at3
     share = {w: sum(1 for x, _ in steer["plan"] if x == w) for w in (1, 2, 3, 4)}
     assert share[1] < share[2] == share[3] == share[4]
     assert steer["dtype"].count("float64") > steer["dtype"].count("float32")
@@ -60,7 +64,7 @@ def test_checkpoints_all_or_none_keep_their_meaning_in_the_plan(tmp_path):
     assert every and all(ck is not None for _, ck in every)
     none = sched.steer("dtensor", [1, 2], {"checkpoint": False})["steer"]["plan"]
     assert set(none) == {(1, None), (2, None)}
-    only = sched.steer("dtensor", [2], {"optimizer_names": ["Adagrad"]})["steer"]["optimizer"]
+    only = sched.steer("dtensor", [2], {"optimizer_names": ["Adagrad"]})["steer"]["optimizer by world"][2]
     assert {n for n, _ in only} == {"Adagrad"}
 
 
@@ -68,7 +72,7 @@ def test_the_strategy_draws_only_the_cells_it_is_steered_to():
     import fuzzshard.strategies as fst
 
     seen = []
-    steer = {"plan": [(4, ("dcp", 3))], "optimizer": [("Rprop", "foreach")], "mesh": {4: [(2, 2)]},
+    steer = {"plan": [(4, ("dcp", 3))], "optimizer by world": {4: [("Rprop", "foreach")]}, "mesh": {4: [(2, 2)]},
              "dtype": ["float64"]}
 
     @settings(max_examples=12, database=None, deadline=None, suppress_health_check=list(HealthCheck))

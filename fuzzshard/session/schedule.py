@@ -13,7 +13,12 @@ never-drawn cell gets ENERGY times the weight of one drawn as often as the
 most drawn, and the weights even out as the counts do.
 
 Steered jointly, as one cell each:
-  - *optimizer x implementation* (for-loop, foreach, fused);
+  - *optimizer x implementation* (for-loop, foreach, fused), and that with
+    the world size as a pair: each world size's cases go to the optimizers
+    least drawn *at that world size* (2-way coverage, as covering arrays give:
+    a bug that needs one optimizer at one world size, say Rprop at 3 ranks, is
+    met within one pass over the optimizers of that world size instead of by
+    chance at 1 in (optimizers x world sizes) per case);
   - *world size x checkpoint*: none, or kind x the world size it loads at (a
     case saved at 4 ranks and loaded at 3 is one cell); with checkpoints in
     some cases, the cases without one keep half of each world size's weight;
@@ -37,6 +42,7 @@ KNOWN_DRAWS = 3  # a case that hit a known bug counts as this many draws of its 
 # whatever else its cells hold hides behind that bug (its run stopped there, often with a pool restart)
 
 STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype")
+PAIRS = "world x optimizer"  # steered, counted, but not a table row: optimizers x world sizes cells are many
 DIMENSIONS = ("optimizer", "optimizer flag", "world x checkpoint", "mesh", "dtype", "target option", "groups",
               "frozen", "steps")
 
@@ -83,9 +89,9 @@ def checkpoint_cell(case) -> str:
 
 
 def features(case) -> list[tuple[str, str]]:
-    """(dimension, cell) for each cell ``case`` covers."""
+    """(dimension, cell) for each cell ``case`` covers (PAIRS too, which the coverage table leaves out)."""
     o = case.optim
-    out = [("optimizer", f"{o.name}·{o.implementation}")]
+    out = [("optimizer", f"{o.name}·{o.implementation}"), (PAIRS, f"W{case.world_size} {o.name}·{o.implementation}")]
     out += [("optimizer flag", f) for f in _opt_flags(o)]
     out.append(("world x checkpoint", checkpoint_cell(case)))
     out.append(("mesh", "x".join(map(str, case.mesh_shape))))
@@ -137,10 +143,10 @@ class Scheduler:
             names = [n for n in names if n not in NOT_ELEMENTWISE]
         impl = strategy_kwargs.get("implementation")
         turns = [(n, i) for n in names for i in implementations(n) if impl is None or i == impl]
-        steer = {"optimizer": weights({t: seen["optimizer", f"{t[0]}·{t[1]}"] for t in turns})}
-        steer["optimizer"] = [tuple(t) for t in steer["optimizer"]]
-
         worlds = sorted(set(world_sizes))
+        steer = {"optimizer by world": {w: weights({t: seen[PAIRS, f"W{w} {t[0]}·{t[1]}"] for t in turns})
+                                        for w in worlds}}
+
         checkpoint = strategy_kwargs.get("checkpoint")  # None: in some cases, True: every case, False: none
         kinds = list(spec.checkpoint_kinds or ()) if checkpoint is not False else []
         # each world size's share: by how often it has been drawn (least first); then its cells
