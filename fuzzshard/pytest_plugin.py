@@ -11,8 +11,8 @@
 It runs as it is, with Hypothesis's defaults: a test that takes ``fuzz_pool``
 runs without a deadline unless its settings name one other than the
 profile's (a case is a distributed run of seconds; a 200 ms deadline would
-turn the first one into ``DeadlineExceeded``). ``--hypothesis-profile ci``
-(20 examples) or ``soak`` and ``--hypothesis-seed N`` work as usual;
+turn the first one into ``DeadlineExceeded``). ``--hypothesis-profile fuzzshard-ci``
+(20 examples) or ``fuzzshard-soak`` and ``--hypothesis-seed N`` work as usual;
 ``--fuzzshard-worker-setup FILE`` patches torch in every worker,
 ``--fuzzshard-world-size N`` sizes the pool (default 4). A new finding fails
 the test and writes the same ``<signature>.json`` + ``.py`` a fuzz session
@@ -26,8 +26,13 @@ from hypothesis import HealthCheck, settings
 
 _RELAXED = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
             HealthCheck.function_scoped_fixture]
-settings.register_profile("ci", max_examples=20, deadline=None, suppress_health_check=_RELAXED, print_blob=True)
-settings.register_profile("soak", max_examples=100_000, deadline=None, suppress_health_check=_RELAXED, print_blob=True)
+# named apart from Hypothesis's own "ci", which it loads by itself wherever $CI is set: taking that name would
+# give every @given test of a user's suite 20 examples in their CI, not only the tests that fuzz with fuzzshard
+_BASE = settings.get_profile("default")
+settings.register_profile("fuzzshard-ci", _BASE, max_examples=20, deadline=None, suppress_health_check=_RELAXED,
+                          print_blob=True)
+settings.register_profile("fuzzshard-soak", _BASE, max_examples=100_000, deadline=None,
+                          suppress_health_check=_RELAXED, print_blob=True)
 
 
 def pytest_addoption(parser):

@@ -42,3 +42,17 @@ def test_a_failing_example_writes_the_finding_files_and_names_the_replay(tmp_pat
     assert f"replay: fuzzshard replay {found[0]}" in r.stdout, r.stdout[-3000:]
     again = run_cli("replay", found[0], setup="skip_weight_decay.py")  # the smallest example, as itself
     assert again.returncode == 1 and f"FAIL: {found[0].stem}" in again.stdout, again.stdout + again.stderr[-2000:]
+
+
+def test_the_plugins_profiles_leave_hypothesis_own_ci_profile_alone():
+    """Hypothesis loads its "ci" profile by itself wherever $CI is set: the plugin (loaded into every pytest of
+    an environment fuzzshard is installed in) must not change what that gives a user's other tests."""
+    from hypothesis import settings
+
+    import fuzzshard.pytest_plugin  # noqa: F401  (pytest loaded it already; the import says what is tested)
+
+    assert settings.get_profile("ci").max_examples == settings.get_profile("default").max_examples
+    assert settings.get_profile("ci").derandomize is True  # Hypothesis's own
+    assert settings.get_profile("fuzzshard-ci").max_examples == 20
+    assert settings.get_profile("fuzzshard-ci").deadline is None
+    assert settings.get_profile("fuzzshard-soak").max_examples == 100_000
