@@ -123,6 +123,6 @@ def test_the_shortcuts_through_localtensor_change_no_verdict(monkeypatch):
     for shortcuts in ("1", "0"):
         monkeypatch.setenv("FUZZSHARD_SIMULATE_SHORTCUTS", shortcuts)
         with Pool(1, simulate=True, case_timeout=120) as pool:
-            verdicts[shortcuts] = [_untraced(pool.run(c).verdict) for c in cases]
+            verdicts[shortcuts] = [_untraced(pool.run(c).verdict.to_dict()) for c in cases]
     assert {v["status"] for v in verdicts["0"]} >= {"pass", "finding"}
     assert verdicts["1"] == verdicts["0"]
