@@ -18,6 +18,10 @@ def test_corrupt_repro_file(tmp_path):
     _one_line_error(run_cli("replay", bad), "not valid JSON")
     _one_line_error(run_cli("show", bad), "not valid JSON")
     _one_line_error(run_cli("replay", tmp_path / "missing.json"), "cannot read")
+    case = tmp_path / "case.json"  # a bare case: show and script take it, upstream wants a finding
+    case.write_text(simple_case(2).to_json())
+    assert run_cli("show", case).returncode == 0
+    _one_line_error(run_cli("upstream", case), "case without a verdict", "fuzzshard replay")
 
 
 def test_unknown_target():

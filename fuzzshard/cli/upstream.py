@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import FILE_HELP, load_file
+from .common import FILE_HELP, UsageError, load_file
 
 
 def add(sub) -> None:
@@ -26,6 +26,9 @@ def run(args) -> int:
     from ..report.upstream import report
 
     finding = load_file(args.file)
+    if finding.verdict is None:  # an issue says what failed: a bare case has not failed yet
+        raise UsageError(f"{args.file} is a case without a verdict: `fuzzshard replay {args.file}` runs it; "
+                         "upstream takes the finding file a failing session or replay writes")
     out = Path(args.output) if args.output else None
     attachment = out.with_suffix(".repro.py") if out else Path("repro.py")
     text, attach = report(finding, load_known(), run=not args.no_run, attachment=attachment)
