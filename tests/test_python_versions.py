@@ -17,7 +17,7 @@ def test_pyproject_floor_and_backport():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'requires-python = ">=3.10"' in text
     assert "exceptiongroup>=1.0; python_version < '3.11'" in text
-    engine = (ROOT / "fuzzshard" / "engine.py").read_text()
+    engine = (ROOT / "fuzzshard" / "session" / "engine.py").read_text()
     assert "from exceptiongroup import BaseExceptionGroup" in engine
 
 
