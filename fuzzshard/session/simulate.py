@@ -49,7 +49,7 @@ THREE_DIM_TARGETS = ("dtensor",)
 # the largest world size confirmed on real process groups here (ranks are processes: 8 on this machine)
 REAL_MAX = int(os.environ.get("FUZZSHARD_REAL_MAX", "8"))
 DEFAULT_WORLD_SIZES = "5,6,7,8,12,16,32,64"
-SIMULATED_CASE_TIMEOUT = 600.0  # --case-timeout's default under --simulate (a 64-rank case takes a minute here)
+SIMULATED_CASE_TIMEOUT = 600.0  # --case-timeout's default under --simulate (a 64-rank case: seconds, a minute loaded)
 SIMULATED_ONLY = "simulated only"  # the stage of a finding too large to confirm here (cli/fuzz.py prints it)
 LIMITS = "simulation_limits"  # OUT/<this>/: simulated findings that do not reproduce on real process groups
 

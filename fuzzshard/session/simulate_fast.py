@@ -74,7 +74,7 @@ def _rank_loop(torch_loop):
     seeded, inplace_view = torch.Tag.nondeterministic_seeded, torch.Tag.inplace_view
 
     def loop(func, ranks, args, kwargs, *, alias: bool = True):
-        if not (func.__module__ in RANDOM_FREE if not isinstance(func, OpOverload) else
+        if not (getattr(func, "__module__", None) in RANDOM_FREE if not isinstance(func, OpOverload) else
                 seeded not in func.tags and func not in own_loop):
             return torch_loop(func, ranks, args, kwargs, alias=alias)
         a, k = _waited(args), _waited(kwargs)
