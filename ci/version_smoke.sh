@@ -1,43 +1,171 @@
 #!/usr/bin/env bash
-# The version smoke pass (issue 29): fuzzshard on one more torch release, beside CI's full suite on the
-# pinned 2.13.0. In a venv outside the repo (reused when it already holds that torch):
-#   1. a clean session over every target: no new signature expected, and never a contaminated verdict or an
-#      internal error (OUT/contaminated/, OUT/internal/ must stay empty: those are fuzzshard's faults);
-#   2. the floor check and the version module's tests (tests/test_versions.py: no pool, seconds);
-#   3. `fuzzshard known --check` on a sample of the known list (KNOWN_SAMPLE root causes' findings,
-#      default 4): a known bug that stops reproducing is printed, not a failure (torch may have fixed it);
-#      a run that cannot replay them is.
+# The version smoke pass (issue 29): fuzzshard on one more torch release, beside CI's full suite on the pinned
+# 2.13.0. In a venv outside the repo, kept in a cache and reused; the checks run cheapest and likeliest to fail
+# first, and the first that fails ends this release's smoke:
+#   venv     the release installed (torch --no-deps plus the CUDA libraries torch links at import, without
+#            triton and cusolver: a CPU run never loads them), fuzzshard installed from this tree (-e, no deps);
+#   version  tests/test_versions.py (the floor, the version module's bridges; no pool, seconds);
+#   known    `fuzzshard known --check --sample KNOWN_SAMPLE` (a pool and a few cases: tens of seconds): a known
+#            bug that no longer reproduces is counted (torch may have fixed it), a replay that fuzzshard itself
+#            cannot run there ("differs (error)") fails;
+#   planted  the fastest planted bug (SMOKE_PLANTED, a test_planted.py node) found, shrunk, replayed with and
+#            without the bug, and its script run under torchrun both ways, on this release;
+#   clean    a session over every target (ci/smoke_session.py): each target must run cases to a verdict, and
+#            never a contaminated verdict or an internal error (OUT/contaminated/, OUT/internal/: fuzzshard's
+#            faults on this release, never torch's); a new signature is this release's own torch bug, counted,
+#            not a failure.
+# One line per check: "smoke torch V: ok|FAIL|skip CHECK ..."; a failing check adds the tail of its log.
+# Exit status: the number of failed checks.
 # usage: ci/version_smoke.sh TORCH_VERSION [OUT_DIR]     e.g. ci/version_smoke.sh 2.14.1
-# env:   VENVS (where the venvs live, default ~/.cache/fuzzshard/venvs), EXAMPLES (per target, default 6), KNOWN_SAMPLE (default 4); measured: 223 s on 2.14.1 with the venv already there (42 s of it pip -e), on a loaded 2-core machine
-set -euo pipefail
+# env:   VENVS          where the venvs live (default ~/.cache/fuzzshard/venvs; one per release, torch-V/)
+#        SMOKE_CACHED_ONLY=1  skip (one line, exit 0) unless the release's venv is already there
+#        SMOKE_VENV_ONLY=1    build (or check) the venv and stop: fills the cache ahead of CI
+#        EXAMPLES (valid cases per target, default 5), SMOKE_WORLDS (default 2), KNOWN_SAMPLE (default 3),
+#        SMOKE_PLANTED (default the sharded_optim_skip_dense node), SMOKE_STEP_TIMEOUT (s per check, default 600)
+# Timings: docs/versions.md ("CI over versions").
+set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 V=${1:?usage: ci/version_smoke.sh TORCH_VERSION [OUT_DIR]}
 OUT=${2:-$(mktemp -d -t "smoke-$V-XXXX")}
 mkdir -p "$OUT"
-VENV=${VENVS:-$HOME/.cache/fuzzshard/venvs}/torch-$V
-EXAMPLES=${EXAMPLES:-6}
+VENVS=${VENVS:-$HOME/.cache/fuzzshard/venvs}
+VENV=$VENVS/torch-$V
+EXAMPLES=${EXAMPLES:-5}
+WORLDS=${SMOKE_WORLDS:-2}
+PLANTED=${SMOKE_PLANTED:-"tests/test_planted.py::test_planted_target_bug_is_found_shrunk_and_replays[sharded_optim_skip_dense]"}
+STEP_TIMEOUT=${SMOKE_STEP_TIMEOUT:-600}
+export PIP_CONSTRAINT=/dev/null  # a release above the machine's pip constraint needs it off (harmless below)
 t0=$SECONDS
-have=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
-if [ "$have" != "$V" ]; then
-  python3 -m venv "$VENV"
-  # a release above the machine's pip constraint needs it off; --no-compile: torch's .pyc are not worth a minute
-  PIP_CONSTRAINT=/dev/null "$VENV/bin/pip" install -q --no-compile "torch==$V" 'hypothesis>=6.100' numpy pytest pytest-timeout redis
-fi
-PIP_CONSTRAINT=/dev/null "$VENV/bin/pip" install -q --no-compile --no-deps -e .
-echo "smoke torch $V: venv ready in $((SECONDS - t0))s"
+failed=0
 
-"$VENV/bin/fuzzshard" fuzz --target all --max-examples "$EXAMPLES" --world-sizes 1,2 --seed 5 --out "$OUT/fuzz" \
-  > "$OUT/fuzz.log" 2>&1 || [ $? -eq 1 ]   # 1: findings (a new torch bug is a success, not a failure)
-tail -n 6 "$OUT/fuzz.log"
+say() { echo "smoke torch $V: $*"; }
+fail() {  # fail CHECK WHAT LOG
+  took; say "FAIL $1  $2 ($TOOK)"
+  [ -f "$3" ] && tail -n 15 "$3" | sed 's/^/    | /'
+  say "     log: $3"
+  failed=$((failed + 1))
+}
+start() { t_step=$SECONDS; }
+took() { TOOK="$((SECONDS - t_step))s"; }
+finish() { say "done in $((SECONDS - t0))s, $failed failed ($OUT)"; exit "$failed"; }
+
+# ---- venv: reused when its marker says it is whole; built (under a lock: CI runs may share the cache) when not
+mkdir -p "$VENVS"
+exec 9>"$VENV.lock"
+flock 9
+# the Hypothesis the suite runs with (the planted seeds depend on its draws): the repo's .venv's, when there
+HYP=$("$ROOT/.venv/bin/python" -c 'import hypothesis; print(hypothesis.__version__)' 2>/dev/null || true)
+want_hyp=${HYP:+hypothesis==$HYP}
+want_hyp=${want_hyp:-hypothesis>=6.100}
+start
+# what the venv holds, in one interpreter start: torch's version and the Hypothesis beside it ("" if not whole)
+holds() { "$VENV/bin/python" -c 'import torch, hypothesis, numpy, pytest, pytest_timeout, redis
+print(torch.__version__, hypothesis.__version__)' 2>>"$OUT/venv.log"; }
+have=""
+[ -f "$VENV/.fuzzshard-smoke" ] && have=$(holds)
+case "${have%% *}" in "$V"|"$V"+*) how="cached" ;; *) have="" ;; esac
+if [ -z "$have" ] && [ "${SMOKE_CACHED_ONLY:-0}" = 1 ]; then
+  say "skip venv  torch $V is not cached in $VENVS, and building it downloads GBs (docs/versions.md); to cache it once: SMOKE_VENV_ONLY=1 ci/version_smoke.sh $V"
+  exit 0
+elif [ -z "$have" ]; then
+  how="built"
+  rm -rf "$VENV"
+  {
+    python3 -m venv "$VENV" &&
+    "$VENV/bin/pip" install --no-compile --no-deps "torch==$V" &&
+    deps=$("$VENV/bin/python" - <<'EOF'
+from importlib import metadata
+# torch's requirements less what a CPU run never loads: triton (torch.compile's GPU code generator) and cusolver
+# (only libtorch_cuda_linalg links it, loaded on a CUDA linear-algebra call); import torch is checked below
+skip = ("triton", "nvidia-cusolver")
+for req in metadata.requires("torch") or []:
+    spec, _, marker = req.partition(";")
+    if "extra ==" not in marker and "python_version >=" not in marker and not spec.strip().startswith(skip):
+        print(spec.replace(" ", ""))
+EOF
+) &&
+    "$VENV/bin/pip" install --no-compile $deps "$want_hyp" numpy pytest pytest-timeout redis &&
+    { "$VENV/bin/python" -c 'import torch, torch.distributed.tensor, torch.distributed.fsdp' ||
+      { echo "slim install does not import: the full one"; "$VENV/bin/pip" install --no-compile "torch==$V"; }; }
+  } >> "$OUT/venv.log" 2>&1 || { fail venv "pip could not install torch $V" "$OUT/venv.log"; finish; }
+  have=$(holds)
+  echo "torch=$V" > "$VENV/.fuzzshard-smoke"
+fi
+if [ -n "$HYP" ] && [ "${have#* }" != "$HYP" ]; then
+  "$VENV/bin/pip" install --no-compile "$want_hyp" >> "$OUT/venv.log" 2>&1 ||
+    { fail venv "pip could not install $want_hyp" "$OUT/venv.log"; finish; }
+fi
+"$VENV/bin/pip" install --no-compile --no-deps -e . >> "$OUT/venv.log" 2>&1 ||
+  { fail venv "pip install -e . failed" "$OUT/venv.log"; finish; }
+got=${have%% *}
+case "$got" in
+  "$V"|"$V"+*) ;;
+  *) fail venv "the venv has torch '$got', not $V" "$OUT/venv.log"; finish ;;
+esac
+say "ok   venv  torch $got, $how in $((SECONDS - t_step))s ($VENV$([ "$how" = built ] && echo ", $(du -sh "$VENV" | cut -f1)"))"
+
+[ "${SMOKE_VENV_ONLY:-0}" = 1 ] && exit 0
+PY="$VENV/bin/python"
+run() { timeout -k 10 "$STEP_TIMEOUT" "$@"; }
+
+# ---- version: seconds, and the likeliest to fail on a release fuzzshard's own code does not know
+start
+if run "$PY" -m pytest -q -p no:cacheprovider tests/test_versions.py > "$OUT/version.log" 2>&1; then
+  say "ok   version  tests/test_versions.py: $(tail -n 1 "$OUT/version.log" | tr -d '=' | sed 's/^ *//')"
+else
+  fail version "tests/test_versions.py" "$OUT/version.log"; finish
+fi
+
+# ---- known: a few known findings replay
+start
+if run "$VENV/bin/fuzzshard" known --check --sample "${KNOWN_SAMPLE:-3}" --json "$OUT/known.json" \
+    > "$OUT/known.log" 2>&1 && [ -f "$OUT/known.json" ]; then
+  counts=$("$PY" - "$OUT/known.json" <<'EOF'
+import json, sys
+got = [s.split(" ")[0] for s in json.load(open(sys.argv[1]))["results"].values()]
+own = [s for s in json.load(open(sys.argv[1]))["results"].values() if s == "differs (error)"]
+print(f"{got.count('reproduces')} reproduce, {got.count('fixed')} fixed, {got.count('differs')} differ"
+      + (f"; {len(own)} could not run (fuzzshard's error)" if own else ""))
+EOF
+)
+  case "$counts" in
+    *"could not run"*) fail known "--sample ${KNOWN_SAMPLE:-3}: $counts" "$OUT/known.log" ;;
+    *) took; say "ok   known  --check --sample ${KNOWN_SAMPLE:-3}: $counts ($TOOK)" ;;
+  esac
+else
+  fail known "fuzzshard known --check could not replay" "$OUT/known.log"
+fi
+[ "$failed" -eq 0 ] || finish
+
+# ---- planted: the oracles find a bug on this release (the fastest planted test)
+start
+if run "$PY" -m pytest -q -p no:cacheprovider "$PLANTED" > "$OUT/planted.log" 2>&1; then
+  took; say "ok   planted  ${PLANTED##*::}: found, shrunk, replays ($TOOK)"
+else
+  fail planted "${PLANTED##*::}" "$OUT/planted.log"; finish
+fi
+
+# ---- clean: every target, unmodified torch
+start
+run "$PY" ci/smoke_session.py --target all --max-examples "$EXAMPLES" --world-sizes "$WORLDS" --seed 5 \
+  --shrink-budget 10s --case-timeout 60 --out "$OUT/fuzz" > "$OUT/fuzz.log" 2>&1
+rc=$?
 bad=$( (find "$OUT/fuzz/contaminated" "$OUT/fuzz/internal" -name '*.json' 2>/dev/null || true) | wc -l)
-if [ "$bad" -ne 0 ]; then
-  echo "smoke torch $V: FAIL: $bad contaminated or internal-error case(s) (fuzzshard's fault, never torch's):"
-  find "$OUT/fuzz/contaminated" "$OUT/fuzz/internal" -name '*.json'
-  exit 1
+new=$(find "$OUT/fuzz" -maxdepth 1 -name '*.json' 2>/dev/null | wc -l)
+cases=$(grep -E '^[0-9]+ cases · ' "$OUT/fuzz.log" | tail -n 1 | sed 's/ · [0-9.]* cases\/s//')
+# every target ran cases to a verdict (ci/smoke_session.py counts them): not only invalid draws
+idle=$(sed -n 's/^smoke-target \([a-z_0-9]*\): 0 ran.*/\1/p' "$OUT/fuzz.log" | tr '\n' ' ')
+ntargets=$(grep -c '^smoke-target ' "$OUT/fuzz.log")
+if [ "$rc" -gt 1 ]; then
+  fail clean "the session exited $rc" "$OUT/fuzz.log"
+elif [ "$bad" -ne 0 ]; then
+  fail clean "$bad contaminated or internal-error case(s): fuzzshard's fault on this release, never torch's" \
+    "$OUT/fuzz.log"
+  find "$OUT/fuzz/contaminated" "$OUT/fuzz/internal" -name '*.json' 2>/dev/null | sed 's/^/    /'
+elif [ "$ntargets" -eq 0 ] || [ -n "$idle" ]; then
+  fail clean "no case reached a verdict on: ${idle:-any target}" "$OUT/fuzz.log"
+else
+  took; say "ok   clean  $ntargets targets, ${cases:-? cases}, $new new signature(s), 0 contaminated, 0 internal errors ($TOOK)"
 fi
-echo "smoke torch $V: clean session in $((SECONDS - t0))s: $(find "$OUT/fuzz" -maxdepth 1 -name '*.json' | wc -l) new signature(s)"
-
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_versions.py
-"$VENV/bin/fuzzshard" known --check --sample "${KNOWN_SAMPLE:-4}" --json "$OUT/known.json" > "$OUT/known.log" 2>&1
-tail -n 8 "$OUT/known.log"
-echo "smoke torch $V: done in $((SECONDS - t0))s ($OUT)"
+finish
