@@ -2,13 +2,13 @@
 # CI over torch releases (issue 29): .ci/run calls this after the suite on the pinned 2.13.0 has passed. Runs
 # ci/version_smoke.sh on each release in FUZZSHARD_CI_VERSIONS, a few lines each, then one closing line
 # "N passed, N failed" (and ", N skipped") counting the smoke's checks; exit 1 if any failed.
-# FUZZSHARD_CI_VERSIONS: releases, space-separated (default "2.14.1 2.9.1:cached"); "" skips the smoke and prints
+# FUZZSHARD_CI_VERSIONS: releases, space-separated (default "2.14.1 2.9.1"); "" skips the smoke and prints
 #   nothing (so the suite's own closing line stays the last). A release written V:cached runs only when its venv
 #   is already in the cache (VENVS, default ~/.cache/fuzzshard/venvs), else one "skip" line says so: building it
 #   from nothing downloads GBs (docs/versions.md, "CI over versions"); `ci/version_smoke.sh V` once caches it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-VERSIONS=${FUZZSHARD_CI_VERSIONS-2.14.1 2.9.1:cached}
+VERSIONS=${FUZZSHARD_CI_VERSIONS-2.14.1 2.9.1}
 [ -n "${VERSIONS// /}" ] || exit 0
 LOGS=$(mktemp -d -t fuzzshard-versions-XXXX)
 t0=$SECONDS
