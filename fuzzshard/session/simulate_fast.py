@@ -1,4 +1,4 @@
-"""Three shortcuts through LocalTensorMode for a simulated case, each giving
+"""Four shortcuts through LocalTensorMode for a simulated case, each giving
 bit for bit what it replaces (docs/simulate.md, "Speed").
 
 LocalTensorMode (torch.distributed._local_tensor) runs every op once per
@@ -6,7 +6,7 @@ simulated rank, and around each rank's run it saves and restores that rank's
 RNG state (a 5 KB copy each way, plus an accelerator query) and rebuilds the
 op's arguments through the generic pytree. At 64 ranks that, not the ops,
 is most of a case. A simulated worker runs only simulated cases, so while
-one runs (``installed()``) it takes three shortcuts:
+one runs (``installed()``) it takes four shortcuts:
 
   * **the rank loop**: an op that draws no random numbers (no
     ``nondeterministic_seeded`` tag; or one of DTensor's per-rank padding and
@@ -24,7 +24,11 @@ one runs (``installed()``) it takes three shortcuts:
     distinct tensor: every rank of a freshly distributed param holds the
     same bytes, so splitting them W times into W chunks (W² ops at 64 ranks)
     gives the same chunks as splitting one. Ranks holding the same bits share
-    the chunks, which these callers only read (scatter, cat, index).
+    the chunks, which these callers only read (scatter, cat, index);
+  * **an all-gather's or reduce-scatter's re-cat on another dim** (funcol's
+    chunk-and-cat of the gathered tensor) runs on each rank's own tensor with
+    the mode off: through the mode, W chunk views each re-entered it once per
+    rank to fix their aliasing (W² entries, each copying W RNG states).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import contextlib
 import os
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.distributed._local_tensor as ltm  # a simulated worker's import only: torch >= 2.10 (simulate.available)
 from torch._ops import OpOverload
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -58,15 +63,17 @@ def installed():
     from torch.distributed.tensor.placement_types import Shard
 
     saved = (ltm._for_each_rank_run_func, ShardingPropagator._propagate_tensor_meta_non_cached,
-             Shard.__dict__["_split_tensor_helper"])
+             Shard.__dict__["_split_tensor_helper"], funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat)
     ltm._for_each_rank_run_func = _rank_loop(saved[0])
     ShardingPropagator._propagate_tensor_meta_non_cached = _meta_once(saved[1])
     Shard._split_tensor_helper = staticmethod(_split_once(saved[2].__func__))
+    funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = _each_rank(saved[3]), _each_rank(saved[4])
     try:
         yield
     finally:
         ltm._for_each_rank_run_func, ShardingPropagator._propagate_tensor_meta_non_cached = saved[:2]
         Shard._split_tensor_helper = saved[2]
+        funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = saved[3:]
 
 
 def _rank_loop(torch_loop):
@@ -128,6 +135,23 @@ def _per_rank_int(x) -> bool:
     if isinstance(x, dict):
         return any(_per_rank_int(v) for v in x.values())
     return isinstance(x, torch.SymInt) and isinstance(x.node, ltm.LocalIntNode)
+
+
+def _each_rank(regroup):
+    """``regroup(t, ...)`` run on each rank's own tensor with the mode off, the results one LocalTensor (as
+    LocalTensor's own maybe_run_for_local_tensor helpers run), where ``t`` is a LocalTensor of one shape on
+    every rank and the rest is the same on every rank: then each rank's chunks and cat are what the mode's
+    ops give. (Of different shapes, the mode pads a rank's shorter list of chunks with empty ones, and its
+    cat may raise where a real rank's does not: that stays as torch has it, a LocalTensor limitation.)"""
+    def per_rank(t, *args, **kwargs):
+        mode = enabled_local_tensor_mode()
+        if mode is None or not isinstance(t, LocalTensor) or not all(type(s) is int for s in t._size) \
+                or (t.requires_grad and torch.is_grad_enabled()) or _per_rank_int((args, kwargs)):
+            return regroup(t, *args, **kwargs)
+        with mode.disable():
+            return LocalTensor({r: regroup(x, *args, **kwargs) for r, x in sorted(t._local_tensors.items())})
+
+    return per_rank
 
 
 def _split_once(split):
