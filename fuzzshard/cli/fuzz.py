@@ -96,6 +96,10 @@ def run(args) -> int:
     pool = start_pool(args, args.simulate_workers if args.simulate else max(sizes), log_dir=os.path.join(args.out, "logs"),
                       spare=True, placed=not args.one_at_a_time)
     try:
+        if args.simulate:  # its book sets LocalTensor's own errors aside unshrunk, for the real check (simulate.py)
+            from ..session.simulate import simulated_session
+
+            Session = simulated_session()
         session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
                           duration=duration, seed=seed, device=args.device, strategy_kwargs=draws,
                           database=database, shrink_budget=shrink_budget, plugins=args.plugin or (),
@@ -111,11 +115,12 @@ def run(args) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # closing the pool is not to be interrupted
         pool.close()
     findings = list(session.findings.values())
-    if args.simulate and findings:  # a simulated finding is one only once real process groups fail the same way
+    set_aside = getattr(session.book, "set_aside", None) if session else None
+    if args.simulate and (findings or set_aside):  # a simulated finding is one only once real processes fail the same way
         from ..session.simulate import confirm
 
-        confirm(findings, args.out, args)
-        findings = [f for f in findings if os.path.exists(os.path.join(args.out, f"{f.signature}.json"))]
+        found = confirm(findings, args.out, args, set_aside=set_aside).get("found", [])
+        findings = [f for f in findings + found if os.path.exists(os.path.join(args.out, f"{f.signature}.json"))]
     _print_session_report(session, findings, args.out)
     if findings:
         return 1

@@ -116,6 +116,7 @@ class SimulatedWorld:
             return
         if dist.is_initialized():
             dist.destroy_process_group()
+            _forget_meshes()
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
@@ -160,6 +161,25 @@ class SimulatedWorld:
                 yield
         finally:
             c10d._world.default_pg = saved
+
+
+def _forget_meshes() -> None:
+    """DTensor's sharding cache, emptied when the fake world is made anew. DeviceMesh equality ignores the
+    process groups (rank map, layout, device type, dim names), so a cached decision made on an earlier
+    world's mesh hands the next world's same-shaped mesh's outputs that old mesh: its group names are
+    those of destroyed groups (``Could not resolve the process group registered under the name 565``) or,
+    where a name was given anew, of another group of the new world (``narrow(): length must be
+    non-negative``). Seen as contaminated verdicts (warm workers only) in a session over world sizes 5-64;
+    a real pool's world is made once, so it never meets this."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    cache = getattr(getattr(DTensor._op_dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
+    if hasattr(cache, "cache_clear"):
+        cache.cache_clear()  # the Python one
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's (>= 2.10)
+    if clear is not None:
+        clear()
 
 
 def rank0(x):
@@ -236,15 +256,86 @@ def _patched():
         gather._gather_batchable = batchable
 
 
+# -- the driver side: LocalTensor's own errors, set aside unshrunk -------------------------------------
+# Errors LocalTensor itself raises where a real rank could not: a simulated
+# case that ends in one is no finding of the kind a real run gives, so the
+# session neither confirms it in fresh simulated workers nor shrinks it (a
+# minute or more of simulated cases, for a file the real check then sets
+# apart): its smallest case (of <= REAL_MAX ranks; a larger one shrinks as
+# any finding, so that a real run can judge it) goes straight to the
+# real-process check at the session's end (confirm(set_aside=...)), which
+# stays the judge. Each is the message's text, and why (docs/simulate.md):
+LOCAL_TENSOR_ERRORS = {
+    # _local_tensor's _combine_any_rank_results: an op's result other than a tensor or an int differs between
+    # the simulated ranks. Seen: Adafactor's p.norm(2).item() where the norm is Partial (a float per rank), and
+    # torch.chunk of a LocalTensor whose ranks hold shards of different lengths (lists of different lengths)
+    "Non Tensor or int rank results must be equal for all ranks":
+        "an op's non-tensor, non-int results differ between the simulated ranks (a float from .item(), a list "
+        "of another length per rank): LocalTensor carries per-rank tensors and ints only",
+    # a per-rank size (LocalIntNode, a SymInt's node) asked what only a symbolic shape answers: indexing with a
+    # boolean mask whose length differs between the ranks (MaskPartial's buffer over uneven shards)
+    "'torch._C._SymNode' object has no attribute":
+        "a per-rank size (LocalIntNode) lacks a SymNode method torch asks of it (statically_known_true, ...)",
+}
+
+
+def local_tensor_error(verdict) -> str | None:
+    """Why a simulated verdict ended in one of LocalTensor's own errors (LOCAL_TENSOR_ERRORS), or None."""
+    if not verdict.is_finding or verdict.error is None:
+        return None
+    message = verdict.error_record.message or ""
+    return next((why for text, why in LOCAL_TENSOR_ERRORS.items() if text in message), None)
+
+
+def simulated_session():
+    """fuzz --simulate's Session class: its book sets LocalTensor's own errors
+    aside, unshrunk, for the real-process check (``SimulatedBook``)."""
+    from ..findings.life import FindingBook, _smaller
+    from .engine import Session
+
+    class SimulatedBook(FindingBook):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.set_aside: dict = {}  # signature -> (its smallest case, verdict, why, hits)
+
+        def accept(self, sig: str, case, verdict) -> bool:
+            why = local_tensor_error(verdict)
+            held = self.set_aside.get(sig)
+            if why is None or sig in self.tracks or (held is None and case.ranks > REAL_MAX):
+                # a larger case than real processes run here shrinks as any finding, so a real run can judge it
+                return super().accept(sig, case, verdict)
+            if held is None:
+                self._say(f"{sig}: LocalTensor's own error ({why}): not shrunk, set aside for the real-process "
+                          f"check at the session's end")
+            hits = held[3] + 1 if held else 1
+            best = (case, verdict) if held is None or _smaller(case, held[0]) else held[:2]
+            self.set_aside[sig] = (*best, why, hits)
+            return False
+
+    class SimulatedSession(Session):
+        def _new_book(self, *args, **kwargs):
+            return SimulatedBook(*args, **kwargs)
+
+    return SimulatedSession
+
+
 # -- the driver side: confirming on real process groups ------------------------------------------------
-def confirm(findings: list, out: str | Path, args, progress=sys.stderr) -> dict:
+def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_aside: dict | None = None) -> dict:
     """Each simulated finding's case run on real gloo process groups (fresh
     workers, its own world size) where it fits this machine (<= REAL_MAX):
       * the same signature: confirmed, its file says so (``simulation``);
       * anything else: a LocalTensor limitation (or a harness one), its files
         moved to OUT/simulation_limits/ with what the real run said;
       * larger than REAL_MAX: "simulated only", its file says so.
-    Returns {"confirmed": [...], "limits": [...], "simulated_only": [...]} (signatures)."""
+    Returns {"confirmed": [...], "limits": [...], "simulated_only": [...]} (signatures).
+
+    ``set_aside`` (SimulatedBook's: signature -> (case, verdict, why, hits)):
+    LocalTensor's own errors, unshrunk, each run on real processes too: the
+    same signature there makes it a finding after all; another finding there
+    that is not a known one is written as a finding of its own (the real
+    run's signature: a real bug the simulated run only stumbled over); else
+    (a pass, a known bug) it goes to OUT/simulation_limits/. Then the result
+    also holds "set_aside" (signatures) and "found" (the Findings written)."""
     from ..cli.common import start_pool
     from ..findings.record import atomic_write
     from ..findings.judge import judge
@@ -290,7 +381,64 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr) -> dict:
             result["limits"].append(f.signature)
             print(f"fuzzshard: {f.signature}: not a finding: real processes give {j.label} "
                   f"-> {limits}/{f.signature}.json (a LocalTensor limitation)", file=progress)
+    if set_aside:
+        result.update(set_aside=[], found=[])
+        _confirm_set_aside(set_aside, out, args, result, progress)
     return result
+
+
+def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress) -> None:
+    from ..cli.common import start_pool
+    from ..findings.judge import judge
+    from ..findings.record import Finding, atomic_write, environment, load_known, summary, write_finding
+    from ..findings import repro
+
+    known = load_known()
+    limits = out / LIMITS
+    for sig, (case, verdict, why, hits) in sorted(set_aside.items()):
+        w = case.ranks
+        result["set_aside"].append(sig)
+        data = {"signature": sig, "summary": summary(verdict), "case": json.loads(case.to_json()),
+                "verdict": verdict.to_dict(), "stage": "set aside unshrunk", "hits": hits}
+        if w > REAL_MAX:  # SimulatedBook sets aside only what fits; FUZZSHARD_REAL_MAX may have changed since
+            data["simulation"] = {"status": f"LocalTensor's own error ({why}); {SIMULATED_ONLY}: {w} ranks"}
+            limits.mkdir(parents=True, exist_ok=True)
+            atomic_write(limits / f"{sig}.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+            result["limits"].append(sig)
+            continue
+        print(f"fuzzshard: {sig}: LocalTensor's own error, {hits} case(s); its smallest on {w} real gloo processes",
+              file=progress, flush=True)
+        pool = start_pool(argparse.Namespace(**{**vars(args), "simulate": False}), w)
+        try:
+            j = judge(pool, case, known)
+            env = environment(pool.info, pool.options["backend"], pool.options["device"])
+        finally:
+            pool.close()
+        real = {"signature": j.signature, "status": j.verdict.status, "world_size": w, "known": j.known,
+                "seconds": round(j.seconds, 3)}
+        if j.verdict.is_finding:
+            real["summary"] = summary(j.verdict)
+        if j.verdict.is_finding and not j.known:  # a real finding: the same signature, or a real bug of its own
+            f = Finding(j.signature, case, j.verdict, environment=env, stage="confirmed")
+            d = f.to_dict()
+            d["simulation"] = {"status": "confirmed on real process groups" if j.signature == sig else
+                               f"found on real process groups through a simulated case that ended in LocalTensor's "
+                               f"own error ({sig}: {why}); not shrunk", "real": real}
+            write_finding(out, f, repro.script(case, summary(j.verdict), env, verdict=j.verdict))
+            atomic_write(out / f"{f.signature}.json", json.dumps(d, indent=2, sort_keys=True) + "\n")
+            if j.signature == sig:
+                result["confirmed"].append(sig)
+            result["found"].append(f)
+            print(f"fuzzshard: {sig}: real processes give {'the same' if j.signature == sig else 'a NEW finding'} "
+                  f"({j.signature}) -> {out}/{j.signature}.json", file=progress)
+            continue
+        data["simulation"] = {"status": f"LocalTensor limitation, recognised up front ({why}): not shrunk; "
+                                        f"not reproduced on real process groups", "real": real}
+        limits.mkdir(parents=True, exist_ok=True)
+        atomic_write(limits / f"{sig}.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+        result["limits"].append(sig)
+        print(f"fuzzshard: {sig}: not a finding: real processes give {j.label}{' (known)' if j.known else ''} "
+              f"-> {limits}/{sig}.json (a LocalTensor limitation)", file=progress)
 
 
 def _summary(verdict) -> str:

@@ -40,8 +40,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed._local_tensor as ltm  # a simulated worker's import only: torch >= 2.10 (simulate.available)
 from torch._ops import OpOverload
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed._local_tensor import (LocalTensor, _map_to_rank_local_val, enabled_local_tensor_mode,
-                                             maybe_disable_local_tensor_mode)
+from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode, maybe_disable_local_tensor_mode
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 # DTensor's per-rank Python helpers (maybe_run_for_local_tensor: pad, unpad, shard sizes and offsets), which draw
@@ -62,8 +61,13 @@ def installed():
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.distributed.tensor.placement_types import Shard
 
+    on = applicable()
     saved = (ltm._for_each_rank_run_func, ShardingPropagator._propagate_tensor_meta_non_cached,
-             Shard.__dict__["_split_tensor_helper"], funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat)
+             Shard.__dict__["_split_tensor_helper"], funcol._maybe_view_chunk_cat,
+             funcol._chunk_or_narrow_cat) if len(on) == len(SHORTCUTS) else None
+    if saved is None:  # a release whose private functions differ: torch's own path, whole (slower, never wrong)
+        yield
+        return
     ltm._for_each_rank_run_func = _rank_loop(saved[0])
     ShardingPropagator._propagate_tensor_meta_non_cached = _meta_once(saved[1])
     Shard._split_tensor_helper = staticmethod(_split_once(saved[2].__func__))
@@ -74,6 +78,57 @@ def installed():
         ltm._for_each_rank_run_func, ShardingPropagator._propagate_tensor_meta_non_cached = saved[:2]
         Shard._split_tensor_helper = saved[2]
         funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = saved[3:]
+
+
+# what the shortcuts replace or call, with the parameters they rely on (the same in torch 2.13.0, 2.14.1 and
+# 2.15.0): on a release where any is missing or differs, none is taken (installed() leaves torch's path as it
+# is: slower, never wrong) and the worker's log says which, once
+SHORTCUTS = {
+    "torch.distributed._local_tensor._for_each_rank_run_func": ("func", "ranks", "args", "kwargs", "alias"),
+    "torch.distributed._local_tensor._combine_rank_results": ("rank_results", "default"),
+    "torch.distributed._local_tensor._is_inplace_op": ("op",),
+    "torch.distributed._local_tensor._map_to_rank_local_val": ("val", "rank"),
+    "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached":
+        ("self", "op_schema"),
+    "torch.distributed.tensor.placement_types.Shard._split_tensor_helper":
+        ("tensor", "num_chunks", "with_padding", "contiguous", "dim"),
+    "torch.distributed._functional_collectives._maybe_view_chunk_cat": ("res", "group_size", "gather_dim"),
+    "torch.distributed._functional_collectives._chunk_or_narrow_cat": ("tensor", "num_chunks", "narrow_dim", "cat_dim"),
+}
+_applicable: list | None = None
+
+
+def applicable() -> list:
+    """The SHORTCUTS whose targets this torch has with the parameters named (once per process)."""
+    global _applicable
+    if _applicable is None:
+        import importlib
+        import inspect
+        import sys
+
+        _applicable, off = [], []
+        for path, params in SHORTCUTS.items():
+            parts, obj = path.split("."), None
+            for i in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
+                try:
+                    obj = importlib.import_module(".".join(parts[:i]))
+                except ImportError:
+                    continue
+                for name in parts[i:]:
+                    raw = getattr(obj, "__dict__", {}).get(name) if isinstance(obj, type) else None
+                    obj = raw if raw is not None else getattr(obj, name, None)
+                    if isinstance(obj, staticmethod):
+                        obj = obj.__func__
+                break
+            try:
+                ok = obj is not None and tuple(inspect.signature(obj).parameters) == params
+            except (TypeError, ValueError):
+                ok = False
+            (_applicable if ok else off).append(path)
+        if off:
+            print(f"fuzzshard: simulate shortcuts off on torch {torch.__version__} (torch's own LocalTensorMode path "
+                  f"instead): {', '.join(off)} not as fuzzshard knows it", file=sys.stderr)
+    return _applicable
 
 
 def _rank_loop(torch_loop):
@@ -105,7 +160,7 @@ def _on_rank(x, r: int):
         return kind([_on_rank(v, r) for v in x])
     if kind is dict:
         return {key: _on_rank(v, r) for key, v in x.items()}
-    return _map_to_rank_local_val(x, r) if kind is torch.SymInt else x
+    return ltm._map_to_rank_local_val(x, r) if kind is torch.SymInt else x
 
 
 def _waited(x):
