@@ -265,26 +265,32 @@ def _patched():
 # any finding, so that a real run can judge it) goes straight to the
 # real-process check at the session's end (confirm(set_aside=...)), which
 # stays the judge. Each is the message's text, and why (docs/simulate.md):
-LOCAL_TENSOR_ERRORS = {
+LOCAL_TENSOR_ERRORS = (  # (the message holds, the traceback holds or "", why)
     # _local_tensor's _combine_any_rank_results: an op's result other than a tensor or an int differs between
     # the simulated ranks. Seen: Adafactor's p.norm(2).item() where the norm is Partial (a float per rank), and
     # torch.chunk of a LocalTensor whose ranks hold shards of different lengths (lists of different lengths)
-    "Non Tensor or int rank results must be equal for all ranks":
-        "an op's non-tensor, non-int results differ between the simulated ranks (a float from .item(), a list "
-        "of another length per rank): LocalTensor carries per-rank tensors and ints only",
+    ("Non Tensor or int rank results must be equal for all ranks", "",
+     "an op's non-tensor, non-int results differ between the simulated ranks (a float from .item(), a list of "
+     "another length per rank): LocalTensor carries per-rank tensors and ints only"),
+    # the same lists of different lengths where rank 0's is the longer: the shorter ranks' missing entries are
+    # None, and LocalTensor({rank: tensor or None}) asks None for requires_grad
+    ("'NoneType' object has no attribute 'requires_grad'", "_combine_any_rank_results",
+     "an op returned lists of different lengths on the simulated ranks (torch.chunk of shards of different "
+     "lengths): LocalTensor pads the shorter with None and cannot make a LocalTensor of them"),
     # a per-rank size (LocalIntNode, a SymInt's node) asked what only a symbolic shape answers: indexing with a
     # boolean mask whose length differs between the ranks (MaskPartial's buffer over uneven shards)
-    "'torch._C._SymNode' object has no attribute":
-        "a per-rank size (LocalIntNode) lacks a SymNode method torch asks of it (statically_known_true, ...)",
-}
+    ("'torch._C._SymNode' object has no attribute", "",
+     "a per-rank size (LocalIntNode) lacks a SymNode method torch asks of it (statically_known_true, ...)"),
+)
 
 
 def local_tensor_error(verdict) -> str | None:
     """Why a simulated verdict ended in one of LocalTensor's own errors (LOCAL_TENSOR_ERRORS), or None."""
     if not verdict.is_finding or verdict.error is None:
         return None
-    message = verdict.error_record.message or ""
-    return next((why for text, why in LOCAL_TENSOR_ERRORS.items() if text in message), None)
+    e = verdict.error_record
+    message, where = e.message or "", e.traceback or ""
+    return next((why for text, frame, why in LOCAL_TENSOR_ERRORS if text in message and frame in where), None)
 
 
 def simulated_session():
