@@ -154,6 +154,12 @@ def test_localtensors_own_errors_are_recognised_up_front_and_judged_on_real_proc
     assert result["limits"] == [j.signature] and result["found"] == [] and result["set_aside"] == [j.signature]
     limit = json.loads((tmp_path / LIMITS / f"{j.signature}.json").read_text())
     assert limit["simulation"]["real"]["known"] and limit["simulation"]["real"]["status"] == "finding", limit
+    # more ranks than run for real here: only its world size shrinks (simulated), to 8, where the real run judges it
+    big = simple_case(12, optim="Adafactor", foreach=True)
+    result = confirm([], tmp_path / "big", args, set_aside={j.signature: (big, j.verdict, "why", 1)})
+    limit = json.loads((tmp_path / "big" / LIMITS / f"{j.signature}.json").read_text())
+    assert result["limits"] == [j.signature] and limit["case"]["world_size"] == 8, limit["removed"]
+    assert limit["removed"] == ["world size 12 -> 8"] and limit["simulation"]["real"]["world_size"] == 8
 
 
 def test_the_shortcuts_apply_on_this_torch_or_switch_themselves_off(monkeypatch):

@@ -261,10 +261,11 @@ def _patched():
 # case that ends in one is no finding of the kind a real run gives, so the
 # session neither confirms it in fresh simulated workers nor shrinks it (a
 # minute or more of simulated cases, for a file the real check then sets
-# apart): its smallest case (of <= REAL_MAX ranks; a larger one shrinks as
-# any finding, so that a real run can judge it) goes straight to the
-# real-process check at the session's end (confirm(set_aside=...)), which
-# stays the judge. Each is the message's text, and why (docs/simulate.md):
+# apart): its smallest case goes straight to the real-process check at the
+# session's end (confirm(set_aside=...)), which stays the judge; one of more
+# ranks than run for real here is first tried on 1-D worlds of at most
+# REAL_MAX ranks, simulated, and checked at the largest that fails the same.
+# Each: what the message holds, what the traceback holds, why (docs/simulate.md):
 LOCAL_TENSOR_ERRORS = (  # (the message holds, the traceback holds or "", why)
     # _local_tensor's _combine_any_rank_results: an op's result other than a tensor or an int differs between
     # the simulated ranks. Seen: Adafactor's p.norm(2).item() where the norm is Partial (a float per rank), and
@@ -307,8 +308,7 @@ def simulated_session():
         def accept(self, sig: str, case, verdict) -> bool:
             why = local_tensor_error(verdict)
             held = self.set_aside.get(sig)
-            if why is None or sig in self.tracks or (held is None and case.ranks > REAL_MAX):
-                # a larger case than real processes run here shrinks as any finding, so a real run can judge it
+            if why is None or sig in self.tracks:
                 return super().accept(sig, case, verdict)
             if held is None:
                 self._say(f"{sig}: LocalTensor's own error ({why}): not shrunk, set aside for the real-process "
@@ -406,12 +406,19 @@ def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress)
         result["set_aside"].append(sig)
         data = {"signature": sig, "summary": summary(verdict), "case": json.loads(case.to_json()),
                 "verdict": verdict.to_dict(), "stage": "set aside unshrunk", "hits": hits}
-        if w > REAL_MAX:  # SimulatedBook sets aside only what fits; FUZZSHARD_REAL_MAX may have changed since
-            data["simulation"] = {"status": f"LocalTensor's own error ({why}); {SIMULATED_ONLY}: {w} ranks"}
-            limits.mkdir(parents=True, exist_ok=True)
-            atomic_write(limits / f"{sig}.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
-            result["limits"].append(sig)
-            continue
+        if w > REAL_MAX:  # only the world size is shrunk: to the largest 1-D world <= REAL_MAX that fails the same
+            smaller = _real_sized(case, sig, args)
+            if smaller is None:
+                data["simulation"] = {"status": f"LocalTensor's own error ({why}); {SIMULATED_ONLY}: {w} ranks, and "
+                                                f"no 1-D world of <= {REAL_MAX} ranks fails the same way simulated"}
+                limits.mkdir(parents=True, exist_ok=True)
+                atomic_write(limits / f"{sig}.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+                result["limits"].append(sig)
+                print(f"fuzzshard: {sig}: LocalTensor's own error, {SIMULATED_ONLY} ({w} ranks; none of <= {REAL_MAX} "
+                      f"fails the same way) -> {limits}/{sig}.json", file=progress)
+                continue
+            data.update(removed=[f"world size {w} -> {smaller.ranks}"], case=json.loads(smaller.to_json()))
+            case, w = smaller, smaller.ranks
         print(f"fuzzshard: {sig}: LocalTensor's own error, {hits} case(s); its smallest on {w} real gloo processes",
               file=progress, flush=True)
         pool = start_pool(argparse.Namespace(**{**vars(args), "simulate": False}), w)
@@ -445,6 +452,29 @@ def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress)
         result["limits"].append(sig)
         print(f"fuzzshard: {sig}: not a finding: real processes give {j.label}{' (known)' if j.known else ''} "
               f"-> {limits}/{sig}.json (a LocalTensor limitation)", file=progress)
+
+
+def _real_sized(case, sig: str, args):
+    """``case`` on the largest 1-D world of at most REAL_MAX ranks (reduce.py's world edits) that still gives
+    ``sig`` simulated, or None: what a set-aside case larger than this machine's real runs is checked as."""
+    from ..case import Case
+    from ..cli.common import start_pool
+    from ..findings.judge import judge
+    from ..findings.reduce import _world_edits
+
+    tries = []
+    for what, data in _world_edits(json.loads(case.to_json())):
+        if data is not None and what.startswith("world size") and data["world_size"] <= REAL_MAX:
+            try:
+                tries.append(Case.from_dict(data))
+            except Exception:  # an edit the case's options cannot take: not tried
+                continue
+    tries.sort(key=lambda c: -c.ranks)
+    pool = start_pool(argparse.Namespace(**{**vars(args), "simulate": True}), 1)
+    try:
+        return next((c for c in tries if judge(pool, c).signature == sig), None)
+    finally:
+        pool.close()
 
 
 def _summary(verdict) -> str:
