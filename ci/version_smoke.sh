@@ -3,7 +3,8 @@
 # 2.13.0. In a venv outside the repo, kept in a cache and reused; the checks run cheapest and likeliest to fail
 # first, and the first that fails ends this release's smoke:
 #   venv     the release installed (torch --no-deps plus the CUDA libraries torch links at import, without
-#            triton and cusolver: a CPU run never loads them), fuzzshard installed from this tree (-e, no deps);
+#            triton and cusolver: a CPU run never loads them), fuzzshard's other requirements as pyproject.toml
+#            states them (the suite's Hypothesis version), fuzzshard installed from this tree (-e, no deps);
 #   version  tests/test_versions.py (the floor, the version module's bridges; no pool, seconds);
 #   known    `fuzzshard known --check --sample KNOWN_SAMPLE` (a pool and a few cases: tens of seconds): a known
 #            bug that no longer reproduces is counted (torch may have fixed it), a replay that fuzzshard itself
@@ -57,15 +58,12 @@ exec 9>"$VENV.lock"
 flock 9
 # the Hypothesis the suite runs with (the planted seeds depend on its draws): the repo's .venv's, when there
 HYP=$("$ROOT/.venv/bin/python" -c 'import hypothesis; print(hypothesis.__version__)' 2>/dev/null || true)
-want_hyp=${HYP:+hypothesis==$HYP}
-want_hyp=${want_hyp:-hypothesis>=6.100}
 start
-# what the venv holds, in one interpreter start: torch's version and the Hypothesis beside it ("" if not whole)
-holds() { "$VENV/bin/python" -c 'import torch, hypothesis, numpy, pytest, pytest_timeout, redis
-print(torch.__version__, hypothesis.__version__)' 2>>"$OUT/venv.log"; }
+# the torch the venv holds, from one interpreter start that imports it ("" if it does not)
+holds() { "$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>>"$OUT/venv.log"; }
 have=""
 [ -f "$VENV/.fuzzshard-smoke" ] && have=$(holds)
-case "${have%% *}" in "$V"|"$V"+*) how="cached" ;; *) have="" ;; esac
+case "$have" in "$V"|"$V"+*) how="cached" ;; *) have="" ;; esac
 if [ -z "$have" ] && [ "${SMOKE_CACHED_ONLY:-0}" = 1 ]; then
   say "skip venv  torch $V is not cached in $VENVS, and building it downloads GBs (docs/versions.md); to cache it once: SMOKE_VENV_ONLY=1 ci/version_smoke.sh $V"
   exit 0
@@ -86,33 +84,62 @@ for req in metadata.requires("torch") or []:
         print(spec.replace(" ", ""))
 EOF
 ) &&
-    "$VENV/bin/pip" install --no-compile $deps "$want_hyp" numpy pytest pytest-timeout redis &&
+    "$VENV/bin/pip" install --no-compile $deps &&
     { "$VENV/bin/python" -c 'import torch, torch.distributed.tensor, torch.distributed.fsdp' ||
       { echo "slim install does not import: the full one"; "$VENV/bin/pip" install --no-compile "torch==$V"; }; }
   } >> "$OUT/venv.log" 2>&1 || { fail venv "pip could not install torch $V" "$OUT/venv.log"; finish; }
   have=$(holds)
   echo "torch=$V" > "$VENV/.fuzzshard-smoke"
 fi
-if [ -n "$HYP" ] && [ "${have#* }" != "$HYP" ]; then
-  "$VENV/bin/pip" install --no-compile "$want_hyp" >> "$OUT/venv.log" 2>&1 ||
-    { fail venv "pip could not install $want_hyp" "$OUT/venv.log"; finish; }
+# fuzzshard's other requirements as pyproject.toml states them now (a cached venv gets what was added since), the
+# suite's Hypothesis pinned; then fuzzshard itself from this tree
+missing=$("$VENV/bin/python" - "$HYP" <<'EOF' 2>>"$OUT/venv.log"
+import sys
+from importlib import metadata
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pip's own copy
+    from pip._vendor import tomli as tomllib
+from pip._vendor.packaging.requirements import Requirement
+
+hyp = sys.argv[1]
+for req in map(Requirement, tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]):
+    if req.name == "torch" or (req.marker and not req.marker.evaluate()):
+        continue
+    want = f"hypothesis=={hyp}" if req.name == "hypothesis" and hyp else f"{req.name}{req.specifier}"
+    try:
+        have = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        print(want)
+        continue
+    if not (want.endswith(f"=={have}") if "==" in want else req.specifier.contains(have, prereleases=True)):
+        print(want)
+EOF
+) || { fail venv "could not read pyproject.toml's dependencies" "$OUT/venv.log"; finish; }
+if [ -n "$missing" ]; then
+  "$VENV/bin/pip" install --no-compile $missing >> "$OUT/venv.log" 2>&1 ||
+    { fail venv "pip could not install $(echo $missing)" "$OUT/venv.log"; finish; }
 fi
 "$VENV/bin/pip" install --no-compile --no-deps -e . >> "$OUT/venv.log" 2>&1 ||
   { fail venv "pip install -e . failed" "$OUT/venv.log"; finish; }
-got=${have%% *}
+got=$have
 case "$got" in
   "$V"|"$V"+*) ;;
   *) fail venv "the venv has torch '$got', not $V" "$OUT/venv.log"; finish ;;
 esac
-say "ok   venv  torch $got, $how in $((SECONDS - t_step))s ($VENV$([ "$how" = built ] && echo ", $(du -sh "$VENV" | cut -f1)"))"
+say "ok   venv  torch $got, $how${missing:+ (added $(echo $missing))} in $((SECONDS - t_step))s ($VENV$([ "$how" = built ] && echo ", $(du -sh "$VENV" | cut -f1)"))"
 
 [ "${SMOKE_VENV_ONLY:-0}" = 1 ] && exit 0
 PY="$VENV/bin/python"
 run() { timeout -k 10 "$STEP_TIMEOUT" "$@"; }
+# one test at a time: xdist's workers (pyproject's addopts say -n 2) cost more start-up than they save on a file of
+# quick tests or a single test
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
+"$PY" -c 'import xdist' 2>/dev/null && PYTEST+=(-n 0)
 
 # ---- version: seconds, and the likeliest to fail on a release fuzzshard's own code does not know
 start
-if run "$PY" -m pytest -q -p no:cacheprovider tests/test_versions.py > "$OUT/version.log" 2>&1; then
+if run "${PYTEST[@]}" tests/test_versions.py > "$OUT/version.log" 2>&1; then
   say "ok   version  tests/test_versions.py: $(tail -n 1 "$OUT/version.log" | tr -d '=' | sed 's/^ *//')"
 else
   fail version "tests/test_versions.py" "$OUT/version.log"; finish
@@ -141,7 +168,7 @@ fi
 
 # ---- planted: the oracles find a bug on this release (the fastest planted test)
 start
-if run "$PY" -m pytest -q -p no:cacheprovider "$PLANTED" > "$OUT/planted.log" 2>&1; then
+if run "${PYTEST[@]}" "$PLANTED" > "$OUT/planted.log" 2>&1; then
   took; say "ok   planted  ${PLANTED##*::}: found, shrunk, replays ($TOOK)"
 else
   fail planted "${PLANTED##*::}" "$OUT/planted.log"; finish
