@@ -346,6 +346,9 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
     from ..findings.record import atomic_write
     from ..findings.judge import judge
 
+    from ..findings.record import environment, load_known
+
+    known = load_known()
     out = Path(out)
     result: dict = {"confirmed": [], "limits": [], "simulated_only": []}
     for f in findings:
@@ -363,10 +366,11 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
         print(f"fuzzshard: {f.signature}: confirming on {w} real gloo processes", file=progress, flush=True)
         pool = start_pool(argparse.Namespace(**{**vars(args), "simulate": False}), w)  # real gloo processes
         try:
-            j = judge(pool, f.case)
+            j = judge(pool, f.case, known)
+            env = environment(pool.info, pool.options["backend"], pool.options["device"])
         finally:
             pool.close()
-        real = {"signature": j.signature, "status": j.verdict.status, "world_size": w,
+        real = {"signature": j.signature, "status": j.verdict.status, "world_size": w, "known": j.known,
                 "seconds": round(j.seconds, 3)}
         if j.verdict.is_finding:
             real["summary"] = _summary(j.verdict)
@@ -387,6 +391,12 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
             result["limits"].append(f.signature)
             print(f"fuzzshard: {f.signature}: not a finding: real processes give {j.label} "
                   f"-> {limits}/{f.signature}.json (a LocalTensor limitation)", file=progress)
+            if j.verdict.is_finding and not j.known:  # the real run fails otherwise, with no known bug: a finding
+                found = _write_real(out, f.case, j, env, f"found on real process groups through the simulated "
+                                    f"finding {f.signature}, which LocalTensor shows otherwise", real)
+                result.setdefault("found", []).append(found)
+                print(f"fuzzshard: {f.signature}: real processes give a NEW finding {j.signature} "
+                      f"-> {out}/{j.signature}.json", file=progress)
     if set_aside:
         result.update(set_aside=[], found=[])
         _confirm_set_aside(set_aside, out, args, result, progress)
@@ -396,8 +406,7 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
 def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress) -> None:
     from ..cli.common import start_pool
     from ..findings.judge import judge
-    from ..findings.record import Finding, atomic_write, environment, load_known, summary, write_finding
-    from ..findings import repro
+    from ..findings.record import atomic_write, environment, load_known, summary
 
     known = load_known()
     limits = out / LIMITS
@@ -432,13 +441,9 @@ def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress)
         if j.verdict.is_finding:
             real["summary"] = summary(j.verdict)
         if j.verdict.is_finding and not j.known:  # a real finding: the same signature, or a real bug of its own
-            f = Finding(j.signature, case, j.verdict, environment=env, stage="confirmed")
-            d = f.to_dict()
-            d["simulation"] = {"status": "confirmed on real process groups" if j.signature == sig else
-                               f"found on real process groups through a simulated case that ended in LocalTensor's "
-                               f"own error ({sig}: {why}); not shrunk", "real": real}
-            write_finding(out, f, repro.script(case, summary(j.verdict), env, verdict=j.verdict))
-            atomic_write(out / f"{f.signature}.json", json.dumps(d, indent=2, sort_keys=True) + "\n")
+            f = _write_real(out, case, j, env, "confirmed on real process groups" if j.signature == sig else
+                            f"found on real process groups through a simulated case that ended in LocalTensor's "
+                            f"own error ({sig}: {why}); not shrunk", real)
             if j.signature == sig:
                 result["confirmed"].append(sig)
             result["found"].append(f)
@@ -452,6 +457,19 @@ def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress)
         result["limits"].append(sig)
         print(f"fuzzshard: {sig}: not a finding: real processes give {j.label}{' (known)' if j.known else ''} "
               f"-> {limits}/{sig}.json (a LocalTensor limitation)", file=progress)
+
+
+def _write_real(out: Path, case, j, env: dict, status: str, real: dict):
+    """OUT/<the real run's signature>.json + .py: what real processes gave for a simulated case."""
+    from ..findings import repro
+    from ..findings.record import Finding, atomic_write, summary, write_finding
+
+    f = Finding(j.signature, case, j.verdict, environment=env, stage="confirmed")
+    d = f.to_dict()
+    d["simulation"] = {"status": status, "real": real}
+    write_finding(out, f, repro.script(case, summary(j.verdict), env, verdict=j.verdict))
+    atomic_write(out / f"{f.signature}.json", json.dumps(d, indent=2, sort_keys=True) + "\n")
+    return f
 
 
 def _real_sized(case, sig: str, args):
