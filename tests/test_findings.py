@@ -141,3 +141,17 @@ def test_a_compiled_case_is_named_as_compiled_and_meets_known_eager_errors_only(
     assert not is_known("fsdp2.parity.grad", plain, known)
     assert Matcher(known).suspects(ckpt.case, ckpt.verdict) == ["compile-composable-checkpoint-wrong-grads"]
     assert "compile-composable-checkpoint-wrong-grads" not in Matcher(known).suspects(plain, ckpt.verdict)
+
+
+def test_a_wrapper_own_root_cause_is_no_suspect_for_another_target():
+    """loaded.state.step is the address of DSD's frozen-param bug (Adagrad's fresh
+    step 0) and of FSDP1's shared 0-d step: a dtensor finding there is only the first."""
+    from fuzzshard.findings.rootcause import Matcher
+
+    known = load_known()
+    f = known.pop("dtensor.checkpoint.full.loaded.state.step")
+    matcher = Matcher(known)
+    assert matcher.suspects(f.case, f.verdict) == ["dsd-frozen-param-optim-state-dropped"]
+    fsdp1 = known["fsdp1.checkpoint.dcp.loaded.state.step"]
+    assert matcher.suspects(fsdp1.case, fsdp1.verdict) == ["dsd-frozen-param-optim-state-dropped",
+                                                           "fsdp1-shared-0d-step"]

@@ -64,6 +64,10 @@ def load_root_causes(known: dict[str, Finding] | None = None) -> dict[str, RootC
     return causes
 
 
+# a root cause whose component is a wrapper is a bug of the targets that run it, and of no other
+_WRAPPER_TARGETS = {"FSDP1": ("fsdp1",), "FSDP2": ("fsdp2", "parallelize"), "ZeRO": ("zero",)}
+
+
 def address(case, verdict: Verdict) -> str:
     """What identifies the bug behind a finding, whatever surfaced it (a
     compiled run's, with what ran compiled: compile's bugs are its own)."""
@@ -84,7 +88,16 @@ class Matcher:
                 self.by_address.setdefault(address(f.case, f.verdict), set()).add(f.root_cause)
 
     def suspects(self, case, verdict: Verdict) -> list[str]:
-        return sorted(self.by_address.get(address(case, verdict), ()))
+        """Where several root causes share the address, one that is a bug of
+        another target's own wrapper (an FSDP1 FlatParameter bug for a dtensor
+        case) is left out: "loaded.state.step" is both DSD's frozen-param bug
+        and FSDP1's shared 0-d step, and a dtensor finding can be only the first."""
+        ids = sorted(self.by_address.get(address(case, verdict), ()))
+        if len(ids) > 1:
+            own = [rid for rid in ids if case.target in _WRAPPER_TARGETS.get(
+                self.causes[rid].component if rid in self.causes else "", (case.target,))]
+            ids = own or ids
+        return ids
 
     def label(self, case, verdict: Verdict) -> str:
         """"probably root cause X: title" or "" ."""
