@@ -342,11 +342,7 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
     run's signature: a real bug the simulated run only stumbled over); else
     (a pass, a known bug) it goes to OUT/simulation_limits/. Then the result
     also holds "set_aside" (signatures) and "found" (the Findings written)."""
-    from ..cli.common import start_pool
-    from ..findings.record import atomic_write
-    from ..findings.judge import judge
-
-    from ..findings.record import environment, load_known
+    from ..findings.record import atomic_write, load_known
 
     known = load_known()
     out = Path(out)
@@ -364,16 +360,7 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
             print(f"fuzzshard: {f.signature}: SIMULATED ONLY (world size {w} > {REAL_MAX})", file=progress)
             continue
         print(f"fuzzshard: {f.signature}: confirming on {w} real gloo processes", file=progress, flush=True)
-        pool = start_pool(argparse.Namespace(**{**vars(args), "simulate": False}), w)  # real gloo processes
-        try:
-            j = judge(pool, f.case, known)
-            env = environment(pool.info, pool.options["backend"], pool.options["device"])
-        finally:
-            pool.close()
-        real = {"signature": j.signature, "status": j.verdict.status, "world_size": w, "known": j.known,
-                "seconds": round(j.seconds, 3)}
-        if j.verdict.is_finding:
-            real["summary"] = _summary(j.verdict)
+        j, env, real = _judge_for_real(f.case, args, known)
         if j.signature == f.signature:
             data["simulation"] = {"status": "confirmed on real process groups", "real": real}
             atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -403,10 +390,28 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
     return result
 
 
-def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress) -> None:
+def _judge_for_real(case, args, known) -> tuple:
+    """``case`` judged on fresh real gloo processes, as many as its ranks: (the judgement, the environment,
+    what the finding's file records of the real run)."""
     from ..cli.common import start_pool
     from ..findings.judge import judge
-    from ..findings.record import atomic_write, environment, load_known, summary
+    from ..findings.record import environment, summary
+
+    pool = start_pool(argparse.Namespace(**{**vars(args), "simulate": False}), case.ranks)  # real gloo processes
+    try:
+        j = judge(pool, case, known)
+        env = environment(pool.info, pool.options["backend"], pool.options["device"])
+    finally:
+        pool.close()
+    real = {"signature": j.signature, "status": j.verdict.status, "world_size": case.ranks, "known": j.known,
+            "seconds": round(j.seconds, 3)}
+    if j.verdict.is_finding:
+        real["summary"] = summary(j.verdict)
+    return j, env, real
+
+
+def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress) -> None:
+    from ..findings.record import atomic_write, load_known, summary
 
     known = load_known()
     limits = out / LIMITS
@@ -430,16 +435,7 @@ def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress)
             case, w = smaller, smaller.ranks
         print(f"fuzzshard: {sig}: LocalTensor's own error, {hits} case(s); its smallest on {w} real gloo processes",
               file=progress, flush=True)
-        pool = start_pool(argparse.Namespace(**{**vars(args), "simulate": False}), w)
-        try:
-            j = judge(pool, case, known)
-            env = environment(pool.info, pool.options["backend"], pool.options["device"])
-        finally:
-            pool.close()
-        real = {"signature": j.signature, "status": j.verdict.status, "world_size": w, "known": j.known,
-                "seconds": round(j.seconds, 3)}
-        if j.verdict.is_finding:
-            real["summary"] = summary(j.verdict)
+        j, env, real = _judge_for_real(case, args, known)
         if j.verdict.is_finding and not j.known:  # a real finding: the same signature, or a real bug of its own
             f = _write_real(out, case, j, env, "confirmed on real process groups" if j.signature == sig else
                             f"found on real process groups through a simulated case that ended in LocalTensor's "
@@ -493,12 +489,6 @@ def _real_sized(case, sig: str, args):
         return next((c for c in tries if judge(pool, c).signature == sig), None)
     finally:
         pool.close()
-
-
-def _summary(verdict) -> str:
-    from ..findings.record import summary
-
-    return summary(verdict)
 
 
 # -- bench --simulate -----------------------------------------------------------------------------------
