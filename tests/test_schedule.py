@@ -2,6 +2,7 @@
 coverage-guided schedule (schedule.py) and what the strategies draw from it;
 a hang seen under a derived limit written at once as provisional, then
 confirmed, dropped or kept (life.py, on a scripted pool); the hunt set."""
+import dataclasses
 import io
 import json
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ from cases import simple_case
 from conftest import PLANTED
 from hypothesis import HealthCheck, given, settings
 
+from fuzzshard.case import Layer
 from fuzzshard.session.engine import Session, Stats
 from fuzzshard.findings.record import signature
 from fuzzshard.findings.life import FindingBook
@@ -56,6 +58,51 @@ def test_a_timed_session_steers_each_round_to_what_it_covered_least(tmp_path):
     session.schedule.record(simple_case(2, optim="SGD"), valid=True, known=True)
     assert session.schedule.drawn["dtensor"]["optimizer", "SGD·forloop"] == KNOWN_DRAWS
     assert session.schedule.valid["dtensor"]["optimizer", "SGD·forloop"] == 1
+
+
+def test_a_known_bug_before_the_first_step_does_not_count_against_the_optimizer():
+    sched = Scheduler()
+    case = simple_case(3, optim="Rprop")
+
+    def known_at(stage, phase):
+        return Verdict.from_dict(finding("crash", error=ErrorRecord("RuntimeError", "x", phase=phase,
+                                                                    extra={"stage": stage}).to_dict()))
+
+    sched.record(case, valid=True, known=True, verdict=known_at("fwdbwd", "step 0: forward/backward"))
+    drawn = sched.drawn["dtensor"]
+    assert drawn["world x optimizer", "W3 Rprop·forloop"] == drawn["optimizer", "Rprop·forloop"] == 1
+    assert drawn["mesh", "3"] == drawn["model", "features in"] == KNOWN_DRAWS  # what ran before it: the model
+    for stage, phase in (("step", "step 0: optimizer.step"), ("fwdbwd", "step 1: forward/backward")):
+        sched.record(case, valid=True, known=True, verdict=known_at(stage, phase))  # the optimizer had stepped
+    assert drawn["world x optimizer", "W3 Rprop·forloop"] == 1 + 2 * KNOWN_DRAWS
+
+
+def test_the_model_is_steered_in_the_strategys_own_order():
+    import fuzzshard.strategies as fst
+    from fuzzshard.strategies.models import KINDS
+
+    sched = Scheduler()
+    conv = simple_case(1)
+    conv = dataclasses.replace(conv, model=dataclasses.replace(
+        conv.model, layers=conv.model.layers + (Layer("conv1d", conv.model.layers[-1].d_out, 2, kernel=1),)))
+    assert ("model", "layer conv1d") in features(conv) and ("model", "features in") in features(conv)
+    for _ in range(30):
+        sched.record(conv, valid=True, known=True)
+    model = sched.steer("dtensor", [1], {})["steer"]["model"]
+    assert model["input"][0] is False and model["input"].count(True) > model["input"].count(False)
+    assert model["layer"][0] == "linear" and list(dict.fromkeys(model["layer"])) == list(KINDS)
+    assert model["layer"].count("conv1d") == 1 < model["layer"].count("layernorm") == ENERGY
+    assert "model (" in sched.table()
+    seen = []
+
+    @settings(max_examples=30, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(fst.cases(target="dtensor", world_sizes=(1,), steer={"model": {"input": [True], "layer": ["layernorm"]}}))
+    def draw(case):
+        seen.append(case)
+
+    draw()
+    assert all(c.model.input == "tokens" for c in seen)
+    assert {layer.kind for c in seen for layer in c.model.layers} <= {"embedding", "layernorm", "act", "linear"}
 
 
 def test_checkpoints_all_or_none_keep_their_meaning_in_the_plan(tmp_path):

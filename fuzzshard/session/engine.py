@@ -354,7 +354,7 @@ class Session:
         if cut and v.oracle == "hang":  # the session's end cut it short: no verdict
             st.cut += 1
             return None, None
-        self.schedule.record(case, valid=v.status != "invalid", known=j.known)
+        self.schedule.record(case, valid=v.status != "invalid", known=j.known, verdict=v)
         if timeout is not None:
             st.derived_timeouts += 1
             st.derived_timeout = timeout

@@ -22,10 +22,16 @@ Steered jointly, as one cell each:
   - *world size x checkpoint*: none, or kind x the world size it loads at (a
     case saved at 4 ranks and loaded at 3 is one cell); with checkpoints in
     some cases, the cases without one keep half of each world size's weight;
-  - *mesh* of each world size, and *dtype*.
+  - *mesh* of each world size, and *dtype*;
+  - a drawn topology's *input* (features or token ids) and the *kinds of
+    layer* it holds (Linear, LayerNorm, Conv1d, ...), weighted in the
+    strategy's own order so that shrinking still goes to features and Linear.
 A case that hit a known bug counts ``KNOWN_DRAWS`` times: its cells get
 less of the next rounds (such a case shows nothing new, and its run stopped
-at that bug). The rest (flags, target options, groups, frozen params, steps) is counted
+at that bug); but one whose bug was raised before its optimizer first
+stepped (while sharding, in the first forward/backward: an Embedding's or a
+Conv1d's) counts once for its optimizer cells, which it never tested: a rare
+optimizer x world size pair is not pushed away by what the model hit. The rest (flags, target options, groups, frozen params, steps) is counted
 and shown in the coverage table, not steered: the draws there stay
 Hypothesis's own. The weights are fixed for a round, so a round is one
 ordinary Hypothesis run: each draw is a function of its choices, and
@@ -37,14 +43,17 @@ from __future__ import annotations
 import collections
 import math
 
+from fuzzshard.strategies.models import KINDS
+
 ENERGY = 8  # a never-drawn cell's weight over that of the most drawn one
 KNOWN_DRAWS = 3  # a case that hit a known bug counts as this many draws of its cells: it showed nothing new, and
 # whatever else its cells hold hides behind that bug (its run stopped there, often with a pool restart)
 
-STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype")
 PAIRS = "world x optimizer"  # steered, counted, but not a table row: optimizers x world sizes cells are many
-DIMENSIONS = ("optimizer", "optimizer flag", "world x checkpoint", "mesh", "dtype", "target option", "groups",
-              "frozen", "steps")
+OPTIMIZER_DIMS = ("optimizer", PAIRS, "optimizer flag")  # what a known bug before the first step says nothing of
+STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype", "model")
+DIMENSIONS = ("optimizer", "optimizer flag", "world x checkpoint", "mesh", "dtype", "model", "target option",
+              "groups", "frozen", "steps")
 
 
 def _opt_flags(optim) -> list[str]:
@@ -101,15 +110,29 @@ def features(case) -> list[tuple[str, str]]:
     flips = any(s.freeze or s.unfreeze for s in case.schedule)
     out.append(("frozen", ("frozen" if case.frozen else "none frozen") + (", flipped mid-run" if flips else "")))
     out.append(("steps", f"{len(case.schedule)} step(s)"))
+    m = case.model
+    if not m.factory:  # a drawn topology: its input and the kinds of layer it has
+        out.append(("model", f"{m.input} in"))
+        out += [("model", f"layer {k}") for k in dict.fromkeys(layer.kind for layer in m.layers) if k in KINDS]
     return out
 
 
-def weights(counts: dict) -> list:
-    """Each cell as many times as its weight, the least covered first (ties in the given order)."""
+def stepped(verdict) -> bool:
+    """Whether the case's optimizer stepped before its verdict: an error raised
+    while sharding or in the first forward/backward came before it."""
+    e = verdict.error_record
+    stage = e.extra.get("stage")
+    return not (stage == "shard" or stage == "fwdbwd" and (e.phase or "").startswith("step 0:"))
+
+
+def weights(counts: dict, keep_order: bool = False) -> list:
+    """Each cell as many times as its weight, the least covered first (ties in
+    the given order), or in the given order (``keep_order``: where shrinking
+    must keep going to the first, as to features and plain Linear)."""
     if not counts:
         return []
     least = min(counts.values())
-    order = sorted(counts, key=lambda c: counts[c])  # stable: ties keep their order
+    order = list(counts) if keep_order else sorted(counts, key=lambda c: counts[c])  # stable: ties keep their order
     times = {c: -(-ENERGY * (least + 1) // (counts[c] + 1)) for c in order}
     common = math.gcd(*times.values())
     return [c for c in order for _ in range(times[c] // common)]
@@ -123,10 +146,13 @@ class Scheduler:
         self.drawn: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # target -> (dim, cell)
         self.valid: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
-    def record(self, case, valid: bool, known: bool = False) -> None:
+    def record(self, case, valid: bool, known: bool = False, verdict=None) -> None:
+        """``verdict``: where a known hit was raised says which of its cells it covered (``stepped``)."""
         cells = features(case)
+        masked = known and verdict is not None and not stepped(verdict)
         for cell in cells:
-            self.drawn[case.target][cell] += KNOWN_DRAWS if known else 1
+            hidden = masked and cell[0] in OPTIMIZER_DIMS  # the bug came before the optimizer stepped
+            self.drawn[case.target][cell] += KNOWN_DRAWS if known and not hidden else 1
         if valid:
             self.valid[case.target].update(cells)
 
@@ -168,6 +194,10 @@ class Scheduler:
                          for w in worlds}
         dtypes = list(strategy_kwargs.get("dtypes") or DTYPES)
         steer["dtype"] = weights({d: seen["dtype", d] for d in dtypes})
+        # a topology's input and layer kinds, in the strategy's own order (shrinking still goes to features, Linear)
+        steer["model"] = {"input": weights({t: seen["model", "tokens in" if t else "features in"] for t in (False, True)},
+                                           keep_order=True),
+                          "layer": weights({k: seen["model", f"layer {k}"] for k in KINDS}, keep_order=True)}
         return {"steer": steer}
 
     def table(self, target: str | None = None, width: int = 100) -> str:
