@@ -17,7 +17,7 @@ that the finding failed (``verdict``: the oracle, the step, the quantity):
 Cases it cannot write return None: repro.script falls back to the flattened kernel.
 
 Per-target knowledge lives in one module per target here (dtensor.py,
-fsdp2.py, fsdp1.py, zero.py, sharded_optim.py; dsd.py holds the state-dict
+fsdp2.py, fsdp1.py, zero.py, sharded_optim.py, tp.py; dsd.py holds the state-dict
 checkpoint kinds they share), registered in ``WRITERS``. Not a hook in each
 target's Spec: the kernel's target modules are flattened into every fallback
 repro and imported in every worker, and this is driver-only text generation
@@ -38,10 +38,10 @@ from ..case import Case
 from ..kernel.model import param_shapes
 from ..kernel.oracles import STEP_ULPS
 from ..kernel.reference import reduction_parts  # the kernel's loss/grad bound, as factors
-from . import common, dsd, dtensor, fsdp1, fsdp2, sharded_optim, zero
+from . import common, dsd, dtensor, fsdp1, fsdp2, sharded_optim, tp, zero
 from ..verdict import Verdict
 
-WRITERS = {"dtensor": dtensor, "fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "sharded_optim": sharded_optim}
+WRITERS = {"dtensor": dtensor, "fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "sharded_optim": sharded_optim, "tp": tp}
 ERROR_ORACLES = ("error_parity", "crash", "hang")
 
 

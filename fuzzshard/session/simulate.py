@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 
 # the targets a simulated session draws: measured, see docs/simulate.md
-SIMULATED_TARGETS = ("dtensor",)
+SIMULATED_TARGETS = ("dtensor", "tp")
 # the targets whose cases may draw 3-dim meshes (their options say a placement per mesh dim)
 THREE_DIM_TARGETS = ("dtensor",)
 # the largest world size confirmed on real process groups here (ranks are processes: 8 on this machine)

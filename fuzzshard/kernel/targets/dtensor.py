@@ -44,22 +44,34 @@ def parse_placement(text: str):
     return Replicate() if text == "R" else Shard(int(text[1:]))
 
 
+def distribute_params(model: nn.Module, mesh, placements: dict) -> list[nn.Module]:
+    """Every plain param a DTensor, placed as ``placements`` says ({fqn: ["R" | "S<d>"] per mesh dim},
+    Replicate where it says nothing); a tied param is distributed once and shared again; a param already a
+    DTensor stays. Returns the modules that held a plain param of their own."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    done: dict[int, nn.Parameter] = {}
+    held = []
+    for module in model.modules():
+        plain = [(name, p) for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        for name, p in plain:
+            if id(p) not in done:
+                spec = placements.get(canonical[id(p)], ["R"] * mesh.ndim)
+                dt = distribute_tensor(p.detach(), mesh, [parse_placement(s) for s in spec])
+                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            module.register_parameter(name, done[id(p)])
+        if plain:
+            held.append(module)
+    return held
+
+
 class DTensorTarget(Target):
     name = "dtensor"
     spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 component="DTensor")
 
     def shard(self, model: nn.Module) -> nn.Module:
-        placements = self.case.target_options.get("placements", {})
-        canonical = {id(p): n for n, p in model.named_parameters()}
-        done: dict[int, nn.Parameter] = {}
+        distribute_params(model, self.mesh, self.case.target_options.get("placements", {}))
         for module in model.modules():
-            for name, p in list(module.named_parameters(recurse=False)):
-                if id(p) not in done:  # a tied param is distributed once and shared again
-                    spec = placements.get(canonical[id(p)], ["R"] * self.mesh.ndim)
-                    dt = distribute_tensor(p.detach(), self.mesh, [parse_placement(s) for s in spec])
-                    done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-                module.register_parameter(name, done[id(p)])
             for name, b in list(module.named_buffers(recurse=False)):
                 module.register_buffer(name, self._replicate(b))
         return model

@@ -202,16 +202,24 @@ def check(case) -> str | None:
             return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
         if options.get("tp") and len(mesh) != 2:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
-        tied = sorted(set(options.get("tp") or ()) & set(tied_modules(case.model)))
-        if tied:  # as the strategy draws them: parallelize_module gives one owner a DTensor, the other keeps the old param
-            return f"{what}tensor parallel on {tied}, which own a tied param: parallelize_module would untie it"
-        if (options.get("sp") or options.get("loss_parallel")) and case.model.factory != "decoder":
-            return f"{what}sp and loss_parallel are the decoder transformer's TP plan options"
-        if case.seq % seq_multiple(options, mesh):
-            return f"{what}sequence parallelism shards the sequence ({case.seq}) over the TP degree ({mesh[-1]}): " \
-                   "it must divide (torchtitan's rule)"
-        if options.get("loss_parallel") and (options.get("tp") or {}).get("output") != "colwise":
-            return f"{what}loss_parallel needs the output head column-wise"
+        problem = tp_problem(case, mesh, options)
+        if problem:
+            return what + problem
+    return None
+
+
+def tp_problem(case, mesh: tuple, options: dict) -> str | None:
+    """What a TP plan (``tp``, ``sp``, ``loss_parallel``; the TP degree is the mesh's last dim) cannot be."""
+    tied = sorted(set(options.get("tp") or ()) & set(tied_modules(case.model)))
+    if tied:  # as the strategy draws them: parallelize_module gives one owner a DTensor, the other keeps the old param
+        return f"tensor parallel on {tied}, which own a tied param: parallelize_module would untie it"
+    if (options.get("sp") or options.get("loss_parallel")) and case.model.factory != "decoder":
+        return "sp and loss_parallel are the decoder transformer's TP plan options"
+    if case.seq % seq_multiple(options, mesh):
+        return f"sequence parallelism shards the sequence ({case.seq}) over the TP degree ({mesh[-1]}): " \
+               "it must divide (torchtitan's rule)"
+    if options.get("loss_parallel") and (options.get("tp") or {}).get("output") != "colwise":
+        return "loss_parallel needs the output head column-wise"
     return None
 
 
@@ -261,6 +269,34 @@ def compiled(case) -> str:
     if not (opts.get("compile") or opts.get("compile_step")):
         return ""
     return "compiled_ckpt" if opts.get("compile") and opts.get("ac") and not opts.get("ac_wrapper") else "compiled"
+
+
+def apply_tp(model: nn.Module, tp_mesh, options: dict, factory: str) -> None:
+    """The options' TP plan, ``parallelize_module`` on ``tp_mesh``: the decoder
+    transformer's as torchtitan's (``parallelize_decoder``), else a style per
+    Linear or Embedding. Every TP module there takes and gives a replicated
+    plain tensor, so any layer can be one whatever its neighbours are (colwise
+    all-gathers its output, rowwise shards its input and all-reduces its output)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if factory == "decoder":
+        parallelize_decoder(model, tp_mesh, options.get("tp") or {}, options.get("sp", False),
+                            options.get("loss_parallel", False))
+        return
+    style = {"colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+             "rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
+    if options.get("tp"):
+        parallelize_module(model, tp_mesh, {fqn: style[s]() for fqn, s in options["tp"].items()})
+
+
+def loss_context(options: dict):
+    """loss_parallel: cross-entropy on the vocabulary-sharded logits, forward and backward."""
+    if options.get("loss_parallel"):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 def _gather_along(t: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -401,18 +437,7 @@ class FSDP2Target(Target):
         opts = self.case.target_options
         mesh = self.mesh
         if opts.get("tp"):
-            # Every TP module takes and gives a replicated plain tensor, so any
-            # layer can be one whatever its neighbours are (colwise all-gathers
-            # its output, rowwise shards its input and all-reduces its output).
-            from torch.distributed.tensor import Replicate
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-            style = {"colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
-                     "rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
-            if self.case.model.factory == "decoder":
-                parallelize_decoder(model, mesh["d1"], opts["tp"], opts.get("sp", False), opts.get("loss_parallel", False))
-            else:
-                parallelize_module(model, mesh["d1"], {fqn: style[s]() for fqn, s in opts["tp"].items()})
+            apply_tp(model, mesh["d1"], opts, self.case.model.factory)
             mesh = mesh["d0"]
         if opts.get("ac"):
             if opts.get("ac_wrapper"):
@@ -490,12 +515,7 @@ class FSDP2Target(Target):
         return opt
 
     def _loss_context(self):
-        """loss_parallel: cross-entropy on the vocabulary-sharded logits, forward and backward."""
-        if self.case.target_options.get("loss_parallel"):
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
+        return loss_context(self.case.target_options)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):
