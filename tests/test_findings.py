@@ -57,6 +57,13 @@ def test_a_crash_is_named_by_where_it_died_and_a_crash_elsewhere_is_new():
     from fuzzshard.pool.runner import _where
 
     assert _where(FAULTHANDLER_DUMP) == "zero.after_backward:all_reduce"  # innermost frame of ours, then torch's
+    # a rank slow in a loop, looked at twice: the deepest frame in both is where it stays
+    looped = FAULTHANDLER_DUMP.replace(
+        '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 4100 in all_reduce\n',
+        '  File "/x/site-packages/torch/distributed/tensor/_ops/x.py", line 9 in {}\n'
+        '  File "/x/site-packages/torch/distributed/tensor/_redistribute.py", line 5 in plan\n')
+    assert _where(looped.format("get_next_state"), looped.format("__instancecheck__")) == "zero.after_backward:plan"
+    assert _where(FAULTHANDLER_DUMP, FAULTHANDLER_DUMP) == "zero.after_backward:all_reduce"  # blocked: as one look
     known = load_known()
     sig = "fsdp1.crash.Killed_by_SIGABRT.other.all_gather_single"
     f = known[sig]

@@ -34,6 +34,9 @@ START_TIMEOUT = 300.0
 # for ranks that never come is pure loss (1 s cost a 60 s dtensor session
 # 8 s over 8 restarts, 0.25 s costs 2 s), so keep it short.
 GRACE_AFTER_ERROR = 0.25
+# A stuck rank's stack is read this many times (half a second apart): where it stays is the deepest frame
+# in all of them (a rank slow in a loop shows another innermost frame at each look)
+STACK_SAMPLES = 3
 
 
 class PoolError(RuntimeError):
@@ -175,21 +178,32 @@ class Pool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _where_stuck(self, rank: int) -> str:
-        """Where a stuck worker waits, as "kernel function:innermost torch
-        function", read from the stack faulthandler dumps on SIGUSR1."""
-        path = self.gen.log_path(rank)
-        if self.procs[rank].pid is None:  # a rank of another process: no signal reaches it
-            return ""
-        try:
-            start = os.path.getsize(path)
-            os.kill(self.procs[rank].pid, signal.SIGUSR1)
+    def _where_stuck(self, ranks: list[int], samples: int = STACK_SAMPLES) -> dict[int, str]:
+        """Where each stuck worker waits, as "kernel function:torch function",
+        from the stacks faulthandler dumps on SIGUSR1, ``samples`` times half a
+        second apart (all ranks at once): the frames in every sample. A rank
+        blocked in a collective shows one stack every time; one that is slow in
+        a loop (a planner's search) shows another innermost frame each time, and
+        the deepest frame common to all samples is where it stays, run after run."""
+        dumps: dict[int, list[str]] = {r: [] for r in ranks}
+        live = [r for r in ranks if self.procs[r].pid is not None]  # a rank of another process: no signal reaches it
+        for _ in range(samples if live else 0):
+            start = {}
+            for r in live:
+                try:
+                    start[r] = os.path.getsize(self.gen.log_path(r))
+                    os.kill(self.procs[r].pid, signal.SIGUSR1)
+                except OSError:
+                    pass
             time.sleep(0.5)
-            with open(path, errors="replace") as f:
-                f.seek(start)
-                return _where(f.read())
-        except OSError:
-            return ""
+            for r, at in start.items():
+                try:
+                    with open(self.gen.log_path(r), errors="replace") as f:
+                        f.seek(at)
+                        dumps[r].append(f.read())
+                except OSError:
+                    pass
+        return {r: _where(*dumps[r]) if dumps[r] else "" for r in ranks}
 
     def _where_died(self, rank: int) -> str:
         """Where a worker killed by a signal was, as _where_stuck says it: from
@@ -363,7 +377,7 @@ class Pool:
                 return replace(verdicts[r], rank=r, extra={**verdicts[r].extra, **stuck})
         if len(answers) < w:
             stuck = sorted(set(range(w)) - set(answers))
-            where = {r: self._where_stuck(r + offset) for r in stuck}
+            where = {r - offset: w for r, w in self._where_stuck([r + offset for r in stuck]).items()}
             phases = {r: p for r in stuck if (p := self._phase_of(r + offset))}
             waits = "; ".join(f"rank {r}: {where[r] or '?'}" for r in stuck)
             return Verdict.from_dict(finding(
@@ -552,10 +566,14 @@ def _phase(log_path: str) -> str:
         return ""
 
 
-def _where(dump: str) -> str:
+def _where(dump: str, *more: str) -> str:
     """A faulthandler stack dump (innermost frame first) as "kernel
-    function:innermost torch function": what a hang or a crash signature names."""
+    function:innermost torch function": what a hang or a crash signature names.
+    ``more``: other dumps of the same thread; only frames in all of them count."""
     frames = re.findall(r'File "([^"]+)", line \d+ in (\S+)', dump)
+    for other in more:
+        common = set(re.findall(r'File "([^"]+)", line \d+ in (\S+)', other))
+        frames = [f for f in frames if f in common]
     kernel = f"{os.sep}fuzzshard{os.sep}kernel{os.sep}"
     ours = next((f"{os.path.basename(p)[:-3]}.{fn}" for p, fn in frames if kernel in p), "")
     theirs = next((fn for p, fn in frames if f"{os.sep}torch{os.sep}" in p), "")
