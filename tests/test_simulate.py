@@ -86,7 +86,7 @@ def test_meshes_of_three_dims_are_drawn_only_when_asked():
 def test_simulate_refuses_a_target_it_cannot_carry_and_says_why(tmp_path):
     r = run_cli("fuzz", "--simulate", "--target", "fsdp2", "--max-examples", 1, "--out", tmp_path / "out")
     assert r.returncode == 2
-    assert "--simulate runs dtensor; not fsdp2 (docs/simulate.md says why)" in r.stderr, r.stderr
+    assert "--simulate runs dtensor, tp; not fsdp2 (docs/simulate.md says why)" in r.stderr, r.stderr
 
 
 def _drawn(worlds, n: int, seed: int) -> list:

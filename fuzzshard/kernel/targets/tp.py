@@ -29,7 +29,7 @@ from .dtensor import DTensorTarget, distribute_params
 from .fsdp2 import apply_tp, coverage, draw_decoder_tp, draw_tp_plan, loss_context, seq_multiple, tp_problem
 
 
-def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
+def draw_tp_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
     """fsdp2's TP plan drawing, over the whole (1-D) mesh: a style per Linear
     and the input Embedding, or for the decoder torchtitan's plan with ``sp``
     and ``loss_parallel``."""
@@ -41,7 +41,7 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     return {"tp": draw(st.composite(draw_tp_plan)(shapes, tied, model))}
 
 
-def check(case) -> str | None:
+def check_tp(case) -> str | None:
     """What a TP plan cannot be (fsdp2.tp_problem), on either side of a checkpoint; 1-D meshes only."""
     sides = [("", case.mesh_shape, case.target_options)]
     if case.checkpoint:
@@ -73,8 +73,8 @@ class TPTarget(DTensorTarget):
     # (a step's refused in-place placement change) is DTensor's root cause. Not fsdp2's facts: its
     # tp_empty_shard trigger names fully_shard's bug with an empty TP shard, which TP alone does not meet
     known_as = ("dtensor", "fsdp2")
-    spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
-                coverage=coverage, check=check, seq_multiple=seq_multiple, component="TP")
+    spec = Spec(options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
+                coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP")
 
     @property
     def localizable(self) -> bool:
