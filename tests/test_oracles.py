@@ -256,3 +256,20 @@ def test_signatures_name_the_bug_not_the_case():
                  message="aten.lerp.Scalar: in-place operations that require placement changes are not supported. The input has placement (_NormPartial(2),)"))
     assert signature(_case("Adam"), e1) == signature(_case("SGD"), e2)
     assert _digest("shape [3, 4] bad") == _digest("shape [7, 1] bad") != _digest("another message")
+
+
+def test_mixed_precision_bound_has_float16s_underflow_floor_and_no_more():
+    """A float16 grad of 2e-8 is below float16's smallest normal number (6.1e-5): a rounding there errs by up
+    to half the subnormal spacing (3e-8), not by u*|x|, so an underflowed 0 against 1.99e-8 is rounding (a
+    false finding of fsdp2's HSDP hunt); an error of the same size on a normal grad still fails."""
+    import torch
+
+    from fuzzshard.kernel.oracles import UNDERFLOW, compare, mixed_precision_tolerance
+
+    tol = mixed_precision_tolerance("float16", "float16", world=3, microbatches=2)
+    assert tol["eta"] == UNDERFLOW["float16"] == 2.0**-25 and "underflows" in tol["why"]
+    assert compare("grad", 0, "w", torch.zeros(1, 1), torch.full((1, 1), 1.99e-8), tol) is None
+    assert compare("grad", 0, "w", torch.full((1, 1), 1.0), torch.full((1, 1), 1.0 + 4e-7), tol) is None
+    assert compare("grad", 0, "w", torch.full((1, 1), 1.0), torch.full((1, 1), 1.1), tol) is not None
+    assert compare("grad", 0, "w", torch.zeros(1, 1), torch.full((1, 1), 1e-5), tol) is not None
+    assert mixed_precision_tolerance("bfloat16", "float32", world=2)["eta"] == 2.0**-134

@@ -36,6 +36,14 @@ UNIT_ROUNDOFF = {
     "bfloat16": 2.0**-8,
     "float16": 2.0**-11,
 }
+# The error of one rounding whose result underflows (half the spacing of the dtype's subnormal numbers):
+# below the smallest normal number u*|x| no longer bounds a rounding (float16's normals end at 6.1e-5)
+UNDERFLOW = {
+    "float64": 2.0**-1075,
+    "float32": 2.0**-150,
+    "bfloat16": 2.0**-134,
+    "float16": 2.0**-25,
+}
 STEP_ULPS = 16
 
 
@@ -218,14 +226,17 @@ def mixed_precision_tolerance(compute: str, reduce: str, world: int, microbatche
     sensitivity in ``compute``)."""
     k = 2 * (world + 1) + 2 * (microbatches - 1)
     acc = f", each the sum of {microbatches} microbatch grads added in {reduce}" if microbatches > 1 else ""
-    return {"k_ulps": k, "u": UNIT_ROUNDOFF[reduce],
+    eta = max(UNDERFLOW[compute], UNDERFLOW[reduce])
+    return {"k_ulps": k, "u": UNIT_ROUNDOFF[reduce], "eta": eta,
             "why": f"mixed precision: per-rank grads in {compute}{acc}, averaged over {world} ranks in {reduce}: "
-                   f"{k} ulps of {reduce} of sum|grads|/W, plus {k} x the one-ulp sensitivity in {compute}"}
+                   f"{k} ulps of {reduce} of sum|grads|/W, plus {k} x the one-ulp sensitivity in {compute}, "
+                   f"plus {k} x {eta:.2g} (a rounding that underflows: half the subnormal spacing)"}
 
 
 def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: float = 0.0, extra=None) -> dict | None:
     """None when ``got`` matches ``want`` within ``tol``, else a mismatch record.
-    ``atol = k*u*max|want| + k*sens``, ``sens`` being the measured change of
+    ``atol = k*u*max|want| + k*(sens + eta)``, ``eta`` the error of a rounding
+    that underflows (``tol``'s, where it counts: float16), ``sens`` being the measured change of
     this tensor under one-ulp nudges of every input (0 for the step oracle);
     ``extra`` is an elementwise allowance (a Partial grad's reduction error)."""
     if got is None or want is None:
@@ -250,7 +261,7 @@ def compare(quantity: str, step: int, fqn: str, got, want, tol: dict, sens: floa
         return _mismatch(quantity, step, fqn, tol, detail="inf in one run only")
     g, w = g.masked_fill(inf, 0), w.masked_fill(inf, 0)
     k_u = tol["k_ulps"] * tol["u"]
-    atol = k_u * w.abs().max().item() + tol["k_ulps"] * sens
+    atol = k_u * w.abs().max().item() + tol["k_ulps"] * (sens + tol.get("eta", 0.0))
     err = (g - w).abs()
     bound = atol + k_u * w.abs()
     if extra is not None:
