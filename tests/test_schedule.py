@@ -224,3 +224,20 @@ def test_the_hunt_set_names_planted_files_and_prefixes_of_its_targets():
     rows = [{"bug": "crash_w3_rprop", "seconds": s, "startup": 5.0} for s in (4.0, None, 10.0)]
     text = table([b for b in bugs if b.name == "crash_w3_rprop"], rows, [1, 2, 3], 60.0)
     assert "crash_w3_rprop |    4.0 |    >60 |   10.0 |   10.0 |   >60 |   2/3" in text
+
+
+def test_a_case_drawn_again_is_answered_with_its_verdict_not_run_again(tmp_path, monkeypatch):
+    """Hypothesis draws the same case more than once (a weighted choice's copies, its mutations): a case is
+    deterministic, so the session runs it once and answers again with the verdict it had."""
+    import hypothesis.strategies as st
+
+    import fuzzshard.strategies as fst
+    two = [simple_case(1, optim="Adam"), simple_case(1, optim="RMSprop")]
+    monkeypatch.setattr(fst, "cases", lambda **kw: st.integers(0, 9).map(lambda i: two[i % 2]))
+    pool = HangPool(finishes=True)
+    pool.generation, pool.restarts, pool.stuck_seconds, pool.restart_seconds = 1, 0, 0.0, 0.0  # every case passes
+    session = Session(pool, ["dtensor"], tmp_path, world_sizes=[1], max_examples=20, seed=1, progress=io.StringIO())
+    session.run()
+    ran = [c.to_json() for c, _ in pool.history]
+    assert sorted(ran) == sorted(c.to_json() for c in two)  # each once
+    assert session.stats.repeats > 0 and session.stats.cases == 2

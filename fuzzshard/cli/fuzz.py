@@ -129,7 +129,9 @@ def run(args) -> int:
 
 def _print_session_report(session, findings, out) -> None:
     st = session.stats
-    print(f"\n{st.cases} cases · {st.valid} valid · {st.invalid} invalid · {st.rate():.2f} cases/s", file=sys.stderr)
+    again = f" · {st.repeats} drawn again, answered without a run" if st.repeats else ""
+    print(f"\n{st.cases} cases · {st.valid} valid · {st.invalid} invalid{again} · {st.rate():.2f} cases/s",
+          file=sys.stderr)
     length = f"session {session.elapsed:.0f}s"
     if session.duration:
         length += f" (--duration {session.duration:.0f}s, grace {session.grace():.0f}s)"

@@ -36,6 +36,7 @@ Nothing found is lost, and the search ends in time:
 from __future__ import annotations
 
 import collections
+import hashlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ class FindingError(Exception):
 _CLASSES: dict[str, type] = {}
 
 
+def _case_key(case_json: str) -> bytes:
+    return hashlib.blake2b(case_json.encode(), digest_size=16).digest()
+
+
 def finding_class(sig: str) -> type:
     if sig not in _CLASSES:
         _CLASSES[sig] = type(f"Finding[{sig}]", (FindingError,), {})
@@ -91,6 +96,7 @@ class Stats:
     cases: int = 0
     valid: int = 0
     invalid: int = 0
+    repeats: int = 0  # cases drawn again in the session: answered with their verdict, not run
     cut: int = 0  # cases the session's end cut short (not judged)
     internal_errors: int = 0
     contaminated: int = 0  # new signatures a fresh run did not confirm
@@ -161,6 +167,10 @@ class Session:
         self.stats = Stats()
         self.stop_reason: str | None = None
         self._failing: dict[str, tuple] = {}  # case JSON -> (signature, verdict) of new findings run
+        # a case run before with no new finding -> whether it was invalid: Hypothesis draws the same case again
+        # (a weighted choice's copies, its mutations; 16% of a minute's fsdp2 cases), and a case is
+        # deterministic, so its verdict is the one it had (keyed by a digest: a soak draws many)
+        self._ran: dict[bytes, bool] = {}
         self._pass_seconds: dict[tuple, float] = {}  # (target, ranks, checkpoint) -> slowest passing case
         self._passes: collections.Counter = collections.Counter()  # (target, ranks, checkpoint) -> passing cases
         self.schedule = Scheduler()  # what the session has covered, and what its next rounds draw
@@ -262,15 +272,23 @@ class Session:
             cases = {}  # JSON -> case: the pack's cases, each once
             for case in drawn if self.pack > 1 else [drawn]:
                 cases.setdefault(case.to_json(), case)
-            new = {key: case for key, case in cases.items() if key not in self._failing}
+            again = {key for key in cases if _case_key(key) in self._ran}
+            new = {key: case for key, case in cases.items() if key not in self._failing and key not in again}
+            self.stats.repeats += len(again)
             if new and self._round_over(rnd):
                 raise _RoundOver  # out of time, or stopped: end the round now, its findings are on disk
             if new and self.pack > 1 and not rnd.pending and self.stats.valid - rnd.valid_before >= n:
                 raise _RoundOver  # a round's cases, not its packs, are what max_examples counts
             ran = dict(zip(new, self._run_cases(list(new.values()), rnd)))
-            invalid = bool(ran) and all(v is not None and v.status == "invalid" for _, v in ran.values())
+            for key, (sig, verdict) in ran.items():
+                if sig is None and verdict is not None:  # not cut short by the session's end
+                    self._ran[_case_key(key)] = verdict.status == "invalid"
+            invalid = bool(ran or again) and all(v is not None and v.status == "invalid" for _, v in ran.values()) \
+                and all(self._ran[_case_key(key)] for key in again)
             raised = None
             for key, case in cases.items():
+                if key in again:
+                    continue
                 if key in ran:
                     sig, verdict = ran[key]
                     if sig is None or not self.book.accept(sig, case, verdict):
