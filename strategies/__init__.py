@@ -151,7 +151,7 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
 
 
 @st.composite
-def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9, steer: dict | None = None):
+def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
     """A plugin's model (only those a target names in ``spec.models``, if it
     does), or one of ``families``: a drawn topology (dims 1..``max_dim``), the
     decoder transformer. No plugin model and topologies alone: the draw is as it always was."""
@@ -161,7 +161,7 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9, s
     if names and (spec.models or draw(st.booleans())):
         return draw(user_models(names))
     family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
-    return draw(decoders()) if family == "decoder" else draw(models(depth, max_dim, steer))
+    return draw(decoders()) if family == "decoder" else draw(models(depth, max_dim))
 
 
 @st.composite
@@ -190,8 +190,7 @@ def cases(
     ``compile``: targets that can (fsdp2) also draw torch.compile of blocks and of the optimizer step.
     ``steer``: a timed session's weighted choices for this round (fuzzshard/session/schedule.py): ``plan``, (world
     size, None or (checkpoint kind, its world size)); ``optimizer by world``, world size -> (name,
-    implementation) (pairs: the world size is drawn first); ``mesh``, world size -> mesh shapes; ``dtype``;
-    ``model``, a topology's ``input`` and ``layer`` kinds (strategies/models.py).
+    implementation) (pairs: the world size is drawn first); ``mesh``, world size -> mesh shapes; ``dtype``.
     Each a list, a cell as many times as its weight.
     ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py).
     ``dims_up_to_world``: a topology's dims drawn up to max(9, world size), not 9 (a simulated session's: at
@@ -206,7 +205,7 @@ def cases(
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world, mesh_dims)))
-    model = draw(_model(spec, depth, tuple(models), max(9, world) if dims_up_to_world else 9, steer.get("model")))
+    model = draw(_model(spec, depth, tuple(models), max(9, world) if dims_up_to_world else 9))
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]

@@ -36,8 +36,8 @@ def blocks(draw, d: int, max_dim: int) -> tuple[Layer, ...]:
 
 
 @st.composite
-def layers(draw, d: int, max_dim: int, kinds=KINDS) -> tuple[Layer, int]:
-    kind = draw(st.sampled_from(kinds))
+def layers(draw, d: int, max_dim: int) -> tuple[Layer, int]:
+    kind = draw(st.sampled_from(KINDS))
     if kind == "linear":
         out = draw(dims(max_dim))
         return Layer("linear", d, out, bias=draw(st.booleans())), out
@@ -56,13 +56,8 @@ def layers(draw, d: int, max_dim: int, kinds=KINDS) -> tuple[Layer, int]:
 
 
 @st.composite
-def models(draw, depth: int, max_dim: int = 9, steer: dict | None = None) -> Model:
-    """``steer``: a timed session's weights (schedule.py): ``input``, False/True
-    (token ids), and ``layer``, KINDS, each a cell as many times as its weight,
-    in this order, so that shrinking still goes to features and plain Linear."""
-    steer = steer or {}
-    tokens = draw(st.sampled_from(steer["input"])) if steer.get("input") else draw(st.booleans())
-    kinds = steer.get("layer") or KINDS
+def models(draw, depth: int, max_dim: int = 9) -> Model:
+    tokens = draw(st.booleans())
     d_in = draw(dims(max_dim))
     body: list[Layer] = []
     d = d_in
@@ -70,7 +65,7 @@ def models(draw, depth: int, max_dim: int = 9, steer: dict | None = None) -> Mod
         d = draw(dims(max_dim))
         body.append(Layer("embedding", d_in, d))
     for _ in range(depth):
-        layer, d = draw(layers(d, max_dim, kinds))
+        layer, d = draw(layers(d, max_dim))
         body.append(layer)
     tie = tokens and draw(st.booleans())
     if tie and d != body[0].d_out:  # the tied head maps the embedding dim back to the vocab

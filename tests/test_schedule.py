@@ -77,63 +77,17 @@ def test_a_known_bug_before_the_first_step_does_not_count_against_the_optimizer(
     assert drawn["world x optimizer", "W3 Rprop·forloop"] == 1 + 2 * KNOWN_DRAWS
 
 
-def test_the_model_is_steered_in_the_strategys_own_order():
-    import fuzzshard.strategies as fst
-    from fuzzshard.strategies.models import KINDS
-
+def test_the_model_is_counted_in_the_table_but_not_steered():
+    """Steering the model's input and layer kinds cost the HSDP 2x2 corner of the hunt (3/3 found within 24 s
+    -> 1/3, docs/search.md): its cells are counted and shown, the draws stay Hypothesis's own."""
     sched = Scheduler()
     conv = simple_case(1)
     conv = dataclasses.replace(conv, model=dataclasses.replace(
         conv.model, layers=conv.model.layers + (Layer("conv1d", conv.model.layers[-1].d_out, 2, kernel=1),)))
     assert ("model", "layer conv1d") in features(conv) and ("model", "features in") in features(conv)
-    for _ in range(30):
-        sched.record(conv, valid=True, known=True)
-    model = sched.steer("dtensor", [1], {})["steer"]["model"]
-    assert model["input"][0] is False and model["input"].count(True) > model["input"].count(False)
-    assert model["layer"][0] == "linear" and list(dict.fromkeys(model["layer"])) == list(KINDS)
-    assert model["layer"].count("conv1d") == 1 < model["layer"].count("layernorm") == ENERGY
-    assert "model (" in sched.table()
-    seen = []
-
-    @settings(max_examples=30, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(fst.cases(target="dtensor", world_sizes=(1,), steer={"model": {"input": [True], "layer": ["layernorm"]}}))
-    def draw(case):
-        seen.append(case)
-
-    draw()
-    assert all(c.model.input == "tokens" for c in seen)
-    assert {layer.kind for c in seen for layer in c.model.layers} <= {"embedding", "layernorm", "act", "linear"}
-
-
-def test_checkpoints_all_or_none_keep_their_meaning_in_the_plan(tmp_path):
-    sched = Scheduler()
-    every = sched.steer("dtensor", [1, 2], {"checkpoint": True})["steer"]["plan"]
-    assert every and all(ck is not None for _, ck in every)
-    none = sched.steer("dtensor", [1, 2], {"checkpoint": False})["steer"]["plan"]
-    assert set(none) == {(1, None), (2, None)}
-    only = sched.steer("dtensor", [2], {"optimizer_names": ["Adagrad"]})["steer"]["optimizer by world"][2]
-    assert {n for n, _ in only} == {"Adagrad"}
-
-
-def test_the_strategy_draws_only_the_cells_it_is_steered_to():
-    import fuzzshard.strategies as fst
-
-    seen = []
-    steer = {"plan": [(4, ("dcp", 3))], "optimizer by world": {4: [("Rprop", "foreach")]}, "mesh": {4: [(2, 2)]},
-             "dtype": ["float64"]}
-
-    @settings(max_examples=12, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(fst.cases(target="fsdp2", world_sizes=(1, 2, 3, 4), steer=steer))
-    def draw(case):
-        seen.append(case)
-
-    draw()
-    assert seen
-    for c in seen:
-        assert (c.world_size, c.mesh_shape, c.dtype) == (4, (2, 2), "float64")
-        assert (c.optim.name, c.optim.implementation) == ("Rprop", "foreach")
-        assert (c.checkpoint.kind, c.checkpoint.world_size) == ("dcp", 3)
-        assert ("world x checkpoint", "W4 dcp -> W3") in features(c)
+    sched.record(conv, valid=True, known=True)
+    assert "model" not in sched.steer("dtensor", [1], {})["steer"]
+    assert "model (4 cells, 1-1): features in 1, layer act 1, layer conv1d 1, layer linear 1" in sched.table()
 
 
 class HangPool:

@@ -22,18 +22,17 @@ Steered jointly, as one cell each:
   - *world size x checkpoint*: none, or kind x the world size it loads at (a
     case saved at 4 ranks and loaded at 3 is one cell); with checkpoints in
     some cases, the cases without one keep half of each world size's weight;
-  - *mesh* of each world size, and *dtype*;
-  - a drawn topology's *input* (features or token ids) and the *kinds of
-    layer* it holds (Linear, LayerNorm, Conv1d, ...), weighted in the
-    strategy's own order so that shrinking still goes to features and Linear.
+  - *mesh* of each world size, and *dtype*.
 A case that hit a known bug counts ``KNOWN_DRAWS`` times: its cells get
 less of the next rounds (such a case shows nothing new, and its run stopped
 at that bug); but one whose bug was raised before its optimizer first
 stepped (while sharding, in the first forward/backward: an Embedding's or a
 Conv1d's) counts once for its optimizer cells, which it never tested: a rare
-optimizer x world size pair is not pushed away by what the model hit. The rest (flags, target options, groups, frozen params, steps) is counted
-and shown in the coverage table, not steered: the draws there stay
-Hypothesis's own. The weights are fixed for a round, so a round is one
+optimizer x world size pair is not pushed away by what the model hit.
+The rest (flags, the model's input and layer kinds, target options, groups,
+frozen params, steps) is counted and shown in the coverage table, not
+steered: the draws there stay Hypothesis's own (steering the model cost the
+hunt's HSDP 2x2 corner two of its three seeds, docs/search.md). The weights are fixed for a round, so a round is one
 ordinary Hypothesis run: each draw is a function of its choices, and
 shrinking works as before; the least covered cell is listed first, so the
 all-zero first draw of a round goes there.
@@ -51,7 +50,7 @@ KNOWN_DRAWS = 3  # a case that hit a known bug counts as this many draws of its 
 
 PAIRS = "world x optimizer"  # steered, counted, but not a table row: optimizers x world sizes cells are many
 OPTIMIZER_DIMS = ("optimizer", PAIRS, "optimizer flag")  # what a known bug before the first step says nothing of
-STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype", "model")
+STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype")
 DIMENSIONS = ("optimizer", "optimizer flag", "world x checkpoint", "mesh", "dtype", "model", "target option",
               "groups", "frozen", "steps")
 
@@ -125,14 +124,12 @@ def stepped(verdict) -> bool:
     return not (stage == "shard" or stage == "fwdbwd" and (e.phase or "").startswith("step 0:"))
 
 
-def weights(counts: dict, keep_order: bool = False) -> list:
-    """Each cell as many times as its weight, the least covered first (ties in
-    the given order), or in the given order (``keep_order``: where shrinking
-    must keep going to the first, as to features and plain Linear)."""
+def weights(counts: dict) -> list:
+    """Each cell as many times as its weight, the least covered first (ties in the given order)."""
     if not counts:
         return []
     least = min(counts.values())
-    order = list(counts) if keep_order else sorted(counts, key=lambda c: counts[c])  # stable: ties keep their order
+    order = sorted(counts, key=lambda c: counts[c])  # stable: ties keep their order
     times = {c: -(-ENERGY * (least + 1) // (counts[c] + 1)) for c in order}
     common = math.gcd(*times.values())
     return [c for c in order for _ in range(times[c] // common)]
@@ -194,10 +191,6 @@ class Scheduler:
                          for w in worlds}
         dtypes = list(strategy_kwargs.get("dtypes") or DTYPES)
         steer["dtype"] = weights({d: seen["dtype", d] for d in dtypes})
-        # a topology's input and layer kinds, in the strategy's own order (shrinking still goes to features, Linear)
-        steer["model"] = {"input": weights({t: seen["model", "tokens in" if t else "features in"] for t in (False, True)},
-                                           keep_order=True),
-                          "layer": weights({k: seen["model", f"layer {k}"] for k in KINDS}, keep_order=True)}
         return {"steer": steer}
 
     def table(self, target: str | None = None, width: int = 100) -> str:
