@@ -566,13 +566,16 @@ def _phase(log_path: str) -> str:
         return ""
 
 
+_FRAME = re.compile(r'File "([^"]+)", line \d+ in (\S+)')  # a faulthandler frame: (path, function)
+
+
 def _where(dump: str, *more: str) -> str:
     """A faulthandler stack dump (innermost frame first) as "kernel
     function:innermost torch function": what a hang or a crash signature names.
     ``more``: other dumps of the same thread; only frames in all of them count."""
-    frames = re.findall(r'File "([^"]+)", line \d+ in (\S+)', dump)
+    frames = _FRAME.findall(dump)
     for other in more:
-        common = set(re.findall(r'File "([^"]+)", line \d+ in (\S+)', other))
+        common = set(_FRAME.findall(other))
         frames = [f for f in frames if f in common]
     kernel = f"{os.sep}fuzzshard{os.sep}kernel{os.sep}"
     ours = next((f"{os.path.basename(p)[:-3]}.{fn}" for p, fn in frames if kernel in p), "")

@@ -272,7 +272,8 @@ class Session:
             cases = {}  # JSON -> case: the pack's cases, each once
             for case in drawn if self.pack > 1 else [drawn]:
                 cases.setdefault(case.to_json(), case)
-            again = {key for key in cases if _case_key(key) in self._ran}
+            digest = {key: _case_key(key) for key in cases}
+            again = {key for key in cases if digest[key] in self._ran}
             new = {key: case for key, case in cases.items() if key not in self._failing and key not in again}
             self.stats.repeats += len(again)
             if new and self._round_over(rnd):
@@ -282,9 +283,9 @@ class Session:
             ran = dict(zip(new, self._run_cases(list(new.values()), rnd)))
             for key, (sig, verdict) in ran.items():
                 if sig is None and verdict is not None:  # not cut short by the session's end
-                    self._ran[_case_key(key)] = verdict.status == "invalid"
-            invalid = bool(ran or again) and all(v is not None and v.status == "invalid" for _, v in ran.values()) \
-                and all(self._ran[_case_key(key)] for key in again)
+                    self._ran[digest[key]] = verdict.status == "invalid"
+            # a finding or a case cut short is not in _ran: not invalid
+            invalid = bool(ran or again) and all(self._ran.get(digest[key], False) for key in [*ran, *again])
             raised = None
             for key, case in cases.items():
                 if key in again:

@@ -32,8 +32,9 @@ optimizer x world size pair is not pushed away by what the model hit.
 The rest (flags, the model's input and layer kinds, target options, groups,
 frozen params, steps) is counted and shown in the coverage table, not
 steered: the draws there stay Hypothesis's own (steering the model cost the
-hunt's HSDP 2x2 corner two of its three seeds, docs/search.md). The weights are fixed for a round, so a round is one
-ordinary Hypothesis run: each draw is a function of its choices, and
+hunt's HSDP 2x2 corner two of its three seeds, docs/search.md). The
+weights are fixed for a round, so a round is one ordinary Hypothesis run:
+each draw is a function of its choices, and
 shrinking works as before; the least covered cell is listed first, so the
 all-zero first draw of a round goes there.
 """
