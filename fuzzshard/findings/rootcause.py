@@ -38,6 +38,7 @@ class RootCause:
     minimal: str | None = None  # a hand-reduced standalone script, relative to the repository
     signatures: list = field(default_factory=list)  # the known findings it is behind
     component: str = ""  # as PyTorch's issue titles name it: DTensor, FSDP2, DSD, torch.optim, ...
+    what: str = ""  # the bug said in full, where the title (<= 120 characters, an issue's title) is short of it
 
     @property
     def upstream_text(self) -> str:
@@ -56,7 +57,8 @@ def load_root_causes(known: dict[str, Finding] | None = None) -> dict[str, RootC
     path = KNOWN_DIR / ROOT_CAUSES
     data = json.loads(path.read_text()) if path.exists() else {}
     causes = {rid: RootCause(rid, d.get("title", ""), d.get("kind", ""), d.get("api", ""), d.get("upstream", {}),
-                             d.get("minimal"), component=d.get("component", "")) for rid, d in data.items()}
+                             d.get("minimal"), component=d.get("component", ""),
+                             what=d.get("what", "")) for rid, d in data.items()}
     for sig, f in sorted((known or {}).items()):
         if f.root_cause:
             causes.setdefault(f.root_cause, RootCause(f.root_cause, "(not described in root_causes.json)"))
