@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from fuzzshard.findings.record import KNOWN_DIR, load_finding
+from fuzzshard.findings.record import KNOWN_DIR, load_finding, summary
 from fuzzshard.findings.judge import judge, judge_many
 from fuzzshard.findings.reduce import reduce
 from fuzzshard.pool.runner import Pool
@@ -77,7 +77,8 @@ def main() -> int:
                 again = judge(pool, small, {})
                 if again.label == f.signature:
                     data = json.loads(path.read_text())
-                    data.update(case=small.to_dict(), verdict=again.verdict.to_dict(), removed=f.removed + removed)
+                    data.update(case=small.to_dict(), verdict=again.verdict.to_dict(), removed=f.removed + removed,
+                                summary=summary(again.verdict))  # (the copy a reader sees: the new verdict's)
                     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
                 else:
                     removed, small = [f"(the reduced case gave {again.label} in fresh workers: kept the old one)"], case

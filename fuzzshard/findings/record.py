@@ -89,10 +89,16 @@ class Finding:
     # "2.14.1": "fixed", ...}; ci/known_table.py writes it, known/README.md's regression table reads it)
     seen_on: dict = field(default_factory=dict)
 
+    @property
+    def summary(self) -> str:
+        """What the verdict says, in one line: always derived, never the copy a file stores (a tool that
+        rewrites a file's case and verdict may leave that copy saying another run's numbers)."""
+        return summary(self.verdict) if self.verdict is not None else ""
+
     def to_dict(self) -> dict:
         return {
             "signature": self.signature,
-            "summary": summary(self.verdict),
+            "summary": self.summary,  # (for a person reading the file; read back, it is derived again)
             "deterministic": self.deterministic,
             "stage": self.stage,
             "diagnosis": self.diagnosis,

@@ -78,10 +78,11 @@ def load_findings(out: str | Path, matcher=None) -> list[dict]:
         try:
             data = json.loads(p.read_text())
             f = Finding.from_dict(data)
-            group = matcher.group(f.case, f.verdict)
+            group, said = matcher.group(f.case, f.verdict), f.summary  # (its verdict's words, not a stored copy)
         except Exception:  # a file another tool wrote, or a case from an older fuzzshard: listed, not grouped
             data, group = (data if isinstance(data, dict) else {}), "(unreadable)"
-        found.append({"signature": data.get("signature", p.stem), "summary": data.get("summary", ""),
+            said = data.get("summary", "")
+        found.append({"signature": data.get("signature", p.stem), "summary": said,
                       "origin": (data.get("environment") or {}).get("origin", {}), "file": p.name,
                       "deterministic": data.get("deterministic", True), "group": group})
     return found
