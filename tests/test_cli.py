@@ -108,3 +108,19 @@ def test_script_writes_a_standalone_repro(tmp_path):
     assert "torchrun --nproc-per-node 2" in text and "distribute_tensor(" in text  # the straight-line script
     flat = tmp_path / "flat.py"  # --flat: the kernel flattened around the case, as before
     assert run_cli("script", f, "-o", flat, "--flat").returncode == 0 and "CASE_JSON" in flat.read_text()
+
+
+def test_version_says_fuzzshard_torch_and_python_in_one_line():
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    import fuzzshard
+    from fuzzshard.findings.record import environment
+
+    r = run_cli("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"fuzzshard {fuzzshard.__version__}, torch {torch.__version__}, python {platform.python_version()}\n"
+    assert fuzzshard.__version__ == importlib.metadata.version("fuzzshard")  # one version: pyproject.toml's
+    assert environment(None, "gloo")["fuzzshard"] == fuzzshard.__version__  # every finding file records it

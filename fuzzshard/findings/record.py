@@ -49,8 +49,11 @@ def summary(verdict: Verdict) -> str:
 def environment(pool_info: dict | None, backend: str, device: str | None = None) -> dict:
     import hypothesis
 
+    from .. import __version__
+
     info = pool_info or {}
     return {
+        "fuzzshard": __version__,  # which fuzzshard's oracles and tolerances judged it
         "torch": info.get("torch"),
         "device": info.get("device_name") or device,
         **{k: info[k] for k in ("cuda", "nccl") if info.get(k)},
