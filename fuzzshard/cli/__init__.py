@@ -37,6 +37,23 @@ examples:
 COMMANDS = {m.__name__.rsplit(".", 1)[-1]: m for m in (fuzz, soak, report, replay, show, script, upstream, known, bisect, bench)}
 
 
+class _Version(argparse.Action):
+    """``--version``: one line, fuzzshard's version, torch's and python's (torch imported only when asked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import platform
+
+        import torch
+
+        from .. import __version__
+
+        print(f"fuzzshard {__version__}, torch {torch.__version__}, python {platform.python_version()}")
+        parser.exit(0)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="fuzzshard",
@@ -45,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    ap.add_argument("--version", action=_Version, help="print fuzzshard's, torch's and python's versions and exit")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS.values():
         command.add(sub)
