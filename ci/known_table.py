@@ -1,5 +1,9 @@
-"""The known list's regression table: `fuzzshard known --check` on several torch
-releases, joined into one table (root cause x release) in fuzzshard/known/README.md.
+"""The known list's regression table from `fuzzshard known --check` files made elsewhere, joined into
+one table (root cause x release) in fuzzshard/known/README.md.
+
+The one-command form, which makes the missing venvs and replays on one pool per release, is
+`fuzzshard bisect --known --record --torch 2.9.1,2.10.0,...`; this script joins result files that
+`fuzzshard known --check --json` wrote on other machines (or on the interpreters given to --run).
 
     python ci/known_table.py RESULT.json [RESULT.json ...]
     python ci/known_table.py --run /work/venvs/t2100/bin/python [--run ...] [--keep DIR]
@@ -8,9 +12,10 @@ Each RESULT.json is what `fuzzshard known --check --json RESULT.json` wrote on
 one release (--run runs that with each interpreter, fuzzshard installed in its
 environment, and keeps the files in --keep). Every known finding's file then
 records what it gave on each release (``seen_on``: {"2.10.0": "reproduces",
-...}; a release checked again replaces its entry, the others stay), and the
-README is regenerated from the files (`fuzzshard known --markdown`), so the
-table always says what the files say.
+...}; a release checked again replaces its entry, the others stay), each root
+cause's ``fixed_in`` is derived again (known/root_causes.json), and the README
+is regenerated from the files (`fuzzshard known --markdown`), so the table
+always says what the files say.
 """
 import argparse
 import json
@@ -19,35 +24,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fuzzshard.cli.known import known_markdown
-from fuzzshard.findings.record import KNOWN_DIR, load_known
-
-
-def release_of(version: str) -> str:
-    """The release a torch version is: "2.13.0+cpu" -> "2.13.0", "2.10.0+cu128" -> "2.10.0"."""
-    return version.split("+", 1)[0]
+from fuzzshard.findings.record import KNOWN_DIR
+from fuzzshard.findings.releases import record_known, release_of  # noqa: F401 (release_of: this module's API)
 
 
 def record(results: list[dict], known_dir: Path = KNOWN_DIR) -> list[str]:
-    """Write each result's outcomes into the known files' ``seen_on`` (skipped: not recorded; a signature
-    no longer in the list: ignored) and regenerate the README; returns the releases recorded."""
-    releases = []
-    by_sig: dict[str, dict[str, str]] = {}
-    for res in results:
-        v = release_of(res["torch"])
-        releases.append(v)
-        for sig, status in res["results"].items():
-            if status != "skipped":
-                by_sig.setdefault(sig, {})[v] = status
-    for sig, seen in sorted(by_sig.items()):
-        path = known_dir / f"{sig}.json"
-        if not path.exists():
-            continue
-        data = json.loads(path.read_text())
-        data["seen_on"] = dict(sorted({**data.get("seen_on", {}), **seen}.items()))
-        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    (known_dir / "README.md").write_text(known_markdown(load_known(known_dir)) + "\n")
-    return releases
+    """Each result's outcomes into the known files' ``seen_on``, each root cause's ``fixed_in``, and the README
+    (fuzzshard/findings/releases.py's record_known, which `fuzzshard bisect --known --record` uses too)."""
+    return record_known(results, known_dir)
 
 
 def run_check(python: str, keep: Path) -> dict:

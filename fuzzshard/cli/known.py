@@ -162,37 +162,5 @@ def known_markdown(known: dict) -> str:
     return "\n".join(rows)
 
 
-def _release_key(version: str) -> tuple:
-    from ..versions import release
-
-    return release(version), version
-
-
-def regression_table(known: dict, causes: dict) -> list[str]:
-    """Markdown lines: root cause x torch release, from what each known finding records it gave there
-    (``seen_on``, written by ci/known_table.py from `known --check --json` on each release). A cell says
-    what the root cause's findings did on that release: reproduces (any of them still does), fixed (each
-    one checked passes now), differs (none reproduces, some fail otherwise), - (none could run there:
-    CUDA only, or more ranks); the counts are reproduces / fixed / differs."""
-    releases = sorted({v for f in known.values() for v in f.seen_on}, key=_release_key)
-    if not releases:
-        return []
-    rows = ["", "## Regression table", "",
-            "`fuzzshard known --check` on each release (CPU, gloo; `python ci/known_table.py` regenerates it): "
-            "per root cause, whether its known findings still reproduce there, are fixed, or now fail "
-            "differently (reproduces / fixed / differs, in findings). Each finding's file records the releases "
-            "it was checked on (`seen_on`).", "",
-            "| root cause | " + " | ".join(releases) + " |", "|---|" + "---|" * len(releases)]
-    by_cause: dict[str, list] = {}
-    for sig, f in sorted(known.items()):
-        by_cause.setdefault(f.root_cause or sig, []).append(f)
-    for rid in sorted(by_cause):
-        cells = []
-        for v in releases:
-            got = [f.seen_on.get(v, "skipped").split(" ")[0] for f in by_cause[rid]]
-            n = {k: got.count(k) for k in ("reproduces", "fixed", "differs")}
-            word = ("reproduces" if n["reproduces"] else "**fixed**" if n["fixed"] and not n["differs"] else
-                    "differs" if n["differs"] else "-")
-            cells.append(word if word == "-" else f"{word} {n['reproduces']}/{n['fixed']}/{n['differs']}")
-        rows.append(f"| `{rid}` | " + " | ".join(cells) + " |")
-    return rows
+# the table of root cause x torch release: `fuzzshard bisect`'s, with the rest of what releases say
+from ..findings.releases import regression_table  # noqa: E402,F401 (known_markdown's; tests import it here)

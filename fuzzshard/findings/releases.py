@@ -80,13 +80,15 @@ def fixed_in(states: dict[str, str]) -> str | None:
 def root_cause_states(seen_ons: list[dict]) -> dict[str, str]:
     """A root cause's outcome per release from its findings' outcomes: "reproduces" where any reproduces;
     "fixed" where every finding that ran on any release ran there and passes (a sample of them passing is
-    no evidence for the others); else "differs", or "skipped" where none ran."""
+    no evidence for the others: "unchecked" where the rest did not run); "skipped" where none ran; else
+    "differs"."""
     runs = [s for s in seen_ons if any(o != "skipped" for o in s.values())]
     states = {}
     for v in {v for s in runs for v in s}:
         got = [s.get(v, "skipped") for s in runs]
         states[v] = ("reproduces" if "reproduces" in got else "fixed" if all(g == "fixed" for g in got) else
-                     "skipped" if all(g == "skipped" for g in got) else "differs")
+                     "skipped" if all(g == "skipped" for g in got) else
+                     "unchecked" if all(g in ("fixed", "skipped") for g in got) else "differs")
     return states
 
 
@@ -157,8 +159,9 @@ def record_fixed_in(known: dict, known_dir: Path = KNOWN_DIR) -> dict[str, str]:
             d["fixed_in"], fixes[rid] = fix, fix
         else:
             d.pop("fixed_in", None)
-    indent = 2 if text.startswith("{\n  \"") else None
-    new = json.dumps(data, indent=indent, sort_keys=list(data) == sorted(data), ensure_ascii=False) + "\n"
+    # the layout it has: sorted keys where the file round-trips with them (then fixed_in sits among them)
+    sort = json.dumps(json.loads(text), indent=2, sort_keys=True, ensure_ascii=False) + "\n" == text
+    new = json.dumps(data, indent=2, sort_keys=sort, ensure_ascii=False) + "\n"
     if new != text:
         path.write_text(new)
     return fixes
@@ -173,7 +176,6 @@ def regression_table(known: dict, causes: dict) -> list[str]:
     releases = sorted({v for f in known.values() for v in f.seen_on}, key=release_key)
     if not releases:
         return []
-    fixes = load_fixed_in()
     rows = ["", "## Regression table", "",
             "Each known finding replayed on each torch release (CPU, gloo; `fuzzshard bisect --known --record "
             "--torch V,...` regenerates it; the wall time of the last run per release is in docs/versions.md): "
@@ -195,7 +197,7 @@ def regression_table(known: dict, causes: dict) -> list[str]:
                     "fails otherwise" if n["differs"] else "-")
             cells.append(word if word == "-" else f"{word} {n['reproduces']}/{n['fixed']}/{n['differs']}")
         states = root_cause_states([f.seen_on for f in by_cause[rid]])
-        fix = fixes.get(rid)
+        fix = fixed_in(states)  # what record_fixed_in writes to root_causes.json, from the same outcomes
         rows.append(f"| `{rid}` | " + " | ".join(cells) + f" | {first_bad(states) or '-'} | "
                     f"{f'**{fix}**' if fix else '-'} |")
     return rows
