@@ -1,5 +1,6 @@
 """Known findings' triggers and the plain-FQN view of wrapped models (no process groups)."""
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,6 +8,8 @@ import torch
 from fuzzshard.findings.record import is_known, known_signature, load_known, signature, triggered
 from fuzzshard.kernel.model import named_params, submodule
 from fuzzshard.findings.rootcause import Matcher
+
+EVIDENCE = Path(__file__).parent / "data" / "evidence"  # finding files of a GPU session (torch 2.11, one H200)
 
 
 def test_every_known_trigger_matches_its_own_case_and_the_tp_one_only_empty_shards():
@@ -113,21 +116,71 @@ def test_a_fused_step_divergence_says_whether_the_grad_it_read_was_contiguous():
     assert matcher.suspects(f.case, contiguous) == []
 
 
-def test_a_missing_sharding_strategy_is_named_by_its_op():
-    """DTensor's 'no sharding strategy' is a gap of one op: a new op's gap (an int8
-    matmul, say) is a new finding, not a hit of the known optimizer-ops one."""
-    from fuzzshard.findings.record import is_known, signature
-    from fuzzshard.findings.rootcause import Matcher
+def test_a_missing_sharding_strategy_is_named_by_its_op_and_known_by_its_family():
+    """DTensor's 'no sharding strategy' names its op in the signature, but its
+    address is the family: a gap in an op torch.optim calls (2.11's foreach
+    lerp_ and index_put_, ops the root cause does not name) is a known hit of
+    dtensor-missing-strategy-optimizer-ops with the op as its detail; a gap met
+    in a model's own forward (an int8 matmul, say) is no hit: it stays new."""
+    from fuzzshard.findings.record import load_finding
+    from fuzzshard.findings.rootcause import address, caller, detail
 
     known = load_known()
-    sig = "dtensor.error.step.NotImplementedError.af1d5b0d._foreach_copy_"
-    f = known[sig]
-    assert signature(f.case, f.verdict) == sig
-    message = f.verdict.error.message.replace("_foreach_copy_", "_weight_int8pack_mm")
-    other = dataclasses.replace(f.verdict, error=dataclasses.replace(f.verdict.error, message=message))
-    new = signature(f.case, other)
-    assert new == "dtensor.error.step.NotImplementedError.af1d5b0d._weight_int8pack_mm"
-    assert not is_known(new, f.case, known) and Matcher(known).suspects(f.case, other) == []
+    matcher = Matcher(known)
+    for name, op in (("dtensor.error.step.NotImplementedError.af1d5b0d._foreach_lerp_", "aten._foreach_lerp_"),
+                     ("tp.error.step.NotImplementedError.af1d5b0d.index_put_", "aten.index_put_")):
+        f = load_finding(EVIDENCE / f"{name}.json")
+        assert signature(f.case, f.verdict) == name and not is_known(name, f.case, known)
+        hit = matcher.known_hit(f.case, f.verdict)
+        assert (hit.root_cause, hit.detail, hit.named) == ("dtensor-missing-strategy-optimizer-ops", op, False)
+        assert hit.text == f"{op}, an op the root cause does not name" and caller(f.case, f.verdict) == "torch/optim"
+    f = known["dtensor.error.step.NotImplementedError.af1d5b0d._foreach_copy_"]
+    assert matcher.known_hit(f.case, f.verdict).named and detail(f.case, f.verdict) == "aten._foreach_copy_"
+    sdpa = known["dtensor.error.fwdbwd.NotImplementedError.af1d5b0d._scaled_dot_product_flash_attention_for_cpu"]
+    message = sdpa.verdict.error.message.replace("_scaled_dot_product_flash_attention_for_cpu", "_weight_int8pack_mm")
+    other = dataclasses.replace(sdpa.verdict, error=dataclasses.replace(sdpa.verdict.error, message=message))
+    new = signature(sdpa.case, other)
+    assert new == "dtensor.error.fwdbwd.NotImplementedError.af1d5b0d._weight_int8pack_mm"
+    assert address(sdpa.case, other) == address(f.case, f.verdict)  # one family
+    assert not is_known(new, sdpa.case, known) and matcher.known_hit(sdpa.case, other) is None
+    assert matcher.suspects(sdpa.case, other) == ["dtensor-missing-strategy-optimizer-ops", "dtensor-sdpa-cpu-no-strategy"]
+
+
+def test_a_known_root_cause_met_in_another_phase_or_on_another_target_is_a_known_hit():
+    """Adafactor's in-place square on a _NormPartial met in a load's init step
+    (2.11, H200) is that known root cause, not a new finding; so is its fsdp2
+    face (61658fa9, met on the CPU) and fsdp2's foreach ASGD over two meshes in
+    a step (56cd5e7e), whose address names no torch code: its message decides
+    between the two root causes there. A wrapper's own bug is no other target's."""
+    from fuzzshard.findings.record import load_finding
+
+    known = load_known()
+    matcher = Matcher(known)
+    f = load_finding(EVIDENCE / "dtensor.error.load.RuntimeError.89967c22.json")
+    assert matcher.label(f.case, f.verdict).startswith("probably root cause adafactor-inplace-square-on-norm-partial")
+    assert matcher.known_hit(f.case, f.verdict).root_cause == "adafactor-inplace-square-on-norm-partial"
+    fsdp2 = known["dtensor.error.load.RuntimeError.61658fa9"]
+    as_fsdp2 = dataclasses.replace(fsdp2.case, target="fsdp2", target_options={})
+    assert not is_known(signature(as_fsdp2, fsdp2.verdict), as_fsdp2, known)
+    assert matcher.known_hit(as_fsdp2, fsdp2.verdict).root_cause == "adafactor-inplace-square-on-norm-partial"
+    asgd = known["fsdp2.error.load.RuntimeError.56cd5e7e"]
+    step = dataclasses.replace(asgd.verdict, error=dataclasses.replace(
+        asgd.verdict.error, phase="step 0: optimizer.step", extra={**asgd.verdict.error.extra, "stage": "step"}))
+    assert signature(asgd.case, step) == "fsdp2.error.step.RuntimeError.56cd5e7e"
+    assert len(matcher.by_address["raises RuntimeError in fuzzshard or the test (no torch frame)"]) == 2
+    assert matcher.suspects(asgd.case, step) == ["dtensor-foreach-scalar-tensor-single-compute-mesh"]
+    assert matcher.known_hit(asgd.case, step).root_cause == "dtensor-foreach-scalar-tensor-single-compute-mesh"
+    # the same address ("no torch frame") with another message is no hit of either
+    odd = dataclasses.replace(step, error=dataclasses.replace(step.error, message="something else entirely"))
+    assert matcher.known_hit(asgd.case, odd) is None
+    # a divergence's address says where it showed, not what made it: never a known hit by address
+    f1 = known["fsdp1.checkpoint.dcp.loaded.state.step"]
+    assert matcher.suspects(f1.case, f1.verdict) and matcher.known_hit(f1.case, f1.verdict) is None
+    # an FSDP1 FlatParameter error met by a dtensor case: probably that, but no hit (a wrapper's own bug)
+    flat = next(f for f in known.values() if f.root_cause == "fsdp1-shared-0d-step" and f.verdict.oracle == "error_parity")
+    as_dtensor = dataclasses.replace(flat.case, target="dtensor", target_options={})
+    assert matcher.suspects(as_dtensor, flat.verdict) == ["fsdp1-shared-0d-step"]
+    assert matcher.known_hit(flat.case, flat.verdict) and matcher.known_hit(as_dtensor, flat.verdict) is None
 
 
 def test_a_compiled_case_is_named_as_compiled_and_meets_known_eager_errors_only():

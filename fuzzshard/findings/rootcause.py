@@ -15,6 +15,11 @@ the optimizer) of a step divergence, the state-dict API family and quantity
 of a checkpoint mismatch (each oracle's module in oracle/ says its own). A
 new finding whose address a known finding has is "probably" that finding's
 root cause; new findings with one address are grouped as one suspected bug.
+Where several root causes share an address, the case decides: a wrapper's own
+bug is no other target's, then the features their known findings share with
+it (the message template, a missing strategy's op, the torch code that called
+it). A new *error* whose address comes down to one root cause so is that bug
+in a face not recorded: a known hit (``Matcher.known_hit``), not a finding.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 
 from .. import oracle
 from .record import KNOWN_DIR, ROOT_CAUSES, Finding, compiled_tag
+from ..oracle.error_parity import _digest, missing_strategy_op
 # reading where a traceback points is the oracles' (their addresses use it); still importable from here
 from ..oracle.source import telling_frame, torch_frames  # noqa: F401
 from ..verdict import Verdict
@@ -78,28 +84,109 @@ def address(case, verdict: Verdict) -> str:
     return f"{tag}: {where}" if tag else where
 
 
+def detail(case, verdict: Verdict) -> str:
+    """What an address leaves out and a summary still names: a missing sharding strategy's op."""
+    op = missing_strategy_op(verdict.error_record.message) if verdict.oracle == "error_parity" else None
+    return f"aten.{op}" if op else ""
+
+
+def template(case, verdict: Verdict) -> str:
+    """An error's message template (its signature's digest, whatever the phase), "" for other findings."""
+    return _digest(verdict.error_record.message, names=True) if verdict.oracle == "error_parity" else ""
+
+
+def caller(case, verdict: Verdict) -> str:
+    """The torch package whose code called into DTensor when it raised ("torch/optim": an optimizer's
+    step, in a load's init step too), "" where the call came from outside torch (a model's own forward)."""
+    if verdict.oracle != "error_parity":
+        return ""
+    outside = [f for f in torch_frames(verdict.error_record.traceback or "") if not f[0].startswith("distributed/tensor/")]
+    made = telling_frame(outside)
+    return ("torch/" + made[0].rsplit("/", 1)[0] if "/" in made[0] else "torch") if made else ""
+
+
+# what tells root causes at one address apart, in this order: each narrows only where some of them share it
+_FEATURES = (template, detail, caller)
+# an address that names no torch code says little: there only the same message template makes a known hit
+_NO_CODE = ("(no torch frame)", "(no telling frame)")
+
+
+@dataclass(frozen=True)
+class KnownHit:
+    """A new finding that is a known root cause in a face not recorded: the same address, one root cause."""
+    root_cause: str
+    address: str
+    detail: str = ""  # a missing strategy's op
+    named: bool = True  # whether the root cause's known findings name that op
+
+    @property
+    def text(self) -> str:
+        """What a summary says of it: "aten._foreach_lerp_, an op the root cause does not name"."""
+        what = self.detail or f"address {self.address}"
+        return what + ("" if self.named else ", an op the root cause does not name")
+
+
 class Matcher:
     """Known root causes by address: ``suspects(case, verdict)`` -> the ids
     of the root causes of known findings with the same address."""
 
     def __init__(self, known: dict[str, Finding]):
         self.causes = load_root_causes(known)
-        self.by_address: dict[str, set] = {}
+        self.by_address: dict[str, dict[str, list]] = {}  # address -> root cause -> its known findings there
         for f in known.values():
             if f.root_cause and f.verdict:
-                self.by_address.setdefault(address(f.case, f.verdict), set()).add(f.root_cause)
+                self.by_address.setdefault(address(f.case, f.verdict), {}).setdefault(f.root_cause, []).append(f)
+
+    def _runs_on(self, rid: str, target: str) -> bool:
+        """Whether root cause ``rid`` can be a bug of ``target``: a wrapper's own is its targets' alone."""
+        component = self.causes[rid].component if rid in self.causes else ""
+        return target in _WRAPPER_TARGETS.get(component, (target,))
 
     def suspects(self, case, verdict: Verdict) -> list[str]:
         """Where several root causes share the address, one that is a bug of
         another target's own wrapper (an FSDP1 FlatParameter bug for a dtensor
         case) is left out: "loaded.state.step" is both DSD's frozen-param bug
-        and FSDP1's shared 0-d step, and a dtensor finding can be only the first."""
-        ids = sorted(self.by_address.get(address(case, verdict), ()))
+        and FSDP1's shared 0-d step, and a dtensor finding can be only the first.
+        Then the case's features decide (``_FEATURES``): fsdp2's "no torch frame"
+        RuntimeError is DTensor's two-mesh foreach bug by its message, not the
+        Conv one; a missing strategy met in torch/optim is the optimizer-ops
+        family, not CPU SDPA's."""
+        found = self.by_address.get(address(case, verdict), {})
+        ids = sorted(found)
         if len(ids) > 1:
-            own = [rid for rid in ids if case.target in _WRAPPER_TARGETS.get(
-                self.causes[rid].component if rid in self.causes else "", (case.target,))]
-            ids = own or ids
+            ids = [rid for rid in ids if self._runs_on(rid, case.target)] or ids
+        for feature in _FEATURES:
+            mine = feature(case, verdict) if len(ids) > 1 else ""
+            if mine:
+                ids = [rid for rid in ids if any(feature(f.case, f.verdict) == mine for f in found[rid])] or ids
         return ids
+
+    def known_hit(self, case, verdict: Verdict) -> KnownHit | None:
+        """The known root cause a new error is by its address, or None (a new
+        finding, "probably" at most). Only an error's address (its exception
+        type and the torch code that made it) says what made it; a divergence's
+        says where it showed, so it stays new. One root cause must be left, one
+        that runs on this target and was seen on this device; where the address
+        names no torch code, with the same message template; a missing strategy
+        for an op it does not name, only where torch called that op from the
+        same package as in its known findings (the optimizers', whatever op)."""
+        if verdict.oracle != "error_parity":
+            return None
+        where = address(case, verdict)
+        ids = self.suspects(case, verdict)
+        if len(ids) != 1 or not self._runs_on(ids[0], case.target):
+            return None
+        theirs = [f for f in self.by_address[where][ids[0]] if not f.devices or case.device in f.devices]
+        if not theirs:
+            return None
+        if any(weak in where for weak in _NO_CODE) and template(case, verdict) not in {template(f.case, f.verdict) for f in theirs}:
+            return None
+        op = detail(case, verdict)
+        named = op in {detail(f.case, f.verdict) for f in theirs}
+        if op and not named and (not caller(case, verdict) or
+                                 caller(case, verdict) not in {caller(f.case, f.verdict) for f in theirs}):
+            return None
+        return KnownHit(ids[0], where, op, named or not op)
 
     def label(self, case, verdict: Verdict) -> str:
         """"probably root cause X: title" or "" ."""

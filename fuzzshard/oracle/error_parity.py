@@ -38,11 +38,12 @@ def summary(verdict: Verdict) -> str:
 
 
 def address(case, verdict: Verdict) -> str:
-    """The exception type and the innermost torch frame that made it."""
+    """The exception type and the innermost torch frame that made it. A missing sharding strategy is
+    one family whatever the op and wherever a release checks it: the op is its detail (rootcause.detail)."""
     err = verdict.error_record
-    op = missing_strategy_op(err.message)  # a missing sharding strategy: the op is the bug
-    return f"raises {err.type or 'Error'} in {innermost(err.traceback or '')}" + \
-        (f" (no sharding strategy for aten.{op})" if op else "")
+    if missing_strategy_op(err.message):
+        return f"raises {err.type or 'Error'}: DTensor has no sharding strategy for an op (missing sharding strategy)"
+    return f"raises {err.type or 'Error'} in {innermost(err.traceback or '')}"
 
 
 def _phase(err: ErrorRecord) -> str:
