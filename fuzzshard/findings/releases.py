@@ -322,7 +322,15 @@ def table(paths: list[str], signatures: dict[str, str], runs: dict[str, dict]) -
         lines += [f"  {signatures[p] or p} on {v}: {shown(s)}" for p, v, s in others]
     if len(paths) == 1:
         o = outcomes[paths[0]]
-        lines += [f"first bad: {first_bad(o) or 'none checked'}", f"last good: {last_good(o) or 'none checked'}"]
+        bad, good = first_bad(o), last_good(o)
+        ran = [v for v in sorted(o, key=release_key) if o[v] != "skipped"]
+        if good or not bad:
+            why = good or "-"
+        elif ran[0] == bad:
+            why = "none checked (it reproduces on the oldest release checked)"
+        else:
+            why = "unknown (it fails otherwise on the release before)"
+        lines += [f"first bad: {bad or 'none (it reproduces on no release checked)'}", f"last good: {why}"]
         if fixed_in(o):
             lines.append(f"fixed in:  {fixed_in(o)}")
     lines.append("wall time: " + ", ".join(f"{v} {runs[v]['seconds']:.0f}s" for v in releases))
