@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 from cases import simple_case
 
-from fuzzshard.findings.generalize import Face, faces_of, generalize, same_way, table_text, variants
+from fuzzshard.findings.generalize import Face, carry, faces_of, generalize, kin, same_way, table_text, variants
 from fuzzshard.findings.judge import internal_error
 from fuzzshard.verdict import Verdict, finding, passing
 
@@ -72,6 +72,41 @@ def test_generalize_folds_the_variants_that_fail_the_same_way_and_tabulates_the_
     text = table_text(table)
     assert "optimizer: fails with AdamW; passes with SGD; fails otherwise with Adagrad (dtensor.parity.Adagrad" in text
     assert Face(**table[0].to_dict()) == table[0]
+
+
+def test_a_case_is_carried_to_the_kin_targets_that_place_its_params_alike():
+    """dtensor, tp and fsdp2 share their known bugs (known_as): a case runs on
+    another of them where that one places every param as the case did (fsdp2:
+    Shard(0) on the last mesh dim; tp without a plan: replicated), a
+    data-parallel target's batch made a multiple of its ranks; elsewhere not."""
+    import dataclasses
+
+    assert kin("dtensor") == ("fsdp2", "tp") and kin("fsdp2") == ("dtensor", "tp") and kin("zero") == ()
+    names = ["layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias"]
+    case = simple_case(2, optim="Adam", placements={n: ["S0"] for n in names})  # batch 3
+    fsdp2 = carry(case, "fsdp2")
+    assert fsdp2.target == "fsdp2" and fsdp2.target_options == {} and fsdp2.batch == 4
+    assert carry(case, "tp") is None  # a TP plan is no placement of ours
+    assert carry(simple_case(2, optim="Adam"), "fsdp2") is None  # S1 on layers.2.weight: fsdp2 shards dim 0
+    back = carry(fsdp2, "dtensor")
+    assert back.target_options == {"placements": {n: ["S0"] for n in names}} and back.batch == 4
+    replicated = dataclasses.replace(case, target_options={})
+    assert carry(replicated, "tp").target_options == {} and carry(replicated, "fsdp2") is None
+    assert ("target", "dtensor") in {(d, v) for d, v, _ in variants(fsdp2, ["Adam"])}
+
+
+def test_a_variant_on_another_target_that_fails_the_same_way_is_a_face_of_the_bug():
+    case = simple_case(2, optim="SGD", placements={n: ["S0"] for n in ("layers.0.weight", "layers.0.bias",
+                                                                          "layers.2.weight", "layers.2.bias")})
+    bug = _step_verdict(["layers.2.weight"])
+
+    def judge_many(cases):  # the bug is in SGD's step on any target
+        return [SimpleNamespace(verdict=bug if c.optim.name == "SGD" else Verdict.from_dict(passing()),
+                                label=f"{c.target}.parity.SGD.{c.optim.implementation}.param" if c.optim.name == "SGD"
+                                else "pass") for c in cases]
+
+    table, sigs = generalize(judge_many, case, bug, ["SGD", "Adam"])
+    assert "fsdp2.parity.SGD.forloop.param" in sigs and "target: fails with fsdp2" in table_text(table)
 
 
 def _error(type_, frames):

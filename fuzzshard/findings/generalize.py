@@ -15,6 +15,7 @@ is left to be found on its own: two bugs stay two.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 
 from ..case import Case, CaseError
@@ -25,8 +26,8 @@ from ..verdict import Verdict
 @dataclass(frozen=True)
 class Face:
     """One variant of a finding's case and what it came to."""
-    dimension: str  # "implementation", "optimizer", "dtype", "checkpoint kind"
-    value: str  # what the variant has there ("foreach", "Adam", "float64", "dcp")
+    dimension: str  # "implementation", "optimizer", "dtype", "checkpoint kind", "target"
+    value: str  # what the variant has there ("foreach", "Adam", "float64", "dcp", "fsdp2")
     outcome: str  # "fails" (the same way), "passes", "invalid", "fails otherwise", "error"
     signature: str = ""  # a failing variant's
 
@@ -60,6 +61,10 @@ def variants(case: Case, optimizer_names=None) -> list[tuple[str, str, Case]]:
         for kind in spec.checkpoint_kinds:
             if kind != case.checkpoint.kind:
                 out.append(("checkpoint kind", kind, replace(case, checkpoint=replace(case.checkpoint, kind=kind))))
+    for other in kin(case.target):
+        carried = carry(case, other)
+        if carried is not None:
+            out.append(("target", other, carried))
     kept = []
     for dim, value, v in out:
         try:
@@ -68,6 +73,79 @@ def variants(case: Case, optimizer_names=None) -> list[tuple[str, str, Case]]:
             continue
         kept.append((dim, value, v))
     return kept
+
+
+@functools.lru_cache(maxsize=None)
+def kin(target: str) -> tuple[str, ...]:
+    """The other built-in targets a bug of ``target`` may show on: those that
+    share their known bugs (a target's ``known_as``, either way, and theirs in
+    turn): dtensor, tp and fsdp2 for each other (a plugin's parallelism too)."""
+    from .. import targets
+
+    def linked(name: str) -> set:
+        return set(getattr(targets.get(name), "known_as", ())) if name in targets.names() else set()
+
+    names = set(targets.builtin()) | {target}
+    links = {t: linked(t) for t in names}
+    seen, todo = {target}, [target]
+    while todo:
+        t = todo.pop()
+        for u in links.get(t, set()) | {v for v in names if t in links[v]}:
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return tuple(sorted(seen & set(targets.builtin()) - {target}))
+
+
+def _layout(target: str, mesh, options: dict, names) -> dict | None:
+    """How ``target`` places each param on ``mesh`` under ``options``, as the dtensor target's
+    placements say it ({fqn: ["R" | "S<d>"] per mesh dim}); None: not a plain layout (a TP plan).
+    (What each target does with a param, said here until its Spec says it.)"""
+    if target == "dtensor":
+        given = options.get("placements", {})
+        return {n: list(given.get(n, ["R"] * len(mesh))) for n in names}
+    if target == "fsdp2" and not options.get("tp"):  # fully_shard: dim 0 over the last mesh dim (HSDP replicates)
+        return {n: ["R"] * (len(mesh) - 1) + ["S0"] for n in names}
+    if target == "tp" and not options.get("tp"):  # no plan: every param a replicated DTensor
+        return {n: ["R"] * len(mesh) for n in names}
+    return None
+
+
+def _carried_options(target: str, mesh, options: dict, to: str, names) -> dict | None:
+    """The options under which target ``to`` places every param as ``target`` does under ``options``
+    (its defaults otherwise), or None where it cannot."""
+    layout = _layout(target, mesh, options, names)
+    if layout is None:
+        return None
+    if to == "dtensor":
+        return {"placements": layout}
+    return {} if _layout(to, mesh, {}, names) == layout else None
+
+
+def carry(case: Case, to: str) -> Case | None:
+    """``case`` run on target ``to`` with every param placed as before (each side of a checkpoint),
+    the batch made a multiple of what ``to`` splits it into; None where ``to`` cannot place them so,
+    or has not the case's checkpoint kind."""
+    from .. import targets
+    from ..kernel.model import param_shapes
+    from .reduce import _batch_unit
+
+    spec = targets.get(to).spec
+    ck = case.checkpoint
+    if ck and ck.kind not in spec.checkpoint_kinds:
+        return None
+    try:
+        names = list(param_shapes(case.model))
+    except Exception:  # a plugin's model this driver cannot build
+        return None
+    options = _carried_options(case.target, case.mesh_shape, case.target_options, to, names)
+    ck_options = _carried_options(case.target, ck.mesh_shape, ck.target_options, to, names) if ck else {}
+    if options is None or ck_options is None:
+        return None
+    moved = replace(case, target=to, target_options=options,
+                    checkpoint=replace(ck, target_options=ck_options) if ck else None)
+    unit = _batch_unit(moved.to_dict())  # a data-parallel target gives every rank an equal slice
+    return replace(moved, batch=unit * -(-moved.batch // unit))
 
 
 _IMPL_FLAGS = ("foreach", "fused")
