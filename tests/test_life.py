@@ -1,14 +1,18 @@
 """A finding's life (life.py) without workers: a scripted pool gives the
 verdicts, the book confirms, writes, reports contamination and, as a soak's
 cells do, publishes into a shared folder where the first writer wins."""
+import dataclasses
 import io
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 from cases import simple_case
 
 from fuzzshard.session.engine import Stats
+from fuzzshard.findings.generalize import Face, table_text
 from fuzzshard.findings.life import FindingBook, SoakBook
+from fuzzshard.findings.record import load_finding, load_known
 from fuzzshard.verdict import Verdict, finding, passing
 
 SIG = "dtensor.parity.SGD.forloop.param"
@@ -36,9 +40,10 @@ class ScriptedPool:
         return out
 
 
-def _book(tmp_path, pool, cls=FindingBook, **kw):
+def _book(tmp_path, pool, cls=FindingBook, known=None, **kw):
     progress = io.StringIO()
-    return cls(pool, tmp_path, Stats(), known={}, progress=progress, optimizer_names=["SGD", "Adam"], **kw), progress
+    return cls(pool, tmp_path, Stats(), known=known or {}, progress=progress, optimizer_names=["SGD", "Adam"],
+               **kw), progress
 
 
 def test_a_new_signature_is_confirmed_fresh_written_and_finished(tmp_path):
@@ -76,3 +81,104 @@ def test_soak_cells_publish_once_and_the_later_one_counts_it_known(tmp_path):
     assert SIG in second.known and not second.tracks
     assert json.loads((tmp_path / f"{SIG}.json").read_text())["environment"]["origin"]["cell"] == "e0c0"
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{SIG}.json", f"{SIG}.py"]
+
+
+# -- one finding per bug across targets, and known in any face (GPU evidence: tests/data/evidence) ----------
+EVIDENCE = Path(__file__).parent / "data" / "evidence"
+DSD = {t: load_finding(EVIDENCE / f"{t}.error.load.ValueError.646b60be.json") for t in ("dtensor", "fsdp2")}
+
+
+def _known_before_646b60be() -> dict:
+    """The known list as the session that met 646b60be had it: without that root cause (recorded since)."""
+    return {s: f for s, f in load_known().items() if "646b60be" not in s}
+
+
+class DSDPool(ScriptedPool):
+    """DSD's full-state-dict load refusing a 1-element CPU lr beside CUDA state, on any target: a case
+    with such an lr and a full (or broadcast) load fails as recorded (tp as dtensor); ``only``: those
+    two recorded cases alone fail, any other is ``others`` (a verdict status)."""
+
+    def __init__(self, only=False, others="pass"):
+        super().__init__()
+        self.only, self.others = only, others
+
+    def run_many(self, cases, timeouts):
+        out = []
+        for c in cases:
+            f = DSD["fsdp2" if c.target == "fsdp2" else "dtensor"]
+            if self.only:
+                bad = any(c.to_json() == g.case.to_json() for g in DSD.values())
+            else:
+                bad = c.optim.tensor_lr == "1d" and c.checkpoint and c.checkpoint.kind in ("full", "broadcast")
+            v = f.verdict if bad else Verdict.from_dict(passing() if self.others == "pass" else
+                                                        {"status": "invalid", "reason": "refused"})
+            self.history.append((c, v))
+            out.append(SimpleNamespace(verdict=v, seconds=0.0, timings={}))
+        return out
+
+
+def _met(book, target):
+    f = DSD[target]
+    return book.accept(f.signature, f.case, f.verdict)
+
+
+def test_one_bug_met_on_dtensor_and_fsdp2_is_one_finding_with_a_target_row(tmp_path):
+    """646b60be, DSD's "Device mismatch", came out as a dtensor and an fsdp2
+    finding: the fsdp2 case carried to dtensor (its params Shard(0) there too)
+    fails the same way, so the second is a face of the first."""
+    book, said = _book(tmp_path, DSDPool(), known=_known_before_646b60be())
+    assert _met(book, "dtensor") and not _met(book, "fsdp2")
+    sig, other = DSD["dtensor"].signature, DSD["fsdp2"].signature
+    assert f"new signature {other}: another face of finding {sig}" in said.getvalue()
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [f"{sig}.json"]
+    data = json.loads((tmp_path / f"{sig}.json").read_text())
+    assert other in data["faces"] and "tp.error.load.ValueError.646b60be" in data["faces"]  # tp: its own variant
+    rows = [Face(**r) for r in data["generalization"] if r["dimension"] == "target"]
+    assert "target: fails with tp, fsdp2" in table_text(rows)  # its variant on tp, then fsdp2 in its own case
+    assert book.new_signature(SimpleNamespace(known=False, signature=other)) is None and book.stats.folded[sig] == 1
+
+
+def test_two_findings_on_two_targets_with_one_address_fold_unless_a_variant_ran_them_apart(tmp_path):
+    """Met separately (the fsdp2 case's dtensor variant could not run: the reference refused it), the
+    same error at the same address on dtensor and fsdp2 is one finding; where that variant passes on
+    dtensor, the two stay two: nothing says they are one bug."""
+    book, said = _book(tmp_path / "a", DSDPool(only=True, others="invalid"), known=_known_before_646b60be())
+    assert _met(book, "dtensor") and not _met(book, "fsdp2")
+    sig, other = DSD["dtensor"].signature, DSD["fsdp2"].signature
+    assert f"new signature {other}: finding {sig} on another target (the same address and message: raises " \
+           f"ValueError in torch/distributed/checkpoint/state_dict.py:_device), folded into it" in said.getvalue()
+    data = json.loads((tmp_path / "a" / f"{sig}.json").read_text())
+    assert other in data["faces"] and {"dimension": "target", "value": "fsdp2", "outcome": "fails",
+                                       "signature": other} in data["generalization"]
+    apart, _ = _book(tmp_path / "b", DSDPool(only=True), known=_known_before_646b60be())
+    assert _met(apart, "dtensor") and _met(apart, "fsdp2")
+    assert sorted(p.name for p in (tmp_path / "b").glob("*.json")) == [f"{sig}.json", f"{other}.json"]
+
+
+def test_a_new_signature_with_a_known_root_causes_address_is_a_known_hit_and_the_summary_names_its_op(
+        tmp_path, capsys):
+    """2.11's missing strategy for foreach lerp_ (an op the root cause does not name) and Adafactor's
+    known bug met in a load: counted under their root causes, no finding files; the summary lists the
+    signature and the op; the tp face of the first is known from then on."""
+    from fuzzshard.cli.fuzz import _print_session_report
+    from fuzzshard.findings.record import known_signature
+
+    book, said = _book(tmp_path, ScriptedPool(), known=load_known())
+    lerp = load_finding(EVIDENCE / "dtensor.error.step.NotImplementedError.af1d5b0d._foreach_lerp_.json")
+    load = load_finding(EVIDENCE / "dtensor.error.load.RuntimeError.89967c22.json")
+    for f in (lerp, load):
+        assert not book.accept(f.signature, f.case, f.verdict) and book.stats.known[f.signature] == 1
+        assert not (tmp_path / f"{f.signature}.json").exists() and not book.tracks
+    assert book.known[load.signature].root_cause == "adafactor-inplace-square-on-norm-partial"
+    record = json.loads((tmp_path / "known_faces" / f"{lerp.signature}.json").read_text())
+    assert (record["root_cause"], record["detail"], record["named"]) == \
+        ("dtensor-missing-strategy-optimizer-ops", "aten._foreach_lerp_", False)
+    tp = dataclasses.replace(lerp.case, target="tp")
+    assert known_signature(lerp.signature.replace("dtensor.", "tp.", 1), tp, book.known) == lerp.signature
+    session = SimpleNamespace(stats=book.stats, elapsed=1.0, duration=None, stop_reason=None, book=book,
+                              pool=SimpleNamespace(restarts=0), matcher=book.matcher, contaminated=[], known=book.known)
+    _print_session_report(session, [], tmp_path)
+    text = capsys.readouterr().err
+    assert "known   dtensor-missing-strategy-optimizer-ops ×1 [not reported]" in text
+    assert f"        {lerp.signature} ×1, known by address: aten._foreach_lerp_, an op the root cause does not name" in text
+    assert "known   adafactor-inplace-square-on-norm-partial ×1" in text and "no new findings" in text

@@ -183,6 +183,9 @@ def _print_session_report(session, findings, out) -> None:
         n = sum(k for _, k in hits)
         faces = f", {len(hits)} signatures" if len(hits) > 1 else ""
         print(f"known   {cause} ×{n}{faces} [{rc.upstream_text}]" if rc else f"known   {cause} ×{n}", file=sys.stderr)
+        for sig, k in hits:  # a new signature known by its address (life.py): named, with the op it met
+            if session.known[sig].stage == "known by address":
+                print(f"        {sig} ×{k}, {session.known[sig].diagnosis}", file=sys.stderr)
     if findings:
         faces = sum(1 + len(f.faces) for f in findings)
         print(f"{len(findings)} new finding(s), one per bug, under {faces} signature(s); to get there "

@@ -9,10 +9,16 @@ finding is a bug a user can trust, and nothing found is lost:
     + ``.py``). Another verdict means something carried over from earlier
     cases in the warm workers: a fuzzshard fault, reported as *contaminated*
     (both verdicts and what ran before it), never as a finding;
+  - *known in any face*: a new error whose address comes down to one known
+    root cause (rootcause.Matcher.known_hit) is a hit of that root cause, not
+    a finding: counted, its case kept in ``OUT/known_faces/``;
   - *one finding per bug*: the confirmed case is re-run along the dimensions
-    a bug may not depend on (generalize.py). A face a finding already has is
-    folded into it; a face of a known finding makes it a hit of that one
-    (kept in ``OUT/known_faces/``);
+    a bug may not depend on (generalize.py), the other targets that can carry
+    it among them. A face a finding already has is folded into it; a face of
+    a known finding makes it a hit of that one (kept in ``OUT/known_faces/``);
+    an error met on another target with the same address and message as a
+    finding already made is that finding (unless a variant ran one's case on
+    the other's target and it did not fail so);
   - *shrinking*: each smaller case with that signature rewrites the file
     (stage ``shrinking``, at most every ``WRITE_EVERY`` seconds); when the
     search ends (``finish``) the smallest is made 1-minimal (reduce.py),
@@ -38,13 +44,14 @@ from typing import Callable
 from . import repro
 from .record import (Finding, atomic_write, environment, known_signature, load_finding, load_known, publish_finding,
                        summary, write_finding)
-from .generalize import generalize
+from .generalize import Face, generalize, kin
 from .judge import Judgement, judge, judge_many, label
 from .reduce import reduce as reduce_case
-from .rootcause import Matcher
+from .rootcause import Matcher, address, detail, template
 from ..verdict import Verdict
 
 WRITE_EVERY = 2.0  # seconds between two rewrites of one finding's file while it shrinks
+KNOWN_BY_ADDRESS = "known by address"  # the stage of a new signature the session counts as a known root cause's
 
 
 def rerun(pool, case, fresh: bool = True, timeout: float | None = None) -> Judgement:
@@ -102,6 +109,7 @@ class FindingBook:
         self._generalized: dict[str, str] = {}  # finding -> the case JSON its table is of
         self._as_known: dict[str, str] = {}  # a new signature -> the known finding it is a face of
         self._removed: dict[str, list] = {}  # finding -> what the reducer took out of its case
+        self._met: dict[str, dict] = {}  # finding -> another target -> a face met failing there in its own case
         self._suspect: set[str] = set()  # signatures a fresh run did not confirm
 
     # -- what the search asks --------------------------------------------------
@@ -129,6 +137,10 @@ class FindingBook:
             if sig in self._suspect:  # one fresh run already said this signature is not what it seems
                 self.stats.contaminated += 1
                 return False
+            hit = self.matcher.known_hit(case, verdict)
+            if hit is not None:  # a known root cause in a face not recorded: counted, never a finding
+                self._known_by_address(sig, hit, case, verdict)
+                return False
             provisional = bool(verdict.extra.get("timeout"))  # a hang under a derived limit: on disk before its confirmation
             if provisional and not self._write_provisional(sig, case, verdict):
                 return False
@@ -155,6 +167,13 @@ class FindingBook:
                 self._unwrite(sig)
                 self._fold(owner, faces)
                 self._say(f"new signature {sig}: another face of finding {owner} (it fails the same way), folded into it")
+                return False
+            owner = self._same_error_elsewhere(sig, *confirmed[:2])
+            if owner is not None:  # the same error on a kin target, met on its own: one bug
+                self._unwrite(sig)
+                self._fold(owner, faces)
+                self._say(f"new signature {sig}: finding {owner} on another target (the same address and message: "
+                          f"{address(*confirmed[:2])}), folded into it")
                 return False
             self._owner.update({s: sig for s in faces})
             if faces != {sig} or self._tables.get(sig):
@@ -306,13 +325,71 @@ class FindingBook:
         self._say(f"new signature {sig}: the known finding {known} in another face (it fails the same way{how}; "
                   f"root cause {self.known[known].root_cause or '?'}) -> {path}")
 
+    def _known_by_address(self, sig: str, hit, case, verdict: Verdict) -> None:
+        """``sig`` is known root cause ``hit.root_cause`` by its address (rootcause.Matcher.known_hit):
+        counted under it, its case kept in OUT/known_faces/<sig>.json, and known from here on (the
+        session's summary names it, with the op it met)."""
+        self.known[sig] = Finding(sig, case, verdict, root_cause=hit.root_cause, stage=KNOWN_BY_ADDRESS,
+                                  diagnosis=f"{KNOWN_BY_ADDRESS}: {hit.text}")
+        self.stats.known[sig] += 1
+        record = {"signature": sig, "root_cause": hit.root_cause, "address": hit.address, "detail": hit.detail,
+                  "named": hit.named, "verdict": verdict.to_dict(), "case": case.to_dict()}
+        path = self._record("known_faces", sig, record)
+        self._say(f"new signature {sig}: root cause {hit.root_cause} by its address ({hit.address}"
+                  f"{'; ' + hit.text if hit.detail else ''}), a known hit -> {path}")
+
     def _fold(self, owner: str, faces: set[str]) -> None:
-        """``faces`` are ``owner``'s now; its file says so."""
+        """``faces`` are ``owner``'s now; its file says so (a face on another target in its target row)."""
         for s in faces:
             self._owner.setdefault(s, owner)
+        self._met_on(owner, faces)
         track = self.tracks.get(owner)
         if track is not None:
             self._write(owner, track.written, first=False)
+
+    def _met_on(self, owner: str, faces) -> None:
+        """The targets other than ``owner``'s that ``faces`` failed on, in their own cases: its target row."""
+        own = self._target_of(owner)
+        for s in sorted(faces):
+            target = self._target_of(s)
+            if target and target != own:
+                self._met.setdefault(owner, {}).setdefault(target, s)
+
+    def _target_of(self, sig: str) -> str:
+        track = self.tracks.get(sig)
+        return track.confirmed[0].target if track else sig.split(".", 1)[0]
+
+    def _same_error_elsewhere(self, sig: str, case, verdict: Verdict) -> str | None:
+        """A finding already made on a kin target (generalize.kin) that is this error: the same
+        address, message template and missing op, and no variant that ran either case on the other's
+        target passed or failed otherwise. Errors only: a divergence's address says where it showed,
+        not what made it, and two planted bugs there would read as one."""
+        if verdict.oracle != "error_parity":
+            return None
+        mine = (address(case, verdict), template(case, verdict), detail(case, verdict))
+        for other in sorted(self.tracks):
+            o_case, o_verdict = self.tracks[other].confirmed
+            if o_case.target not in kin(case.target) or o_verdict.oracle != "error_parity":
+                continue
+            if (address(o_case, o_verdict), template(o_case, o_verdict), detail(o_case, o_verdict)) != mine:
+                continue
+            if not self._ran_apart(sig, o_case.target) and not self._ran_apart(other, case.target):
+                return other
+        return None
+
+    def _ran_apart(self, sig: str, target: str) -> bool:
+        """Whether ``sig``'s case, carried to ``target``, passed there or failed otherwise."""
+        return any(f.dimension == "target" and f.value == target and f.outcome in ("passes", "fails otherwise")
+                   for f in self._tables.get(sig, []))
+
+    def _table(self, sig: str) -> list[Face]:
+        """``sig``'s generalization table, with the targets its other faces failed on in their own cases."""
+        table = list(self._tables.get(sig, []))
+        for target, face in sorted(self._met.get(sig, {}).items()):
+            rows = [f for f in table if f.dimension == "target" and f.value == target]
+            if not any(f.outcome == "fails" for f in rows):  # (a variant that ran otherwise stays beside it)
+                table.append(Face("target", target if not rows else f"{target} (in its own case)", "fails", face))
+        return table
 
     def _generalize_again(self, sig: str) -> None:
         """The table of ``sig``'s smallest case, and one finding per bug: a
@@ -328,6 +405,7 @@ class FindingBook:
             for s, o in list(self._owner.items()):
                 if o == other:
                     self._owner[s] = sig
+            self._met_on(sig, {other, *self._met.pop(other, {}).values()})
             self.tracks.pop(other)
             self.findings.pop(other, None)
             self.stats.folded[sig] += 1
@@ -416,7 +494,7 @@ class FindingBook:
         if self.plugins:
             env["plugins"] = self.plugins
         faces = sorted(s for s, o in self._owner.items() if o == sig and s != sig)
-        table = [f.to_dict() for f in self._tables.get(sig, [])]
+        table = [f.to_dict() for f in self._table(sig)]
         kept = replace(verdict, extra={k: v for k, v in verdict.extra.items() if k != "unconfirmed"})
         return Finding(sig, case, kept, deterministic=confirmed,
                        environment=env, stage=stage, faces=faces, generalization=table, removed=self._removed.get(sig, []))
