@@ -16,7 +16,7 @@ from fuzzshard.case import Checkpoint, Group
 from fuzzshard.findings.record import KNOWN_DIR, load_finding
 from fuzzshard.kernel.model import build_model, make_batch
 from fuzzshard.kernel.reference import reference_error
-from fuzzshard.scriptgen import WRITERS, straight_script
+from fuzzshard.scriptgen import WRITERS, fallback_reason, straight_script
 from fuzzshard.verdict import ErrorRecord, Mismatch, Verdict
 from strategies import cases
 
@@ -35,7 +35,7 @@ def _defs(src: str) -> dict:
 
     keep = [node for node in ast.parse(src).body if isinstance(node, (ast.Import, ast.ImportFrom, ast.ClassDef,
                                                                        ast.FunctionDef))
-            or isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["U"]]
+            or isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] in (["U"], ["device"])]
     ns = {"__name__": "scriptgen_test"}
     exec(compile(ast.Module(keep, []), "repro.py", "exec"), ns)
     return ns
@@ -101,9 +101,11 @@ def test_drawn_zero_cases_give_a_script_unless_uneven(case):
 
 
 def test_what_the_generator_does_not_write_falls_back_to_the_flattened_kernel():
-    case = dataclasses.replace(simple_case(2), device="cuda")
+    case = dataclasses.replace(simple_case(2), optim=dataclasses.replace(simple_case(2).optim, name="MyOwnSGD"))
     assert straight_script(case) is None
-    assert "CASE_JSON" in repro.script(case)
+    why = "the plugin optimizer 'MyOwnSGD', its file not recorded in the finding"
+    assert fallback_reason(case) == why and repro.kind_note(case) == f"flattened kernel (fallback: {why})"
+    assert "CASE_JSON" in repro.script(case) and f"flattened kernel (fallback: {why})" in repro.script(case)
     short, flat = repro.script(simple_case(2)), repro.script(simple_case(2), flat=True)
     assert "CASE_JSON" not in short and "def snapshot" in short and "CASE_JSON" in flat
 

@@ -15,7 +15,7 @@ import re
 
 from .. import targets
 from ..case import Case
-from ..scriptgen import straight_script
+from ..scriptgen import fallback_reason, straight_script
 from ..verdict import Verdict
 
 _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
@@ -90,20 +90,23 @@ def script(case: Case, headline: str = "", environment: dict | None = None, flat
            verdict: Verdict | None = None) -> str:
     """The standalone repro of ``case``: the straight-line script (scriptgen/:
     only what the case uses; with the finding's ``verdict``, only the check it
-    failed) where it can be written, else, or with ``flat``, the flattened kernel."""
+    failed) where it can be written, else, or with ``flat``, the flattened kernel, its header saying why."""
+    why = "asked for (--flat)" if flat else ""
     if not flat:
         try:
             text = straight_script(case, headline, environment, verdict)
-        except Exception:  # a generator fault must never cost a finding its repro: the flat one still runs
-            text = None
+        except Exception as e:  # a generator fault must never cost a finding its repro: the flat one still runs
+            text, why = None, f"the script writer failed: {type(e).__name__}: {e}"[:200]
         if text is not None:
             return text
+        why = why or fallback(case, environment, verdict)
     cls = targets.get(case.target)
     cls = getattr(cls, "script_class", cls.__name__)
     env = environment or {}
     body = flatten(kernel_modules(case.target))
     return _TEMPLATE.format(
         headline=headline or "a fuzzshard case",
+        why=why.replace("\\", "/").replace('"', "'"),
         world=case.ranks,
         torch=env.get("torch", "?"),
         backend=env.get("backend", "gloo"),
@@ -113,8 +116,25 @@ def script(case: Case, headline: str = "", environment: dict | None = None, flat
     )
 
 
+def fallback(case: Case, environment: dict | None = None, verdict: Verdict | None = None) -> str:
+    """Why a finding's repro is the flattened kernel ("" where it is the straight-line script)."""
+    try:
+        return fallback_reason(case, environment, verdict) or ""
+    except Exception as e:
+        return f"the script writer failed: {type(e).__name__}: {e}"[:200]
+
+
+def kind_note(case: Case, environment: dict | None = None, verdict: Verdict | None = None) -> str:
+    """What a finding's .py is, where the files are listed: nothing for the straight-line script."""
+    why = fallback(case, environment, verdict)
+    return f"flattened kernel (fallback: {why})" if why else ""
+
+
 _TEMPLATE = '''#!/usr/bin/env python
 """fuzzshard repro: {headline}
+
+This is the flattened kernel (fallback: {why}): the straight-line script
+could not be written for this case.
 
 Run:   torchrun --nproc-per-node {world} THIS_FILE.py
 Found with torch {torch}, backend {backend}. Needs only torch.

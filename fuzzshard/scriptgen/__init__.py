@@ -14,7 +14,11 @@ that the finding failed (``verdict``: the oracle, the step, the quantity):
     runs the step on the whole batch and steps from the sharded grads; the
     difference beyond the kernel's rounding bound (kernel/oracles.py) printed;
   - no verdict (a case, not a finding): parity at every step, or the round trip.
-Cases it cannot write return None: repro.script falls back to the flattened kernel.
+Cases it cannot write return None (``fallback_reason`` says why): repro.script falls
+back to the flattened kernel and says so. The case's device and backend are one
+variable (``device``: cpu with gloo, cuda with NCCL, one GPU per rank); the decoder
+transformer is written out; a plugin's optimizer or model comes from the user's
+plugin file, imported by the path the finding recorded (``environment["plugins"]``).
 
 Per-target knowledge lives in one module per target here (dtensor.py,
 fsdp2.py, fsdp1.py, zero.py, sharded_optim.py, tp.py; dsd.py holds the state-dict
@@ -35,9 +39,10 @@ import textwrap
 import torch
 
 from ..case import Case
-from ..kernel.model import param_shapes
-from ..kernel.oracles import STEP_ULPS
-from ..kernel.reference import reduction_parts  # the kernel's loss/grad bound, as factors
+from .. import targets
+from ..kernel.model import BUILTIN_MODELS, param_shapes
+from ..kernel.oracles import UNIT_ROUNDOFF, reduction_tolerance
+from ..kernel.reference import reduction_length, reduction_parts, step_tolerance_for  # the kernel's bounds
 from . import common, dsd, dtensor, fsdp1, fsdp2, sharded_optim, tp, zero
 from ..verdict import Verdict
 
@@ -48,30 +53,64 @@ ERROR_ORACLES = ("error_parity", "crash", "hang")
 def straight_script(case: Case, headline: str = "", environment: dict | None = None,
                     verdict: Verdict | None = None) -> str | None:
     """The script's text (exit 0: torch behaves; 1: the finding shows), or None
-    where the case uses something no writer here writes."""
+    where the case uses something no writer here writes (``fallback_reason``)."""
+    if fallback_reason(case, environment, verdict):
+        return None
+    return Writer(case, WRITERS[case.target], _plan(case, verdict), headline, environment or {}).text()
+
+
+def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdict | None = None) -> str | None:
+    """Why the straight-line script cannot be written (the flattened kernel is then the repro); None: it can."""
     w = WRITERS.get(case.target)
-    if w is None or _unsupported(case, w):
-        return None
+    if w is None:
+        return f"no straight-line writer for the target {case.target}"
+    why = _unsupported(case, w, environment or {})
+    if why:
+        return why
     plan = _plan(case, verdict)
-    if plan is None or (plan["mode"] in ("parity", "checkpoint") and w.snapshot(case, case.target_options) is None):
+    if plan is None:
+        return "a parity finding after a checkpoint load"
+    if plan["mode"] in ("parity", "checkpoint") and w.snapshot(case, case.target_options) is None:
+        return f"{case.target}'s full state is not observable under these options"
+    if plan["mode"] != "parity":
         return None
-    if plan["mode"] == "parity" and (w.grads(case, case.target_options) is None or case.target_options.get("mp")):
-        return None  # (mixed precision: its reference is the kernel's own replay of the casts)
-    return Writer(case, w, plan, headline, environment or {}).text()
+    if w.grads(case, case.target_options) is None:
+        return f"{case.target}'s grads are not observable under these options"
+    if case.target_options.get("mp"):
+        return "parity under mixed precision (the kernel replays FSDP2's casts on each rank's slice)"
+    if plan["what"] in ("", "param", "state") and "update_rel" in _step_tolerance(case):
+        return "parity of a compiled optimizer step (its allowance is the kernel's, per element)"
+    return None
 
 
-def _unsupported(case: Case, w) -> bool:
-    if case.device != "cpu" or case.model.factory or case.dtype not in ("float32", "float64"):
-        return True
-    if not hasattr(torch.optim, case.optim.name) or not common.literal_ok(case.optim.kwargs) \
-            or not all(common.literal_ok(g.overrides) for g in case.groups):
-        return True
+def _unsupported(case: Case, w, env: dict) -> str | None:
+    plugins = env.get("plugins") or []
+    if case.model.factory and case.model.factory not in BUILTIN_MODELS and not plugins:
+        return f"the plugin model {case.model.factory!r}, its file not recorded in the finding"
+    if not hasattr(torch.optim, case.optim.name) and not plugins:
+        return f"the plugin optimizer {case.optim.name!r}, its file not recorded in the finding"
+    if len(plugins) > 1:
+        return f"{len(plugins)} plugin files"
+    if not common.literal_ok(case.optim.kwargs) or not all(common.literal_ok(g.overrides) for g in case.groups):
+        return "hyperparameters that are not Python literals"
     if any(layer.kind == "act" and layer.act not in common.ACTS for layer in common.walk(case.model.layers)):
-        return True
+        return "an activation the script does not write"
     sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
-    if any(w.unsupported(case, o) for o in sides):
-        return True
-    return bool(case.checkpoint) and case.checkpoint.kind not in w.KINDS
+    for o in sides:
+        why = w.unsupported(case, o)
+        if why:
+            return f"{case.target} {why}"
+        if o.get("tp") and case.model.factory:
+            return "TP of the decoder transformer (torchtitan's plan)"
+    if case.checkpoint and case.checkpoint.kind not in w.KINDS:
+        return f"the checkpoint kind {case.checkpoint.kind}"
+    return None
+
+
+def _step_tolerance(case: Case) -> dict:
+    """The kernel's bound of the optimizer step (reference.step_tolerance_for): the largest param's."""
+    numel = max([math.prod(sh) for sh in param_shapes(case.model).values()] or [1])
+    return step_tolerance_for(case, numel, targets.get(case.target))
 
 
 def _plan(case: Case, verdict: Verdict | None) -> dict | None:
@@ -139,8 +178,10 @@ class Writer:
         if p["mode"] in ("parity", "checkpoint") or p["observe"]:
             parts.append("\n".join(self.w.snapshot(c, c.target_options)))
         if p["mode"] == "parity":
-            u = 8 if c.optim.name == "Muon" else 24 if c.dtype == "float32" else 53  # (Muon: Newton-Schulz in bfloat16)
-            parts.append(_CHECK.replace("{u}", f"2.0 ** -{u}"))
+            parts.append(_CHECK.replace("{u}", f"2.0 ** {int(math.log2(UNIT_ROUNDOFF[c.dtype]))}")
+                         .replace("{dtype}", c.dtype))
+            if self.sensitive():
+                parts.append(_SENSITIVITY.replace("LOSS", common.loss(c, "plain(xin)", "y")))
         parts += ["\n".join(body), _END]
         return "\n\n".join(x.strip("\n") for x in parts if x) + "\n"
 
@@ -152,15 +193,18 @@ class Writer:
                           "and compares within rounding bounds",
                 "all": "replays each step on a plain copy of the model, anchored on the sharded run's state"}[p["mode"]]
         headline = (self.headline or "a fuzzshard case").replace("\\", "/").replace('"', "'")
-        about = textwrap.fill(f"Needs only torch; found with torch {self.env.get('torch', '?')}, "
-                              f"{self.env.get('backend', 'gloo')}. Trains the case with {c.target} and {what}. "
-                              "Exit 0: as expected; 1: the finding (printed).", 100)
+        plugin = f" and the plugin file it was found with ({self.env['plugins'][0]})" if self.env.get("plugins") else ""
+        about = textwrap.fill(f"Needs only torch{plugin}; found with torch {self.env.get('torch', '?')}, "
+                              f"{self.env.get('backend', 'gloo')}, on {c.device}. Trains the case with {c.target} "
+                              f"and {what}. Exit 0: as expected; 1: the finding (printed).", 100)
         return f'#!/usr/bin/env python\n"""{headline}\n\nRun: torchrun --nproc-per-node {self.ranks} THIS_FILE.py ' \
                f'[--setup PATCH.py]\n{about}\n"""'
 
     def imports(self) -> str:
         c = self.case
-        out = ["import datetime, os, sys", "import torch, torch.distributed as dist, torch.nn as nn"]
+        out = ["import datetime, os, sys" + ", importlib.util, types" * bool(self.env.get("plugins")),
+               "import torch, torch.distributed as dist, torch.nn as nn"]
+        out += ["import torch.nn.functional as F"] * (c.model.factory in BUILTIN_MODELS)
         own = list(self.w.imports(c, c.target_options))
         if c.checkpoint and self.plan["mode"] != "parity":
             own += self.w.imports(c, c.checkpoint.target_options)
@@ -178,12 +222,19 @@ class Writer:
                  "    setup = sys.argv[sys.argv.index(\"--setup\") + 1]",
                  "    exec(compile(open(setup).read(), setup, \"exec\"), {\"__name__\": \"__setup__\", \"__file__\": setup})",
                  "torch.set_num_threads(1)",
-                 "dist.init_process_group(\"gloo\", timeout=datetime.timedelta(seconds=120))  # a hang fails",
+                 ("device = torch.device(\"cuda\", int(os.environ[\"LOCAL_RANK\"]))  # the case's device"
+                  if c.device == "cuda" else "device = torch.device(\"cpu\")  # the case's device") +
+                 " (cuda: one GPU per rank, NCCL)",
+                 "if device.type == \"cuda\": torch.cuda.set_device(device)",
+                 "dist.init_process_group({\"cpu\": \"gloo\", \"cuda\": \"nccl\"}[device.type], "
+                 "timeout=datetime.timedelta(seconds=120))  # a hang fails",
                  "rank = dist.get_rank()",
                  "sys.excepthook = lambda kind, err, tb: (  # an error anywhere below is a finding: said, then its traceback",
                  "    print(f\"FINDING: rank {rank}: {kind.__name__}: {err}\", flush=True), sys.__excepthook__(kind, err, tb), os._exit(1))"]
         if self.submesh(c.world_size) or (c.checkpoint and self.submesh(c.checkpoint.world_size)):
             lines.append("everyone = c10d._world.default_pg  # every rank: the script's world")
+        if self.env.get("plugins"):
+            lines += common.plugin_lines(c, self.env["plugins"][0])
         if c.checkpoint and self.plan["mode"] != "parity":
             lines += ["ckpt = [tempfile.mkdtemp() if rank == 0 else None]",
                       "dist.broadcast_object_list(ckpt)  # one directory every rank sees", "ckpt = ckpt[0]"]
@@ -195,8 +246,8 @@ class Writer:
     def mesh(self, world: int, shape: tuple) -> str:
         names = ", mesh_dim_names=(\"d0\", \"d1\")" if len(shape) == 2 else ""
         if not self.submesh(world):
-            return f"init_device_mesh(\"cpu\", {tuple(shape)}{names})"
-        return f"DeviceMesh(\"cpu\", torch.arange({world}).view{tuple(shape)}{names})  # ranks 0..{world - 1}"
+            return f"init_device_mesh(device.type, {tuple(shape)}{names})"
+        return f"DeviceMesh(device.type, torch.arange({world}).view{tuple(shape)}{names})  # ranks 0..{world - 1}"
 
     def side(self, options: dict, world: int, shape: tuple, seed: int, lr_scale: float, first: int, last: int,
              save: bool) -> list[str]:
@@ -335,15 +386,23 @@ class Writer:
                 "          \"PASS: the loaded state equals the saved one\")"]
         return out
 
+    def sensitive(self) -> bool:
+        """Whether the grads' bound takes the one-ulp sensitivity too, as the kernel's does: in a low precision,
+        where rounding inside the forward (a norm over a near-constant row) outweighs the reductions' bound."""
+        return self.plan["mode"] == "parity" and self.plan.get("what") in ("", "grad") and \
+            self.case.dtype in ("bfloat16", "float16")
+
     def parity_check(self) -> list[str]:
         c, p = self.case, self.plan
-        b, s, d, kern, depth = reduction_parts(c)
-        step_ulps = STEP_ULPS
-        if c.optim.name == "Adafactor":
-            step_ulps = f"{STEP_ULPS} * 4 * {max([math.prod(sh) for sh in param_shapes(c.model).values()] or [1])}"
-        elif c.optim.name == "Muon":  # one reduction per Newton-Schulz iteration
-            step_ulps = f"{STEP_ULPS} * {c.optim.kwargs.get('ns_steps', 5)}"
-        plain = ["plain = build(%d)" % c.seed]
+        red, step = reduction_tolerance(c.dtype, reduction_length(c)), _step_tolerance(c)  # the kernel's bounds
+        if c.model.factory:
+            red_k = str(red["k_ulps"])
+        else:  # as its factors: batch, seq, widest dim, conv kernel, depth + 1
+            red_k = "2 * " + " * ".join(map(str, reduction_parts(c)))
+        step_u = "U" if step["u"] == UNIT_ROUNDOFF[c.dtype] else f"2.0 ** {int(math.log2(step['u']))}"
+        plain = [f"GRAD_ULPS = {red_k}  # the kernel's bound: {red['why']}",
+                 f"STEP_ULPS, STEP_U = {step['k_ulps']}, {step_u}  # the kernel's bound: {step['why']}",
+                 "plain = build(%d)" % c.seed]
         if c.frozen:
             plain += [f"for n in {list(c.frozen)!r}:", "    plain.get_parameter(n).requires_grad_(False)"]
         opt = [ln.replace("model.", "plain.").replace("opt = ", "opt_p = ").replace("opt.add", "opt_p.add")
@@ -372,8 +431,10 @@ class Writer:
         if what in ("", "grad"):
             body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
                      "x, y = batch(k)",
-                     "((plain(x) - y) ** 2).mean().backward()  # the whole batch"]
-            body += [f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, 2 * {b} * {s} * {d} * {kern} * {depth})"
+                     f"{common.loss(c, 'plain(x)', 'y')}.backward()  # the whole batch"]
+            sens = ", sens=sens.get(n, 0.0)" if self.sensitive() else ""
+            body += ["sens = sensitivity(x, y)"] * bool(sens)
+            body += [f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, GRAD_ULPS{sens})"
                      "  # summed in another order", "         for n, q in plain.named_parameters()]"]
         if what != "grad":
             body += ["with torch.no_grad():  # the plain optimizer steps from the sharded grads: only the step differs",
@@ -382,9 +443,9 @@ class Writer:
                      "opt_p.step()",
                      "(params, state, groups), mine = after[k + 1], snapshot(plain, opt_p)"]
         if what in ("", "param"):
-            body += [f"fail += [check(f\"step {{k}} param {{n}}\", params[n], v, {step_ulps}) for n, v in mine[0].items()]"]
+            body += [f"fail += [check(f\"step {{k}} param {{n}}\", params[n], v, STEP_ULPS, STEP_U) for n, v in mine[0].items()]"]
         if what in ("", "state"):
-            body += [f"fail += [check(f\"step {{k}} state {{n}} {{s}}\", state.get((n, s)), mine[1].get((n, s)), {step_ulps})",
+            body += [f"fail += [check(f\"step {{k}} state {{n}} {{s}}\", state.get((n, s)), mine[1].get((n, s)), STEP_ULPS, STEP_U)",
                      "         for n, s in sorted(set(state) | set(mine[1]))]"]
         if what in ("", "group"):
             body += ["if groups != mine[2]:",
@@ -397,21 +458,42 @@ class Writer:
                 "          \"PASS: the sharded run matches the plain one\")"]
 
 
-_CHECK = '''U = {u}  # unit roundoff of the dtype
+_CHECK = '''U = {u}  # unit roundoff of {dtype}
 
-def check(what, got, want, k):  # None if |got - want| <= k ulps of (max|want| + |want|) everywhere, else what differs
+def check(what, got, want, k, u=U, sens=0.0):  # None if |got - want| <= k ulps of (max|want| + |want|) + k sens, else what differs
     if got is None or want is None or got.shape != want.shape:
         return None if got is None and want is None else f"{what}: sharded {got}, plain {want}"
     g, w, fin = got.double(), want.double(), got.isfinite() & want.isfinite()
     if not (fin | (g == w) | (g.isnan() & w.isnan())).all():
         return f"{what}: NaN or inf in one run only"
     g, w = g.where(fin, 0), w.where(fin, 0)
-    err, bound = (g - w).abs(), k * U * (w.abs().max() + w.abs())
+    err, bound = (g - w).abs(), k * u * (w.abs().max() + w.abs()) + k * sens
     if (ok := err <= bound).all():
         return None
     i = int((err - bound).where(~ok, -1).argmax())
     return (f"{what}: sharded {g.flatten()[i].item():.8g}, plain {w.flatten()[i].item():.8g} at flat index {i}, "
             f"|diff| {err.flatten()[i].item():.3g} > allowed {bound.flatten()[i].item():.3g} ({int((~ok).sum())}/{w.numel()} off)")'''
+
+_SENSITIVITY = '''def sensitivity(x, y):  # per grad: its largest move under one-ulp nudges of every param and float input (kernel/plain.py)
+    g, pp = torch.Generator().manual_seed(1234), dict(plain.named_parameters())
+    saved, base, out = {n: q.detach().clone() for n, q in pp.items()}, {n: q.grad for n, q in pp.items()}, {}
+    nudge = lambda t: torch.nextafter(t, torch.where(torch.rand(t.shape, generator=g).to(t.device) < 0.5,
+                                                     torch.tensor(float("inf"), dtype=t.dtype, device=t.device), -torch.tensor(float("inf"), dtype=t.dtype, device=t.device)))
+    for _ in range(4):  # one draw can read 0 by chance
+        with torch.no_grad():
+            for n, q in pp.items():
+                q.copy_(nudge(saved[n]))
+                q.grad = None
+        xin = nudge(x) if x.is_floating_point() else x
+        LOSS.backward()
+        out.update({n: max(out.get(n, 0.0), float((q.grad - base[n]).abs().max())) for n, q in pp.items()
+                    if q.grad is not None and base[n] is not None and q.grad.numel()})
+    with torch.no_grad():
+        for n, q in pp.items():
+            q.copy_(saved[n])
+            q.grad = base[n]
+    return out'''
+
 
 _END = '''sys.stdout.flush()
 dist.destroy_process_group()

@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..case import Case, Layer
-from ..kernel.model import out_dim, param_shapes
+from ..kernel.model import out_dim, param_shapes, token_targets
 from ..kernel.optim import _TUPLE_KWARGS  # kwargs torch documents as tuples (a Case holds lists)
 
 ACTS = {"relu": "nn.ReLU()", "gelu": "nn.GELU()", "tanh": "nn.Tanh()", "silu": "nn.SiLU()"}
@@ -82,6 +82,11 @@ def model(case: Case, builds: int) -> list[str]:
     """The classes, and ``build(seed)`` (or ``model = ...`` where it is built once):
     the kernel's init, bit for bit (the same modules in the same order under the same seed)."""
     spec = case.model
+    dtype = case.target_options.get("built_as", case.dtype)
+    if spec.factory == "decoder":
+        return decoder(spec.sizes) + ["", *_build("Decoder()", dtype)]
+    if spec.factory:  # a plugin's model: its own factory, called with the drawn sizes
+        return _build(f"MODELS[{spec.factory!r}](**{lit(spec.sizes)})", dtype)
     kinds = {layer.kind for layer in walk(spec.layers)}
     out = []
     for k in ("conv1d", "residual", "twice"):
@@ -101,24 +106,121 @@ def model(case: Case, builds: int) -> list[str]:
         out.append(f"        self.register_buffer(\"scale\", torch.rand({out_dim(spec)}) + 0.5)")
         result = f"{result} * self.scale"
     out += ["    def forward(self, x):", f"        return {result}", ""]
-    dtype = case.target_options.get("built_as", case.dtype)
-    out += ["def build(seed):  # the same seed, the same initial params", "    torch.manual_seed(seed)",
-            f"    return Net().to(torch.{dtype})"]
+    return out + _build("Net()", dtype)
+
+
+def _build(make: str, dtype: str) -> list[str]:
+    """The kernel's build_model: made on the CPU under the seed, then moved to the device and dtype."""
+    return ["def build(seed):  # the same seed, the same initial params", "    torch.manual_seed(seed)",
+            f"    return {make}.to(device, torch.{dtype})"]
+
+
+def decoder(sizes: dict) -> list[str]:
+    """The built-in decoder transformer (kernel/decoder.py) for these sizes only: torchtitan's Llama module
+    names, its modules made in the kernel's order (the same init under the same seed)."""
+    n_heads, head_dim, half = sizes["n_heads"], sizes["head_dim"], sizes["head_dim"] // 2
+    dim, rep, norm = n_heads * head_dim, n_heads // sizes["n_kv_heads"], \
+        "nn.RMSNorm" if sizes["norm"] == "rms" else "nn.LayerNorm"
+    swiglu = sizes["mlp"] == "swiglu"
+    out = []
+    if half:
+        out += ["def rotary(x):  # rotary position embedding over [B, L, H, D]: features (i, i + D//2) rotate in pairs",
+                "    B, L, H, D = x.shape",
+                "    pos = torch.arange(L, dtype=x.dtype, device=x.device)[:, None]",
+                f"    freqs = 1.0 / (10000 ** (torch.arange({half}, dtype=x.dtype, device=x.device) / {half}))",
+                "    angle = (pos * freqs)[None, :, None, :]",
+                f"    x1, x2, rest = x[..., :{half}], x[..., {half}:{2 * half}], x[..., {2 * half}:]",
+                "    cos, sin = angle.cos(), angle.sin()",
+                "    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)", ""]
+    qkv = "q, k = rotary(q), rotary(k)" if half else ""
+    if rep > 1:
+        qkv += ("; " if qkv else "") + f"k, v = k.repeat_interleave({rep}, dim=2), v.repeat_interleave({rep}, dim=2)"
+    kv = sizes["n_kv_heads"] * head_dim
+    out += ["class Attention(nn.Module):", "    def __init__(self):", "        super().__init__()",
+            "        self.wq, self.wk, self.wv, self.wo = (nn.Linear(a, b, bias=False) for a, b in "
+            f"[({dim}, {dim}), ({dim}, {kv}), ({dim}, {kv}), ({dim}, {dim})])", "    def forward(self, x):",
+            "        B, L, _ = x.shape",
+            f"        q, k, v = (w(x).view(B, L, -1, {head_dim}) for w in (self.wq, self.wk, self.wv))",
+            *([f"        {qkv}"] if qkv else []),
+            "        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)"
+            + (", is_causal=True)" if sizes["causal"] else ")"),
+            "        return self.wo(out.transpose(1, 2).reshape(B, L, -1))", "",
+            "class FeedForward(nn.Module):", "    def __init__(self):", "        super().__init__()",
+            (f"        self.w1, self.w3, self.w2 = (nn.Linear(a, b, bias=False) for a, b in "
+             f"[({dim}, {sizes['hidden']}), ({dim}, {sizes['hidden']}), ({sizes['hidden']}, {dim})])" if swiglu else
+             f"        self.w1, self.w2 = nn.Linear({dim}, {sizes['hidden']}, bias=False), "
+             f"nn.Linear({sizes['hidden']}, {dim}, bias=False)"), "    def forward(self, x):",
+            "        return self.w2(F.silu(self.w1(x)) * self.w3(x))" if swiglu else
+            "        return self.w2(F.gelu(self.w1(x)))", "",
+            "class Block(nn.Module):  # pre-norm: x + attention(norm(x)), then x + MLP(norm(x))",
+            "    def __init__(self):", "        super().__init__()",
+            f"        self.attention_norm, self.attention = {norm}({dim}), Attention()",
+            f"        self.ffn_norm, self.feed_forward = {norm}({dim}), FeedForward()",
+            "    def forward(self, x):", "        x = x + self.attention(self.attention_norm(x))",
+            "        return x + self.feed_forward(self.ffn_norm(x))", "",
+            "class Decoder(nn.Module):  # torchtitan's Llama, small: token ids in, logits over the vocabulary out",
+            "    def __init__(self):", "        super().__init__()",
+            f"        self.tok_embeddings = nn.Embedding({sizes['d_in']}, {dim})",
+            f"        self.layers = nn.ModuleDict({{str(i): Block() for i in range({sizes['n_layers']})}})",
+            f"        self.norm, self.output = {norm}({dim}), nn.Linear({dim}, {sizes['d_in']}, bias=False)"]
+    if sizes["tied"]:
+        out.append("        self.output.weight = self.tok_embeddings.weight  # tied: one Parameter, two modules")
+    return out + ["    def forward(self, tokens):", "        h = self.tok_embeddings(tokens)",
+                  "        for block in self.layers.values():", "            h = block(h)", "        return self.output(self.norm(h))"]
+
+
+def loss(case: Case, out: str, y: str) -> str:
+    """The kernel's loss_fn of ``out`` against ``y``: cross-entropy on token targets, else mean squared error."""
+    if token_targets(case.model):
+        return f"F.cross_entropy({out}.flatten(0, 1), {y}.flatten(0, 1))"
+    return f"(({out} - {y}) ** 2).mean()"
+
+
+def retie(case: Case, expr: str = "model") -> list[str]:
+    """The line that ties the head to the embedding again, where a target replaced the embedding's param."""
+    if case.model.factory == "decoder":
+        return [f"{expr}.output.weight = {expr}.tok_embeddings.weight  # still tied"] if case.model.sizes.get("tied") else []
+    return [f"{expr}.head.weight = {expr}.layers[0].weight  # still tied"] if case.model.tie_head else []
+
+
+def optim_class(case: Case) -> str:
+    """torch.optim's class, or the plugin's (the script binds its name, plugin_lines)."""
+    return f"torch.optim.{case.optim.name}" if hasattr(torch.optim, case.optim.name) else case.optim.name
+
+
+def plugin_lines(case: Case, path: str) -> list[str]:
+    """The plugin file imported by path, as ``--plugin`` runs it, against a stand-in for ``fuzzshard.plugin``
+    that only records what it registers: the script needs the user's file, never fuzzshard."""
+    out = [f"PLUGIN = {path!r}  # the --plugin file the finding was found with: its optimizer or model",
+           "MODELS = {}  # what it registers, by name",
+           "sys.modules[\"fuzzshard\"] = types.ModuleType(\"fuzzshard\")  # a stand-in for fuzzshard.plugin",
+           "sys.modules[\"fuzzshard.plugin\"] = sys.modules[\"fuzzshard\"].plugin = types.ModuleType(\"fuzzshard.plugin\")",
+           "sys.modules[\"fuzzshard.plugin\"].optimizer = sys.modules[\"fuzzshard.plugin\"].model = \\",
+           "    sys.modules[\"fuzzshard.plugin\"].parallelism = lambda f, *a, name=None, **k: MODELS.setdefault(name or f.__name__, f)",
+           "spec = importlib.util.spec_from_file_location(\"plugin\", PLUGIN)",
+           "spec.loader.exec_module(importlib.util.module_from_spec(spec))"]
+    if not hasattr(torch.optim, case.optim.name):
+        out.append(f"{case.optim.name} = MODELS[{case.optim.name!r}]  # the plugin's optimizer")
     return out
 
 
 def batch(case: Case) -> list[str]:
-    m = case.model
-    x = (f"torch.randint(0, {m.d_in}, ({case.batch}, {case.seq}), generator=g)" if m.input == "tokens"
-         else f"torch.randn({case.batch}, {case.seq}, {m.d_in}, generator=g).to(torch.{case.dtype})")
+    """The kernel's make_batch: drawn on the CPU, then moved to the device."""
+    m, size = case.model, f"{case.batch}, {case.seq}"
+    x = (f"torch.randint(0, {m.d_in}, ({size}), generator=g).to(device)" if m.input == "tokens"
+         else f"torch.randn({size}, {m.d_in}, generator=g).to(device, torch.{case.dtype})")
+    y = (f"torch.randint(0, {out_dim(m)}, ({size}), generator=g).to(device)  # the next tokens" if token_targets(m)
+         else f"torch.randn({size}, {out_dim(m)}, generator=g).to(device, torch.{case.dtype})")
     return ["def batch(k):  # step k's global inputs and targets (every rank draws the same)",
             f"    g = torch.Generator().manual_seed({f'{case.seed * 1000} + ' if case.seed else ''}k + 1)",
-            f"    return {x}, torch.randn({case.batch}, {case.seq}, {out_dim(m)}, generator=g).to(torch.{case.dtype})"]
+            f"    return {x}, {y}"]
 
 
 # ---- the optimizer ---------------------------------------------------------
 
 def _defaults(name: str) -> dict:
+    if not hasattr(torch.optim, name):  # a plugin's: every kwarg written out
+        return {}
     try:
         sig = inspect.signature(getattr(torch.optim, name).__init__)
     except (TypeError, ValueError):
@@ -174,7 +276,7 @@ def optimizer(case: Case, lr_scale: float = 1.0, cls: str = "", names: str = "mo
     """``opt = torch.optim.X(...)`` over the case's groups (``p``: params by plain FQN); groups added right
     after the constructor go in through add_param_group."""
     first, added = param_groups(case, lr_scale, iterator=iterator)
-    cls = cls or f"torch.optim.{case.optim.name}"
+    cls = cls or optim_class(case)
     whole = len(case.groups) == 1 and not case.groups[0].overrides and not case.optim.named and not iterator \
         and list(case.groups[0].params) == list(param_shapes(case.model)) and names == "model.named_parameters()"
     if whole:  # every param, in the model's order

@@ -11,7 +11,8 @@ FREEZE_BEFORE_SHARD = False
 
 def imports(case: Case, options: dict) -> list[str]:
     return ["from torch.distributed.device_mesh import init_device_mesh",
-            "from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor"]
+            "from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor"] + \
+        ["from torch.distributed.tensor.experimental import implicit_replication"] * bool(case.model.factory)
 
 
 def unsupported(case: Case, options: dict) -> str | None:
@@ -33,8 +34,7 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
             "    owner, _, attr = name.rpartition(\".\")",
             f"    dt = distribute_tensor(p.detach(), mesh, {'layout.get(name, ' + rep + ')' if given else rep})",
             "    setattr(model.get_submodule(owner), attr, nn.Parameter(dt))"]
-    if case.model.tie_head:
-        out.append("model.head.weight = model.layers[0].weight  # still tied")
+    out += common.retie(case)
     if case.model.buffer:
         out.append(f"model.scale = distribute_tensor(model.scale, mesh, {rep})")
     return out
@@ -46,8 +46,10 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
     rep = "[" + ", ".join(["Replicate()"] * len(shape)) + "]"
-    return [f"loss = ((model(distribute_tensor(x, mesh, {rep})) - distribute_tensor(y, mesh, {rep})) ** 2).mean()",
-            "loss.backward()"]
+    out, y = f"model(distribute_tensor(x, mesh, {rep}))", f"distribute_tensor(y, mesh, {rep})"
+    if case.model.factory:  # plain tensors its forward makes (positions) count as replicated, as the kernel says
+        return ["with implicit_replication():", f"    out = {out}", f"loss = {common.loss(case, 'out', y)}", "loss.backward()"]
+    return [f"loss = {common.loss(case, out, y)}", "loss.backward()"]
 
 
 SNAPSHOT = [

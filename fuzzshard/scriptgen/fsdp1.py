@@ -38,17 +38,17 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     if options.get("orig_params", True):
         kw.append("use_orig_params=True")
     if options.get("wrap"):
-        out.append(f"units = [{', '.join(module(u) for u in options['wrap'])}]  # each its own FSDP unit")
+        out.append(f"units = [{', '.join(module(u, case) for u in options['wrap'])}]  # each its own FSDP unit")
         kw.append("auto_wrap_policy=CustomPolicy(lambda m: any(m is u for u in units))")
     if options.get("ignored"):
-        out.append(f"ignored = [{', '.join(module(u) for u in options['ignored'])}]  # FSDP leaves these whole")
+        out.append(f"ignored = [{', '.join(module(u, case) for u in options['ignored'])}]  # FSDP leaves these whole")
         kw.append("ignored_states=ignored")
     if strategy in HYBRID:
         out.insert(0, f"mesh = {mesh}")
         kw.append("device_mesh=mesh")
     elif group:
         kw.append(f"process_group={group}")
-    kw.append('device_id=torch.device("cpu")')
+    kw.append("device_id=device")
     return out + [f"model = FSDP(model, {', '.join(kw)})"]
 
 
@@ -59,14 +59,14 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
     over = common.kwargs(case, case.groups[0].overrides, lr_scale, all_keys=True)
     g = "[{" + ", ".join(["\"params\": list(model.parameters())"] + [f"{e.split('=', 1)[0]!r}: {e.split('=', 1)[1]}"
                                                                      for e in over]) + "}]"
-    return [f"opt = torch.optim.{o.name}({', '.join([g, *common.kwargs(case, o.kwargs, lr_scale)])})  # the flat params"]
+    return [f"opt = {common.optim_class(case)}({', '.join([g, *common.kwargs(case, o.kwargs, lr_scale)])})  # the flat params"]
 
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
     per = case.batch // world
     out = [f"x, y = x[{per} * rank:{per} * rank + {per}], y[{per} * rank:{per} * rank + {per}]  # this rank's slice"] \
         if world > 1 else []
-    out += ["loss = ((model(x) - y) ** 2).mean()", "loss.backward()"]
+    out += [f"loss = {common.loss(case, 'model(x)', 'y')}", "loss.backward()"]
     if options.get("ignored") and world > 1:
         out += ["for q in {q for m in ignored for q in m.parameters()}:  # FSDP leaves their grads unreduced",
                 "    if q.grad is not None:", "        dist.all_reduce(q.grad)", f"        q.grad.div_({world})"]

@@ -20,9 +20,10 @@ def unsupported(case: Case, options: dict) -> str | None:
     return f"options {sorted(extra)}" if extra else None
 
 
-def module(fqn: str) -> str:
-    """``model.layers[0].inner[1]`` for "layers.0.inner.1"."""
-    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in fqn.split(".")) if fqn else "model"
+def module(fqn: str, case: Case | None = None) -> str:
+    """``model.layers[0].inner[1]`` for "layers.0.inner.1" (the decoder's blocks: ``model.layers["0"]``, a ModuleDict)."""
+    key = "[\"{}\"]" if case is not None and case.model.factory == "decoder" else "[{}]"
+    return "model" + "".join(key.format(p) if p.isdigit() else f".{p}" for p in fqn.split(".")) if fqn else "model"
 
 
 def imports(case: Case, options: dict) -> list[str]:
@@ -52,14 +53,14 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
         out.append(f"parallelize_module(model, mesh[\"d1\"], {{{plan}}})  # TP on the inner dim")
         dp = "mesh[\"d0\"]"
     if options.get("ac") and options.get("ac_wrapper"):
-        chosen = ", ".join(module(f) for f in options["ac"])
+        chosen = ", ".join(module(f, case) for f in options["ac"])
         out += [f"chosen = [{chosen}]",
                 "apply_activation_checkpointing(model, check_fn=lambda m: any(m is c for c in chosen),",
                 "    checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))"]
     elif options.get("ac"):
-        out += [f"checkpoint({module(f)})  # composable activation checkpointing" for f in options["ac"]]
+        out += [f"checkpoint({module(f, case)})  # composable activation checkpointing" for f in options["ac"]]
     if options.get("compile") == "before":
-        out += ["for block in model.layers:", "    block.compile()"]
+        out += ["for block in model.layers.children():", "    block.compile()"]
     kw = [f"mesh={dp}"]
     if options.get("reshard_after_forward", True) is not True:
         kw.append(f"reshard_after_forward={options['reshard_after_forward']!r}")
@@ -71,9 +72,9 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
         args += ["cast_forward_inputs=False"] * (not mp.get("cast_forward_inputs", True))
         kw.append(f"mp_policy=MixedPrecisionPolicy({', '.join(args)})")
     units = sorted(options.get("wrap", []), key=lambda n: (-n.count("."), n))  # children before parents
-    out += [f"fully_shard({module(u)}, {', '.join(kw)})" for u in units] + [f"fully_shard(model, {', '.join(kw)})"]
+    out += [f"fully_shard({module(u, case)}, {', '.join(kw)})" for u in units] + [f"fully_shard(model, {', '.join(kw)})"]
     if options.get("compile") == "after":
-        out += ["for block in model.layers:", "    block.compile()"]
+        out += ["for block in model.layers.children():", "    block.compile()"]
     if options.get("built_as"):
         out.append(f"model.to(torch.{case.dtype})  # built in {options['built_as']}, moved after fully_shard")
     return out
@@ -93,11 +94,11 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
     r = f"rank // {shape[1]}" if options.get("tp") else "rank"
     out = [f"x, y = x[{per} * ({r}):{per} * ({r}) + {per}], y[{per} * ({r}):{per} * ({r}) + {per}]  # this rank's slice"
            if dp > 1 else "# one data-parallel rank: the whole batch"]
-    loss = "((model(x) - y) ** 2).mean()" + (" + model.layers[0](x).square().mean()  # a non-root forward too"
+    loss = common.loss(case, "model(x)", "y") + (" + model.layers[0](x).square().mean()  # a non-root forward too"
                                               if options.get("nonroot") else "")
     m = options.get("microbatches", 1)
     if m > 1:
-        xm = loss.replace("(x)", "(xm)").replace(" - y)", " - ym)")
+        xm = common.loss(case, "model(xm)", "ym") + loss[len(common.loss(case, "model(x)", "y")):].replace("(x)", "(xm)")
         return out + [f"for i, (xm, ym) in enumerate(zip(x.chunk({m}), y.chunk({m}))):  # grad accumulation",
                       f"    model.set_requires_gradient_sync(i == {m - 1})", f"    loss = {xm.split('  #')[0]}",
                       f"    (loss / {m}).backward()"]

@@ -30,14 +30,14 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     pg = f", process_group={group}" if group else ""
     for fqn, spec in sorted(options.get("shard", {}).items()):
         owner, _, attr = fqn.rpartition(".")
-        places = [f"rank:{r}/cpu" for r in spec["ranks"]]
-        out.append(f"shard_parameter({module(owner)}, {attr!r}, ChunkShardingSpec({spec['dim']}, {places!r}){pg})")
+        places = [f"rank:{r}/cpu" if case.device == "cpu" else f"rank:{r}/cuda:{r}" for r in spec["ranks"]]
+        out.append(f"shard_parameter({module(owner, case)}, {attr!r}, ChunkShardingSpec({spec['dim']}, {places!r}){pg})")
     return out + _FULL
 
 
 _FULL = ["def full(t):  # a ShardedTensor gathered to rank 0 and broadcast; its shards must hold the same values",
          "    if not isinstance(t, ShardedTensor):", "        return t.detach().clone()",
-         "    out, held = torch.empty(t.size(), dtype=t.dtype), torch.zeros(t.size(), dtype=t.dtype)",
+         "    out, held = torch.empty(t.size(), dtype=t.dtype, device=device), torch.zeros(t.size(), dtype=t.dtype, device=device)",
          "    t.gather(dst=0, out=out if rank == 0 else None)", "    dist.broadcast(out, src=0)",
          "    for s in t.local_shards():",
          "        held[tuple(slice(o, o + n) for o, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))] = s.tensor.detach()",
@@ -50,14 +50,14 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
     (g,) = case.groups  # ShardedOptimizer takes one flat set of params
     kw = common.kwargs(case, {**case.optim.kwargs, **g.overrides}, lr_scale)
     return ["p = dict(named_params_with_sharded_tensor(model))",
-            f"opt = ShardedOptimizer({{n: p[n] for n in {list(g.params)!r}}}, torch.optim.{case.optim.name}"
+            f"opt = ShardedOptimizer({{n: p[n] for n in {list(g.params)!r}}}, {common.optim_class(case)}"
             + "".join(f", {k}" for k in kw) + ")"]
 
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
     return ["sharded = {n: q for n, q in model.named_parameters() if isinstance(q, ShardedTensor)}",
             "copies = {n: full(q).requires_grad_(q.requires_grad) for n, q in sharded.items()}",
-            "loss = ((torch.func.functional_call(model, copies, (x,)) - y) ** 2).mean()", "loss.backward()",
+            f"loss = {common.loss(case, 'torch.func.functional_call(model, copies, (x,))', 'y')}", "loss.backward()",
             "for n, q in sharded.items():  # each local shard: its slice of the full grad",
             "    for s in q.local_shards() if copies[n].grad is not None else []:",
             "        part = copies[n].grad[tuple(slice(o, o + m) for o, m in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))].clone()",

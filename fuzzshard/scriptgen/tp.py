@@ -47,7 +47,7 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
 
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
-    return ["loss = ((model(x) - y) ** 2).mean()  # every rank: the whole batch", "loss.backward()"]
+    return [f"loss = {common.loss(case, 'model(x)', 'y')}  # every rank: the whole batch", "loss.backward()"]
 
 
 def snapshot(case: Case, options: dict) -> list[str] | None:

@@ -34,7 +34,7 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
 
 
 def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:
-    extra = ", ".join([f"optimizer_class=torch.optim.{case.optim.name}"] + [f"process_group={group}"] * bool(group)
+    extra = ", ".join([f"optimizer_class={common.optim_class(case)}"] + [f"process_group={group}"] * bool(group)
                       + ["parameters_as_bucket_view=True"] * bool(options.get("bucket_view")))
     return common.optimizer(case, lr_scale, cls="ZeroRedundancyOptimizer", extra=extra,
                             iterator=bool(options.get("generator_groups")))
@@ -51,7 +51,7 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
     per = case.batch // world
     out = [f"x, y = x[{per} * rank:{per} * rank + {per}], y[{per} * rank:{per} * rank + {per}]  # this rank's slice"] \
         if world > 1 else []
-    out += [f"loss = (({'ddp' if 'ddp' in options else 'model'}(x) - y) ** 2).mean()", "loss.backward()"]
+    out += [f"loss = {common.loss(case, ('ddp' if 'ddp' in options else 'model') + '(x)', 'y')}", "loss.backward()"]
     if "ddp" not in options and world > 1:
         out += ["for q in model.parameters():  # grads averaged by hand", "    if q.grad is not None:",
                 "        dist.all_reduce(q.grad, group=opt.process_group)", f"        q.grad.div_({world})"]
