@@ -310,12 +310,13 @@ def table(paths: list[str], signatures: dict[str, str], runs: dict[str, dict]) -
     else:
         width = max(len(v) for v in releases) + 2
         short = {"reproduces": "bad", "fixed": "ok", "differs": "other", "skipped": "-"}
-        lines.append(f"{'finding':60} " + "".join(f"{v:{width}}" for v in releases)
+        name = max(len(signatures[p] or p) for p in paths)
+        lines.append(f"{'finding':{name}} " + "".join(f"{v:{width}}" for v in releases)
                      + "first bad  last good  fixed in")
         for p in paths:
             cells = "".join(f"{short.get(outcomes[p].get(v, '?').split(' ')[0], '?'):{width}}" for v in releases)
             o = outcomes[p]
-            lines.append(f"{(signatures[p] or p)[:60]:60} {cells}{first_bad(o) or '-':11}{last_good(o) or '-':11}"
+            lines.append(f"{signatures[p] or p:{name}} {cells}{first_bad(o) or '-':11}{last_good(o) or '-':11}"
                          f"{fixed_in(o) or '-'}")
         lines.append("  bad: reproduces (its signature), ok: passes, other: fails otherwise, -: skipped (CUDA)")
         others = [(p, v, o[v]) for p, o in outcomes.items() for v, s in sorted(o.items()) if s.startswith("differs")]
