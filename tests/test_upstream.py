@@ -11,7 +11,10 @@ def test_a_silent_known_finding_reports_its_hand_reduced_script_and_the_recorded
     r = run_cli("upstream", KNOWN_DIR / "dtensor.parity.forward.Conv1d.json", "-o", out, "--no-run")
     assert r.returncode == 0, r.stderr[-2000:]
     text = out.read_text()
-    assert text.startswith("Title: [DTensor] ") and "### 🐛 Describe the bug" in text and "### Versions" in text
+    # its root cause is filed upstream (open): a comment for that issue, said first, not a new issue
+    assert text.startswith("Already filed upstream: pytorch/pytorch#186129 (open) — "
+                           "https://github.com/pytorch/pytorch/issues/186129\n"), text[:300]
+    assert "### Comment for pytorch/pytorch#186129" in text and "### Versions" in text and "Title:" not in text
     minimal = (KNOWN_DIR / "minimal" / "min_conv_partial_input.py").read_text()
     assert "```python\n" + minimal.rstrip() + "\n```" in text  # the hand-reduced script, whole
     # not run: the numbers are the recorded run's, and the report says so (and whose world size)
@@ -108,11 +111,133 @@ def test_a_report_says_the_bug_once():
     from fuzzshard.findings.rootcause import load_root_causes
 
     causes = load_root_causes(load_known())
+    issues = 0
     for sig, finding, text, _ in _reports():
-        title = text.splitlines()[0]
         rc = causes[finding.root_cause]
+        if text.startswith("Already filed upstream"):  # a comment for the filed issue: no title of its own
+            assert "Title:" not in text and rc.title not in text, sig
+            continue
+        issues += 1
+        title = text.splitlines()[0]
         assert title.startswith(f"Title: [{rc.component}] ") and rc.title.endswith(title.split("] ", 1)[1]), sig
         words = title.split("] ", 1)[1]
-        assert text.count(words) == 1, sig  # in the title only: no restatement, no diagnosis beside it
-        what = text.split("### 🐛 Describe the bug\n\n", 1)[1].split("\n", 1)[0]  # one sentence of what happens
+        described = text.split("### 🐛 Describe the bug\n\n", 1)[1]
+        if rc.what:  # a cut title: the bug in full is the description, said first
+            assert described.startswith(rc.what), sig
+            described = described[len(rc.what):].lstrip(".\n")
+        assert words not in described, sig  # in the title (and its full text) only: no restatement beside it
+        what = described.split("\n", 1)[0]  # one sentence of what happens
         assert what.endswith(".") and what.count(". ") == 0 and text.count(what) == 1, (sig, what)
+    assert issues >= 4
+
+
+# ---- a report of a finding made on another torch, and of a bug already filed upstream
+
+def _variant(sig: str, torch_version: str, signature: str | None = None, line_to: int | None = None):
+    """Known finding ``sig`` as if found on ``torch_version`` (under ``signature``: a new face of its root
+    cause), its traceback's torch lines moved to ``line_to`` (lines this torch's files do not have there)."""
+    import json
+
+    from fuzzshard.findings.record import Finding
+
+    data = json.loads((KNOWN_DIR / f"{sig}.json").read_text())
+    data["environment"] = {**data["environment"], "torch": torch_version}
+    data["signature"] = signature or data["signature"]
+    err = data["verdict"].get("error") or {}
+    if line_to and err.get("traceback"):
+        err["traceback"] = re.sub(r'(/torch/[^"]+\.py", line )\d+', rf"\g<1>{line_to}", err["traceback"])
+    return Finding.from_dict(data)
+
+
+def _report(finding):
+    from fuzzshard.findings.record import load_known
+    from fuzzshard.report.upstream import report
+
+    return report(finding, load_known(), run=False)[0]
+
+
+def test_the_suspected_source_is_linked_at_the_findings_torch_with_its_tracebacks_line():
+    # an error found on torch 2.11: the tag of 2.11 and the line of its own traceback, never this torch's
+    text = _report(_variant("dtensor.error.step.NotImplementedError.af1d5b0d._fused_sgd_", "2.11.0+cu130",
+                            line_to=4321))
+    src = next(ln for ln in text.splitlines() if ln.startswith("**Suspected source**"))
+    assert re.search(r"`torch/distributed/tensor/_sharding_prop\.py:4321` \(\w+\) — https://github\.com/pytorch/"
+                     r"pytorch/blob/v2\.11\.0/torch/distributed/tensor/_sharding_prop\.py#L4321", src), src
+    assert "v2.13" not in src and "v2.11.0" in src
+
+
+def test_a_root_causes_api_on_another_torch_links_the_file_without_this_torchs_line():
+    # a silent bug has no traceback: its function's line is known only in the torch installed here
+    import torch
+
+    from fuzzshard.oracle.source import line_of
+
+    sig = "dtensor.checkpoint.broadcast.loaded.state.missing"  # dsd-frozen-param-optim-state-dropped
+    other = _report(_variant(sig, "2.11.0+cu130"))
+    assert "`torch/distributed/checkpoint/state_dict.py` (_split_optim_state_dict) — https://github.com/pytorch/" \
+           "pytorch/blob/v2.11.0/torch/distributed/checkpoint/state_dict.py\n" in other
+    here = _report(_variant(sig, torch.__version__))
+    line = line_of("torch/distributed/checkpoint/state_dict.py", "_split_optim_state_dict")
+    tag = "v" + torch.__version__.split("+")[0]
+    assert f"`torch/distributed/checkpoint/state_dict.py:{line}` (_split_optim_state_dict) — https://github.com/" \
+           f"pytorch/pytorch/blob/{tag}/torch/distributed/checkpoint/state_dict.py#L{line}" in here
+
+
+def test_source_ref_is_the_torch_builds_own_tag_or_commit():
+    from fuzzshard.report.upstream import source_ref
+
+    assert source_ref({"torch": "2.11.0+cu130"}) == ("v2.11.0", "")
+    assert source_ref({"torch": "2.10.0"}) == ("v2.10.0", "")
+    assert source_ref({"torch": "2.12.0rc3"}) == ("v2.12.0-rc3", "")
+    assert source_ref({"torch": "2.14.0a0+git1a2b3c4"}) == ("1a2b3c4", "")
+    assert source_ref({"torch": "2.14.0.dev20261101+cpu", "torch_git": "0123456789abcdef0123"}) == \
+        ("0123456789abcdef0123", "")
+    ref, note = source_ref({"torch": "2.14.0.dev20261101+cpu"})
+    assert ref == "v2.14.0" and "nearest release tag" in note
+    assert source_ref({}) == ("", "")
+
+
+def test_a_bug_filed_upstream_open_gets_a_comment_for_its_issue_not_a_new_issue():
+    # a new face of dsd-frozen-param-optim-state-dropped (pytorch/pytorch#192202, open), found on 2.11
+    text = _report(_variant("dtensor.checkpoint.broadcast.loaded.state.missing", "2.11.0+cu130",
+                            signature="fsdp2.checkpoint.broadcast.loaded.state.exp_avg"))
+    lines = text.splitlines()
+    assert lines[0] == "Already filed upstream: pytorch/pytorch#192202 (open) — " \
+                       "https://github.com/pytorch/pytorch/issues/192202", lines[:3]
+    assert lines[1] == "Post what follows there as a comment, not as a new issue."
+    assert "### Comment for pytorch/pytorch#192202" in text and "Title:" not in text
+    assert "Another form of this bug, found on torch 2.11.0+cu130 (" in text
+    assert "```python\n" in text and "### Versions" in text and "found on: torch 2.11.0+cu130" in text
+    # a known face of it is the same bug again
+    again = _report(_variant("dtensor.checkpoint.broadcast.loaded.state.missing", "2.13.0+cpu"))
+    assert "This bug again, found on torch 2.13.0+cpu (" in again and "Another form" not in again
+
+
+def test_a_bug_closed_upstream_says_to_check_for_the_fix_and_its_release_where_recorded(monkeypatch):
+    from fuzzshard.findings import releases
+
+    sig = "fsdp1.error.save.RuntimeError.acd33f0e"  # fsdp1-full-state-dict-cpu-offload-freed-storage: closed
+    text = _report(_variant(sig, "2.11.0+cpu"))
+    assert text.startswith("Already filed upstream: pytorch/pytorch#188989 (closed) — "
+                           "https://github.com/pytorch/pytorch/issues/188989\n"), text[:200]
+    assert "Closed upstream: check whether your release has the fix." in text and "fixed in" not in text
+    monkeypatch.setattr(releases, "load_fixed_in", lambda *a: {"fsdp1-full-state-dict-cpu-offload-freed-storage": "2.14.0"})
+    assert "Closed upstream: check whether your release has the fix (fixed in torch 2.14.0, as recorded)." \
+        in _report(_variant(sig, "2.11.0+cpu"))
+
+
+def test_a_bug_not_filed_is_a_new_issue_with_a_short_title_and_the_bug_in_full_below_it():
+    from fuzzshard.findings.record import load_known
+    from fuzzshard.findings.rootcause import load_root_causes
+    from fuzzshard.report.upstream import title
+
+    known = load_known()
+    rc = load_root_causes(known)["zero-bucket-view-frozen-param-not-broadcast"]  # not reported, its title cut
+    sig = rc.signatures[0]
+    text = _report(known[sig])
+    assert text.startswith(f"Title: [ZeRO] {rc.title}\n")
+    assert text.split("### 🐛 Describe the bug\n\n", 1)[1].startswith(rc.what)
+    causes = load_root_causes(known)
+    for f in known.values():  # every issue title is short: a root cause's, and a new finding's as its oracle says it
+        for rc in (causes.get(f.root_cause), None):
+            assert len(title(f, rc).split("] ", 1)[1]) <= 120, title(f, rc)

@@ -149,7 +149,7 @@ def known_markdown(known: dict) -> str:
         minimal = f". Hand-reduced: [`{rc.minimal.rsplit('/', 1)[-1]}`](minimal/{rc.minimal.rsplit('/', 1)[-1]})." \
             if rc.minimal else ""
         rows.append(f"| `{rc.id}` | {rc.kind} | {rc.upstream_text.replace('|', '/')} | {len(rc.signatures)} "
-                    f"| {rc.title.replace('|', '/')}{minimal} |")
+                    f"| {(rc.what or rc.title).replace('|', '/')}{minimal} |")  # (the bug in full: a description)
     rows += regression_table(known, causes)
     rows += ["", "## Findings", "", "| signature | kind | root cause | torch, device | W | diagnosis |",
              "|---|---|---|---|---|---|"]

@@ -48,13 +48,17 @@ def summary(verdict: Verdict) -> str:
 
 def environment(pool_info: dict | None, backend: str, device: str | None = None) -> dict:
     import hypothesis
+    import torch
 
     from .. import __version__
 
     info = pool_info or {}
+    # the commit its torch was built from (a development build has no release tag to link its source at)
+    git = torch.version.git_version if info.get("torch") == torch.__version__ else None
     return {
         "fuzzshard": __version__,  # which fuzzshard's oracles and tolerances judged it
         "torch": info.get("torch"),
+        **({"torch_git": git} if git and git != "Unknown" else {}),
         "device": info.get("device_name") or device,
         **{k: info[k] for k in ("cuda", "nccl") if info.get(k)},
         "hypothesis": hypothesis.__version__,

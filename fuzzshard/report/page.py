@@ -157,7 +157,8 @@ def summarize(out: str | Path) -> dict:
         if c["outcome"] == "known hit" and c.get("sig"):
             by_cause[known[c["sig"]].root_cause if c["sig"] in known else ""][c["sig"]] += 1
     known_rows = [{"id": rid or "(no root cause recorded)", "hits": sum(n.values()), "signatures": dict(n),
-                   "title": causes[rid].title if rid in causes else "", "upstream": causes[rid].upstream_text
+                   "title": causes[rid].title if rid in causes else "", "what": causes[rid].what if rid in causes else "",
+                   "upstream": causes[rid].upstream_text
                    if rid in causes else ""} for rid, n in sorted(by_cause.items(), key=lambda kv: -sum(kv[1].values()))]
     rate = []
     for b in range(BUCKETS):
@@ -268,7 +269,7 @@ def html_page(summary: dict, title: str) -> str:
         for k in s["known"]:
             sigs = ", ".join(f"{esc(sig)} ×{n}" for sig, n in sorted(k["signatures"].items()))
             parts.append(f"<tr><td>{esc(k['id'])}</td><td>{k['hits']}</td><td class='t'>{linked(k['upstream'])}</td>"
-                         f"<td class='t'>{sigs}</td><td class='t' title='{esc(k['title'])}'>{esc(clip(k['title'], 240))}"
+                         f"<td class='t'>{sigs}</td><td class='t' title='{esc(k['what'] or k['title'])}'>{esc(k['title'])}"
                          "</td></tr>")
         parts.append("</table>")
     else:

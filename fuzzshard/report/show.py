@@ -4,16 +4,18 @@ from __future__ import annotations
 import json
 
 from ..case import Layer
-from ..findings.record import Finding, summary
+from ..findings.record import Finding
 
 
 def render(finding: Finding) -> str:
     c = finding.case
     lines = []
     if finding.signature:
-        lines += [f"finding   {finding.signature}", f"          {summary(finding.verdict)}"]
+        lines += [f"finding   {finding.signature}", f"          {finding.summary}"]
         if finding.diagnosis:
             lines.append(f"diagnosis {finding.diagnosis}")
+        if finding.root_cause:
+            lines.append(f"root cause {_root_cause(finding.root_cause)}")
         if finding.environment:
             lines.append("found on  " + ", ".join(f"{k} {v}" for k, v in finding.environment.items() if v))
         lines.append("")
@@ -56,6 +58,14 @@ def render(finding: Finding) -> str:
             lines.append(f"  the model state dict loaded {' and '.join(keys)}")
         lines += _options("  loading side's target options", ck.target_options, "  ")
     return "\n".join(lines)
+
+
+def _root_cause(rid: str) -> str:
+    """"id: its title [where it stands upstream]" (the title is short; `known --markdown` has it in full)."""
+    from ..findings.rootcause import load_root_causes
+
+    rc = load_root_causes().get(rid)
+    return f"{rid}: {rc.title} [{rc.upstream_text}]" if rc else f"{rid} (not in root_causes.json)"
 
 
 def _options(title: str, options: dict, pad: str = "") -> list[str]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from .. import oracle
 from ..findings import repro
 from ..findings.record import Finding
-from ..oracle.source import link as _link
+from ..oracle.source import line_of, torch_frames
 from ..findings.rootcause import Matcher, RootCause
 from ..scriptgen import straight_script
 
@@ -52,13 +52,25 @@ class Script:
 
 
 def report(finding: Finding, known: dict, run: bool = True, attachment: Path | None = None) -> tuple[str, dict]:
-    """(markdown, {file name: text} to attach)."""
-    case, verdict = finding.case, finding.verdict
+    """(markdown, {file name: text} to attach): a new issue, or, where its root cause is already filed
+    upstream, a comment for that issue (said first, with the link)."""
     rc = _root_cause(finding, known)
-    head = title(finding, rc)
     # the script's own headline: what it runs (the issue's title has said the bug; once is enough)
     script = choose_script(finding, rc, attachment, headline="A sharded run against the same model without sharding")
-    out: list[str] = [f"Title: {head}", "", "### 🐛 Describe the bug", "", _what(finding, rc, script), ""]
+    body, attach = _evidence(finding, rc, script, run)
+    filed = filed_upstream(rc)
+    if filed:
+        return "\n".join(_comment_head(finding, rc, filed) + [_what(finding, rc, script), ""] + body), attach
+    described = [_plain(rc.what), ""] if rc and _plain(rc.what) else []  # the bug in full, where the title is short of it
+    out = [f"Title: {title(finding, rc)}", "", "### 🐛 Describe the bug", "", *described, _what(finding, rc, script), ""]
+    return "\n".join(out + body), attach
+
+
+def _evidence(finding: Finding, rc: RootCause | None, script: Script, run: bool) -> tuple[list[str], dict]:
+    """The script, what it prints (or the recorded run's numbers), expected/actual, the source suspected,
+    the versions and the credit: the part an issue and a comment share."""
+    case, verdict = finding.case, finding.verdict
+    out: list[str] = []
     attach: dict[str, str] = {}
     lines = script.text.count("\n")
     if script.kind == "minimal":
@@ -87,7 +99,48 @@ def report(finding: Finding, known: dict, run: bool = True, attachment: Path | N
     if related:
         out += [f"Related upstream: {related}", ""]
     out += ["### Versions", "", "```", _versions(finding, run).rstrip(), "```", "", _CREDIT, ""]
-    return "\n".join(out), attach
+    return out, attach
+
+
+@dataclass
+class Filed:
+    """The upstream issue (or PR) a root cause is already filed as."""
+    ref: str  # "pytorch/pytorch#192202"
+    state: str  # "open" or "closed"
+    url: str
+    fixed_in: str  # the release that fixed it, as `fuzzshard bisect` recorded ("" unknown)
+
+
+def filed_upstream(rc: RootCause | None) -> Filed | None:
+    """Where ``rc`` is already filed upstream (an open or closed issue or PR with a ref), else None."""
+    up = (rc.upstream or {}) if rc else {}
+    m = re.fullmatch(r"([\w.-]+/[\w.-]+)#(\d+)", up.get("ref") or "")
+    if not m or up.get("state") not in ("open", "closed"):
+        return None
+    from ..findings.releases import load_fixed_in
+
+    # (GitHub sends issues/N on to pull/N for a PR)
+    return Filed(m.group(0), up["state"], f"https://github.com/{m.group(1)}/issues/{m.group(2)}",
+                 load_fixed_in().get(rc.id, ""))
+
+
+def _comment_head(finding: Finding, rc: RootCause, filed: Filed) -> list[str]:
+    """What a report of an already filed bug says first: where it is filed, and that what follows is a
+    comment for that issue, opened by what is new in this finding."""
+    env = finding.environment or {}
+    if filed.state == "open":
+        head = [f"Already filed upstream: {filed.ref} (open) — {filed.url}",
+                "Post what follows there as a comment, not as a new issue."]
+    else:
+        fix = f" (fixed in torch {filed.fixed_in}, as recorded)" if filed.fixed_in else ""
+        head = [f"Already filed upstream: {filed.ref} (closed) — {filed.url}",
+                f"Closed upstream: check whether your release has the fix{fix}. Where it still reproduces on a "
+                f"release that has it, post what follows there as a comment."]
+    on = ", ".join(str(x) for x in (env.get("device") or finding.case.device, env.get("backend")) if x)
+    seen = finding.signature in rc.signatures  # a known face of it: found again, else a new face
+    lead = "This bug again" if seen else "Another form of this bug"
+    return head + ["", f"### Comment for {filed.ref}", "",
+                   f"{lead}, found on torch {env.get('torch', '?')} ({on}):", ""]
 
 
 _CREDIT = "Found by fuzzshard, a property-based fuzzer of sharded training."
@@ -183,6 +236,9 @@ def _related(rc: RootCause | None) -> str:
     return re.sub(r"\bface(s?)\b", r"form\1", kept)  # (a "face" of a bug: the fuzzer's word)
 
 
+TITLE_LIMIT = 120  # a root cause's title is at most this (tests/test_known_files.py); a new finding's is cut to it
+
+
 def title(finding: Finding, rc: RootCause | None) -> str:
     case, v = finding.case, finding.verdict
     if rc:
@@ -191,18 +247,98 @@ def title(finding: Finding, rc: RootCause | None) -> str:
         # unless it is the sentence's subject ("[DTensor] DTensor has no ...": a verb follows)
         once = words[0] == component and len(words) > 1 and not re.match(r"[a-z]+s\b(?![_.(])", words[1])
         return f"[{component}] {words[1] if once else rc.title}"
-    # a new finding: what went wrong, as its oracle says it
-    return f"[{_component(None, case.target)}] {oracle.of(v).title(case, v)}"
+    # a new finding: what went wrong, as its oracle says it (an error's whole message is in the body)
+    head = f"[{_component(None, case.target)}] "
+    said = oracle.of(v).title(case, v)
+    return head + (said if len(said) <= TITLE_LIMIT else said[:TITLE_LIMIT - 1].rsplit(" ", 1)[0] + "…")
+
+
+def _plain(what: str) -> str:
+    """A root cause's full statement for a maintainer, as a sentence; "" where it has none or speaks of
+    this repository."""
+    if not what or _REPO_PATH.search(what) or _OWN_NOTE.search(what):
+        return ""
+    return what if what.endswith(".") else what + "."
+
+
+# ---- the torch source suspected, at the finding's own torch: its release tag (or git commit) and the
+# line its own traceback gives, never the line of the torch installed here where that is another one
+
+_GITHUB = "https://github.com/pytorch/pytorch/blob"
+_CITED = re.compile(r"`torch/(?P<path>[\w/.]+\.py):(?P<line>\d+)` \((?P<fn>[\w.]+)\)(?: — \S+?(?=,|\s|$))?")
+
+
+def source_ref(env: dict) -> tuple[str, str]:
+    """(the pytorch/pytorch git ref a torch was built from, a note where it is only the nearest tag) for a
+    finding's ``environment``: "2.11.0+cu130" -> "v2.11.0"; "2.10.0rc3" -> "v2.10.0-rc3"; a development build
+    -> its git commit ("+git<sha>" in its version, or a recorded "torch_git"), else its release's tag, said."""
+    version = str(env.get("torch") or "")
+    base = version.split("+", 1)[0]
+    if re.fullmatch(r"\d+\.\d+\.\d+", base):
+        return f"v{base}", ""
+    rc_build = re.fullmatch(r"(\d+\.\d+\.\d+)rc(\d+)", base)
+    if rc_build:
+        return f"v{rc_build.group(1)}-rc{rc_build.group(2)}", ""
+    sha = re.search(r"\+git([0-9a-f]{7,40})\b", version)
+    sha = sha.group(1) if sha else str(env.get("torch_git") or "")
+    if re.fullmatch(r"[0-9a-f]{7,40}", sha):
+        return sha, ""
+    nearest = re.match(r"\d+\.\d+\.\d+", base)
+    if nearest:
+        return (f"v{nearest.group(0)}", f"the nearest release tag: torch {version} is a development build that "
+                "records no git commit, so its lines may differ")
+    return "", ""
 
 
 def suspected_source(finding: Finding, rc: RootCause | None) -> str:
-    """"torch/x.py:N (function)" with a link at this torch's tag: the root cause's API where
-    one is recorded, else the innermost telling torch frame of an error or a crash, else the
-    optimizer implementation a step divergence runs (a guess, and said to be one)."""
+    """"`torch/x.py:N` (function) — link" at the finding's torch: the root cause's API where one is recorded,
+    else the innermost telling torch frame of an error or a crash, else the optimizer implementation a step
+    divergence runs (a guess, and said to be one), as its oracle says."""
     v, case = finding.verdict, finding.case
     if rc and rc.api:
-        return _link(rc.api)
-    return oracle.of(v).source(case, v)
+        m = re.match(r"torch/([\w/]+\.py)(?::([\w.]+))?", rc.api)
+        if not m:
+            return f"`{rc.api}`"
+        rest = rc.api[m.end():].strip()
+        more = rest if rest.startswith("(") else f"(recorded: `{rc.api}`)"  # what the api names beyond one function
+        return _at_finding(finding, m.group(1), m.group(2), None) + (f" {more}" if rest else "")
+    said = oracle.of(v).source(case, v)  # (its link is at the installed torch: made again at the finding's)
+    m = _CITED.search(said)
+    if not m:
+        return said
+    return said[:m.start()] + _at_finding(finding, m.group("path"), m.group("fn"), int(m.group("line"))) + said[m.end():]
+
+
+def _at_finding(finding: Finding, path: str, fn: str | None, line: int | None) -> str:
+    """torch/``path``'s function ``fn`` (None: any, the innermost of the traceback's there) linked at the
+    finding's torch. The line: a frame of it in the finding's own traceback (``line`` where it is one of them);
+    else the installed torch's, only where that is the finding's torch; else none (the file is linked)."""
+    env = finding.environment or {}
+    err = finding.verdict.error_record if finding.verdict else None
+    frames = torch_frames(((err.traceback or "") + "\n" + err.extra.get("log", "")) if err else "")
+    own = [(ln, f) for p, ln, f in frames if p == path and (fn is None or f == fn.rsplit(".", 1)[-1])]
+    ref, note = source_ref(env)
+    if line not in [ln for ln, _ in own]:
+        if own:
+            line, fn = own[0][0], fn or own[0][1]
+        elif fn and _is_installed(ref, note):
+            line = line or line_of(f"torch/{path}", fn)
+        else:
+            line = None
+    where = f"`torch/{path}:{line}`" if line else f"`torch/{path}`"
+    cited = f"{where} ({fn})" if fn else where
+    if not ref:
+        return cited
+    link = f"{_GITHUB}/{ref}/torch/{path}" + (f"#L{line}" if line else "")
+    return f"{cited} — {link}" + (f" ({note})" if note else "")
+
+
+def _is_installed(ref: str, note: str) -> bool:
+    """Whether the torch installed here was built from ``ref`` (a tag that is only the nearest one is not)."""
+    import torch
+
+    here = source_ref({"torch": torch.__version__, "torch_git": torch.version.git_version})
+    return bool(ref) and not note and here == (ref, "")
 
 
 def _root_cause(finding: Finding, known: dict) -> RootCause | None:
