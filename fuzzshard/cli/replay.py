@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .common import (
@@ -32,10 +33,12 @@ def run(args) -> int:
     check_pool_args(args, device=recorded.get("case", {}).get("device"))
     finding = load_file(args.file)
     case = finding.case
-    check_gpus(args, case.ranks)
     if args.device != case.device:
         print(f"note: {args.file} was recorded on {case.device}; replaying on {args.device}", file=sys.stderr)
-    pool = start_pool(args, case.ranks)
+    simulated = _simulated(args, recorded, case)
+    if not simulated:
+        check_gpus(args, case.ranks)
+    pool = start_pool(args, 1 if simulated else case.ranks)
     try:
         j = judge(pool, case)
     finally:
@@ -55,6 +58,29 @@ def run(args) -> int:
     for m in (v.mismatches or [])[1:]:
         print(f"  also: {m.quantity} {m.fqn} step {m.step}: {m.detail}")
     return 1
+
+
+def _simulated(args, recorded: dict, case) -> bool:
+    """Whether the case replays simulated (LocalTensorMode, as ``fuzz --simulate`` runs it): more ranks than
+    real processes run here (simulate.REAL_MAX), or a file marked simulated only (never run on real processes;
+    FUZZSHARD_REAL_MAX admits its world size explicitly). One it cannot simulate is refused in one line (exit 2),
+    never started as that many real processes."""
+    from ..session import simulate
+
+    marked = simulate.SIMULATED_ONLY in (recorded.get("stage"), (recorded.get("simulation") or {}).get("status"))
+    if args.device != "cpu" or not (case.ranks > simulate.REAL_MAX or (marked and simulate.REAL_MAX_ENV not in
+                                                                        os.environ)):
+        return False
+    why = simulate.cannot_simulate(case)
+    if why:
+        raise UsageError(f"{args.file}: {case.ranks} ranks, more than the {simulate.REAL_MAX} real processes this "
+                         f"machine runs ({simulate.REAL_MAX_ENV}), and it cannot replay simulated: {why}")
+    print(f"note: {args.file}: replaying simulated ({case.ranks} ranks in one process under LocalTensorMode, as "
+          f"fuzz --simulate ran it): " + (f"more than the {simulate.REAL_MAX} real processes this machine runs"
+                                          if case.ranks > simulate.REAL_MAX else "the file is marked simulated only"),
+          file=sys.stderr)
+    args.simulate = True
+    return True
 
 
 REPLAY_DIFFERENT = 3  # exit code: the case fails, with another signature than the one recorded

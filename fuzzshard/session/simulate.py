@@ -47,7 +47,8 @@ SIMULATED_TARGETS = ("dtensor", "tp")
 # the targets whose cases may draw 3-dim meshes (their options say a placement per mesh dim)
 THREE_DIM_TARGETS = ("dtensor",)
 # the largest world size confirmed on real process groups here (ranks are processes: 8 on this machine)
-REAL_MAX = int(os.environ.get("FUZZSHARD_REAL_MAX", "8"))
+REAL_MAX_ENV = "FUZZSHARD_REAL_MAX"
+REAL_MAX = int(os.environ.get(REAL_MAX_ENV, "8"))
 DEFAULT_WORLD_SIZES = "5,6,7,8,12,16,32,64"
 SIMULATED_CASE_TIMEOUT = 600.0  # --case-timeout's default under --simulate (a 64-rank case: seconds, a minute loaded)
 SIMULATED_ONLY = "simulated only"  # the stage of a finding too large to confirm here (cli/fuzz.py prints it)
@@ -61,6 +62,18 @@ def available() -> str | None:
         from torch._C._distributed_c10d import FakeProcessGroup  # noqa: F401
     except ImportError as e:
         return f"this torch has no LocalTensorMode ({e}); --simulate needs torch >= 2.10"
+    return None
+
+
+def cannot_simulate(case) -> str | None:
+    """None if ``case`` runs simulated (as fuzz --simulate would run it), else why not (one line)."""
+    why = available()
+    if why:
+        return why
+    if case.target not in SIMULATED_TARGETS:
+        return f"--simulate runs {', '.join(SIMULATED_TARGETS)}, not {case.target} (docs/simulate.md says why)"
+    if case.checkpoint:
+        return "its checkpoint is not simulated (saving and loading LocalTensors fails under LocalTensorMode)"
     return None
 
 
@@ -304,6 +317,19 @@ def simulated_session():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.set_aside: dict = {}  # signature -> (its smallest case, verdict, why, hits)
+            self._reached: dict = {}  # signature -> the case JSON the reducer brought it to
+
+        def _reduce(self, sig, track) -> None:
+            super()._reduce(sig, track)
+            self._reached[sig] = track.best[0].to_json()
+
+        def _finding(self, sig, found):
+            f = super()._finding(sig, found)
+            if f.removed and sig in self._reached and found[0].to_json() != self._reached[sig]:
+                # its file went back to the case confirmed before the reducer's (no time was left to confirm that
+                # one fresh, or a fresh run said otherwise): what the reducer took out is still in this case
+                f.removed = []
+            return f
 
         def accept(self, sig: str, case, verdict) -> bool:
             why = local_tensor_error(verdict)
@@ -335,6 +361,13 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
       * larger than REAL_MAX: "simulated only", its file says so.
     Returns {"confirmed": [...], "limits": [...], "simulated_only": [...]} (signatures).
 
+    Before that, each finding's world size and mesh are shrunk, simulated, as
+    far as its signature allows (``least_worlds``: its file's case is then the
+    least case that fails, and what it checked on real processes); after it,
+    findings that are one bug met in several modules are folded into one file
+    (``fold_one_bug``: then the result also holds "folded", signature -> the
+    finding it is a face of).
+
     ``set_aside`` (SimulatedBook's: signature -> (case, verdict, why, hits)):
     LocalTensor's own errors, unshrunk, each run on real processes too: the
     same signature there makes it a finding after all; another finding there
@@ -347,6 +380,7 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
     known = load_known()
     out = Path(out)
     result: dict = {"confirmed": [], "limits": [], "simulated_only": []}
+    onsets = least_worlds(findings, out, args, known, progress)
     for f in findings:
         path = out / f"{f.signature}.json"
         data = json.loads(path.read_text()) if path.exists() else f.to_dict()
@@ -384,10 +418,283 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
                 result.setdefault("found", []).append(found)
                 print(f"fuzzshard: {f.signature}: real processes give a NEW finding {j.signature} "
                       f"-> {out}/{j.signature}.json", file=progress)
+    folded = fold_one_bug([f for f in findings if f.signature not in result["limits"]], onsets, out, progress)
+    if folded:
+        result["folded"] = folded
+        for key in ("confirmed", "simulated_only"):
+            result[key] = [s for s in result[key] if s not in folded]
     if set_aside:
         result.update(set_aside=[], found=[])
         _confirm_set_aside(set_aside, out, args, result, progress)
     return result
+
+
+# -- the driver side: each simulated finding at the least world its bug needs ------------------------------
+# A session shrinks a finding as any session does (Hypothesis, then reduce.py),
+# within its time; the reducer's world edits keep a 2-D mesh's first dim only.
+# Here, after the session and before the real check, a finding's world is
+# shrunk once more, simulated, with no deadline: every smaller mesh, each
+# keeping any of the case's mesh dims (its placements with it), least first.
+ONSET_ABOVE = 2  # a bug that begins at more ranks than this on a 1-D mesh, and at no fewer, has an onset (fold_one_bug)
+
+
+def world_shrinks(case) -> list[tuple[list[str], object]]:
+    """Every smaller world and mesh of ``case`` (no checkpoint: a simulated
+    session draws none), least first: fewer ranks, then fewer mesh dims (the
+    1-D mesh of the same world too). A new mesh keeps some of the case's mesh
+    dims, each at most its size; a param's placements keep those dims'. Each
+    with what it changed ("world size 16 -> 6", "mesh [8, 2] -> [6]")."""
+    import itertools
+    import math
+
+    from ..case import Case
+
+    if case.checkpoint:
+        return []
+    shape, world = list(case.mesh_shape), case.ranks
+    out, seen = [], {case.to_json()}
+    for k in range(1, len(shape) + 1):
+        for kept in itertools.combinations(range(len(shape)), k):
+            for mesh in itertools.product(*(range(1 if k == 1 else 2, shape[d] + 1) for d in kept)):
+                mesh = list(mesh)
+                ranks = math.prod(mesh)
+                if ranks > world or (ranks == world and k >= len(shape)):
+                    continue
+                try:
+                    smaller = Case.from_dict(_projected(case.to_dict(), kept, mesh))
+                    smaller.check_world()
+                except Exception:  # a mesh the case's options cannot take: not tried
+                    continue
+                if smaller.to_json() in seen:
+                    continue
+                seen.add(smaller.to_json())
+                what = ([f"world size {world} -> {ranks}"] if ranks < world else []) + \
+                       ([f"mesh {shape} -> {mesh}"] if mesh != [ranks] or len(shape) > 1 else [])
+                out.append((ranks, k, what, smaller))
+    out.sort(key=lambda t: (t[0], t[1]))
+    return [(what, c) for _, _, what, c in out]
+
+
+def _projected(data: dict, kept: tuple, mesh: list) -> dict:
+    """``data`` on ``mesh``, whose dims are the case's ``kept`` ones: placements per mesh dim picked, then
+    reduce.py's re-fitting (options, batch) to that mesh."""
+    from ..findings.reduce import _reworld
+
+    placements = data["target_options"].get("placements")
+    if placements:
+        data["target_options"]["placements"] = {n: [p[d] for d in kept] for n, p in placements.items()}
+    return _reworld(data, False, mesh)
+
+
+def least_worlds(findings: list, out: Path, args, known: dict, progress=sys.stderr) -> dict:
+    """Each finding's world size and mesh shrunk, simulated, to the least that
+    gives its signature (``world_shrinks``, judged side by side), its files
+    rewritten so (case, verdict, script, ``removed``) and its generalization
+    table made anew for that case (generalize.py), with the 1-D world sizes
+    around its onset as rows. Returns signature -> its onset (the least 1-D
+    world size it fails from, or None: see fold_one_bug)."""
+    from ..findings.judge import judge_many
+
+    todo = [f for f in findings if f.verdict is not None and f.verdict.oracle not in ("hang", "crash")
+            and f.stage not in ("provisional", "unconfirmed")]
+    if not todo:
+        return {}
+    pool = start_simulated(args)
+    onsets: dict = {}
+    try:
+        for f in todo:
+            tried: dict = {}  # case JSON -> its judgement
+
+            def judged(cases: list) -> list:
+                new = [c for c in cases if c.to_json() not in tried]
+                for c, j in zip(new, judge_many(pool, new, known) if new else []):
+                    tried[c.to_json()] = j
+                return [tried[c.to_json()] for c in cases]
+
+            least = _least(f, judged, pool.size)
+            if least is not None:
+                what, f.case, f.verdict = least
+                f.removed = [r for r in f.removed if r not in what] + what
+                print(f"fuzzshard: {f.signature}: shrunk simulated to {f.case.ranks} ranks on "
+                      f"{list(f.case.mesh_shape)} ({', '.join(what)})", file=progress, flush=True)
+            onsets[f.signature], rows = _onset(f, judged)
+            from ..findings.generalize import generalize
+
+            table, faces = generalize(judged, f.case, f.verdict, _optimizer_names(args))
+            f.generalization = [row.to_dict() for row in table + rows]
+            f.faces = sorted((set(f.faces) | faces) - {f.signature})
+            _rewrite(out, f)
+    finally:
+        pool.close()
+    return onsets
+
+
+def _least(f, judged, batch: int):
+    """(what changed, the least case, its verdict) of ``f``'s smaller worlds that give its signature, or None."""
+    shrinks = world_shrinks(f.case)
+    for at in range(0, len(shrinks), max(1, batch)):
+        chunk = shrinks[at:at + max(1, batch)]
+        hit = next(((what, c, j.verdict) for (what, c), j in zip(chunk, judged([c for _, c in chunk]))
+                    if j.label == f.signature), None)
+        if hit is not None:
+            return hit
+    return None
+
+
+def _onset(f, judged) -> tuple:
+    """(T, rows): ``f``'s case is least on a 1-D mesh of T > ONSET_ABOVE ranks and passes at T - 1, and the
+    same case with every width scaled so that each shard is even at T - 1 and at T ranks (``_widened``) does
+    not say otherwise (it fails at T - 1 or passes at T, the same oracle, no known bug: then the onset is the
+    shapes', an uneven or empty shard, not the group size's; a known bug there says nothing): a bug that
+    begins at a group size. Else (None, rows). rows: generalize.Face rows of the world sizes tried."""
+    import math
+
+    from ..findings.generalize import Face
+
+    t = f.case.ranks
+    if len(f.case.mesh_shape) != 1 or t <= ONSET_ABOVE:
+        return None, []
+    wide = _widened(f.case, math.lcm(t - 1, t))
+    even = f"world size, widths x{wide[1]} (every shard even)" if wide else ""
+    tries = [("world size (1-D mesh)", w, _resized(f.case, w)) for w in (t - 1, t + 1)]
+    tries += [(even, w, _resized(wide[0], w)) for w in (t - 1, t)] if wide else []
+    tries = [(dim, w, c) for dim, w, c in tries if c is not None]
+    rows = [Face("world size (1-D mesh)", str(t), "fails", f.signature)]
+    seen = {}
+    for (dim, w, _), j in zip(tries, judged([c for _, _, c in tries])):
+        status = j.verdict.status
+        outcome = ("fails" if j.label == f.signature else "fails otherwise" if status == "finding" else
+                   {"pass": "passes", "invalid": "invalid"}.get(status, "error"))
+        rows.append(Face(dim, str(w), outcome, j.label if status == "finding" else ""))
+        seen[dim, w] = j
+    rows.sort(key=lambda r: (r.dimension != "world size (1-D mesh)", int(r.value)))
+    below = seen.get(("world size (1-D mesh)", t - 1))
+    if below is None or below.verdict.status != "pass":
+        return None, rows
+
+    def fails_so(j) -> bool:
+        return j is not None and j.verdict.is_finding and not j.known and j.verdict.oracle == f.verdict.oracle
+
+    shapes_say = wide is not None and (fails_so(seen.get((even, t - 1))) or
+                                       getattr(seen.get((even, t)), "verdict", None) is not None and
+                                       seen[even, t].verdict.status == "pass")
+    return (None if shapes_say else t), rows
+
+
+WIDE_MAX = 512  # the widest layer _widened makes (a Linear of 512x512 is a small case still)
+
+
+def _widened(case, even: int):
+    """(``case`` with every width of its model times k, k) where k is the least that makes every width a
+    multiple of ``even``, or None (a plugin's model, wider than WIDE_MAX, or a case that cannot be)."""
+    import math
+
+    from ..case import Case
+
+    data = case.to_dict()
+    model = data["model"]
+    if model.get("factory"):
+        return None
+    widths, stack = [model["d_in"]], list(model["layers"])
+    while stack:
+        layer = stack.pop()
+        widths += [w for w in (layer["d_in"], layer["d_out"]) if w]
+        stack += layer["children"]
+    k = math.lcm(*(even // math.gcd(w, even) for w in widths))
+    if k == 1 or max(widths) * k > WIDE_MAX:
+        return None if k != 1 else (case, 1)
+
+    def scale(layer):
+        layer.update(d_in=layer["d_in"] * k, d_out=layer["d_out"] * k)
+        for child in layer["children"]:
+            scale(child)
+
+    model["d_in"] *= k
+    for layer in model["layers"]:
+        scale(layer)
+    try:
+        wide = Case.from_dict(data)
+        wide.check_world()
+        return wide, k
+    except Exception:
+        return None
+
+
+def _resized(case, w: int):
+    """``case`` (1-D) on a 1-D mesh of ``w`` ranks, or None where it cannot be."""
+    from ..case import Case
+
+    try:
+        c = Case.from_dict(_projected(case.to_dict(), (0,), [w]))
+        c.check_world()
+        return c
+    except Exception:
+        return None
+
+
+def _optimizer_names(args):
+    try:
+        from ..cli.common import strategy_kwargs
+
+        return strategy_kwargs(args).get("optimizer_names")
+    except Exception:  # a caller's args without the draw flags: the default optimizers
+        return None
+
+
+def _rewrite(out: Path, f) -> None:
+    """``f``'s files as ``f`` says now (its case, verdict, script), whatever the session wrote."""
+    from ..findings import repro
+    from ..findings.record import summary, write_finding
+
+    write_finding(out, f, repro.script(f.case, summary(f.verdict), f.environment, verdict=f.verdict), replace=True)
+
+
+def fold_one_bug(findings: list, onsets: dict, out: Path, progress=sys.stderr) -> dict:
+    """One bug, one file: findings of one target and oracle that begin at the
+    same group size (``onsets``, see _onset: least at T ranks on a 1-D mesh,
+    and with every shard even, passing at T - 1 and failing at T) are one bug
+    met in several modules (a Partial sum wrong over T+ ranks shows in a
+    Linear, an Embedding, a LayerNorm, forward or backward): the least case
+    keeps its file, the others become its faces (their signatures, and their
+    cases under ``simulation.folded``) and their files go. Returns
+    signature -> the finding it was folded into."""
+    from ..findings.life import _smaller
+    from ..findings.record import atomic_write
+
+    groups: dict = {}
+    for f in findings:
+        t = onsets.get(f.signature)
+        if t is not None and (out / f"{f.signature}.json").exists():
+            groups.setdefault((f.case.target, f.verdict.oracle, t), []).append(f)
+    folded: dict = {}
+    for (_, _, t), members in sorted(groups.items()):
+        if len(members) < 2:
+            continue
+        members.sort(key=lambda m: (m.case.ranks, len(m.case.to_json()), m.signature))
+        owner, rest = members[0], members[1:]
+        path = out / f"{owner.signature}.json"
+        data = json.loads(path.read_text())
+        owner.faces = sorted(set(owner.faces) | {s for m in rest for s in [m.signature, *m.faces]} - {owner.signature})
+        data["faces"] = owner.faces
+        data.setdefault("simulation", {})["folded"] = [  # each face's own case and what real processes said of it
+            {"signature": m.signature, "onset": t, "case": json.loads(m.case.to_json()), "summary": m.summary,
+             "simulation": json.loads((out / f"{m.signature}.json").read_text()).get("simulation")} for m in rest]
+        atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        for m in rest:
+            folded[m.signature] = owner.signature
+            for suffix in (".json", ".py"):
+                (out / f"{m.signature}{suffix}").unlink(missing_ok=True)
+            print(f"fuzzshard: {m.signature}: another face of finding {owner.signature} (both begin at {t} ranks on a "
+                  f"1-D mesh, passing on {t - 1}: a group size, not their shapes), folded into it", file=progress)
+    return folded
+
+
+def start_simulated(args, size: int | None = None):
+    """A simulated pool (LocalTensorMode workers) for the driver's own checks, side by side where it can."""
+    from ..cli.common import start_pool
+
+    n = size or getattr(args, "simulate_workers", None) or max(1, min(2, os.cpu_count() or 1))
+    return start_pool(argparse.Namespace(**{**vars(args), "simulate": True}), n, placed=True)
 
 
 def _judge_for_real(case, args, known) -> tuple:
