@@ -1,8 +1,13 @@
 """One finding per bug (generalize.py) and errors that are fuzzshard's own
-(judge.internal_error): pure functions over cases and verdicts, no pool."""
+(judge.internal_error): pure functions over cases and verdicts, no pool; and
+one real session, where a user's optimizer with one planted bug fuzzed on two
+targets gives one finding."""
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 from cases import simple_case
+from conftest import run_cli
 
 from fuzzshard.findings.generalize import Face, carry, faces_of, generalize, kin, same_way, table_text, variants
 from fuzzshard.findings.judge import internal_error
@@ -129,3 +134,29 @@ def test_an_error_in_fuzzshards_own_code_is_internal_and_torchs_is_a_finding():
     assert internal_error(_error("RuntimeError", [theirs, ours])) is None
     assert internal_error(_error("ReplicasDiverged", [ours])) is None
     assert internal_error(_step_verdict(["w"])) is None
+
+
+ORTHO = Path(__file__).parent.parent / "examples" / "ortho_momentum.py"
+
+
+def test_a_users_optimizer_bug_met_on_dtensor_and_fsdp2_is_one_finding(tmp_path, monkeypatch):
+    """examples/ortho_momentum.py with its planted bug (each rank orthogonalizes
+    its local shard) on dtensor and fsdp2: the session met it on both (two
+    findings before targets were a dimension); one is the other's case carried
+    to the other target, failing the same way: one finding, its target row."""
+    monkeypatch.setenv("ORTHO_MOMENTUM_BUG", "local_shard")
+    out = tmp_path / "out"
+    r = run_cli("fuzz", "--plugin", ORTHO, "--optimizers", "OrthoMomentum", "--target", "dtensor,fsdp2",
+                "--world-sizes", "1,2", "--checkpoints", "none", "--seed", 3, "--max-examples", 40, "--out", out)
+    found = sorted(out.glob("*.json"))
+    assert r.returncode == 1 and len(found) == 1, r.stderr[-3000:]
+    finding = json.loads(found[0].read_text())
+    sig, target = finding["signature"], finding["case"]["target"]
+    other = {"dtensor": "fsdp2", "fsdp2": "dtensor"}[target]
+    assert sig == f"{target}.parity.OrthoMomentum.forloop.param" and finding["stage"] == "confirmed"
+    assert finding["verdict"]["first"]["fqn"] == "layers.0.weight" and finding["verdict"]["first"]["step"] == 0
+    assert f"{other}.parity.OrthoMomentum.forloop.param" in finding["faces"]
+    rows = [Face(**row) for row in finding["generalization"] if row["dimension"] == "target"]
+    assert f"target: fails with {other}" in table_text(rows)
+    assert f"FINDING {sig}\n" in r.stderr and f"        target: fails with {other}" in r.stderr
+    assert "1 new finding(s), one per bug, under 2 signature(s)" in r.stderr
