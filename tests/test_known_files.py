@@ -46,3 +46,16 @@ def test_a_finding_summary_is_derived_from_its_verdict_not_the_stored_copy(tmp_p
     finding = load_finding(tmp_path / path.name)
     assert finding.summary == truth
     assert finding.to_dict()["summary"] == truth
+
+
+def test_show_names_the_root_cause_by_its_short_title_and_the_known_table_says_it_in_full():
+    from fuzzshard.cli.known import known_markdown
+    from fuzzshard.report.show import render
+
+    rc = load_root_causes()["dsd-frozen-param-optim-state-dropped"]
+    shown = render(load_finding(KNOWN_DIR / "dtensor.checkpoint.broadcast.loaded.state.missing.json"))
+    assert f"root cause dsd-frozen-param-optim-state-dropped: {rc.title} [pytorch/pytorch#192202 (open)]" in shown
+    assert rc.what not in shown
+    row = next(ln for ln in known_markdown(load_known()).splitlines()
+               if ln.startswith("| `dsd-frozen-param-optim-state-dropped` |"))
+    assert f"| {rc.what.replace('|', '/')}." in row, row  # the "what" column: the bug in full

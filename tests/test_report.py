@@ -67,3 +67,29 @@ def test_the_page_cuts_text_at_words_and_links_upstream_issues():
     assert linked("pytorch/pytorch#186129 (open)") == \
         "<a href='https://github.com/pytorch/pytorch/issues/186129'>pytorch/pytorch#186129</a> (open)"
     assert linked("by design: <a> reason") == "by design: &lt;a&gt; reason"
+
+
+def test_the_page_says_a_findings_summary_from_its_verdict_and_a_root_causes_short_title(tmp_path):
+    from fuzzshard.findings.rootcause import load_root_causes
+    from fuzzshard.report.page import html_page, summarize
+
+    out = tmp_path / "soak"
+    (out / "cells").mkdir(parents=True)
+    (out / "findings").mkdir()
+    lines = [_case(0, "new"), _case(10, "known", "Adam", "fused", target="fsdp2", ck="full", ck_world=2)]
+    (out / "cells" / "e0c0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    finding = json.loads((KNOWN_DIR / "dtensor.parity.Adafactor.forloop.param.json").read_text())
+    truth = finding["summary"]
+    finding.update(signature=NEW_SIG, summary="parity: param of layers.9.weight after step 7 differs (stale)")
+    finding.pop("root_cause")
+    (out / "findings" / f"{NEW_SIG}.json").write_text(json.dumps(finding))
+    s = summarize(out)
+    assert [f["summary"] for f in s["findings"]] == [truth]  # the verdict's words, not the stored copy
+    page = html_page(s, "t")
+    assert "stale" not in page
+    rc = load_root_causes()["dsd-full-load-refills-missing-keys"]
+    assert rc.what and len(rc.title) <= 120
+    from html import escape
+
+    # the short title in the cell, the bug in full where the cell says more on hover
+    assert f"title='{escape(rc.what, quote=True)}'>{escape(rc.title, quote=True)}</td>" in page, page[-3000:]
