@@ -35,10 +35,11 @@ class Face:
         return asdict(self)
 
 
-def variants(case: Case, optimizer_names=None) -> list[tuple[str, str, Case]]:
+def variants(case: Case, optimizer_names=None, other_targets=()) -> list[tuple[str, str, Case]]:
     """(dimension, value, case) for each one-dimension change of ``case``
     that is still a well-formed case (the reference may still refuse it:
-    that variant is then "invalid")."""
+    that variant is then "invalid"); ``other_targets``: those it may be carried to
+    (its ``kin``, or those of them the caller's pool runs)."""
     from .. import targets
     from ..strategies import NOT_ELEMENTWISE, ONLY_2D
     from ..strategies.optimizers import accepts, default_optimizers, implementations
@@ -61,7 +62,7 @@ def variants(case: Case, optimizer_names=None) -> list[tuple[str, str, Case]]:
         for kind in spec.checkpoint_kinds:
             if kind != case.checkpoint.kind:
                 out.append(("checkpoint kind", kind, replace(case, checkpoint=replace(case.checkpoint, kind=kind))))
-    for other in kin(case.target):
+    for other in other_targets:
         carried = carry(case, other)
         if carried is not None:
             out.append(("target", other, carried))
@@ -205,11 +206,12 @@ def faces_of(case: Case, verdict: Verdict) -> set[str]:
     return {signature(case, replace(verdict, first=m)) for m in at} | {signature(case, verdict)}
 
 
-def generalize(judge_many, case: Case, verdict: Verdict, optimizer_names=None) -> tuple[list[Face], set[str]]:
+def generalize(judge_many, case: Case, verdict: Verdict, optimizer_names=None,
+               other_targets=()) -> tuple[list[Face], set[str]]:
     """Run every variant of ``case`` (``judge_many``: cases -> Judgements, side
     by side where the pool can); returns the table of faces and the
     signatures one bug shows under (the finding's own among them)."""
-    found = variants(case, optimizer_names)
+    found = variants(case, optimizer_names, other_targets)
     table, sigs = [], faces_of(case, verdict)
     for (dim, value, v), j in zip(found, judge_many([v for _, _, v in found]) if found else []):
         status = j.verdict.status

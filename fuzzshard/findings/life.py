@@ -298,11 +298,20 @@ class FindingBook:
             return {sig}  # named by where it stops, whatever the optimizer; each variant could cost a timeout
         if not self._time_left():
             return {sig}  # stopped, or the session's time is up: its variants are not run
-        table, faces = generalize(self._judge_variants, case, verdict, self.optimizer_names)
+        table, faces = generalize(self._judge_variants, case, verdict, self.optimizer_names, self._carried_to(case))
         self._tables[sig] = table
         self._generalized[sig] = case.to_json()
         self.stats.generalized += len(table)
         return faces | {sig}
+
+    def _carried_to(self, case) -> tuple:
+        """The other targets a finding's case is run on (generalize.kin): on a simulated pool, only
+        those --simulate runs."""
+        if self.pool.options.get("simulate"):
+            from ..session.simulate import SIMULATED_TARGETS
+
+            return tuple(t for t in kin(case.target) if t in SIMULATED_TARGETS)
+        return kin(case.target)
 
     def _judge_variants(self, cases: list) -> list[Judgement]:
         """Variants and edits of a finding's case, side by side, each limited like a case that shrinks a hang."""
