@@ -378,7 +378,8 @@ class FindingBook:
         mine = (address(case, verdict), template(case, verdict), detail(case, verdict))
         for other in sorted(self.tracks):
             o_case, o_verdict = self.tracks[other].confirmed
-            if o_case.target not in kin(case.target) or o_verdict.oracle != "error_parity":
+            if o_case.target not in kin(case.target) or case.target not in kin(o_case.target) \
+                    or o_verdict.oracle != "error_parity":
                 continue
             if (address(o_case, o_verdict), template(o_case, o_verdict), detail(o_case, o_verdict)) != mine:
                 continue
@@ -411,10 +412,12 @@ class FindingBook:
         faces = self._generalize(sig, *track.written)
         merged = sorted(s for s in faces if s in self.tracks and s != sig)
         for other in merged:
+            moved = {other, *self._met.pop(other, {}).values()}  # its faces, on any target, are this one's now
             for s, o in list(self._owner.items()):
                 if o == other:
                     self._owner[s] = sig
-            self._met_on(sig, {other, *self._met.pop(other, {}).values()})
+                    moved.add(s)
+            self._met_on(sig, moved)
             self.tracks.pop(other)
             self.findings.pop(other, None)
             self.stats.folded[sig] += 1
