@@ -169,7 +169,9 @@ def test_a_known_root_cause_met_in_another_phase_or_on_another_target_is_a_known
     assert signature(asgd.case, step) == "fsdp2.error.step.RuntimeError.56cd5e7e"
     assert len(matcher.by_address["raises RuntimeError in fuzzshard or the test (no torch frame)"]) == 2
     assert matcher.suspects(asgd.case, step) == ["dtensor-foreach-scalar-tensor-single-compute-mesh"]
-    assert matcher.known_hit(asgd.case, step).root_cause == "dtensor-foreach-scalar-tensor-single-compute-mesh"
+    hit = matcher.known_hit(asgd.case, step)
+    assert hit.root_cause == "dtensor-foreach-scalar-tensor-single-compute-mesh"
+    assert hit.text == "raises RuntimeError in fuzzshard or the test (no torch frame), with the same message"
     # the same address ("no torch frame") with another message is no hit of either
     odd = dataclasses.replace(step, error=dataclasses.replace(step.error, message="something else entirely"))
     assert matcher.known_hit(asgd.case, odd) is None

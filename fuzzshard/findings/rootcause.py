@@ -118,12 +118,14 @@ class KnownHit:
     address: str
     detail: str = ""  # a missing strategy's op
     named: bool = True  # whether the root cause's known findings name that op
+    by_message: bool = False  # the address names no torch code: the same message template made it one
 
     @property
     def text(self) -> str:
         """What a summary says of it: "aten._foreach_lerp_, an op the root cause does not name"."""
-        what = self.detail or f"address {self.address}"
-        return what + ("" if self.named else ", an op the root cause does not name")
+        if self.detail:
+            return self.detail + ("" if self.named else ", an op the root cause does not name")
+        return self.address + (", with the same message" if self.by_message else "")
 
 
 class Matcher:
@@ -179,14 +181,15 @@ class Matcher:
         theirs = [f for f in self.by_address[where][ids[0]] if not f.devices or case.device in f.devices]
         if not theirs:
             return None
-        if any(weak in where for weak in _NO_CODE) and template(case, verdict) not in {template(f.case, f.verdict) for f in theirs}:
+        weak = any(no in where for no in _NO_CODE)
+        if weak and template(case, verdict) not in {template(f.case, f.verdict) for f in theirs}:
             return None
         op = detail(case, verdict)
         named = op in {detail(f.case, f.verdict) for f in theirs}
         if op and not named and (not caller(case, verdict) or
                                  caller(case, verdict) not in {caller(f.case, f.verdict) for f in theirs}):
             return None
-        return KnownHit(ids[0], where, op, named or not op)
+        return KnownHit(ids[0], where, op, named or not op, weak)
 
     def label(self, case, verdict: Verdict) -> str:
         """"probably root cause X: title" or "" ."""
