@@ -273,3 +273,54 @@ def test_mixed_precision_bound_has_float16s_underflow_floor_and_no_more():
     assert compare("grad", 0, "w", torch.full((1, 1), 1.0), torch.full((1, 1), 1.1), tol) is not None
     assert compare("grad", 0, "w", torch.zeros(1, 1), torch.full((1, 1), 1e-5), tol) is not None
     assert mixed_precision_tolerance("bfloat16", "float32", world=2)["eta"] == 2.0**-134
+
+
+def test_replica_digests_tell_equal_bytes_from_any_change():
+    """kernel/gather.py's digests: the same bytes give the same digest (a copy, another tensor object);
+    a one-ulp change, two elements swapped, a value scaled, another length or dtype, a None or another
+    hyperparameter give another."""
+    from fuzzshard.kernel.gather import _digests
+
+    x = torch.randn(7, 5)
+    swapped = x.clone()
+    swapped[0, 0], swapped[0, 1] = x[0, 1].item(), x[0, 0].item()
+    ulp = x.clone()
+    ulp[3, 2] = torch.nextafter(x[3, 2], torch.tensor(float("inf")))
+    values = [x, x.clone(), swapped, ulp, x * 2, x[:-1], x.double(), None, 0.001, 0.001, 0.002,
+              torch.zeros(0), torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.bool)]
+    d = _digests(values).tolist()
+    assert d[0] == d[1] and d[8] == d[9] and d[12] == d[13]
+    assert len({tuple(r) for r in [d[0], d[2], d[3], d[4], d[5], d[6], d[7], d[11], d[12]]}) == 9
+    assert d[8] != d[10]
+
+
+def test_replica_comparison_is_bit_for_bit_and_says_which_ranks_hold_which_copy():
+    from fuzzshard.kernel.oracles import compare_replicas
+
+    x = torch.randn(4, 3)
+    same = {r: x.clone() for r in range(4)}
+    assert compare_replicas("state.exp_avg_sq", 0, "w", same) is None
+    # NaN equals NaN, -0.0 equals 0.0: a copy, not a divergence
+    nan = torch.tensor([float("nan"), 0.0])
+    assert compare_replicas("param", 0, "w", {0: nan, 1: torch.tensor([float("nan"), -0.0])}) is None
+    drift = dict(same)
+    drift[2] = x.clone()
+    drift[2][1, 1] = torch.nextafter(x[1, 1], torch.tensor(float("inf")))  # one ulp: caught
+    drift[3] = drift[2].clone()
+    m = compare_replicas("state.exp_avg_sq", 1, "w", drift)
+    assert m is not None and m["ranks"] == [2, 3] and m["replicas"] == [[0, 1], [2, 3]] and m["at"] == (1, 1)
+    assert m["step"] == 1 and "bit for bit" in m["tolerance"] and m["detail"].startswith("rank 2's copy vs rank 0's")
+    assert compare_replicas("grad", 0, "w", {0: x, 1: None})["presence"] == "vanished"
+    lr = compare_replicas("param_groups.lr", 0, "group 0", {0: 0.01, 1: 0.005, 2: 0.01})
+    assert lr["ranks"] == [1] and lr["replicas"] == [[0, 2], [1]]
+
+
+def test_replica_signature_names_what_diverged():
+    from fuzzshard.oracle.replica import ORACLE
+
+    state = Verdict("finding", "replica", first=Mismatch("state.exp_avg_sq", "w", 1, "", extra={"replicas": [[0, 1], [2, 3]]}),
+                    extra={"count": 1})
+    assert ORACLE.signature(_case(), state) == "dtensor.replica.state.exp_avg_sq"
+    loaded = Verdict("finding", "replica", first=Mismatch("loaded.param_groups.lr", "group 0", 0, ""), extra={"count": 1})
+    assert ORACLE.signature(_case(), loaded) == "dtensor.replica.loaded.group.lr"
+    assert "[0, 1] vs [2, 3]" in ORACLE.summary(state)

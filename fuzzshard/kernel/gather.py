@@ -13,11 +13,25 @@ strided shard, a shard off the mesh's device or a 2-D mesh keep
 ``full_tensor()``. A rank whose shard is not the size or dtype its spec says
 (a torch bug this tool exists to see) flags it in the same collective, and
 every rank then gathers that one as before.
+
+The replica oracle rides on the same pass: ``batch.watch(observation)`` has
+every rank's full copies of that observation (grads, params, optimizer state,
+param-group hyperparameters) compared across all the ranks of the job when
+the batch ends. Each rank holds its own copy of what is replicated (a
+``Replicate`` mesh dim's local tensor, HSDP's replica, FSDP1's and ZeRO's
+whole params), and every copy must be the same. A copy assembled from one
+all-gather over every rank of the job is the same bytes everywhere by
+construction and is left out; of the others each rank sends a digest (three
+int64 per value: a sum and a position-weighted sum of its 32-bit words, and
+its byte count), all in one small all-gather; only a value whose digests
+differ is gathered whole, so the report says which ranks differ, where and by
+how much (oracles.compare_replicas).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -35,7 +49,7 @@ def gather_batch():
     b = _GatherBatch()
     _OPEN_GATHER.append(b)
     try:
-        yield
+        yield b
     finally:
         _OPEN_GATHER.pop()
     b.flush()
@@ -70,6 +84,8 @@ class _GatherBatch:
     def __init__(self):
         self.items = []  # (dtensor, dest, fallback)
         self.dests = set()  # id() of every dest (items keeps them alive): what owned_copy() must not copy
+        self.everywhere = set()  # id() of dests assembled from an all-gather over the whole job: the same bits everywhere
+        self.watched = []  # (observation, the list its replica mismatches go into)
 
     def add(self, t, fallback) -> torch.Tensor:
         dest = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
@@ -83,6 +99,17 @@ class _GatherBatch:
             by_mesh.setdefault(item[0].device_mesh, []).append(item)
         for mesh, items in by_mesh.items():
             _gather_shards(mesh, items)
+            if mesh.size() == dist.get_world_size():  # the default group is the job's (mesh.Meshes.job)
+                self.everywhere.update(id(dest) for _, dest, _ in items)
+        for observation, out in self.watched:
+            out.extend(replica_mismatches(observation, self.everywhere))
+
+    def watch(self, observation: dict) -> list:
+        """Compare every rank's copies in ``observation`` when the batch ends;
+        returns the list the mismatches go into (filled on the lowest rank only)."""
+        out: list = []
+        self.watched.append((observation, out))
+        return out
 
 
 GATHER_ALIGN = 16  # every shard's bytes start at a multiple of this: a uint8 slice views as any dtype
@@ -132,3 +159,131 @@ def _gather_shards(mesh, items: list) -> None:
         if bad[i]:  # as without the batch: its own full_tensor(), on every rank, in item order
             got = fallback(t)
             dest.resize_(got.shape).copy_(got)
+
+
+# ---- the replica oracle: every rank's copy of a value, compared ----------
+
+def observed_values(observation: dict) -> list[tuple[str, str, object]]:
+    """(quantity, fqn, value) of every replicated value an observation holds,
+    in an order every rank shares: grads, params, optimizer state tensors,
+    param-group hyperparameters (the names the parity oracle gives them)."""
+    out = []
+    for fqn, g in sorted((observation.get("grads") or {}).items()):
+        out.append(("grad", fqn, g))
+    for fqn, p in sorted((observation.get("params") or {}).items()):
+        out.append(("param", fqn, p))
+    for fqn, st in sorted((observation.get("state") or {}).items()):
+        out += [(f"state.{k}", fqn, v) for k, v in sorted(st.items())]
+    for i, group in enumerate(observation.get("groups") or []):
+        out += [(f"param_groups.{k}", f"group {i}", v) for k, v in sorted(group.items())]
+    return out
+
+
+def replica_mismatches(observation: dict, skip=frozenset(), group=None) -> list[dict]:
+    """Every rank's copy of every value in ``observation`` against the lowest
+    rank's: a collective over ``group`` (the job's default group), every rank
+    with the same values in the same order. Mismatch records on the lowest
+    rank (oracles.compare_replicas), [] elsewhere. ``skip``: id() of tensors
+    known to be the same bits on every rank."""
+    n = dist.get_world_size(group)
+    values = [v for v in observed_values(observation) if id(v[2]) not in skip]
+    if n == 1:
+        return []
+    device = _comm_device(group)
+    # what each rank holds (the names of its values): a rank holding other names has diverged too, and the
+    # digests below can only be gathered over equal lengths
+    names = "\n".join(f"{q} {f} {_kind(v)}" for q, f, v in values)
+    head = torch.tensor([len(values), zlib.crc32(names.encode())], dtype=torch.int64)
+    heads = torch.empty(2 * n, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(heads, head.to(device), group=group)
+    if not bool((heads.view(n, 2) == heads.view(n, 2)[0]).all()):
+        every = [None] * n
+        dist.all_gather_object(every, {(q, f): _portable(v) for q, f, v in values}, group=group)
+        keys = sorted(set().union(*every), key=lambda k: (k[0] != "grad", k))
+        return _compared(group, keys, [[d.get(k) for k in keys] for d in every])
+    if not values:
+        return []
+    mine = _digests([v for _, _, v in values])
+    table = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(table, mine.reshape(-1).to(device), group=group)
+    table = table.view(n, *mine.shape).cpu()
+    differ = [i for i in range(len(values)) if not bool((table[:, i] == table[0, i]).all())]
+    if not differ:
+        return []
+    # only what differs is gathered whole, to say which ranks, where and by how much
+    every = [None] * n
+    dist.all_gather_object(every, [_portable(values[i][2]) for i in differ], group=group)
+    return _compared(group, [values[i][:2] for i in differ], every)
+
+
+def _compared(group, keys: list, every: list) -> list[dict]:
+    """On the lowest rank: compare_replicas of each (quantity, fqn) in ``keys``,
+    ``every[r][j]`` rank r's copy of the j-th."""
+    from .oracles import compare_replicas
+
+    if dist.get_rank(group) != 0:
+        return []
+    out = []
+    for j, (quantity, fqn) in enumerate(keys):
+        m = compare_replicas(quantity, -1, fqn, {r: copies[j] for r, copies in enumerate(every)})
+        if m is not None:
+            out.append(m)
+    return out
+
+
+def _kind(v) -> str:
+    """What a value is, for the names every rank must share (not its contents)."""
+    if isinstance(v, torch.Tensor):
+        return f"{v.dtype}{tuple(v.shape)}"
+    return "none" if v is None else type(v).__name__
+
+
+def _comm_device(group) -> torch.device:
+    """Where the group's collectives take tensors: NCCL's on this rank's GPU."""
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _portable(v):
+    return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
+
+DIGEST_WORDS = 3  # per value: sum of its 32-bit words, their position-weighted sum, its byte count
+
+
+def _digests(values: list) -> torch.Tensor:
+    """[len(values), 3] int64: a tensor's words summed plainly and weighted by
+    their position (a drift, a swap or a scale changes one of them; equal
+    bytes give equal digests), its byte count; a None, -1s; anything else (a
+    hyperparameter) the CRC of its repr. Tensors are digested together per
+    device: one copy each into a buffer, then two index_adds."""
+    out = torch.zeros(len(values), DIGEST_WORDS, dtype=torch.int64)
+    by_device: dict = {}
+    for i, v in enumerate(values):
+        if v is None:
+            out[i] = -1
+        elif isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+        else:
+            out[i, 0] = zlib.crc32(repr(v).encode())
+    for device, idx in by_device.items():
+        tensors = [values[i].detach() for i in idx]
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        words = [-(-b // 4) for b in nbytes]
+        buf = torch.zeros(4 * sum(words), dtype=torch.uint8, device=device)
+        at = 0
+        for t, b, w in zip(tensors, nbytes, words):
+            if b:
+                buf[at:at + b] = t.contiguous().view(-1).view(torch.uint8)
+            at += 4 * w
+        flat = buf.view(torch.int32).to(torch.int64)
+        counts = torch.tensor(words, device=device)
+        seg = torch.repeat_interleave(torch.arange(len(idx), device=device), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(flat.numel(), device=device) - starts[seg]
+        sums = torch.zeros(len(idx), 2, dtype=torch.int64, device=device)
+        sums[:, 0].index_add_(0, seg, flat)
+        sums[:, 1].index_add_(0, seg, flat * (pos % 65521 + 1))  # wraps past 2^63: the same bytes, the same digest
+        out[idx, :2] = sums.cpu()
+        out[idx, 2] = torch.tensor(nbytes)
+    return out

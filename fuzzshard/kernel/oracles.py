@@ -318,3 +318,59 @@ def _desc(t) -> str:
 def _mismatch(quantity, step, fqn, tol, detail: str, **fields) -> dict:
     tolerance = {"tolerance": tol["why"]} if tol is not None else {}
     return Mismatch(quantity, fqn, step, detail, extra={**tolerance, **fields}).to_dict()
+
+
+# The replica oracle (kernel/gather.py's replica_mismatches): every rank's copy
+# of a replicated value against the lowest rank's. Bit for bit: the ranks hold
+# the result of one collective (an all-reduce, a broadcast, an all-gather gives
+# every rank the same bits), or of the same deterministic op on the same inputs
+# (an optimizer step on replicas of the same params, grads and state; a
+# replicated module's backward, on CPU, where every worker runs one thread).
+REPLICA_EXACT = {"k_ulps": 0, "u": 0.0,
+                 "why": "replicas: bit for bit (a collective gives every rank the same bits, and the same "
+                        "deterministic op on the same inputs the same result)"}
+
+
+def compare_replicas(quantity: str, step: int, fqn: str, copies: dict, tol: dict = REPLICA_EXACT) -> dict | None:
+    """None when every rank's copy in ``copies`` ({rank: tensor, None or a
+    hyperparameter}) equals the lowest rank's, else one mismatch: the worst
+    rank's comparison (``compare``'s numbers, got = that rank's copy, want =
+    the lowest rank's), every rank that differs (``ranks``) and the ranks that
+    hold each distinct copy (``replicas``). NaN equals NaN; -0.0 equals 0.0."""
+    ranks = sorted(copies)
+    base = ranks[0]
+    want = copies[base]
+    worst, worst_rank, differ = None, None, []
+    for r in ranks[1:]:
+        got = copies[r]
+        if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor) or want is None or got is None:
+            m = compare(quantity, step, fqn, got, want, tol)
+        else:
+            m = None if _same(got, want) else _mismatch(quantity, step, fqn, tol, detail=f"{got!r} vs {want!r}")
+        if m is None:
+            continue
+        differ.append(r)
+        size = lambda x: x.get("max_abs", math.inf)  # noqa: E731 (a presence, shape or value: the most telling)
+        if worst is None or size(m) > size(worst):
+            worst, worst_rank = m, r
+    if worst is None:
+        return None
+    classes: list[list[int]] = []  # ranks holding one copy each, the lowest rank's first
+    for r in ranks:
+        for cls in classes:
+            if _same_copy(copies[cls[0]], copies[r]):
+                cls.append(r)
+                break
+        else:
+            classes.append([r])
+    worst["detail"] = f"rank {worst_rank}'s copy vs rank {base}'s: {worst['detail']}"
+    worst.update(rank=worst_rank, base_rank=base, ranks=differ, replicas=classes)
+    return worst
+
+
+def _same_copy(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return compare("", 0, "", a, b, REPLICA_EXACT) is None
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return _same(a, b)

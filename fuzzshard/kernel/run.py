@@ -72,7 +72,35 @@ def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timing
             mismatches = _check_round_trip(case, obs, device)
         if mismatches:
             verdict = finding("checkpoint", mismatches)
-    return verdict
+    return _replica_first(case, obs, verdict)
+
+
+def _replica_first(case: Case, obs: dict, verdict: dict) -> dict:
+    """The replica oracle's finding where replicas diverged before any other
+    oracle's first mismatch (a replica that drifted explains what goes wrong
+    after it); at the same step the other oracle's stands (its signature names
+    what it saw)."""
+    found = replica_mismatches_by_step(case, obs)
+    if not found:
+        return verdict
+    step, mismatches = found
+    if verdict["status"] == "finding" and verdict.get("first", {}).get("step", -1) <= step:
+        return verdict
+    return finding("replica", mismatches)
+
+
+def replica_mismatches_by_step(case: Case, obs: dict) -> tuple[int, list[dict]] | None:
+    """(step, mismatches) of the first observation whose replicas differ: a
+    step's grads, then its params, state and hyperparameters, and after a
+    load (step ``checkpoint.after``, quantities "loaded.*") what it gave."""
+    ck = case.checkpoint
+    for k, rec in enumerate(obs["steps"]):
+        for key in ("replica_grads", "replica_step"):
+            if rec.get(key):
+                return k, [{**m, "step": k} for m in rec[key]]
+        if ck and k == ck.after and (obs.get("loaded") or {}).get("replica"):
+            return k, [{**m, "step": k, "quantity": "loaded." + m["quantity"]} for m in obs["loaded"]["replica"]]
+    return None
 
 
 def _check_round_trip(case: Case, obs: dict, device: str) -> list[dict]:
@@ -227,9 +255,11 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
     with clock("checkpoint"):
         target.load(model, opt, ckpt_dir, meshes.group(ck.world_size))
     phase("load", "checkpoint load: gather")
-    with clock("gathers"):
+    with clock("gathers"), gather_batch() as batch:
         loaded = {"params": target.params(model), "fresh": {n: fresh[n] for n in ck.missing},
                   "state": target.optimizer_state(opt, model), "groups": target.group_hparams(opt)}
+        # what a load gives every replica is a copy of one checkpoint: compared whatever the device
+        loaded["replica"] = batch.watch({k: loaded[k] for k in ("params", "state", "groups")})
     if keep:
         obs["loaded"] = loaded
     obs["steps"] += _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize,
@@ -263,16 +293,22 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
         if localize and target.localizable else None
     out = []
 
+    compared = target.replica_quantities(device)
+
     def observe_grads() -> dict:  # collectives over the job, after backward
-        with clock("gathers"), gather_batch():
+        with clock("gathers"), gather_batch() as batch:
             # a fused kernel's divergence is told apart by the layout of the grads it read
             layout = {"noncontig": target.noncontiguous_grads(model)} if case.optim.implementation == "fused" else {}
-            return {"grads": target.grads(model), "grad_spread": target.grad_spreads(model), **layout}
+            rec = {"grads": target.grads(model), "grad_spread": target.grad_spreads(model), **layout}
+            rec["replica_grads"] = batch.watch({k: rec[k] for k in ("grads",) if k in compared})
+        return rec
 
     def observe_step() -> dict:  # collectives over the job, after the step
-        with clock("gathers"), gather_batch():
-            return {"params": target.params(model), "state": target.optimizer_state(opt, model),
-                    "groups": target.group_hparams(opt)}
+        with clock("gathers"), gather_batch() as batch:
+            rec = {"params": target.params(model), "state": target.optimizer_state(opt, model),
+                   "groups": target.group_hparams(opt)}
+            rec["replica_step"] = batch.watch({k: rec[k] for k in ("params", "state", "groups") if k in compared})
+        return rec
 
     with target.uneven(model, opt, observe_grads, observe_step, out.append if keep else lambda rec: None) as runs:
         mine = [k for k in steps if runs(k)]

@@ -34,13 +34,15 @@ class Oracle:
 
 
 # the oracle modules build Oracle objects: imported once the class exists
-from . import checkpoint, crash, error_parity, hang, parity  # noqa: E402
+from . import checkpoint, crash, error_parity, hang, parity, replica  # noqa: E402
 from .common import ranks_finish  # noqa: E402
 from .source import frame_source  # noqa: E402
 
 # every oracle a verdict can name (verdict.finding builds them: kernel/run.py and reference.py parity
-# and error_parity ones, checkpoint ones from checkpoint.py's mismatches, the runner hang and crash ones)
-ORACLES = {o.name: o for o in (parity.ORACLE, checkpoint.ORACLE, error_parity.ORACLE, hang.ORACLE, crash.ORACLE)}
+# and error_parity ones, checkpoint ones from checkpoint.py's mismatches, the runner hang and crash ones,
+# run.py replica ones from gather.py's replica comparison)
+ORACLES = {o.name: o for o in (parity.ORACLE, checkpoint.ORACLE, error_parity.ORACLE, hang.ORACLE, crash.ORACLE,
+                               replica.ORACLE)}
 
 
 def _unknown_summary(verdict: Verdict) -> str:

@@ -138,6 +138,24 @@ class Target:
     def dp_size(self) -> int:
         return math.prod(self.mesh.size(dim) for dim in self.dp_dims)
 
+    def replica_quantities(self, device: str) -> tuple[str, ...]:
+        """What the replica oracle compares across the ranks after each step
+        (kernel/gather.py): every rank's full copy of the grads, params,
+        optimizer state and hyperparameters must be bit for bit the same, as
+        each rank's replicas are made by collectives or by the same
+        deterministic op on the same inputs. A target whose ranks compute a
+        replicated grad each on their own (``local_replicas``) keeps only the
+        hyperparameters on a device whose kernels may sum in another order on
+        each run (CUDA's atomics): there the first grad that differs by
+        rounding makes every step after it differ too."""
+        if self.local_replicas and device != "cpu":
+            return ("groups",)
+        return ("grads", "params", "state", "groups")
+
+    # each rank computes the grads of replicated params itself, from replicated activations (DTensor's
+    # Replicate placements), not through a collective
+    local_replicas = False
+
     def shard(self, model: nn.Module) -> nn.Module:
         """The model to train; its params keep their plain FQNs (``named_params``
         leaves wrappers out)."""

@@ -68,6 +68,7 @@ class DTensorTarget(Target):
     name = "dtensor"
     spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 component="DTensor")
+    local_replicas = True  # a Replicate param's grad: each rank's own backward on replicated activations
 
     def shard(self, model: nn.Module) -> nn.Module:
         distribute_params(model, self.mesh, self.case.target_options.get("placements", {}))

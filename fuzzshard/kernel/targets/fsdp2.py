@@ -413,6 +413,12 @@ class FSDP2Target(Target):
         return options.get("microbatches", 1)
 
     @property
+    def local_replicas(self) -> bool:
+        """Under TP a param the plan leaves whole is replicated over the TP dim,
+        and each TP rank computes its grad itself."""
+        return bool(self.case.target_options.get("tp"))
+
+    @property
     def localizable(self) -> bool:
         """Per-module traces line up with the reference's only with one forward
         per step, and in the same dtype."""
