@@ -259,14 +259,23 @@ def _patched():
         obs, error = run_sharded(*args, **kwargs)
         return rank0(obs), error
 
+    # the replica oracle (gather.replica_mismatches) is off: it all-gathers each rank's own digests, plain
+    # tensors made from a rank's Python values, which LocalTensor's collectives refuse ("Input tensor must be a
+    # LocalTensor"); every simulated case ended so
+    replicas = getattr(gather, "replica_mismatches", None)
+
     run.build_model, run.make_batch, run._run_sharded = built, batch, sharded
     gather._gather_batchable = lambda t: enabled_local_tensor_mode() is None and batchable(t)
+    if replicas is not None:
+        gather.replica_mismatches = lambda *a, **k: [] if enabled_local_tensor_mode() is not None else replicas(*a, **k)
     try:
         with installed():  # LocalTensorMode's costs a case does not need (simulate_fast.py)
             yield
     finally:
         run.build_model, run.make_batch, run._run_sharded = build_model, make_batch, run_sharded
         gather._gather_batchable = batchable
+        if replicas is not None:
+            gather.replica_mismatches = replicas
 
 
 # -- the driver side: LocalTensor's own errors, set aside unshrunk -------------------------------------
