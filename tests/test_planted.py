@@ -351,3 +351,37 @@ def test_an_error_in_fuzzshards_own_code_is_an_internal_error_never_a_finding(tm
     kept = list((out / "internal").glob("*.json"))
     assert kept and json.loads(kept[0].read_text())["case"]["target"] == "dtensor"
     assert not list(out.glob("*.json"))  # no finding
+
+
+REPLICA_BUGS = [
+    # target, bug file, optimizers, world sizes, --checkpoints, examples, the finding's file, what the shrunk case holds.
+    # In each only a rank other than the reporting one goes wrong: parity, reading rank 0's copies, sees nothing
+    # at that step; the replica oracle names what diverged (seed 0 meets each within the examples given)
+    ("fsdp2", "fsdp2_hsdp_replica_drift.py", "Adam", "4", "none", 15, "fsdp2.replica.state.exp_avg_sq.json",
+     lambda c: c["mesh_shape"] == [2, 2]),
+    ("dtensor", "dtensor_replica_step_twice.py", "SGD", "1,2", "none", 30, "dtensor.replica.param.json",
+     lambda c: c["world_size"] == 2),  # shrunk to no placements drawn: every param Replicate
+    ("zero", "zero_load_lr_one_rank.py", "SGD,Adam", "2", "all", 20, "zero.replica.loaded.group.lr.json",
+     lambda c: c["checkpoint"]["world_size"] == 2),
+]
+
+
+@pytest.mark.parametrize("target, bug, optimizers, worlds, checkpoints, examples, name, holds", REPLICA_BUGS,
+                         ids=[b[1][:-3] for b in REPLICA_BUGS])
+def test_planted_replica_bug_is_found_by_the_replica_oracle_shrunk_and_replays(tmp_path, target, bug, optimizers,
+                                                                               worlds, checkpoints, examples, name,
+                                                                               holds):
+    out = tmp_path / "out"
+    r = run_cli("fuzz", "--target", target, "--checkpoints", checkpoints, "--max-examples", examples, "--seed", 0,
+                "--world-sizes", worlds, "--optimizers", optimizers, "--case-timeout", 60, "--out", out, setup=bug)
+    path = out / name
+    assert path.exists(), f"{sorted(p.name for p in out.glob('*.json'))}; stderr:\n{r.stderr[-3000:]}"
+    finding = json.loads(path.read_text())
+    case, first = finding["case"], finding["verdict"]["first"]
+    assert finding["verdict"]["oracle"] == "replica" and finding["deterministic"] is True
+    assert first["base_rank"] == 0 and 0 not in first["ranks"] and first["replicas"][0][0] == 0  # rank 0 is right
+    assert holds(case), case
+    assert len([x for x in case["model"]["layers"] if x["kind"] != "act"]) <= 2 and len(case["schedule"]) <= 2  # shrunk
+    buggy = run_cli("replay", path, setup=bug)
+    assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
+    assert run_cli("replay", path).returncode == 0

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..versions import shard_size_and_offset
+from .oracles import compare_replicas
 
 _OPEN_GATHER: list = []  # the open batch, if any (at most one)
 
@@ -219,8 +220,6 @@ def replica_mismatches(observation: dict, skip=frozenset(), group=None) -> list[
 def _compared(group, keys: list, every: list) -> list[dict]:
     """On the lowest rank: compare_replicas of each (quantity, fqn) in ``keys``,
     ``every[r][j]`` rank r's copy of the j-th."""
-    from .oracles import compare_replicas
-
     if dist.get_rank(group) != 0:
         return []
     out = []

@@ -23,7 +23,7 @@ def make_step(orig):
             for g in self.param_groups:
                 lr = float(g["lr"])
                 for p in g["params"]:
-                    if _replicated(p) and _replicated(p.grad) and p.device_mesh.get_coordinate() != [0] * p.device_mesh.ndim:
+                    if _replicated(p) and _replicated(p.grad) and any(p.device_mesh.get_coordinate()):
                         p.to_local().sub_(lr * p.grad.to_local())
         return out
 
