@@ -200,3 +200,76 @@ for n, shape in ((8, (2, 4)), (5, (5,)), (8, (2, 4))):
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.stdout.split() == ["True"] * 3, r.stdout + r.stderr
+
+
+BUG6 = PLANTED / "partial_averaged_from_6_ranks.py"
+
+
+def even_case(world: int, mesh=None, placements=None):
+    """One Linear whose input dim (``world`` wide: an even shard per rank) is sharded over every rank: its matmul
+    leaves a Partial sum over the whole mesh dim."""
+    from dataclasses import replace
+
+    from fuzzshard.case import Group, Layer, Model
+
+    case = simple_case(world, optim="SGD", placements=placements or {"layers.0.weight": ["S1"]})
+    model = Model("features", world, (Layer("linear", world, 4),))
+    return replace(case, model=model, mesh_shape=mesh or (world,), groups=(Group(("layers.0.weight", "layers.0.bias")),))
+
+
+def test_a_simulated_finding_shrinks_to_the_least_world_and_mesh_its_bug_needs(tmp_path):
+    """A finding met on a 2-D mesh of 16 ranks ([2, 8], the bug on mesh dim 1, whose placement the session's
+    reducer cuts away going 1-D) is shrunk, simulated, to 6 ranks on a 1-D mesh and written so: the file's case
+    is the case that fails, ``removed`` says how it got there; 6 ranks confirm it on real processes."""
+    from fuzzshard.session.simulate import confirm, world_shrinks
+
+    big = even_case(16, (2, 8), {"layers.0.weight": ["R", "S1"]})
+    assert [w for w, _ in world_shrinks(big)][:3] == [["world size 16 -> 1", "mesh [2, 8] -> [1]"]] * 2 + \
+        [["world size 16 -> 2", "mesh [2, 8] -> [2]"]]
+    with Pool(1, simulate=True, worker_setup=str(BUG6), case_timeout=120) as pool:
+        j = judge(pool, big)
+    assert j.signature == "dtensor.parity.forward.Linear", j.label
+    f = Finding(j.signature, big, j.verdict, environment={}, stage="confirmed", removed=["world size 32 -> 16"])
+    write_finding(tmp_path, f, "# script\n")
+    args = argparse.Namespace(device="cpu", backend=None, setups=[str(BUG6)], case_timeout=120.0, simulate=True,
+                              optimizers="SGD")
+    assert confirm([f], tmp_path, args) == {"confirmed": [j.signature], "limits": [], "simulated_only": []}
+    data = json.loads((tmp_path / f"{j.signature}.json").read_text())
+    assert (data["case"]["world_size"], data["case"]["mesh_shape"]) == (6, [6]), data["case"]
+    assert data["case"]["target_options"]["placements"]["layers.0.weight"] == ["S1"]  # mesh dim 1's, kept
+    assert data["removed"] == ["world size 32 -> 16", "world size 16 -> 6", "mesh [2, 8] -> [6]"]
+    assert data["simulation"]["real"] == {**data["simulation"]["real"], "signature": j.signature, "world_size": 6}
+    rows = {(r["dimension"], r["value"]): r["outcome"] for r in data["generalization"]}
+    assert rows["world size (1-D mesh)", "5"] == "passes" and rows["world size (1-D mesh)", "6"] == "fails"
+    assert "torchrun --nproc-per-node 6 " in (tmp_path / f"{j.signature}.py").read_text()  # the script too
+
+
+def test_replay_runs_a_finding_larger_than_real_runs_here_simulated_never_as_32_processes(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """`fuzzshard replay` of a W=32 simulated-only finding: one simulated worker, the recorded signature (exit 1);
+    a W=32 case it cannot simulate (a checkpoint): one line, exit 2, no worker started."""
+    from dataclasses import replace
+
+    from fuzzshard.case import Checkpoint
+    from fuzzshard.cli import _parser, common, replay
+
+    case = even_case(32)
+    with Pool(1, simulate=True, worker_setup=str(BUG6), case_timeout=120) as pool:
+        j = judge(pool, case)
+    assert j.signature == "dtensor.parity.forward.Linear", j.label
+    path, _ = write_finding(tmp_path, Finding(j.signature, case, j.verdict, stage="simulated only"), None)
+    started = []
+    real_start = replay.start_pool
+    monkeypatch.setattr(replay, "start_pool", lambda args, size, **kw: started.append((size, args.simulate))
+                        or real_start(args, size, **kw))
+    monkeypatch.setattr(common, "run_setup", lambda path: None)  # the planted bug in the workers, not in pytest's
+    assert replay.run(_parser().parse_args(["replay", str(path), "--worker-setup", str(BUG6)])) == 1
+    out = capsys.readouterr()
+    assert f"FAIL: {j.signature}" in out.out and "replaying simulated (32 ranks" in out.err, out
+    assert started == [(1, True)]
+    ck = replace(case, checkpoint=Checkpoint(after=0, kind="dcp", world_size=32, mesh_shape=(32,),
+                                             target_options=case.target_options))
+    bad, _ = write_finding(tmp_path / "ck", Finding(j.signature, ck, j.verdict), None)
+    r = run_cli("replay", bad)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "32 ranks, more than the 8 real processes" in r.stderr and "its checkpoint is not simulated" in r.stderr

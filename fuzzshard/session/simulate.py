@@ -502,6 +502,7 @@ def least_worlds(findings: list, out: Path, args, known: dict, progress=sys.stde
     table made anew for that case (generalize.py), with the 1-D world sizes
     around its onset as rows. Returns signature -> its onset (the least 1-D
     world size it fails from, or None: see fold_one_bug)."""
+    from ..findings.generalize import Face, generalize
     from ..findings.judge import judge_many
 
     todo = [f for f in findings if f.verdict is not None and f.verdict.oracle not in ("hang", "crash")
@@ -521,17 +522,17 @@ def least_worlds(findings: list, out: Path, args, known: dict, progress=sys.stde
                 return [tried[c.to_json()] for c in cases]
 
             least = _least(f, judged, pool.size)
+            table = [Face(**row) for row in f.generalization]
             if least is not None:
                 what, f.case, f.verdict = least
                 f.removed = [r for r in f.removed if r not in what] + what
                 print(f"fuzzshard: {f.signature}: shrunk simulated to {f.case.ranks} ranks on "
                       f"{list(f.case.mesh_shape)} ({', '.join(what)})", file=progress, flush=True)
+                table, faces = generalize(judged, f.case, f.verdict, _optimizer_names(args))  # the table of this case
+                f.faces = sorted((set(f.faces) | faces) - {f.signature})
             onsets[f.signature], rows = _onset(f, judged)
-            from ..findings.generalize import generalize
-
-            table, faces = generalize(judged, f.case, f.verdict, _optimizer_names(args))
-            f.generalization = [row.to_dict() for row in table + rows]
-            f.faces = sorted((set(f.faces) | faces) - {f.signature})
+            f.generalization = [row.to_dict() for row in table if not row.dimension.startswith("world size")] + \
+                [row.to_dict() for row in rows]
             _rewrite(out, f)
     finally:
         pool.close()
@@ -641,13 +642,10 @@ def _resized(case, w: int):
         return None
 
 
-def _optimizer_names(args):
-    try:
-        from ..cli.common import strategy_kwargs
-
-        return strategy_kwargs(args).get("optimizer_names")
-    except Exception:  # a caller's args without the draw flags: the default optimizers
-        return None
+def _optimizer_names(args) -> list | None:
+    """What generalizing may swap in: the session's --optimizers, else the defaults (generalize.variants)."""
+    text = getattr(args, "optimizers", None)
+    return [o.strip() for o in text.split(",") if o.strip()] if text else None
 
 
 def _rewrite(out: Path, f) -> None:
