@@ -289,8 +289,8 @@ def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
 def _train(case: Case, target, model, opt, steps, device: str, keep: bool, localize: bool, phase,
            clock: Clock) -> list[dict]:
     """Run schedule steps ``steps``; the record of each when ``keep``."""
-    trace = Trace(model, target.full_activation, target.full_activation_grad, target.trace_points(case)) \
-        if localize and target.localizable else None
+    trace = Trace(model, target.full_activation, target.full_activation_grad, target.trace_points(case),
+                  replicas=True) if localize and target.localizable else None
     out = []
 
     compared = target.replica_quantities(device)
