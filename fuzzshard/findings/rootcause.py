@@ -76,6 +76,13 @@ def load_root_causes(known: dict[str, Finding] | None = None) -> dict[str, RootC
 _WRAPPER_TARGETS = {"FSDP1": ("fsdp1",), "FSDP2": ("fsdp2", "parallelize"), "ZeRO": ("zero",)}
 
 
+def _known_as(target: str) -> tuple[str, ...]:
+    """``target`` and the built-in targets whose known bugs are its too (Target.known_as)."""
+    from .. import targets
+
+    return (target, *(getattr(targets.get(target), "known_as", ()) if target in targets.names() else ()))
+
+
 def address(case, verdict: Verdict) -> str:
     """What identifies the bug behind a finding, whatever surfaced it (a
     compiled run's, with what ran compiled: compile's bugs are its own)."""
@@ -166,19 +173,25 @@ class Matcher:
     def known_hit(self, case, verdict: Verdict) -> KnownHit | None:
         """The known root cause a new error is by its address, or None (a new
         finding, "probably" at most). Only an error's address (its exception
-        type and the torch code that made it) says what made it; a divergence's
-        says where it showed, so it stays new. One root cause must be left, one
+        type and the torch code that made it) and a localized divergence's (the
+        module whose forward or backward made it: kernel/localize.py names the
+        first whose output differs from the reference's or between ranks) say
+        what made it; another divergence's says where it showed (a step's
+        optimizer, a checkpoint's API), so it stays new. One root cause must be left, one
         that runs on this target and was seen on this device; where the address
         names no torch code, with the same message template; a missing strategy
         for an op it does not name, only where torch called that op from the
         same package as in its known findings (the optimizers', whatever op)."""
-        if verdict.oracle != "error_parity":
+        localized = verdict.oracle == "parity" and verdict.quantity in ("forward", "backward")
+        if verdict.oracle != "error_parity" and not localized:
             return None
         where = address(case, verdict)
         ids = self.suspects(case, verdict)
         if len(ids) != 1 or not self._runs_on(ids[0], case.target):
             return None
         theirs = [f for f in self.by_address[where][ids[0]] if not f.devices or case.device in f.devices]
+        if localized:  # one module runs other code under another target (fsdp2's plain activations): that target's own
+            theirs = [f for f in theirs if f.case.target in _known_as(case.target)]
         if not theirs:
             return None
         weak = any(no in where for no in _NO_CODE)

@@ -39,10 +39,12 @@ def summary(verdict: Verdict) -> str:
 
 
 def address(case, verdict: Verdict) -> str:
-    """The module of a localized divergence; for a step divergence, the code that stepped."""
+    """The module of a localized divergence, forward or backward alike (the
+    module whose forward or backward made it: kernel/localize.py); for a step
+    divergence, the code that stepped."""
     quantity, x = verdict.quantity, verdict.first.extra if verdict.first else {}
     if quantity in ("forward", "backward"):
-        return f"{quantity} of {x.get('module', '?')}"
+        return f"forward/backward of {x.get('module', '?')}"
     if quantity in ("loss", "grad"):
         return quantity + (f" {x['presence']}" if "presence" in x else "")
     kw = case.optim.kwargs  # a fused kernel is shared by its optimizers; elsewhere the optimizer is the code
