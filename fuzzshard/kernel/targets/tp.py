@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_map_only
 
+from ..decoder import plan_element
 from ..model import loss_fn
 from ..state_io import STATE_DICT_KINDS
 from .base import Spec
@@ -81,6 +82,13 @@ class TPTarget(DTensorTarget):
         """Between modules the activations are whole plain tensors, but under sequence parallelism (each
         rank's part of the sequence)."""
         return not self.case.target_options.get("sp")
+
+    @classmethod
+    def trace_points(cls, case):
+        """A decoder is traced at its plan's elements, as under fsdp2's TP: inside attention and the MLP a
+        colwise Linear's output is this rank's heads or hidden units (a plain local shard, which the
+        localizer would take for a wrong whole tensor), at their boundaries whole on every rank."""
+        return plan_element if case.model.factory == "decoder" else None
 
     def shard(self, model: nn.Module) -> nn.Module:
         apply_tp(model, self.mesh, self.case.target_options, self.case.model.factory)
