@@ -217,31 +217,61 @@ def even_case(world: int, mesh=None, placements=None):
     return replace(case, model=model, mesh_shape=mesh or (world,), groups=(Group(("layers.0.weight", "layers.0.bias")),))
 
 
-def test_a_simulated_finding_shrinks_to_the_least_world_and_mesh_its_bug_needs(tmp_path):
-    """A finding met on a 2-D mesh of 16 ranks ([2, 8], the bug on mesh dim 1, whose placement the session's
-    reducer cuts away going 1-D) is shrunk, simulated, to 6 ranks on a 1-D mesh and written so: the file's case
-    is the case that fails, ``removed`` says how it got there; 6 ranks confirm it on real processes."""
+# a drawn case a simulated session met the planted bug in (a LayerNorm's output grad, at 8 ranks)
+LAYERNORM_FACE = {
+    "target": "dtensor", "world_size": 7, "mesh_shape": [7], "batch": 1, "seq": 1, "dtype": "float32",
+    "model": {"input": "features", "d_in": 3, "buffer": True, "layers": [
+        {"kind": "conv1d", "d_in": 3, "d_out": 3, "bias": False}, {"kind": "layernorm", "d_in": 3, "d_out": 3},
+        {"kind": "linear", "d_in": 3, "d_out": 8, "bias": False}, {"kind": "layernorm", "d_in": 8, "d_out": 8}]},
+    "optim": {"name": "ASGD", "tensor_lr": "1d", "kwargs": {"alpha": 0.75, "foreach": True, "lambd": 0.01, "lr": 0.1,
+                                                             "maximize": True, "t0": 1000000.0, "weight_decay": 0.01}},
+    "groups": [{"params": ["layers.2.weight", "layers.3.bias", "layers.1.bias"]}, {"params": ["layers.1.weight"]},
+               {"params": ["layers.0.conv.weight", "layers.3.weight"]}],
+    "schedule": [{"set_to_none": False}],
+    "target_options": {"placements": {"layers.2.weight": ["S0"]}},
+}
+
+
+def test_one_bug_met_in_two_modules_at_other_world_sizes_is_one_finding_at_the_least_world(tmp_path):
+    """The planted bug that needs 6 ranks on one mesh dim, met as two findings: a Linear's forward on a 2-D mesh
+    of 16 ranks ([2, 8], the bug on mesh dim 1, whose placement the session's reducer cuts away going 1-D) and a
+    Linear's output grad at 7 ranks (a LayerNorm's at 8). Each is shrunk, simulated, as far as its own
+    signature allows (6 ranks on a 1-D mesh) and confirmed on real processes; both begin at 6 ranks (and pass
+    at 5), so they are one bug: one file, whose case is the least case that fails, ``removed`` says how it
+    got there, and the other is its face."""
     from fuzzshard.session.simulate import confirm, world_shrinks
 
     big = even_case(16, (2, 8), {"layers.0.weight": ["R", "S1"]})
     assert [w for w, _ in world_shrinks(big)][:3] == [["world size 16 -> 1", "mesh [2, 8] -> [1]"]] * 2 + \
         [["world size 16 -> 2", "mesh [2, 8] -> [2]"]]
+    norm = Case.from_dict(LAYERNORM_FACE)
     with Pool(1, simulate=True, worker_setup=str(BUG6), case_timeout=120) as pool:
-        j = judge(pool, big)
-    assert j.signature == "dtensor.parity.forward.Linear", j.label
+        j, k = judge(pool, big), judge(pool, norm)
+    # the LayerNorm's output grad is made by the backward of the Linear that read it (kernel/localize.py names that)
+    assert (j.signature, k.signature) == ("dtensor.parity.forward.Linear", "dtensor.parity.backward.Linear")
     f = Finding(j.signature, big, j.verdict, environment={}, stage="confirmed", removed=["world size 32 -> 16"])
-    write_finding(tmp_path, f, "# script\n")
+    g = Finding(k.signature, norm, k.verdict, environment={}, stage="confirmed")
+    for found in (f, g):
+        write_finding(tmp_path, found, "# script\n")
     args = argparse.Namespace(device="cpu", backend=None, setups=[str(BUG6)], case_timeout=120.0, simulate=True,
                               optimizers="SGD")
-    assert confirm([f], tmp_path, args) == {"confirmed": [j.signature], "limits": [], "simulated_only": []}
+    result = confirm([f, g], tmp_path, args)
+    assert result == {"confirmed": [j.signature], "limits": [], "simulated_only": [],
+                      "folded": {k.signature: j.signature}}, result
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [f"{j.signature}.json"]
     data = json.loads((tmp_path / f"{j.signature}.json").read_text())
     assert (data["case"]["world_size"], data["case"]["mesh_shape"]) == (6, [6]), data["case"]
     assert data["case"]["target_options"]["placements"]["layers.0.weight"] == ["S1"]  # mesh dim 1's, kept
     assert data["removed"] == ["world size 32 -> 16", "world size 16 -> 6", "mesh [2, 8] -> [6]"]
     assert data["simulation"]["real"] == {**data["simulation"]["real"], "signature": j.signature, "world_size": 6}
+    assert "torchrun --nproc-per-node 6 " in (tmp_path / f"{j.signature}.py").read_text()  # the script too
     rows = {(r["dimension"], r["value"]): r["outcome"] for r in data["generalization"]}
     assert rows["world size (1-D mesh)", "5"] == "passes" and rows["world size (1-D mesh)", "6"] == "fails"
-    assert "torchrun --nproc-per-node 6 " in (tmp_path / f"{j.signature}.py").read_text()  # the script too
+    # the other face: its own least case, confirmed on real processes too, kept in the file
+    assert data["faces"] == [k.signature]
+    (face,) = data["simulation"]["folded"]
+    assert face["signature"] == k.signature and face["case"]["world_size"] == 6 and face["onset"] == 6
+    assert face["simulation"]["real"]["signature"] == k.signature
 
 
 def test_replay_runs_a_finding_larger_than_real_runs_here_simulated_never_as_32_processes(tmp_path, monkeypatch,

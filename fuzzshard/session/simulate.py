@@ -552,43 +552,57 @@ def _least(f, judged, batch: int):
 
 
 def _onset(f, judged) -> tuple:
-    """(T, rows): ``f``'s case is least on a 1-D mesh of T > ONSET_ABOVE ranks and passes at T - 1, and the
-    same case with every width scaled so that each shard is even at T - 1 and at T ranks (``_widened``) does
-    not say otherwise (it fails at T - 1 or passes at T, the same oracle, no known bug: then the onset is the
-    shapes', an uneven or empty shard, not the group size's; a known bug there says nothing): a bug that
+    """(T, rows): ``f``'s case on 1-D meshes of T .. its own ranks fails (the same oracle, a new bug: the
+    signature may change with the world size, where another module is the first wrong) and passes on T - 1,
+    T > ONSET_ABOVE; and the same case with every width scaled so that each shard is even at T - 1 and at T
+    ranks (``_widened``) does not say otherwise (it fails so at T - 1, or passes at T: then the shapes made
+    the onset, an uneven or empty shard, not the group size; a known bug there says nothing). A bug that
     begins at a group size. Else (None, rows). rows: generalize.Face rows of the world sizes tried."""
     import math
 
     from ..findings.generalize import Face
 
-    t = f.case.ranks
-    if len(f.case.mesh_shape) != 1 or t <= ONSET_ABOVE:
+    n = f.case.ranks
+    if len(f.case.mesh_shape) != 1 or n <= ONSET_ABOVE:
         return None, []
-    wide = _widened(f.case, math.lcm(t - 1, t))
-    even = f"world size, widths x{wide[1]} (every shard even)" if wide else ""
-    tries = [("world size (1-D mesh)", w, _resized(f.case, w)) for w in (t - 1, t + 1)]
-    tries += [(even, w, _resized(wide[0], w)) for w in (t - 1, t)] if wide else []
-    tries = [(dim, w, c) for dim, w, c in tries if c is not None]
-    rows = [Face("world size (1-D mesh)", str(t), "fails", f.signature)]
-    seen = {}
-    for (dim, w, _), j in zip(tries, judged([c for _, _, c in tries])):
-        status = j.verdict.status
-        outcome = ("fails" if j.label == f.signature else "fails otherwise" if status == "finding" else
-                   {"pass": "passes", "invalid": "invalid"}.get(status, "error"))
-        rows.append(Face(dim, str(w), outcome, j.label if status == "finding" else ""))
-        seen[dim, w] = j
-    rows.sort(key=lambda r: (r.dimension != "world size (1-D mesh)", int(r.value)))
-    below = seen.get(("world size (1-D mesh)", t - 1))
-    if below is None or below.verdict.status != "pass":
-        return None, rows
 
     def fails_so(j) -> bool:
         return j is not None and j.verdict.is_finding and not j.known and j.verdict.oracle == f.verdict.oracle
 
-    shapes_say = wide is not None and (fails_so(seen.get((even, t - 1))) or
-                                       getattr(seen.get((even, t)), "verdict", None) is not None and
-                                       seen[even, t].verdict.status == "pass")
+    sizes = [w for w in range(ONSET_ABOVE, n + 2) if w != n]
+    tried = {w: c for w in sizes if (c := _resized(f.case, w)) is not None}
+    seen = dict(zip(tried, judged(list(tried.values()))))
+    t = n
+    while t - 1 in seen and t - 1 > ONSET_ABOVE and fails_so(seen[t - 1]):
+        t -= 1
+    rows = [Face("world size (1-D mesh)", str(n), "fails", f.signature)]
+    for w, j in sorted(seen.items()):
+        if t - 1 <= w:
+            rows.append(_row("world size (1-D mesh)", w, j, f.signature))
+    below = seen.get(t - 1)
+    if t <= ONSET_ABOVE or below is None or below.verdict.status != "pass":
+        return None, rows
+    wide = _widened(f.case, math.lcm(t - 1, t))
+    if wide is None:
+        return t, rows
+    dim = f"world size, widths x{wide[1]} (every shard even)"
+    pair = [c for c in (_resized(wide[0], t - 1), _resized(wide[0], t)) if c is not None]
+    if len(pair) < 2:
+        return t, rows
+    under, at = judged(pair)
+    rows += [_row(dim, t - 1, under, f.signature), _row(dim, t, at, f.signature)]
+    shapes_say = fails_so(under) or at.verdict.status == "pass"
     return (None if shapes_say else t), rows
+
+
+def _row(dimension: str, w: int, j, sig: str):
+    """A generalize.Face row: what the case gave at ``w`` ranks."""
+    from ..findings.generalize import Face
+
+    status = j.verdict.status
+    outcome = ("fails" if j.label == sig else "fails otherwise" if status == "finding" else
+               {"pass": "passes", "invalid": "invalid"}.get(status, "error"))
+    return Face(dimension, str(w), outcome, j.label if status == "finding" else "")
 
 
 WIDE_MAX = 512  # the widest layer _widened makes (a Linear of 512x512 is a small case still)
