@@ -40,8 +40,8 @@ import torch
 
 from ..case import Case
 from .. import targets
-from ..kernel.model import BUILTIN_MODELS, param_shapes
-from ..kernel.oracles import UNIT_ROUNDOFF, reduction_tolerance
+from ..kernel.model import BUILTIN_MODELS, USER_MODELS, param_shapes
+from ..kernel.oracles import UNIT_ROUNDOFF, mixed_precision_tolerance, reduction_tolerance
 from ..kernel.reference import reduction_length, reduction_parts, step_tolerance_for  # the kernel's bounds
 from . import common, dsd, dtensor, fsdp1, fsdp2, sharded_optim, tp, zero
 from ..verdict import Verdict
@@ -76,8 +76,8 @@ def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdic
         return None
     if w.grads(case, case.target_options) is None:
         return f"{case.target}'s grads are not observable under these options"
-    if case.target_options.get("mp"):
-        return "parity under mixed precision (the kernel replays FSDP2's casts on each rank's slice)"
+    if case.target_options.get("mp") and (case.target_options.get("tp") or case.target_options.get("nonroot")):
+        return "parity under mixed precision with TP or a non-root forward"
     if plan["what"] in ("", "param", "state") and "update_rel" in _step_tolerance(case):
         return "parity of a compiled optimizer step (its allowance is the kernel's, per element)"
     return None
@@ -87,6 +87,8 @@ def _unsupported(case: Case, w, env: dict) -> str | None:
     plugins = env.get("plugins") or []
     if case.model.factory and case.model.factory not in BUILTIN_MODELS and not plugins:
         return f"the plugin model {case.model.factory!r}, its file not recorded in the finding"
+    if case.model.factory and case.model.factory not in BUILTIN_MODELS | USER_MODELS.keys():
+        return f"the plugin model {case.model.factory!r}, not loaded here (--plugin its file)"  # (its shapes: built on meta)
     if not hasattr(torch.optim, case.optim.name) and not plugins:
         return f"the plugin optimizer {case.optim.name!r}, its file not recorded in the finding"
     if len(plugins) > 1:
@@ -181,7 +183,7 @@ class Writer:
             parts.append(_CHECK.replace("{u}", f"2.0 ** {int(math.log2(UNIT_ROUNDOFF[c.dtype]))}")
                          .replace("{dtype}", c.dtype))
             if self.sensitive():
-                parts.append(_SENSITIVITY.replace("LOSS", common.loss(c, "plain(xin)", "y")))
+                parts.append(_SENSITIVITY.replace("LOSS", common.loss(c, "net(xin)", "y")))
         parts += ["\n".join(body), _END]
         return "\n\n".join(x.strip("\n") for x in parts if x) + "\n"
 
@@ -196,15 +198,16 @@ class Writer:
         plugin = f" and the plugin file it was found with ({self.env['plugins'][0]})" if self.env.get("plugins") else ""
         about = textwrap.fill(f"Needs only torch{plugin}; found with torch {self.env.get('torch', '?')}, "
                               f"{self.env.get('backend', 'gloo')}, on {c.device}. Trains the case with {c.target} "
-                              f"and {what}. Exit 0: as expected; 1: the finding (printed).", 100)
+                              f"and {what}.", 120)
         return f'#!/usr/bin/env python\n"""{headline}\n\nRun: torchrun --nproc-per-node {self.ranks} THIS_FILE.py ' \
-               f'[--setup PATCH.py]\n{about}\n"""'
+               f'[--setup PATCH.py]  (exit 0: as expected; 1: the finding, printed)\n{about}\n"""'
 
     def imports(self) -> str:
         c = self.case
         out = ["import datetime, os, sys" + ", importlib.util, types" * bool(self.env.get("plugins")),
                "import torch, torch.distributed as dist, torch.nn as nn"]
         out += ["import torch.nn.functional as F"] * (c.model.factory in BUILTIN_MODELS)
+        out += ["import copy"] * bool(self.plan["mode"] == "parity" and self.mixed_precision())
         own = list(self.w.imports(c, c.target_options))
         if c.checkpoint and self.plan["mode"] != "parity":
             own += self.w.imports(c, c.checkpoint.target_options)
@@ -219,8 +222,8 @@ class Writer:
     def prologue(self) -> str:
         c = self.case
         lines = ["if \"--setup\" in sys.argv:  # a Python file run first (a patch of torch, e.g. a planted bug)",
-                 "    setup = sys.argv[sys.argv.index(\"--setup\") + 1]",
-                 "    exec(compile(open(setup).read(), setup, \"exec\"), {\"__name__\": \"__setup__\", \"__file__\": setup})",
+                 "    setup = sys.argv[sys.argv.index(\"--setup\") + 1]; "
+                 "exec(compile(open(setup).read(), setup, \"exec\"), {\"__name__\": \"__setup__\", \"__file__\": setup})",
                  "torch.set_num_threads(1)",
                  ("device = torch.device(\"cuda\", int(os.environ[\"LOCAL_RANK\"]))  # the case's device"
                   if c.device == "cuda" else "device = torch.device(\"cpu\")  # the case's device") +
@@ -236,8 +239,8 @@ class Writer:
         if self.env.get("plugins"):
             lines += common.plugin_lines(c, self.env["plugins"][0])
         if c.checkpoint and self.plan["mode"] != "parity":
-            lines += ["ckpt = [tempfile.mkdtemp() if rank == 0 else None]",
-                      "dist.broadcast_object_list(ckpt)  # one directory every rank sees", "ckpt = ckpt[0]"]
+            lines += ["dist.broadcast_object_list(ckpt := [tempfile.mkdtemp() if rank == 0 else None])  # one directory every rank sees",
+                      "ckpt = ckpt[0]"]
         return "\n".join(lines)
 
     def submesh(self, world: int) -> bool:
@@ -390,7 +393,55 @@ class Writer:
         """Whether the grads' bound takes the one-ulp sensitivity too, as the kernel's does: in a low precision,
         where rounding inside the forward (a norm over a near-constant row) outweighs the reductions' bound."""
         return self.plan["mode"] == "parity" and self.plan.get("what") in ("", "grad") and \
-            self.case.dtype in ("bfloat16", "float16")
+            (self.case.dtype in ("bfloat16", "float16") or bool(self.case.target_options.get("mp")))
+
+    def mixed_precision(self) -> list[str]:
+        """FSDP2's MixedPrecisionPolicy replayed with the same casts, as the kernel's reference does
+        (kernel/targets/fsdp2.py mixed_precision_reference), its bound the kernel's (mixed_precision_tolerance)."""
+        c, o = self.case, self.case.target_options
+        mp = o.get("mp")
+        if not mp or self.plan.get("what") not in ("", "grad"):
+            return []
+        compute = mp.get("param_dtype") or c.dtype
+        reduce = mp.get("reduce_dtype") or compute
+        world, m = c.world_size, o.get("microbatches", 1)
+        tol, per = mixed_precision_tolerance(compute, reduce, world, m), c.batch // world
+        units = ", ".join(["low"] + [fsdp2.module(u, c).replace("model", "low", 1) for u in o.get("wrap", [])])
+        hooks = []
+        if mp.get("cast_forward_inputs", True) and mp.get("param_dtype"):
+            hooks.append(f"        unit.register_forward_pre_hook(lambda m, a: tuple(t.to(torch.{compute}) "
+                         "if t.is_floating_point() else t for t in a))")
+        if mp.get("output_dtype"):
+            hooks.append(f"        unit.register_forward_hook(lambda m, a, out: out.to(torch.{mp['output_dtype']}))")
+        return [f"MP_ULPS, MP_U, MP_ETA = {tol['k_ulps']}, 2.0 ** {int(math.log2(tol['u']))}, {tol['eta']!r}  "
+                f"# the kernel's bound: {tol['why']}",
+                f"def mp_grads(x, y):  # each rank's slice on a copy in {compute}, its grads added in {reduce}, averaged",
+                "    low = copy.deepcopy(plain)",
+                "    for q in low.parameters():",
+                f"        q.grad, q.data = None, q.data.to(torch.{compute})",
+                *([f"    for unit in [{units}]:  # FSDP2's units: the casts at each"] + hooks if hooks else []),
+                "    lp, total, spread, sens = dict(low.named_parameters()), {}, {}, {}",
+                f"    for r in range({world}):",
+                "        acc = {}",
+                f"        for xm, ym in zip(x[{per} * r:{per} * (r + 1)].chunk({m}), y[{per} * r:{per} * (r + 1)].chunk({m})):"
+                + "  # its microbatches" * (m > 1),
+                f"            for n, v in sensitivity(low, xm, ym{f', 1 / {m}' if m > 1 else ''}).items():",
+                f"                sens[n] = sens.get(n, 0.0) + v / {world}",
+                "            for q in lp.values():",
+                "                q.grad = None",
+                f"            ({common.loss(c, 'low(xm)', 'ym')} / {m}).backward()" if m > 1 else
+                f"            {common.loss(c, 'low(xm)', 'ym')}.backward()",
+                "            for n, q in lp.items():",
+                "                if q.grad is not None and n in acc:",
+                "                    acc[n] += q.grad  # accumulated in place, rounded once per add",
+                "                elif q.grad is not None:",
+                f"                    acc[n] = q.grad.to(torch.{reduce})",
+                "                if q.grad is not None:",
+                "                    spread[n] = spread.get(n, 0) + q.grad.double().abs()",
+                "        for n, g in acc.items():",
+                "            total[n] = total.get(n, 0) + g.double()",
+                f"    return ({{n: (v / {world}).to(torch.{c.dtype}) for n, v in total.items()}}, sens,",
+                f"            {{n: MP_ULPS * MP_U * v / {world} for n, v in spread.items()}})"]
 
     def parity_check(self) -> list[str]:
         c, p = self.case, self.plan
@@ -400,9 +451,11 @@ class Writer:
         else:  # as its factors: batch, seq, widest dim, conv kernel, depth + 1
             red_k = "2 * " + " * ".join(map(str, reduction_parts(c)))
         step_u = "U" if step["u"] == UNIT_ROUNDOFF[c.dtype] else f"2.0 ** {int(math.log2(step['u']))}"
-        plain = [f"GRAD_ULPS = {red_k}  # the kernel's bound: {red['why']}",
-                 f"STEP_ULPS, STEP_U = {step['k_ulps']}, {step_u}  # the kernel's bound: {step['why']}",
-                 "plain = build(%d)" % c.seed]
+        what = p.get("what", "")
+        plain = [f"GRAD_ULPS = {red_k}  # the kernel's bound: {red['why']}"] * \
+            (what in ("", "grad") and not c.target_options.get("mp"))
+        plain += [f"STEP_ULPS, STEP_U = {step['k_ulps']}, {step_u}  # the kernel's bound: {step['why']}"] * (what != "grad")
+        plain += ["plain = build(%d)" % c.seed]
         if c.frozen:
             plain += [f"for n in {list(c.frozen)!r}:", "    plain.get_parameter(n).requires_grad_(False)"]
         opt = [ln.replace("model.", "plain.").replace("opt = ", "opt_p = ").replace("opt.add", "opt_p.add")
@@ -427,13 +480,19 @@ class Writer:
                   "    opt_p.state[pp[n]][name] = v.clone() if v.dim() or name != \"step\" else v.clone().cpu()"]
         body += anchor if steps != [0] else []
         sn = [st.set_to_none for st in c.schedule]
-        what = p.get("what", "")
-        if what in ("", "grad"):
+        if what in ("", "grad") and c.target_options.get("mp"):
+            body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
+                     "x, y = batch(k)", "new, sens, extra = mp_grads(x, y)",
+                     "want = {n: q.grad if n not in new else new[n] if q.grad is None else q.grad + new[n]  # FSDP2 adds to a held grad",
+                     "        for n, q in plain.named_parameters()}",
+                     "fail += [check(f\"step {k} grad {n}\", got[k][n], want[n], MP_ULPS, MP_U, sens.get(n, 0.0) + MP_ETA, "
+                     "extra.get(n, 0.0)) for n in want]"]
+        elif what in ("", "grad"):
             body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
                      "x, y = batch(k)",
                      f"{common.loss(c, 'plain(x)', 'y')}.backward()  # the whole batch"]
             sens = ", sens=sens.get(n, 0.0)" if self.sensitive() else ""
-            body += ["sens = sensitivity(x, y)"] * bool(sens)
+            body += ["sens = sensitivity(plain, x, y)"] * bool(sens)
             body += [f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, GRAD_ULPS{sens})"
                      "  # summed in another order", "         for n, q in plain.named_parameters()]"]
         if what != "grad":
@@ -452,7 +511,7 @@ class Writer:
                      "    fail.append(f\"step {k} param_groups: sharded {groups}, plain {mine[2]}\")"]
         loop = [f"k = {steps[0]}"] + body if len(steps) == 1 else [f"for k in {steps!r}:"] + common.indent(body)
         return ["", "# the plain model replays the step on the whole batch from the sharded run's state",
-                *plain, *opt, "fail = []", *loop, "fail = [f for f in fail if f]",
+                *plain, *opt, *self.mixed_precision(), "fail = []", *loop, "fail = [f for f in fail if f]",
                 "if rank == 0:",
                 "    print(\"\\n\".join([\"FINDING: the sharded run differs from the plain one\", *fail]) if fail else",
                 "          \"PASS: the sharded run matches the plain one\")"]
@@ -460,38 +519,40 @@ class Writer:
 
 _CHECK = '''U = {u}  # unit roundoff of {dtype}
 
-def check(what, got, want, k, u=U, sens=0.0):  # None if |got - want| <= k ulps of (max|want| + |want|) + k sens, else what differs
+def check(what, got, want, k, u=U, sens=0.0, extra=0.0):  # None if |got - want| <= k ulps of (max|want| + |want|) + k sens + extra
     if got is None or want is None or got.shape != want.shape:
         return None if got is None and want is None else f"{what}: sharded {got}, plain {want}"
     g, w, fin = got.double(), want.double(), got.isfinite() & want.isfinite()
     if not (fin | (g == w) | (g.isnan() & w.isnan())).all():
         return f"{what}: NaN or inf in one run only"
     g, w = g.where(fin, 0), w.where(fin, 0)
-    err, bound = (g - w).abs(), k * u * (w.abs().max() + w.abs()) + k * sens
+    err, bound = (g - w).abs(), k * u * (w.abs().max() + w.abs()) + k * sens + extra
     if (ok := err <= bound).all():
         return None
     i = int((err - bound).where(~ok, -1).argmax())
     return (f"{what}: sharded {g.flatten()[i].item():.8g}, plain {w.flatten()[i].item():.8g} at flat index {i}, "
             f"|diff| {err.flatten()[i].item():.3g} > allowed {bound.flatten()[i].item():.3g} ({int((~ok).sum())}/{w.numel()} off)")'''
 
-_SENSITIVITY = '''def sensitivity(x, y):  # per grad: its largest move under one-ulp nudges of every param and float input (kernel/plain.py)
-    g, pp = torch.Generator().manual_seed(1234), dict(plain.named_parameters())
-    saved, base, out = {n: q.detach().clone() for n, q in pp.items()}, {n: q.grad for n, q in pp.items()}, {}
-    nudge = lambda t: torch.nextafter(t, torch.where(torch.rand(t.shape, generator=g).to(t.device) < 0.5,
-                                                     torch.tensor(float("inf"), dtype=t.dtype, device=t.device), -torch.tensor(float("inf"), dtype=t.dtype, device=t.device)))
-    for _ in range(4):  # one draw can read 0 by chance
+_SENSITIVITY = '''def sensitivity(net, x, y, scale=1.0):  # per grad: its largest move under one-ulp nudges of every param and input
+    g, pp = torch.Generator().manual_seed(1234), dict(net.named_parameters())  # (as kernel/plain.py measures it)
+    saved, held, out = {n: q.detach().clone() for n, q in pp.items()}, {n: q.grad for n, q in pp.items()}, {}
+    nudge = lambda t: torch.nextafter(t, torch.where(torch.rand(t.shape, generator=g).to(t.device) < 0.5, float("inf"), float("-inf")).to(t.dtype))
+    def run(nudged):
         with torch.no_grad():
             for n, q in pp.items():
-                q.copy_(nudge(saved[n]))
+                q.copy_(nudge(saved[n]) if nudged else saved[n])
                 q.grad = None
-        xin = nudge(x) if x.is_floating_point() else x
-        LOSS.backward()
-        out.update({n: max(out.get(n, 0.0), float((q.grad - base[n]).abs().max())) for n, q in pp.items()
-                    if q.grad is not None and base[n] is not None and q.grad.numel()})
+        xin = nudge(x) if nudged and x.is_floating_point() else x
+        (LOSS * scale).backward()
+        return {n: q.grad for n, q in pp.items()}
+    base = run(False)
+    for _ in range(4):  # one draw can read 0 by chance
+        out.update({n: max(out.get(n, 0.0), float((v - base[n]).abs().max())) for n, v in run(True).items()
+                    if v is not None and base[n] is not None and v.numel()})
     with torch.no_grad():
         for n, q in pp.items():
             q.copy_(saved[n])
-            q.grad = base[n]
+            q.grad = held[n]
     return out'''
 
 
