@@ -2,19 +2,23 @@
 how many findings get one, their line counts (median, max), and how many of
 them, run standalone under torchrun on this torch, fail as their finding did.
 
-    nice -n 10 python ci/script_table.py [--no-run] [--only SUBSTR,..] [--timeout SEC] [--jobs N] [-v]
+    nice -n 10 python ci/script_table.py [--no-run] [--only SUBSTR,..] [--files GLOB,..] [--timeout SEC] [--jobs N] [-v]
 
 A script reproduces its finding when it exits non-zero and says what the
 finding said: for an error, the exception's type and the start of its
 message; for a checkpoint or parity finding, "FINDING" and the param the
 first mismatch names (or "strict" for a strict load); a crash exits
 non-zero; a hang times out or fails its collective's timeout. CPU findings
-only run (a CUDA one counts as not run). One table row per finding, then
-the totals; exit 0 always (a measurement, not a gate).
+only run (a CUDA one counts as not run: /work/notes/gpu_scripts.sh runs them
+on a GPU node). ``--files``: finding files besides the known list (a GPU
+session's, say), named by their path. A finding without a straight script
+shows why it falls back to the flattened kernel. One table row per finding,
+then the totals; exit 0 always (a measurement, not a gate).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import os
 import statistics
@@ -26,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fuzzshard.findings.record import load_known, summary  # noqa: E402
-from fuzzshard.scriptgen import straight_script  # noqa: E402
+from fuzzshard.findings.record import load_finding, load_known, summary  # noqa: E402
+from fuzzshard.scriptgen import fallback_reason, straight_script  # noqa: E402
 
 
 CHECKS = ("ReplicasDiverged", "GroupsLost", "PartitionBroken", "GatherMismatch", "StateNotPlain", "ShardedParamsListed")
@@ -71,9 +75,13 @@ def main() -> int:
     ap.add_argument("--only", default="", help="signatures containing any of these (comma-separated)")
     ap.add_argument("--timeout", type=int, default=150)
     ap.add_argument("--jobs", type=int, default=1, help="scripts run side by side")
+    ap.add_argument("--files", default="", help="finding files besides the known list (comma-separated globs)")
     ap.add_argument("-v", action="store_true", help="print the output tail of each script that does not reproduce")
     args = ap.parse_args()
-    known = {s: f for s, f in load_known().items() if any(o in s for o in args.only.split(","))}
+    found = dict(load_known())
+    for path in sorted(p for g in args.files.split(",") if g for p in glob.glob(g)):
+        found[os.path.relpath(path)] = load_finding(path)
+    known = {s: f for s, f in found.items() if any(o in s for o in args.only.split(","))}
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUZZSHARD")}
     texts = {sig: straight_script(f.case, summary(f.verdict) if f.verdict else "", f.environment, f.verdict)
              for sig, f in known.items()}
@@ -102,11 +110,16 @@ def main() -> int:
         t = texts[sig]
         run = "flattened" if t is None else "not run" if sig not in results else \
             "reproduces" if results[sig] else "does not"
+        if t is None:
+            f = known[sig]
+            run = f"flattened ({fallback_reason(f.case, f.environment, f.verdict)})"
+        elif known[sig].case.device != "cpu":
+            run = f"not run ({known[sig].case.device})"
         rows.append((sig, "-" if t is None else t.count("\n"), run))
     widths = [max(len(str(x)) for x in col) for col in zip(("signature", "lines", "run"), *rows)]
     for row in [("signature", "lines", "run"), tuple("-" * w for w in widths), *rows]:
         print(" | ".join(str(x).ljust(w) for x, w in zip(row, widths)))
-    print(f"straight-line scripts: {len(lines)} of {len(known)} findings")
+    print(f"straight-line scripts: {len(lines)} of {len(known)} findings ({100 * len(lines) / max(len(known), 1):.1f}%)")
     if lines:
         print(f"lines: median {statistics.median(lines):g}, max {max(lines)}, under 100: {sum(n < 100 for n in lines)}")
     if not args.no_run:

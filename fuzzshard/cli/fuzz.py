@@ -212,8 +212,11 @@ def _print_finding(f, out, stage: str, folded: int) -> None:
     if f.generalization:
         table = table_text([Face(**row) for row in f.generalization])
         print("".join(f"        {line}\n" for line in table.splitlines()), end="", file=sys.stderr)
-    print(f"        -> {out}/{f.signature}.json, {out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks})",
-          file=sys.stderr)
+    from ..findings.repro import kind_note
+
+    note = kind_note(f.case, f.environment, f.verdict)  # a fallback to the flattened kernel, and why
+    print(f"        -> {out}/{f.signature}.json, {out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks}"
+          f"{'; ' + note if note else ''})", file=sys.stderr)
 
 
 def _write_index(out, groups: dict, matcher) -> None:
