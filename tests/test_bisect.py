@@ -77,6 +77,14 @@ def test_the_table_for_several_findings_has_a_row_each():
     assert "  sig.b on 2.9.1: fails otherwise (c.d)" in lines
 
 
+def test_the_readme_table_names_a_regression_by_its_last_good_release():
+    f = next(iter(load_known().values()))
+    known = {"a": f.__class__("a", f.case, f.verdict, root_cause="bug-a", seen_on={"2.10.0": P, "2.13.0": R}),
+             "b": f.__class__("b", f.case, f.verdict, root_cause="bug-a", seen_on={"2.10.0": P, "2.13.0": P})}
+    rows = releases.regression_table(known, {})
+    assert rows[-1] == "| `bug-a` | passes 0/2/0 | reproduces 1/1/0 | 2.13.0 | 2.10.0 | - |", rows
+
+
 @pytest.fixture
 def known_dir(tmp_path):
     d = tmp_path / "known"
@@ -108,7 +116,7 @@ def test_recording_a_fix_adds_only_fixed_in_to_root_causes_and_a_note_to_older_f
     f = load_finding(known_dir / f"{sigs[0]}.json")
     assert f.seen_on == {"2.13.0": R, "2.15.0": P}
     readme = (known_dir / "README.md").read_text()
-    assert f"| `{rid}` | reproduces {len(sigs)}/0/0 | passes 0/{len(sigs)}/0 | 2.13.0 | **2.15.0** |" in readme
+    assert f"| `{rid}` | reproduces {len(sigs)}/0/0 | passes 0/{len(sigs)}/0 | 2.13.0 | - | **2.15.0** |" in readme
     f.environment["torch"] = "2.14.1+cu130"
     assert releases.fixed_in_note(f, known_dir=known_dir) == (
         f"fixed in torch 2.15.0 (root cause {rid}; this finding was made on 2.14.1)")

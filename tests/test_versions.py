@@ -75,10 +75,11 @@ def test_the_regression_table_says_per_root_cause_and_release():
              "b1": _fake("b1", "bug-b", {"2.10.0": "differs (y)"}),
              "c1": _fake("c1", "bug-c", {"2.9.0": "fixed"})}
     rows = regression_table(known, {})
-    assert rows[5] == "| root cause | 2.9.0 | 2.10.0 | 2.14.1 | first bad | fixed in |", rows  # release order
+    # releases in release order, not text order
+    assert rows[5] == "| root cause | 2.9.0 | 2.10.0 | 2.14.1 | first bad | last good | fixed in |", rows
     table = {r.split(" | ")[0].strip("| `"): r.split(" | ")[1:] for r in rows[7:]}
-    assert table["bug-a"] == ["-", "reproduces 1/0/1", "passes 0/2/0", "2.10.0", "**2.14.1** |"]
-    assert table["bug-b"] == ["-", "fails otherwise 0/0/1", "-", "-", "- |"]
+    assert table["bug-a"] == ["-", "reproduces 1/0/1", "passes 0/2/0", "2.10.0", "-", "**2.14.1** |"]
+    assert table["bug-b"] == ["-", "fails otherwise 0/0/1", "-", "-", "-", "- |"]
     assert table["bug-c"][0] == "passes 0/1/0" and table["bug-c"][-1] == "- |"  # a pass before the bug: no fix
     assert regression_table({"c1": _fake("c1", "bug-c", {})}, {}) == []
 
@@ -104,9 +105,9 @@ def test_known_table_records_each_release_in_the_files_and_the_readme(tmp_path, 
     assert json.loads((known_dir / f"{sig}.json").read_text())["seen_on"] == {"2.10.0": "reproduces",
                                                                               "2.14.1": "fixed"}
     readme = (known_dir / "README.md").read_text()
-    assert "| root cause | 2.10.0 | 2.14.1 | first bad | fixed in |" in readme
+    assert "| root cause | 2.10.0 | 2.14.1 | first bad | last good | fixed in |" in readme
     # 2.14.1 checked this finding alone: the root cause's other findings are no evidence there
-    assert "| `dtensor-conv-handlers-skip-redistribution` | reproduces 1/0/0 | passes 0/1/0 | 2.10.0 | **2.14.1** |" \
+    assert "| `dtensor-conv-handlers-skip-redistribution` | reproduces 1/0/0 | passes 0/1/0 | 2.10.0 | - | **2.14.1** |" \
         in readme
 
 

@@ -180,11 +180,12 @@ def regression_table(known: dict, causes: dict) -> list[str]:
             "Each known finding replayed on each torch release (CPU, gloo; `fuzzshard bisect --known --record "
             "--torch V,...` regenerates it; the wall time of the last run per release is in docs/versions.md): "
             "per root cause, whether its findings reproduce there, pass, or fail otherwise (reproduces / passes "
-            "/ fails otherwise, in findings), the oldest release checked where it reproduces, and the release "
-            "that fixed it (every finding passes there and after, and one reproduced on the release before; "
+            "/ fails otherwise, in findings), the oldest release checked where it reproduces (first bad), the "
+            "release checked before that if all its findings pass there (last good: a regression), and the "
+            "release that fixed it (every finding passes there and after, and one reproduced on the release before; "
             "`fixed_in` in root_causes.json). Each finding's file records its outcome per release (`seen_on`).",
-            "", "| root cause | " + " | ".join(releases) + " | first bad | fixed in |",
-            "|---|" + "---|" * (len(releases) + 2)]
+            "", "| root cause | " + " | ".join(releases) + " | first bad | last good | fixed in |",
+            "|---|" + "---|" * (len(releases) + 3)]
     by_cause: dict[str, list] = {}
     for sig, f in sorted(known.items()):
         by_cause.setdefault(f.root_cause or sig, []).append(f)
@@ -199,7 +200,7 @@ def regression_table(known: dict, causes: dict) -> list[str]:
         states = root_cause_states([f.seen_on for f in by_cause[rid]])
         fix = fixed_in(states)  # what record_fixed_in writes to root_causes.json, from the same outcomes
         rows.append(f"| `{rid}` | " + " | ".join(cells) + f" | {first_bad(states) or '-'} | "
-                    f"{f'**{fix}**' if fix else '-'} |")
+                    f"{last_good(states) or '-'} | {f'**{fix}**' if fix else '-'} |")
     return rows
 
 
