@@ -579,6 +579,7 @@ def _onset(f, judged) -> tuple:
     for w, j in sorted(seen.items()):
         if t - 1 <= w:
             rows.append(_row("world size (1-D mesh)", w, j, f.signature))
+    rows.sort(key=lambda r: int(r.value))
     below = seen.get(t - 1)
     if t <= ONSET_ABOVE or below is None or below.verdict.status != "pass":
         return None, rows
