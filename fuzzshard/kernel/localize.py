@@ -5,10 +5,10 @@ the sharded run, across the ranks: every rank's full copy is the whole
 tensor as the reference has it (``Target.full_activation``: a ``Replicate``
 DTensor's local tensor, TP's whole plain activation, a gathered batch), so
 they must agree. A copy that one rank holds otherwise was made wrong by the
-op that wrote it, though the reporting rank's copy is right and the
-divergence first reaches the reference through a later module that reads
-the bad copy (a Conv1d that labels an unreduced output ``Replicate``, read
-by a head sharded on its input dim)."""
+op that wrote it, though the reporting rank's copy may be right and the
+divergence reach the reference only through a later module that reads the
+bad copy (a Conv1d that labels an unreduced output ``Replicate``, read by a
+head sharded on its input dim)."""
 from __future__ import annotations
 
 import torch
