@@ -53,6 +53,8 @@ def reproduces(finding, rc: int | None, out: str) -> bool:
         return kind in out and (err.message[:30] in out or kind == "AssertionError")
     if "strict" in quantity:
         return "FINDING" in out and "strict" in out
+    if quantity.startswith("param_groups"):  # a parity finding in the groups names no param: "step k param_groups"
+        return "FINDING" in out and "param_groups" in out
     return "FINDING" in out and fqn in out
 
 
