@@ -21,11 +21,13 @@ the batch ends. Each rank holds its own copy of what is replicated (a
 ``Replicate`` mesh dim's local tensor, HSDP's replica, FSDP1's and ZeRO's
 whole params), and every copy must be the same. A copy assembled from one
 all-gather over every rank of the job is the same bytes everywhere by
-construction and is left out; of the others each rank sends a digest (three
-int64 per value: a sum and a position-weighted sum of its 32-bit words, and
-its byte count), all in one small all-gather; only a value whose digests
-differ is gathered whole, so the report says which ranks differ, where and by
-how much (oracles.compare_replicas).
+construction and is left out; of the others each rank digests every value
+(a sum and a position-weighted sum of its 32-bit words, its byte count) and
+sends five int64 for the whole observation (how many values, a CRC of their
+names, the digests summed by place) in one small all-gather. Only where those
+differ are the per-value digests gathered, and the values that differ whole,
+so the report says which ranks differ, where and by how much
+(oracles.compare_replicas).
 """
 from __future__ import annotations
 
@@ -191,30 +193,34 @@ def replica_mismatches(observation: dict, skip=frozenset(), group=None) -> list[
     if n == 1:
         return []
     device = _comm_device(group)
-    # what each rank holds (the names of its values): a rank holding other names has diverged too, and the
-    # digests below can only be gathered over equal lengths
-    names = "\n".join(f"{q} {f} {_kind(v)}" for q, f, v in values)
-    head = torch.tensor([len(values), zlib.crc32(names.encode())], dtype=torch.int64)
-    heads = torch.empty(2 * n, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(heads, head.to(device), group=group)
-    if not bool((heads.view(n, 2) == heads.view(n, 2)[0]).all()):
-        every = [None] * n
-        dist.all_gather_object(every, {(q, f): _portable(v) for q, f, v in values}, group=group)
-        keys = sorted(set().union(*every), key=lambda k: (k[0] != "grad", k))
-        return _compared(group, keys, [[d.get(k) for k in keys] for d in every])
-    if not values:
-        return []
-    mine = _digests([v for _, _, v in values])
+    digests = _digests([v for _, _, v in values])
+    mine = summary_digest([f"{q} {f} {_kind(v)}" for q, f, v in values], digests)
     table = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(table, mine.reshape(-1).to(device), group=group)
-    table = table.view(n, *mine.shape).cpu()
-    differ = [i for i in range(len(values)) if not bool((table[:, i] == table[0, i]).all())]
-    if not differ:
+    dist.all_gather_into_tensor(table, mine.to(device), group=group)
+    if bool((table.view(n, -1) == table.view(n, -1)[0]).all()):
         return []
-    # only what differs is gathered whole, to say which ranks, where and by how much
+    # something differs (rare): every rank's names and digests, then only the values that differ, whole
     every = [None] * n
-    dist.all_gather_object(every, [_portable(values[i][2]) for i in differ], group=group)
-    return _compared(group, [values[i][:2] for i in differ], every)
+    dist.all_gather_object(every, [((q, f), (_kind(v), d)) for (q, f, v), d in zip(values, digests.tolist())],
+                           group=group)
+    keys = sorted({k for held in every for k, _ in held}, key=lambda k: (k[0] != "grad", k))
+    held = [dict(h) for h in every]
+    differ = [k for k in keys if any(h.get(k) != held[0].get(k) for h in held)]
+    mine_by_key = {(q, f): v for q, f, v in values}
+    copies = [None] * n
+    dist.all_gather_object(copies, [_portable(mine_by_key.get(k)) for k in differ], group=group)
+    return _compared(group, differ, copies)
+
+
+def summary_digest(names: list[str], digests: torch.Tensor) -> torch.Tensor:
+    """Five int64 for a whole observation, the same length on every rank: how
+    many values, the CRC of their names and kinds (a rank holding other values
+    has diverged too), and their digests summed, each weighted by its place
+    (one value that changes changes the sum)."""
+    weights = torch.arange(1, 2 * len(names) + 1, 2, dtype=torch.int64).unsqueeze(1)
+    total = (digests * weights).sum(0) if len(names) else torch.zeros(DIGEST_WORDS, dtype=torch.int64)
+    head = torch.tensor([len(names), zlib.crc32("\n".join(names).encode())], dtype=torch.int64)
+    return torch.cat([head, total])
 
 
 def _compared(group, keys: list, every: list) -> list[dict]:
@@ -247,15 +253,15 @@ def _portable(v):
     return v.detach().cpu() if isinstance(v, torch.Tensor) else v
 
 
-DIGEST_WORDS = 3  # per value: sum of its 32-bit words, their position-weighted sum, its byte count
+DIGEST_WORDS = 3  # per value: sum of its bytes, their position-weighted sum, its byte count
 
 
 def _digests(values: list) -> torch.Tensor:
-    """[len(values), 3] int64: a tensor's words summed plainly and weighted by
+    """[len(values), 3] int64: a tensor's bytes summed plainly and weighted by
     their position (a drift, a swap or a scale changes one of them; equal
     bytes give equal digests), its byte count; a None, -1s; anything else (a
     hyperparameter) the CRC of its repr. Tensors are digested together per
-    device: one copy each into a buffer, then two index_adds."""
+    device: their bytes in one cat, then two index_adds."""
     out = torch.zeros(len(values), DIGEST_WORDS, dtype=torch.int64)
     by_device: dict = {}
     for i, v in enumerate(values):
@@ -266,23 +272,14 @@ def _digests(values: list) -> torch.Tensor:
         else:
             out[i, 0] = zlib.crc32(repr(v).encode())
     for device, idx in by_device.items():
-        tensors = [values[i].detach() for i in idx]
-        nbytes = [t.numel() * t.element_size() for t in tensors]
-        words = [-(-b // 4) for b in nbytes]
-        buf = torch.zeros(4 * sum(words), dtype=torch.uint8, device=device)
-        at = 0
-        for t, b, w in zip(tensors, nbytes, words):
-            if b:
-                buf[at:at + b] = t.contiguous().view(-1).view(torch.uint8)
-            at += 4 * w
-        flat = buf.view(torch.int32).to(torch.int64)
-        counts = torch.tensor(words, device=device)
+        raw = [values[i].detach().contiguous().view(-1).view(torch.uint8) for i in idx]
+        counts = torch.tensor([r.numel() for r in raw], device=device)
+        flat = torch.cat(raw).to(torch.int64)
         seg = torch.repeat_interleave(torch.arange(len(idx), device=device), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        pos = torch.arange(flat.numel(), device=device) - starts[seg]
-        sums = torch.zeros(len(idx), 2, dtype=torch.int64, device=device)
-        sums[:, 0].index_add_(0, seg, flat)
-        sums[:, 1].index_add_(0, seg, flat * (pos % 65521 + 1))  # wraps past 2^63: the same bytes, the same digest
-        out[idx, :2] = sums.cpu()
-        out[idx, 2] = torch.tensor(nbytes)
+        pos = torch.arange(flat.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[seg]
+        sums = torch.zeros(2, len(idx), dtype=torch.int64, device=device)
+        sums[0].index_add_(0, seg, flat)
+        sums[1].index_add_(0, seg, flat * (pos % 65521 + 1))  # below 2^24 a byte: no overflow under 2^39 bytes
+        out[idx, :2] = sums.t().cpu()
+        out[idx, 2] = counts.cpu()
     return out
