@@ -182,3 +182,25 @@ def test_a_new_signature_with_a_known_root_causes_address_is_a_known_hit_and_the
     assert "known   dtensor-missing-strategy-optimizer-ops ×1 [not reported]" in text
     assert f"        {lerp.signature} ×1, known by address: aten._foreach_lerp_, an op the root cause does not name" in text
     assert "known   adafactor-inplace-square-on-norm-partial ×1" in text and "no new findings" in text
+
+
+class ReducedCaseNotConfirmed(ScriptedPool):
+    """SGD fails on 2 ranks everywhere; on 1 rank only until the second fresh generation (the one that
+    confirms the reducer's smallest case at the session's end)."""
+
+    def run_many(self, cases, timeouts):
+        out = super().run_many(cases, timeouts)
+        for c, r in zip(cases, out):
+            if c.world_size != 2 and self.generation >= 2:
+                r.verdict = Verdict.from_dict(passing())
+        return out
+
+
+def test_a_file_put_back_to_its_confirmed_case_lists_no_edit_that_case_lacks(tmp_path):
+    book, _ = _book(tmp_path, ReducedCaseNotConfirmed())
+    case = simple_case(2, optim="SGD", foreach=False)
+    assert book.accept(SIG, case, book.pool.run_many([case], [None])[0].verdict)
+    book.finish()  # the reducer reaches 1 rank; fresh workers do not confirm it: the file keeps the 2-rank case
+    data = json.loads((tmp_path / f"{SIG}.json").read_text())
+    assert data["case"]["world_size"] == 2 and book.findings[SIG].case.world_size == 2
+    assert data.get("removed", []) == [] and book.findings[SIG].removed == [], book.findings[SIG].removed

@@ -37,7 +37,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -72,6 +72,7 @@ class Track:
     best: tuple
     written: tuple
     last_write: float = 0.0
+    confirmed_removed: list = field(default_factory=list)  # what the reducer had taken out of the confirmed case
 
 
 class FindingBook:
@@ -224,7 +225,10 @@ class FindingBook:
                     again, first = self.confirm(sig, *track.best, fresh=first), False
                 if again is not None:
                     track.confirmed = track.best = again
+                    track.confirmed_removed = list(self._removed.get(sig, []))
             if not self.stopped:  # the file holds the confirmed case
+                if track.best is not track.confirmed:  # back to an earlier case: the reducer's later edits are not in it
+                    self._removed[sig] = list(track.confirmed_removed)
                 track.best = track.confirmed
             self._rewrite(sig, track, force=True)
             self.findings[sig] = self._finding(sig, track.written)

@@ -326,19 +326,6 @@ def simulated_session():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.set_aside: dict = {}  # signature -> (its smallest case, verdict, why, hits)
-            self._reached: dict = {}  # signature -> the case JSON the reducer brought it to
-
-        def _reduce(self, sig, track) -> None:
-            super()._reduce(sig, track)
-            self._reached[sig] = track.best[0].to_json()
-
-        def _finding(self, sig, found):
-            f = super()._finding(sig, found)
-            if f.removed and sig in self._reached and found[0].to_json() != self._reached[sig]:
-                # its file went back to the case confirmed before the reducer's (no time was left to confirm that
-                # one fresh, or a fresh run said otherwise): what the reducer took out is still in this case
-                f.removed = []
-            return f
 
         def accept(self, sig: str, case, verdict) -> bool:
             why = local_tensor_error(verdict)
