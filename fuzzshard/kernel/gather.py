@@ -22,9 +22,10 @@ the batch ends. Each rank holds its own copy of what is replicated (a
 whole params), and every copy must be the same. A copy assembled from one
 all-gather over every rank of the job is the same bytes everywhere by
 construction and is left out; of the others each rank digests every value
-(a sum and a position-weighted sum of its 32-bit words, its byte count) and
-sends five int64 for the whole observation (how many values, a CRC of their
-names, the digests summed by place) in one small all-gather. Only where those
+(a sum and a position-weighted sum of its bytes, its byte count) and sends
+five int64 for the whole observation (how many values, a CRC of their names,
+the digests summed by place), in the rows of that all-gather where a mesh of
+the batch spans the job, else in one small all-gather. Only where those
 differ are the per-value digests gathered, and the values that differ whole,
 so the report says which ranks differ, where and by how much
 (oracles.compare_replicas).
@@ -100,12 +101,26 @@ class _GatherBatch:
         by_mesh: dict = {}  # in first-seen order: the same on every rank
         for item in self.items:
             by_mesh.setdefault(item[0].device_mesh, []).append(item)
+        # a mesh over every rank of the job (the default group is the job's: mesh.Meshes.job) gives the same
+        # bits everywhere, and its all-gather carries the replica summaries: no collective of their own
+        spans = [m for m in by_mesh if m.size() == dist.get_world_size()]
+        compared = bool(self.watched) and dist.get_world_size() > 1  # one rank holds the only copy
+        carrier = spans[-1] if spans and compared else None
+        for mesh in spans:
+            self.everywhere.update(id(dest) for _, dest, _ in by_mesh[mesh])
         for mesh, items in by_mesh.items():
-            _gather_shards(mesh, items)
-            if mesh.size() == dist.get_world_size():  # the default group is the job's (mesh.Meshes.job)
-                self.everywhere.update(id(dest) for _, dest, _ in items)
-        for observation, out in self.watched:
-            out.extend(replica_mismatches(observation, self.everywhere))
+            if mesh is not carrier:
+                _gather_shards(mesh, items)
+        if not compared:
+            return
+        prepared = [_replica_digests(obs, self.everywhere) for obs, _ in self.watched]  # every copy filled by now
+        summaries = torch.cat([p[2] for p in prepared])
+        if carrier is not None:
+            table = _gather_shards(carrier, by_mesh[carrier], extra=summaries)
+        else:
+            table = _all_gather_int64(summaries, None)
+        for (_, out), (values, digests, _), seen in zip(self.watched, prepared, table.split(SUMMARY_WORDS, dim=1)):
+            out.extend(_replica_compare(values, digests, seen, None))
 
     def watch(self, observation: dict) -> list:
         """Compare every rank's copies in ``observation`` when the batch ends;
@@ -122,9 +137,11 @@ def _gather_aligned(nbytes: int) -> int:
     return -(-nbytes // GATHER_ALIGN) * GATHER_ALIGN
 
 
-def _gather_shards(mesh, items: list) -> None:
+def _gather_shards(mesh, items: list, extra: torch.Tensor | None = None) -> torch.Tensor | None:
     """Every shard of ``items`` from every rank of the 1-D ``mesh``, in one
-    all-gather of bytes; each rank then assembles every full tensor."""
+    all-gather of bytes; each rank then assembles every full tensor. ``extra``
+    (int64) rides in the same rows: returned as [ranks, len(extra)], every
+    rank's, in the mesh's group rank order."""
     group, n, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     plans = []  # per item: its shard dim and, per coordinate, (offset, length) along it and bytes
     for t, _, _ in items:
@@ -132,10 +149,14 @@ def _gather_shards(mesh, items: list) -> None:
         row_bytes = t.element_size() * math.prod(t.shape[:d]) * math.prod(t.shape[d + 1:])
         shards = [shard_size_and_offset(t.shape[d], n, c) for c in range(n)]
         plans.append((d, [(offset, length, length * row_bytes) for length, offset in shards]))
-    # a row: a flag per item (1: this rank's shard is not what its spec says), then every shard's bytes
-    head = _gather_aligned(len(items))
+    # a row: a flag per item (1: this rank's shard is not what its spec says), ``extra``, then every shard's bytes
+    flags = _gather_aligned(len(items))
+    extra_bytes = extra.numel() * 8 if extra is not None else 0
+    head = flags + _gather_aligned(extra_bytes)
     width = head + max(sum(_gather_aligned(per[c][2]) for _, per in plans) for c in range(n))
     row = torch.zeros(width, dtype=torch.uint8, device=items[0][1].device)
+    if extra_bytes:
+        row[flags:flags + extra_bytes] = extra.to(row.device).view(torch.uint8)
     at = head
     for i, ((t, _, _), (d, per)) in enumerate(zip(items, plans)):
         local, nbytes = t.to_local(), per[me][2]
@@ -162,6 +183,9 @@ def _gather_shards(mesh, items: list) -> None:
         if bad[i]:  # as without the batch: its own full_tensor(), on every rank, in item order
             got = fallback(t)
             dest.resize_(got.shape).copy_(got)
+    if extra_bytes:
+        return table[:, flags:flags + extra_bytes].contiguous().view(torch.int64).cpu()
+    return None
 
 
 # ---- the replica oracle: every rank's copy of a value, compared ----------
@@ -187,29 +211,46 @@ def replica_mismatches(observation: dict, skip=frozenset(), group=None) -> list[
     rank's: a collective over ``group`` (the job's default group), every rank
     with the same values in the same order. Mismatch records on the lowest
     rank (oracles.compare_replicas), [] elsewhere. ``skip``: id() of tensors
-    known to be the same bits on every rank."""
-    n = dist.get_world_size(group)
+    known to be the same bits on every rank. (Inside ``gather_batch``,
+    ``watch`` does this in the batch's own all-gather.)"""
+    values, digests, summary = _replica_digests(observation, skip)
+    return _replica_compare(values, digests, _all_gather_int64(summary, group), group)
+
+
+def _replica_digests(observation: dict, skip) -> tuple:
+    """(values, their digests, the observation's summary) on this rank."""
     values = [v for v in observed_values(observation) if id(v[2]) not in skip]
-    if n == 1:
-        return []
-    device = _comm_device(group)
     digests = _digests([v for _, _, v in values])
-    mine = summary_digest([f"{q} {f} {_kind(v)}" for q, f, v in values], digests)
-    table = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(table, mine.to(device), group=group)
-    if bool((table.view(n, -1) == table.view(n, -1)[0]).all()):
+    return values, digests, summary_digest([f"{q} {f} {_kind(v)}" for q, f, v in values], digests)
+
+
+def _all_gather_int64(x: torch.Tensor, group) -> torch.Tensor:
+    """[ranks, len(x)]: every rank's ``x``."""
+    n = dist.get_world_size(group)
+    table = torch.empty(n * x.numel(), dtype=torch.int64, device=_comm_device(group))
+    dist.all_gather_into_tensor(table, x.to(table.device), group=group)
+    return table.view(n, -1).cpu()
+
+
+def _replica_compare(values: list, digests: torch.Tensor, summaries: torch.Tensor, group) -> list[dict]:
+    """Where every rank's summary is this one's, nothing; else (rare) every
+    rank's names and digests, then only the values that differ, whole."""
+    n = dist.get_world_size(group)
+    if n == 1 or bool((summaries == summaries[0]).all()):
         return []
-    # something differs (rare): every rank's names and digests, then only the values that differ, whole
     every = [None] * n
     dist.all_gather_object(every, [((q, f), (_kind(v), d)) for (q, f, v), d in zip(values, digests.tolist())],
                            group=group)
     keys = sorted({k for held in every for k, _ in held}, key=lambda k: (k[0] != "grad", k))
     held = [dict(h) for h in every]
     differ = [k for k in keys if any(h.get(k) != held[0].get(k) for h in held)]
-    mine_by_key = {(q, f): v for q, f, v in values}
+    mine = {(q, f): v for q, f, v in values}
     copies = [None] * n
-    dist.all_gather_object(copies, [_portable(mine_by_key.get(k)) for k in differ], group=group)
+    dist.all_gather_object(copies, [_portable(mine.get(k)) for k in differ], group=group)
     return _compared(group, differ, copies)
+
+
+SUMMARY_WORDS = 5  # int64 an observation's summary takes
 
 
 def summary_digest(names: list[str], digests: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,9 @@ def replicas(mesh):
         assert got[1]["replicas"] == [[0], list(range(1, n))]
     else:
         assert got == []
+    with gather_batch() as b:  # the same, its summary riding in the batch's own all-gather
+        carried = b.watch({"params": {"a": drifted, "b": owned_copy(full_batched(shard, DTensor.full_tensor))}})
+    assert [(m["quantity"], m["ranks"]) for m in carried] == ([("param", [n - 1])] if rank == 0 else []), carried
     lacking = {"state": {"a": {"exp_avg": w}} if rank else {"a": {}}}  # rank 0 lacks it: other names, other lengths
     got = replica_mismatches(lacking)
     if rank == 0:
