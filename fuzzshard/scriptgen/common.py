@@ -192,13 +192,11 @@ def plugin_lines(case: Case, path: str) -> list[str]:
     """The plugin file imported by path, as ``--plugin`` runs it, against a stand-in for ``fuzzshard.plugin``
     that only records what it registers: the script needs the user's file, never fuzzshard."""
     out = [f"PLUGIN = {path!r}  # the --plugin file the finding was found with: its optimizer or model",
-           "MODELS = {}  # what it registers, by name",
-           "sys.modules[\"fuzzshard\"] = types.ModuleType(\"fuzzshard\")  # a stand-in for fuzzshard.plugin",
-           "sys.modules[\"fuzzshard.plugin\"] = sys.modules[\"fuzzshard\"].plugin = types.ModuleType(\"fuzzshard.plugin\")",
-           "sys.modules[\"fuzzshard.plugin\"].optimizer = sys.modules[\"fuzzshard.plugin\"].model = \\",
-           "    sys.modules[\"fuzzshard.plugin\"].parallelism = lambda f, *a, name=None, **k: MODELS.setdefault(name or f.__name__, f)",
-           "spec = importlib.util.spec_from_file_location(\"plugin\", PLUGIN)",
-           "spec.loader.exec_module(importlib.util.module_from_spec(spec))"]
+           "MODELS, shim = {}, types.ModuleType(\"fuzzshard.plugin\")  # a stand-in for fuzzshard.plugin: records what it registers",
+           "shim.optimizer = shim.model = shim.parallelism = lambda f, *a, name=None, **k: MODELS.setdefault(name or f.__name__, f)",
+           "sys.modules[\"fuzzshard\"], sys.modules[\"fuzzshard.plugin\"] = types.ModuleType(\"fuzzshard\"), shim",
+           "sys.modules[\"fuzzshard\"].plugin = shim",
+           "(spec := importlib.util.spec_from_file_location(\"plugin\", PLUGIN)).loader.exec_module(importlib.util.module_from_spec(spec))"]
     if not hasattr(torch.optim, case.optim.name):
         out.append(f"{case.optim.name} = MODELS[{case.optim.name!r}]  # the plugin's optimizer")
     return out
