@@ -114,6 +114,7 @@ def test_what_the_generator_does_not_write_falls_back_to_the_flattened_kernel():
     why = "the plugin optimizer 'MyOwnSGD', its file not recorded in the finding"
     assert fallback_reason(case) == why and repro.kind_note(case) == f"flattened kernel (fallback: {why})"
     assert "CASE_JSON" in repro.script(case) and f"flattened kernel (fallback: {why})" in repro.script(case)
+    assert "flattened kernel (fallback: asked for (--flat))" in repro.script(simple_case(2), flat=True)
     short, flat = repro.script(simple_case(2)), repro.script(simple_case(2), flat=True)
     assert "CASE_JSON" not in short and "def snapshot" in short and "CASE_JSON" in flat
 

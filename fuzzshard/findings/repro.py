@@ -91,7 +91,7 @@ def script(case: Case, headline: str = "", environment: dict | None = None, flat
     """The standalone repro of ``case``: the straight-line script (scriptgen/:
     only what the case uses; with the finding's ``verdict``, only the check it
     failed) where it can be written, else, or with ``flat``, the flattened kernel, its header saying why."""
-    why = "asked for (--flat)" if flat else ""
+    why = (fallback(case, environment, verdict) or "asked for (--flat)") if flat else ""
     if not flat:
         try:
             text = straight_script(case, headline, environment, verdict)
@@ -133,8 +133,7 @@ def kind_note(case: Case, environment: dict | None = None, verdict: Verdict | No
 _TEMPLATE = '''#!/usr/bin/env python
 """fuzzshard repro: {headline}
 
-This is the flattened kernel (fallback: {why}): the straight-line script
-could not be written for this case.
+This is the flattened kernel (fallback: {why}), not the straight-line script.
 
 Run:   torchrun --nproc-per-node {world} THIS_FILE.py
 Found with torch {torch}, backend {backend}. Needs only torch.
