@@ -26,7 +26,6 @@ from .record import KNOWN_DIR, ROOT_CAUSES
 
 VENVS = Path(os.environ.get("VENVS") or Path.home() / ".cache/fuzzshard/venvs")  # as ci/version_smoke.sh
 SMOKE = Path(__file__).resolve().parents[2] / "ci" / "version_smoke.sh"  # makes a release's venv (a checkout's)
-HERE = "this python"  # the interpreter running fuzzshard: its torch is a release with a venv
 
 
 def release_of(version: str) -> str:
