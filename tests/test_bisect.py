@@ -162,3 +162,22 @@ def test_bisect_on_this_python_says_a_known_finding_reproduces(tmp_path):
     assert f"first bad: {here}" in lines
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved["releases"][here]["results"] == {str(KNOWN / f"{sig}.json"): R}
+
+
+def test_a_root_cause_fixed_later_says_so_for_an_older_release_and_show_and_upstream_say_it_too():
+    from fuzzshard.findings.record import load_known
+    from fuzzshard.findings.rootcause import RootCause
+    from fuzzshard.report.show import render
+    from fuzzshard.report.upstream import report
+
+    rc = RootCause("r", "t", fixed_in="2.15.0")
+    assert rc.fixed_after("2.13.0+cpu") == "fixed in torch 2.15.0" == rc.fixed_after("2.9.1")
+    assert rc.fixed_after("2.15.0") == rc.fixed_after("2.15.1+cu130") == rc.fixed_after("") == ""
+    assert RootCause("r", "t").fixed_after("2.13.0") == ""
+    known = load_known()
+    f = known["fsdp2.error.step.RuntimeError.61658fa9"]  # rprop-forloop-bool-mask-inplace-on-shard: fixed in 2.15.0
+    assert f.environment["torch"].startswith("2.13.0")
+    assert ("release   fixed in torch 2.15.0 (root cause rprop-forloop-bool-mask-inplace-on-shard; this finding "
+            "was made on 2.13.0)") in render(f)
+    text, _ = report(f, known, run=False)
+    assert "(Already fixed in torch 2.15.0: this was found on torch 2.13.0" in text

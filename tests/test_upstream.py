@@ -214,14 +214,21 @@ def test_a_bug_filed_upstream_open_gets_a_comment_for_its_issue_not_a_new_issue(
 
 
 def test_a_bug_closed_upstream_says_to_check_for_the_fix_and_its_release_where_recorded(monkeypatch):
-    from fuzzshard.findings import releases
-
     sig = "fsdp1.error.save.RuntimeError.acd33f0e"  # fsdp1-full-state-dict-cpu-offload-freed-storage: closed
     text = _report(_variant(sig, "2.11.0+cpu"))
     assert text.startswith("Already filed upstream: pytorch/pytorch#188989 (closed) — "
                            "https://github.com/pytorch/pytorch/issues/188989\n"), text[:200]
     assert "Closed upstream: check whether your release has the fix." in text and "fixed in" not in text
-    monkeypatch.setattr(releases, "load_fixed_in", lambda *a: {"fsdp1-full-state-dict-cpu-offload-freed-storage": "2.14.0"})
+    from fuzzshard.findings import rootcause
+
+    loaded = rootcause.load_root_causes
+
+    def with_fix(*a, **kw):  # as if `fuzzshard bisect` had recorded its fix
+        causes = loaded(*a, **kw)
+        causes["fsdp1-full-state-dict-cpu-offload-freed-storage"].fixed_in = "2.14.0"
+        return causes
+
+    monkeypatch.setattr(rootcause, "load_root_causes", with_fix)
     assert "Closed upstream: check whether your release has the fix (fixed in torch 2.14.0, as recorded)." \
         in _report(_variant(sig, "2.11.0+cpu"))
 

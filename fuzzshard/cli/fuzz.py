@@ -8,7 +8,7 @@ import sys
 
 from .common import (
     Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
-    pool_args, redis_url, resolve_targets, start_pool, strategy_kwargs, warn_cores,
+    pool_args, redis_url, resolve_targets, start_pool, strategy_kwargs, torch_version, warn_cores,
 )
 
 
@@ -182,7 +182,9 @@ def _print_session_report(session, findings, out) -> None:
         rc = matcher.causes.get(cause)
         n = sum(k for _, k in hits)
         faces = f", {len(hits)} signatures" if len(hits) > 1 else ""
-        print(f"known   {cause} ×{n}{faces} [{rc.upstream_text}]" if rc else f"known   {cause} ×{n}", file=sys.stderr)
+        fixed = rc.fixed_after(torch_version()) if rc else ""  # a bug of this release that a later one fixed
+        print(f"known   {cause} ×{n}{faces} [{rc.upstream_text}{'; ' + fixed if fixed else ''}]" if rc
+              else f"known   {cause} ×{n}", file=sys.stderr)
         for sig, k in hits:  # a new signature known by its address (life.py): named, with the op it met
             if session.known[sig].stage == "known by address":
                 print(f"        {sig} ×{k}, {session.known[sig].diagnosis}", file=sys.stderr)

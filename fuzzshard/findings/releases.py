@@ -101,19 +101,19 @@ def load_fixed_in(known_dir: Path = KNOWN_DIR) -> dict[str, str]:
 
 
 def fixed_in_note(finding, known: dict | None = None, known_dir: Path = KNOWN_DIR) -> str:
-    """"fixed in torch X (root cause R)" for a finding made on a torch older than the known fix of its root
-    cause (its own, or that of the known finding with its signature), else "". For a finding's summary."""
+    """"fixed in torch X (root cause R; this finding was made on V)" for a finding made on a torch older than
+    the recorded fix of its root cause (its own, or that of the known finding with its signature), else ""."""
     from .record import load_known
+    from .rootcause import load_root_causes
 
     rid = finding.root_cause
     if not rid:
         same = (known if known is not None else load_known(known_dir)).get(finding.signature)
         rid = same.root_cause if same else ""
-    fix = load_fixed_in(known_dir).get(rid) if rid else None
-    made = release_of(str(finding.environment.get("torch", "")))
-    if not fix or not made or release_key(made) >= release_key(fix):
-        return ""
-    return f"fixed in torch {fix} (root cause {rid}; this finding was made on {made})"
+    rc = load_root_causes(known_dir=known_dir).get(rid) if rid else None
+    made = str(finding.environment.get("torch", ""))
+    fixed = rc.fixed_after(made) if rc else ""
+    return f"{fixed} (root cause {rid}; this finding was made on {release_of(made)})" if fixed else ""
 
 
 def record_known(results: list[dict], known_dir: Path = KNOWN_DIR) -> list[str]:

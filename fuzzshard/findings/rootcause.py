@@ -45,6 +45,16 @@ class RootCause:
     signatures: list = field(default_factory=list)  # the known findings it is behind
     component: str = ""  # as PyTorch's issue titles name it: DTensor, FSDP2, DSD, torch.optim, ...
     what: str = ""  # the bug said in full, where the title (<= 120 characters, an issue's title) is short of it
+    fixed_in: str = ""  # the first release where it no longer shows (`fuzzshard bisect` records it; "" not known)
+
+    def fixed_after(self, torch_version: str) -> str:
+        """"fixed in torch X" where ``torch_version`` is a release older than the recorded fix, else ""."""
+        from .releases import release_key, release_of
+
+        made = release_of(torch_version or "")
+        if not self.fixed_in or not made or release_key(made) >= release_key(self.fixed_in):
+            return ""
+        return f"fixed in torch {self.fixed_in}"
 
     @property
     def upstream_text(self) -> str:
@@ -58,13 +68,13 @@ class RootCause:
         return state.replace("-", " ")
 
 
-def load_root_causes(known: dict[str, Finding] | None = None) -> dict[str, RootCause]:
+def load_root_causes(known: dict[str, Finding] | None = None, known_dir=KNOWN_DIR) -> dict[str, RootCause]:
     """id -> RootCause, each with the known signatures behind it (sorted)."""
-    path = KNOWN_DIR / ROOT_CAUSES
+    path = known_dir / ROOT_CAUSES
     data = json.loads(path.read_text()) if path.exists() else {}
     causes = {rid: RootCause(rid, d.get("title", ""), d.get("kind", ""), d.get("api", ""), d.get("upstream", {}),
                              d.get("minimal"), component=d.get("component", ""),
-                             what=d.get("what", "")) for rid, d in data.items()}
+                             what=d.get("what", ""), fixed_in=d.get("fixed_in", "")) for rid, d in data.items()}
     for sig, f in sorted((known or {}).items()):
         if f.root_cause:
             causes.setdefault(f.root_cause, RootCause(f.root_cause, "(not described in root_causes.json)"))

@@ -16,6 +16,11 @@ def render(finding: Finding) -> str:
             lines.append(f"diagnosis {finding.diagnosis}")
         if finding.root_cause:
             lines.append(f"root cause {_root_cause(finding.root_cause)}")
+        from ..findings.releases import fixed_in_note
+
+        fixed = fixed_in_note(finding)
+        if fixed:
+            lines.append(f"release   {fixed}")
         if finding.environment:
             lines.append("found on  " + ", ".join(f"{k} {v}" for k, v in finding.environment.items() if v))
         lines.append("")

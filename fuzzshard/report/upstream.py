@@ -62,6 +62,10 @@ def report(finding: Finding, known: dict, run: bool = True, attachment: Path | N
     if filed:
         return "\n".join(_comment_head(finding, rc, filed) + [_what(finding, rc, script), ""] + body), attach
     described = [_plain(rc.what), ""] if rc and _plain(rc.what) else []  # the bug in full, where the title is short of it
+    fixed = rc.fixed_after(str((finding.environment or {}).get("torch", ""))) if rc else ""
+    if fixed:  # a bug of an older release: the user's answer is an upgrade, the report only where that fails
+        described = [f"(Already {fixed}: this was found on torch {finding.environment['torch']}. File it only if "
+                     f"it still reproduces on {rc.fixed_in} or later.)", ""] + described
     out = [f"Title: {title(finding, rc)}", "", "### 🐛 Describe the bug", "", *described, _what(finding, rc, script), ""]
     return "\n".join(out + body), attach
 
@@ -117,11 +121,8 @@ def filed_upstream(rc: RootCause | None) -> Filed | None:
     m = re.fullmatch(r"([\w.-]+/[\w.-]+)#(\d+)", up.get("ref") or "")
     if not m or up.get("state") not in ("open", "closed"):
         return None
-    from ..findings.releases import load_fixed_in
-
     # (GitHub sends issues/N on to pull/N for a PR)
-    return Filed(m.group(0), up["state"], f"https://github.com/{m.group(1)}/issues/{m.group(2)}",
-                 load_fixed_in().get(rc.id, ""))
+    return Filed(m.group(0), up["state"], f"https://github.com/{m.group(1)}/issues/{m.group(2)}", rc.fixed_in)
 
 
 def _comment_head(finding: Finding, rc: RootCause, filed: Filed) -> list[str]:
