@@ -403,6 +403,11 @@ def _versions(finding: Finding, collect: bool) -> str:
 
     lines.append(f"this report: torch {torch.__version__} (git {torch.version.git_version[:12]}), python "
                  f"{platform.python_version()}, {platform.platform()}")
+    from ..findings.releases import release_key
+
+    tried = sorted((finding.seen_on or {}).items(), key=lambda kv: release_key(kv[0]))  # fuzzshard bisect's record
+    lines.append("releases tried: " + (", ".join(f"{v} {got}" for v, got in tried) if tried else
+                                       "only the one it was found on"))
     if collect:
         try:
             from torch.utils.collect_env import get_pretty_env_info
