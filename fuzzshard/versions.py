@@ -15,7 +15,7 @@ import re
 
 FLOOR = (2, 9)  # the oldest release fuzzshard supports (docs/versions.md says why)
 # the releases a clean session per target and `known --check` were run on (docs/versions.md, known/README.md)
-TESTED = ("2.9.0", "2.10.0", "2.13.0", "2.14.1")
+TESTED = ("2.9.0", "2.9.1", "2.10.0", "2.13.0", "2.14.1", "2.15.0")  # 2.15.0, 2.9.1: docs/versions.md, bisect
 
 
 def release(version: str) -> tuple[int, int]:
