@@ -293,3 +293,12 @@ def test_a_mixed_precision_case_replays_fsdp2s_casts_and_shows_a_planted_bug(tmp
     buggy = torchrun(tmp_path / "repro.py", 4, "--setup", PLANTED / "fsdp2_fp16_no_postdivide.py", cwd=tmp_path)
     assert buggy.returncode == 1 and "FINDING" in buggy.stdout and "step 0 grad layers.0.weight" in buggy.stdout, \
         buggy.stdout + buggy.stderr[-2000:]
+
+
+def test_a_replica_finding_falls_back_to_the_flattened_kernel_and_says_why():
+    from fuzzshard.verdict import finding
+
+    v = Verdict.from_dict(finding("replica", [{"quantity": "param", "fqn": "layers.0.weight", "step": 0,
+                                                "detail": "rank 1's copy differs"}]))
+    why = fallback_reason(simple_case(2, optim="SGD", foreach=False), {}, v)
+    assert why.startswith("a replica divergence"), why

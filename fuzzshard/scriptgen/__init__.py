@@ -68,7 +68,9 @@ def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdic
     if why:
         return why
     plan = _plan(case, verdict)
-    if plan is None:
+    if plan is None:  # (_plan writes errors, checkpoint round trips and parity before a load)
+        if verdict is not None and verdict.oracle == "replica":
+            return "a replica divergence (ranks' copies compared: no straight-line writer for it yet)"
         return "a parity finding after a checkpoint load"
     if plan["mode"] in ("parity", "checkpoint") and w.snapshot(case, case.target_options) is None:
         return f"{case.target}'s full state is not observable under these options"
