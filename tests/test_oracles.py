@@ -324,3 +324,12 @@ def test_replica_signature_names_what_diverged():
     loaded = Verdict("finding", "replica", first=Mismatch("loaded.param_groups.lr", "group 0", 0, ""), extra={"count": 1})
     assert ORACLE.signature(_case(), loaded) == "dtensor.replica.loaded.group.lr"
     assert "[0, 1] vs [2, 3]" in ORACLE.summary(state)
+
+
+def test_a_message_number_in_exponent_form_has_the_decimal_forms_template():
+    from fuzzshard.oracle.error_parity import _digest
+
+    # one ZeRO bug met as "max abs diff 2.89e-06" and "0.00067" was two signatures (a 10-minute session, seed 5)
+    assert _digest("the replicas of a param differ: rank 1 vs rank 0, max abs diff 2.89e-06") == \
+        _digest("the replicas of a param differ: rank 1 vs rank 0, max abs diff 0.00067") == "9a19bd4f"
+    assert _digest("max abs diff 2.89e-06") != _digest("max abs diff 2.89e-06 at step")

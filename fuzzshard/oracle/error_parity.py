@@ -103,6 +103,9 @@ def _digest(message: str, names: bool = False) -> str:
     if names:
         template = re.sub(r"'[^']*'|\b\w+(\.\w+)+", "NAME", template)
     template = re.sub(r"\([^()]*(\([^()]*\)[^()]*)*\)", "()", template)
+    # a number printed in exponent form is the same number template as a decimal one ("max abs diff 2.89e-06"
+    # and "0.00067" are one message): else one bug's signature hangs on its magnitude
+    template = re.sub(r"\d+(\.\d+)?[eE][-+]?\d+", "0.0", template)
     template = re.sub(r"\d+", "N", template)[:160]
     return hashlib.sha1(template.encode()).hexdigest()[:8]
 
