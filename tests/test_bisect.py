@@ -100,6 +100,12 @@ def known_dir(tmp_path):
     return d
 
 
+def _fixed_in(known_dir) -> dict:
+    from fuzzshard.findings.rootcause import load_root_causes
+
+    return {rid: rc.fixed_in for rid, rc in load_root_causes(known_dir=known_dir).items() if rc.fixed_in}
+
+
 def test_recording_a_fix_adds_only_fixed_in_to_root_causes_and_a_note_to_older_findings(known_dir):
     rid = "dtensor-conv-handlers-skip-redistribution"
     sigs = sorted(s for s, f in load_known(known_dir).items() if f.root_cause == rid)
@@ -107,12 +113,12 @@ def test_recording_a_fix_adds_only_fixed_in_to_root_causes_and_a_note_to_older_f
     res = [{"torch": "2.13.0+cpu", "results": {str(known_dir / f"{s}.json"): R for s in sigs}},
            {"torch": "2.15.0+cu130", "results": {s: P for s in sigs[:-1]}}]
     releases.record_known(res, known_dir)
-    assert releases.load_fixed_in(known_dir) == {}  # one finding not checked on 2.15.0: no evidence for it
+    assert _fixed_in(known_dir) == {}  # one finding not checked on 2.15.0: no evidence for it
     releases.record_known([{"torch": "2.15.0", "results": {sigs[-1]: P}}], known_dir)
     after = (known_dir / "root_causes.json").read_text()
     changed = [d[:1] + d[2:] for d in difflib.ndiff(before.splitlines(), after.splitlines()) if d[:1] in "+-"]
     assert changed == ['+    "fixed_in": "2.15.0",']
-    assert releases.load_fixed_in(known_dir) == {rid: "2.15.0"}
+    assert _fixed_in(known_dir) == {rid: "2.15.0"}
     f = load_finding(known_dir / f"{sigs[0]}.json")
     assert f.seen_on == {"2.13.0": R, "2.15.0": P}
     readme = (known_dir / "README.md").read_text()

@@ -93,13 +93,6 @@ def root_cause_states(seen_ons: list[dict]) -> dict[str, str]:
 
 # ---- the known list: a fix recorded, and said about a finding made before it
 
-def load_fixed_in(known_dir: Path = KNOWN_DIR) -> dict[str, str]:
-    """root cause id -> the release that fixed it (known/root_causes.json's ``fixed_in``)."""
-    path = known_dir / ROOT_CAUSES
-    data = json.loads(path.read_text()) if path.exists() else {}
-    return {rid: d["fixed_in"] for rid, d in data.items() if d.get("fixed_in")}
-
-
 def fixed_in_note(finding, known: dict | None = None, known_dir: Path = KNOWN_DIR) -> str:
     """"fixed in torch X (root cause R; this finding was made on V)" for a finding made on a torch older than
     the recorded fix of its root cause (its own, or that of the known finding with its signature), else ""."""
