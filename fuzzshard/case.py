@@ -101,6 +101,41 @@ class Checkpoint:
     # strict load must refuse it, a non-strict one leaves the missing params as the fresh model has them
     missing: tuple[str, ...] = ()
     unexpected: bool = False
+    # torch.distributed.checkpoint.async_save in place of dcp.save ("dcp" kind): "" (a blocking save),
+    # "thread" (the default stager), "stager" (a DefaultStager kept and reused), "pinned" (its pinned-memory
+    # staging); training goes on while it runs, and what loads is the state at the call
+    async_save: str = field(default="", metadata={"omit_default": True})
+
+
+@dataclass(frozen=True)
+class Clip:
+    """Gradient clipping between backward and the step, as a training loop does it."""
+    how: str  # "norm": clip_grad_norm_; "two_part": get_total_norm then clip_grads_with_norm_ (torchtitan's
+    # form, a DTensor norm made full in between); "value": clip_grad_value_; "own": the target's own (FSDP1's)
+    max_norm: float  # the clip value, for "value"
+    norm_type: str = "2"  # "1", "2", "3" or "inf" (a string: JSON has no infinity)
+    foreach: bool | None = None
+    error_if_nonfinite: bool = False
+
+
+@dataclass(frozen=True)
+class LRScheduler:
+    """A torch.optim.lr_scheduler class over the case's optimizer, stepped after every optimizer step
+    (ReduceLROnPlateau fed the step's loss). LambdaLR's lambda is named by its kwargs (kernel/loop.py)."""
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    children: tuple[LRScheduler, ...] = ()  # SequentialLR's and ChainedScheduler's schedulers
+
+
+@dataclass(frozen=True)
+class Scaler:
+    """Loss scaling (torch.amp.GradScaler, or ShardedGradScaler where a target uses it): scale the loss,
+    unscale before clipping, skip a step whose grads are not finite, and move the scale."""
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    overflow: tuple[int, ...] = ()  # schedule steps whose loss is made infinite on purpose (a skipped step)
 
 
 @dataclass(frozen=True)
@@ -120,6 +155,10 @@ class Case:
     target_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     checkpoint: Checkpoint | None = None
+    # the training loop around optimizer.step() (kernel/loop.py): left out of the JSON when unused
+    clip: Clip | None = field(default=None, metadata={"omit_default": True})
+    lr_scheduler: LRScheduler | None = field(default=None, metadata={"omit_default": True})
+    scaler: Scaler | None = field(default=None, metadata={"omit_default": True})
 
     @property
     def ranks(self) -> int:
