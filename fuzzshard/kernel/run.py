@@ -53,7 +53,7 @@ def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timing
         obs, error = _run_sharded(case, meshes, target_cls, device, keep=reporter, localize=localize,
                                   ckpt_dir=ckpt_dir, clock=clock)
     if error is not None:
-        if _documented_refusal(case, error):
+        if _documented_refusal(case, error) or target_cls.documented_refusal(case, error):
             return invalid(f"documented: {error['text']}")
         ref_error = next(filter(None, (reference_error(case, d, target_cls)
                                        for d in target_cls.step_devices(case, device))), None)

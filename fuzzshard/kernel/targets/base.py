@@ -111,6 +111,15 @@ class Target:
         return x, y, 1.0
 
     @classmethod
+    def documented_refusal(cls, case: Case, error: dict) -> bool:
+        """Whether the sharded run's error (an error record: type, message) is
+        a config the system under test refuses by design, as its docs say (pp's
+        schedules: fewer microbatches than stages): the case is invalid, not a
+        finding. False: the reference decides (an error only the sharded side
+        raises is a finding)."""
+        return False
+
+    @classmethod
     def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y) -> tuple | None:
         """The reference's loss and grads for a step run with these target
         options, where the target's math is not the plain model's (fsdp2's
