@@ -60,6 +60,13 @@ def draw_args(p) -> None:
                    help="fsdp2 also draws torch.compile (inductor) of each block, before or after fully_shard as "
                         "torchtitan does, and of the optimizer step; the reference stays eager. Off by default: a "
                         "compile costs seconds a case")
+    p.add_argument("--loop", default="all", metavar="FEATURES",
+                   help="the training loop drawn around the step, where the target takes it, comma-separated: "
+                        "clip (clip_grad_norm_ in every norm type, torchtitan's get_total_norm + "
+                        "clip_grads_with_norm_, clip_grad_value_, FSDP1's own), lr_scheduler (torch.optim.lr_scheduler, "
+                        "stepped every step and checkpointed), scaler (GradScaler / ShardedGradScaler with steps that "
+                        "overflow on purpose), async_save (dcp.async_save while training goes on); all (the "
+                        "default) or none. Each shrinks to not used")
     p.add_argument("--checkpoints", choices=["some", "all", "none"], default="some",
                    help="save mid-schedule and resume from a fresh model (full state dict, broadcast from rank 0, or "
                         "DCP files, at any of the world sizes) in some cases (default), every case, or none")
@@ -193,7 +200,25 @@ def strategy_kwargs(args) -> dict:
         out["models"] = model_families(args.models)
     if args.compile:
         out["compile"] = True
+    loop = loop_features(getattr(args, "loop", "none"))
+    if loop:
+        out["loop"] = loop
     return out
+
+
+def loop_features(text: str) -> tuple[str, ...]:
+    """``--loop``'s features: all, none, or a comma-separated list of them."""
+    from fuzzshard.strategies.loop import FEATURES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return FEATURES
+    if names == ["none"] or not names:
+        return ()
+    bad = [n for n in names if n not in FEATURES]
+    if bad:
+        raise UsageError(f"--loop: unknown feature(s) {bad} (known: {', '.join(FEATURES)}, or all / none)")
+    return tuple(names)
 
 
 def model_families(text: str) -> list[str]:

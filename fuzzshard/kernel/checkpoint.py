@@ -88,3 +88,27 @@ def _prefixed(prefix: str, m: dict | None) -> dict | None:
     if m:
         m["quantity"] = prefix + m["quantity"]
     return m
+
+
+def check_loaded_loop(case: Case, saved: dict | None, loaded: dict | None) -> list[dict]:
+    """The LR scheduler's and grad scaler's state right after the load vs what
+    was saved (kernel/loop.py: plain values), key by key: exact."""
+    if not saved and not loaded:
+        return []
+    out = []
+
+    def walk(path: str, got, want):
+        if isinstance(got, dict) and isinstance(want, dict):
+            for key in sorted(set(got) | set(want)):
+                walk(f"{path}.{key}", got.get(key), want.get(key))
+        elif isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
+            for i, (g, w) in enumerate(zip(got, want)):
+                walk(f"{path}[{i}]" if not isinstance(g, (dict, list)) else f"{path}.{i}", g, w)
+        elif got != want and not (got != got and want != want):  # NaN equals NaN
+            out.append(Mismatch(f"loaded.{path.split('[')[0]}", "", case.checkpoint.after,
+                                f"{got!r} loaded, {want!r} saved").to_dict())
+
+    walk("", loaded or {}, saved or {})
+    for m in out:
+        m["quantity"] = m["quantity"].replace("loaded..", "loaded.")
+    return out[:1] + out[1:8]  # the first is what names the finding; a few more say how far it goes

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import zlib
 
 import torch
@@ -203,6 +204,11 @@ def observed_values(observation: dict) -> list[tuple[str, str, object]]:
         out += [(f"state.{k}", fqn, v) for k, v in sorted(st.items())]
     for i, group in enumerate(observation.get("groups") or []):
         out += [(f"param_groups.{k}", f"group {i}", v) for k, v in sorted(group.items())]
+    # the training loop's (kernel/loop.py): the total grad norm, the grad scaler's scale, the scheduler's lrs
+    for fqn, v in sorted((observation.get("clip_norm") or {}).items()):
+        out.append(("clip_norm", fqn, v))
+    for key, v in sorted((observation.get("loop") or {}).items()):
+        out.append((f"loop.{key}", "", v))
     return out
 
 
@@ -238,16 +244,44 @@ def _replica_compare(values: list, digests: torch.Tensor, summaries: torch.Tenso
     n = dist.get_world_size(group)
     if n == 1 or bool((summaries == summaries[0]).all()):
         return []
-    every = [None] * n
-    dist.all_gather_object(every, [((q, f), (_kind(v), d)) for (q, f, v), d in zip(values, digests.tolist())],
-                           group=group)
+    every = _all_gather_objects([((q, f), (_kind(v), d)) for (q, f, v), d in zip(values, digests.tolist())], group)
     keys = sorted({k for held in every for k, _ in held}, key=lambda k: (k[0] != "grad", k))
     held = [dict(h) for h in every]
     differ = [k for k in keys if any(h.get(k) != held[0].get(k) for h in held)]
     mine = {(q, f): v for q, f, v in values}
-    copies = [None] * n
-    dist.all_gather_object(copies, [_portable(mine.get(k)) for k in differ], group=group)
+    copies = _all_gather_objects([_portable(mine.get(k)) for k in differ], group)
     return _compared(group, differ, copies)
+
+
+def _all_gather_objects(obj, group) -> list:
+    """Every rank's ``obj``, in group rank order (``dist.all_gather_object``).
+    Under LocalTensorMode (``--simulate``: every rank of the job in this
+    process) each rank's ``obj`` is here already, its LocalTensors and per-rank
+    ints (a LocalTensor's ``tolist()``) holding every rank's own: rank r's
+    ``obj`` is that with rank r's, as a real rank would have sent it."""
+    lt = sys.modules.get("torch.distributed._local_tensor")  # never imported: no LocalTensorMode
+    mode = lt.enabled_local_tensor_mode() if lt is not None else None
+    if mode is None:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, obj, group=group)
+        return every
+    ranks = dist.get_process_group_ranks(group) if group is not None else sorted(mode.ranks)
+    with mode.disable():  # what each rank holds: plain tensors, as a real rank's
+        return [_on_rank(obj, r, lt.LocalTensor) for r in ranks]
+
+
+def _on_rank(x, r: int, local_tensor: type):
+    """``x`` as simulated rank ``r`` holds it: each LocalTensor its tensor on ``r``, each per-rank int its int."""
+    if isinstance(x, local_tensor):
+        return x._local_tensors[r]
+    if isinstance(x, torch.SymInt):
+        ints = getattr(x.node, "_local_ints", None)  # a LocalIntNode; a ConstantIntNode is one int for all
+        return ints[r] if ints is not None else x.node.maybe_as_int()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_rank(v, r, local_tensor) for v in x)
+    if isinstance(x, dict):
+        return {k: _on_rank(v, r, local_tensor) for k, v in x.items()}
+    return x
 
 
 SUMMARY_WORDS = 5  # int64 an observation's summary takes

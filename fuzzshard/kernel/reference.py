@@ -17,6 +17,7 @@ import torch
 from ..case import Case
 from ..verdict import Mismatch, error_record, finding, invalid, passing
 from .localize import Trace, localize_divergence
+from .loop import Loop
 from .model import make_batch, out_dim, param_shapes
 from .optim import group_hparams, resume_defaults, state_by_fqn
 from .oracles import (SCALAR_STATE, UNIT_ROUNDOFF, compare, compare_hparams, compiled_scalar_state_tolerance,
@@ -48,19 +49,25 @@ def reference_error(case: Case, device: str, target_cls) -> dict | None:
     """Run the plain reference schedule un-anchored; its exception's record, if any."""
     try:
         model, opt = setup(case, device)
+        loop = Loop(case, opt)
         for k, step in enumerate(case.schedule):
             before_step(model, opt, case, k)
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
             options, world = options_at(case, k)
+            scaled = loop.scale_loss(k) or (lambda t: t)
             own = target_cls.reference_loss_grads(case, model, options, world, x, y)  # the same casts, or errors
             if own is not None:
+                loss = own[0]
                 for n, p in model.named_parameters():
-                    p.grad = own[1][n]
+                    p.grad = None if own[1][n] is None else scaled(own[1][n])
             else:
                 x, y, scale = target_cls.reference_batch(case, k, x, y)
-                (target_cls.objective(model, x, y, options) * scale).backward()
-            opt.step()
+                loss = target_cls.objective(model, x, y, options) * scale
+                scaled(loss).backward()
+            loop.unscale()
+            loop.clip(list(model.parameters()))
+            loop.step(loss.detach())
     except Exception as e:
         return error_record(e)
     return None
@@ -123,6 +130,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                 twins[d] = setup(case, d)
     except Exception as e:
         return invalid(f"reference rejects the config: {error_record(e)['text']}")
+    loops = {d: Loop(case, o) for d, (_, o) in twins.items()}  # the loop around each twin's step (loop.py)
     red_tol = reduction_tolerance(case.dtype, reduction_length(case))
     numel = max([p.numel() for p in model.parameters()] or [1])
     step_tol = step_tolerance_for(case, numel, target_cls)
@@ -165,10 +173,12 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                 traced = trace.take()
                 trace.remove()
 
+            overflow = loops[device].overflows(k)  # the loss made infinite on purpose: no grads to compare
+
             def loss_and_grads(sens: dict) -> list:
                 out = [compare("loss", k, "", rec["loss"], loss.detach(), tol, sens=sens.get("loss", 0.0))]
                 out += [compare("grad", k, n, rec["grads"][n], grads[n], tol, sens=sens.get(n, 0.0),
-                                extra=extra.get(n)) for n in params]
+                                extra=extra.get(n)) for n in params if not overflow]
                 return [m for m in out if m]
 
             with part("compare"):
@@ -191,7 +201,9 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                 for n, p in stepper[0].named_parameters():
                     g = rec["grads"][n]
                     p.grad = None if g is None else g.to(p.device).clone()
-            stepper[1].step()
+            with part("compare"):
+                mismatches += _loop_step(case, k, loops, step_device(options_at(case, k)[0], device), stepper, rec,
+                                         red_tol)
         except Exception as e:
             ref_error = reference_error(case, device, target_cls)
             if ref_error is not None:
@@ -219,6 +231,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             stepped += _compare_state(k, rec["state"], state_by_fqn(opt_s, model_s, lambda t: t), step_tol, rel,
                                       state_extra)
             stepped.append(compare_hparams(k, rec["groups"], group_hparams(opt_s)))
+            stepped += _compare_loop(k, rec.get("loop") or {}, loops[step_device(options_at(case, k)[0], device)])
             for m in stepped:  # a fused step that read a non-contiguous grad: part of what names the bug
                 if m and m["fqn"] in rec.get("noncontig", ()):
                     m["grad"] = "non-contiguous"
@@ -265,3 +278,64 @@ def _grad_uncertainty(case: Case, rec: dict) -> dict:
         delta = (2 * (parts - 1) + 1) * u * abs_sum.to(g.device)
         out[n] = delta / g.abs().clamp_min(torch.finfo(g.dtype).tiny)
     return out
+
+
+# ---- the training loop around the step (loop.py): scaler, clipping, scheduler ----
+
+EXACT = {"k_ulps": 0, "u": 0.0, "why": "the same numbers on both sides: exact"}
+
+
+def clip_tolerance(case: Case, tol: dict, numel: int) -> dict:
+    """A total grad norm, and grads scaled by max_norm / norm, from the sharded
+    grads: the norm is a reduction over every grad element (in per-shard
+    partial norms, then across ranks, in another order than the plain one), so
+    ``reduction_tolerance`` of that length on top of the grads' own; the
+    infinity norm is a max: exact, but for the grads it was read from."""
+    if case.clip.norm_type == "inf":
+        return tol
+    n = numel + 2 * len(case.groups) + 2  # the elements, a norm per tensor and the stacked norm's terms
+    red = reduction_tolerance(case.dtype, n)
+    return {**red, "k_ulps": red["k_ulps"] + tol["k_ulps"] + 4,
+            "why": f"a norm over {numel} grad elements reduced in another order: {red['why']}"}
+
+
+def _loop_step(case: Case, k: int, loops: dict, at: str, stepper: tuple, rec: dict, tol: dict) -> list:
+    """Step the reference from the sharded grads (set on ``stepper``'s params)
+    through the loop around it, as the sharded run did: the scaler's unscale
+    (of the grads scaled by its current scale: the same powers of two, exact),
+    the clip (its norm and clipped grads compared with the sharded run's, and
+    then the sharded clipped grads stepped), the step (skipped on a non-finite
+    grad), the scaler's update and the scheduler's step (fed the sharded loss)."""
+    loop, (model_s, opt_s) = loops[at], stepper
+    out = []
+    if loop.scaler:
+        scale = loop.scaler.scale(torch.ones((), device=next(model_s.parameters(), torch.zeros(())).device))
+        with torch.no_grad():
+            for p in model_s.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale.to(p.grad.dtype))
+        loop.unscale()
+    if case.clip:
+        params = dict(model_s.named_parameters())
+        numel = sum(p.numel() for p in params.values() if p.grad is not None)
+        clip_tol = clip_tolerance(case, tol, numel)
+        norm = loop.clip(list(params.values()))
+        if norm is not None:
+            out.append(compare("clip_norm", k, "", rec.get("clip_norm"), norm, clip_tol))
+        for n, p in params.items():
+            out.append(compare("clipped_grad", k, n, rec["clipped"][n], p.grad, clip_tol))
+        with torch.no_grad():  # the step from the sharded clipped grads: isolates the optimizer again
+            for n, p in params.items():
+                g = rec["clipped"][n]
+                p.grad = None if g is None else g.to(p.device).clone()
+    loop.step(rec["loss"])
+    for d, other in loops.items():  # a twin that did not step keeps the same lrs
+        if d != at:
+            other.step_lr(rec["loss"])
+    return out
+
+
+def _compare_loop(k: int, got: dict, loop) -> list:
+    """The scale and the scheduler's last lrs after step k: exact (they are not computed from the data)."""
+    want = loop.observe()
+    return [compare(f"loop.{key}", k, "", got.get(key), want.get(key), EXACT) for key in sorted(set(got) | set(want))]

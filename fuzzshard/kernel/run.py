@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..case import Case
 from ..verdict import error_record, finding, invalid, passing
-from .checkpoint import check_loaded, check_saved
+from .checkpoint import check_loaded, check_loaded_loop, check_saved
 from .gather import gather_batch
 from .localize import Trace
 from .model import build_model, make_batch
@@ -95,7 +95,7 @@ def replica_mismatches_by_step(case: Case, obs: dict) -> tuple[int, list[dict]] 
     load (step ``checkpoint.after``, quantities "loaded.*") what it gave."""
     ck = case.checkpoint
     for k, rec in enumerate(obs["steps"]):
-        for key in ("replica_grads", "replica_step"):
+        for key in ("replica_grads", "replica_clip", "replica_step"):
             if rec.get(key):
                 return k, [{**m, "step": k} for m in rec[key]]
         if ck and k == ck.after and (obs.get("loaded") or {}).get("replica"):
@@ -107,7 +107,8 @@ def _check_round_trip(case: Case, obs: dict, device: str) -> list[dict]:
     """The saved and loaded oracles (checkpoint.py) over a run's observations."""
     rec = obs["steps"][case.checkpoint.after]
     mismatches = check_saved(case, obs["saved"], rec, device) if obs["saved"] else []
-    return mismatches + check_loaded(case, obs["loaded"], rec)
+    return mismatches + check_loaded(case, obs["loaded"], rec) + check_loaded_loop(case, obs.get("saved_loop"),
+                                                                                   obs["loaded"].get("loop"))
 
 
 def run_bare(case: Case, meshes, target_cls, device: str, reporter: bool, timings: dict | None = None) -> dict | None:
@@ -123,11 +124,12 @@ def run_bare(case: Case, meshes, target_cls, device: str, reporter: bool, timing
                     target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
                     model, _ = _sharded_model(target, case, case.seed, device, flags=())
                     opt = target.optimizer(model)
+                    loop = target.loop(opt, model)
                     nothing = dict  # the same steps as a checked run, observing nothing
                     with target.uneven(model, opt, nothing, nothing, lambda rec: None) as runs:
-                        _steps(case, target, model, opt, [k for k in range(len(case.schedule)) if runs(k)], device,
-                               keep=False, trace=None, phase=lambda kind, name: None, out=[],
-                               observe_grads=nothing, observe_step=nothing)
+                        _steps(case, target, model, opt, loop, [k for k in range(len(case.schedule)) if runs(k)],
+                               device, keep=False, trace=None, phase=lambda kind, name: None, out=[],
+                               observe_grads=nothing, observe_step=nothing, observe_clipped=lambda norm: {})
     except Exception as e:
         return invalid(f"bare run raised: {error_record(e)['text']}")
     return passing() if reporter else None
@@ -211,15 +213,19 @@ def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, locali
                 model, obs["init"] = _sharded_model(target, case, case.seed, device, flags=())
                 phase("ctor", "optimizer constructor")
                 opt = target.optimizer(model)
+                loop = target.loop(opt, model)
                 phase("other", "gather initial optimizer state")
                 with clock("gathers"):
                     obs["init_state"] = target.optimizer_state(opt, model)  # some optimizers fill state in __init__
                 last = ck.after if ck else len(case.schedule) - 1
-                obs["steps"] += _train(case, target, model, opt, range(last + 1), device, keep, localize, phase, clock)
+                obs["steps"] += _train(case, target, model, opt, loop, range(last + 1), device, keep, localize, phase,
+                                       clock)
                 if ck:
                     phase("save", "checkpoint save")
                     with clock("checkpoint"):
                         obs["saved"] = target.save(model, opt, ckpt_dir, meshes.group(case.world_size))
+                        # the scheduler's and scaler's state beside them (a DCP Stateful or torch.save)
+                        obs["saved_loop"] = loop.save(ckpt_dir, ck.kind, meshes.group(case.world_size))
         if ck:
             phase("other", "checkpoint barrier")
             dist.barrier(group=meshes.group(case.ranks))  # the files are complete
@@ -251,19 +257,22 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
         target = target_cls(lcase, meshes.mesh(ck.world_size, ck.mesh_shape))
     model, fresh = _sharded_model(target, case, case.seed + 1, device, flags=case.schedule[:ck.after + 1])
     opt = target.optimizer(model, lr_scale=RESUME_LR_SCALE)
+    loop = target.loop(opt, model)  # built before the load, as torchtitan builds its schedulers
     phase("load", "checkpoint load")
     with clock("checkpoint"):
         target.load(model, opt, ckpt_dir, meshes.group(ck.world_size))
+        loaded_loop = loop.load(ckpt_dir, ck.kind, meshes.group(ck.world_size))
     phase("load", "checkpoint load: gather")
     with clock("gathers"), gather_batch() as batch:
         loaded = {"params": target.params(model), "fresh": {n: fresh[n] for n in ck.missing},
                   "state": target.optimizer_state(opt, model), "groups": target.group_hparams(opt)}
         # what a load gives every replica is a copy of one checkpoint: compared whatever the device
         loaded["replica"] = batch.watch({k: loaded[k] for k in ("params", "state", "groups")})
+    loaded["loop"] = loaded_loop
     if keep:
         obs["loaded"] = loaded
-    obs["steps"] += _train(lcase, target, model, opt, range(ck.after + 1, len(case.schedule)), device, keep, localize,
-                           phase, clock)
+    obs["steps"] += _train(lcase, target, model, opt, loop, range(ck.after + 1, len(case.schedule)), device, keep,
+                           localize, phase, clock)
 
 
 def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
@@ -286,7 +295,7 @@ def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
     return model, init
 
 
-def _train(case: Case, target, model, opt, steps, device: str, keep: bool, localize: bool, phase,
+def _train(case: Case, target, model, opt, loop, steps, device: str, keep: bool, localize: bool, phase,
            clock: Clock) -> list[dict]:
     """Run schedule steps ``steps``; the record of each when ``keep``."""
     trace = Trace(model, target.full_activation, target.full_activation_grad, target.trace_points(case),
@@ -303,16 +312,25 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
             rec["replica_grads"] = batch.watch({k: rec[k] for k in ("grads",) if k in compared})
         return rec
 
+    def observe_clipped(norm) -> dict:  # collectives over the job, after clipping
+        with clock("gathers"), gather_batch() as batch:
+            rec = {"clipped": target.grads(model), "clip_norm": norm}
+            # every rank's copy of the total norm is the same number (a user logs and clips by it)
+            rec["replica_clip"] = batch.watch({"clip_norm": {"": norm}} if norm is not None else {})
+        return rec
+
     def observe_step() -> dict:  # collectives over the job, after the step
         with clock("gathers"), gather_batch() as batch:
             rec = {"params": target.params(model), "state": target.optimizer_state(opt, model),
-                   "groups": target.group_hparams(opt)}
-            rec["replica_step"] = batch.watch({k: rec[k] for k in ("params", "state", "groups") if k in compared})
+                   "groups": target.group_hparams(opt), "loop": loop.observe()}
+            watched = [k for k in ("params", "state", "groups") if k in compared] + (["loop"] if rec["loop"] else [])
+            rec["replica_step"] = batch.watch({k: rec[k] for k in watched})
         return rec
 
     with target.uneven(model, opt, observe_grads, observe_step, out.append if keep else lambda rec: None) as runs:
         mine = [k for k in steps if runs(k)]
-        _steps(case, target, model, opt, mine, device, keep, trace, phase, out, observe_grads, observe_step)
+        _steps(case, target, model, opt, loop, mine, device, keep, trace, phase, out, observe_grads, observe_step,
+               observe_clipped)
         if len(mine) < len(steps):  # the target's uneven inputs: the rest of the steps are shadowed on leaving
             phase("other", "joined: shadowing the other ranks' steps (uneven inputs)")
     if trace:
@@ -320,8 +338,8 @@ def _train(case: Case, target, model, opt, steps, device: str, keep: bool, local
     return out
 
 
-def _steps(case: Case, target, model, opt, steps, device: str, keep: bool, trace, phase, out: list,
-           observe_grads, observe_step) -> None:
+def _steps(case: Case, target, model, opt, loop, steps, device: str, keep: bool, trace, phase, out: list,
+           observe_grads, observe_step, observe_clipped) -> None:
     for k in steps:
         step = case.schedule[k]
         target.apply_flags(model, step)
@@ -332,13 +350,26 @@ def _steps(case: Case, target, model, opt, steps, device: str, keep: bool, trace
         opt.zero_grad(set_to_none=step.set_to_none)
         phase("fwdbwd", f"step {k}: forward/backward")
         x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
-        full_loss = target.forward_backward(model, x, y)
+        target.scale_loss = loop.scale_loss(k)  # the grad scaler's, else None
+        try:
+            full_loss = target.forward_backward(model, x, y)
+        finally:
+            target.scale_loss = None
         traced = trace.take() if trace else None
+        if loop.scaler:
+            phase("step", f"step {k}: scaler.unscale_")
+            loop.unscale()
         phase("other", f"step {k}: gather grads")
         grads = observe_grads()
+        clipped = {}
+        if case.clip:
+            phase("clip", f"step {k}: clip grads ({case.clip.how})")
+            norm = loop.clip(list(model.parameters()))
+            phase("other", f"step {k}: gather clipped grads")
+            clipped = observe_clipped(norm)
         phase("step", f"step {k}: optimizer.step")
-        opt.step()
+        loop.step(full_loss)
         phase("other", f"step {k}: gather params and state")
-        rec = {"loss": full_loss.detach().clone(), **grads, **observe_step(), "trace": traced}
+        rec = {"loss": full_loss.detach().clone(), **grads, **clipped, **observe_step(), "trace": traced}
         if keep:
             out.append(rec)

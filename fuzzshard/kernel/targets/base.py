@@ -59,6 +59,11 @@ class Spec:
     facts: Callable | None = None  # (case) -> {name: value}: derived facts a known finding's trigger can name
     models: tuple = ()  # a plugin's models this target takes, and only those (a parallelism written for them)
     component: str = ""  # the system under test as PyTorch's issue titles name it ("[FSDP2] ..."; upstream.py)
+    # the training loop around the step it takes (kernel/loop.py; strategies/loop.py draws only these): the
+    # clip forms ("norm", "two_part", "value", "own": its own clip_grad_norm_), an LR scheduler, a grad scaler
+    clips: tuple = ()
+    lr_scheduler: bool = False
+    scaler: bool = False
 
 
 class Target:
@@ -194,8 +199,37 @@ class Target:
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Fill the grads for the global batch ``x``; return the global mean loss."""
         loss, full_loss = self.loss(model, x, y)
-        loss.backward()
+        self.backward(loss)
         return full_loss
+
+    # the training loop's loss scaling for the step running (kernel/loop.py: GradScaler.scale), or None
+    scale_loss = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, of the loss as the loop scales it (every target's backward goes through here)."""
+        (self.scale_loss(loss) if self.scale_loss else loss).backward()
+
+    def grad_scaler(self, **kwargs):
+        """The grad scaler a user pairs with this target (torch.amp.GradScaler;
+        FSDP's ShardedGradScaler where the target shards grads)."""
+        return torch.amp.GradScaler(self.mesh.device_type, **kwargs)
+
+    def clip_own(self, model: nn.Module):
+        """The target's own clip_grad_norm_(max_norm, norm_type) (FSDP1's), for a Clip of how "own"."""
+        raise NotImplementedError(f"{self.name} has no clip_grad_norm_ of its own")
+
+    def full_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """A total grad norm as a user reads it: a DTensor's ``full_tensor()`` (torchtitan's), else itself."""
+        from torch.distributed.tensor import DTensor
+
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def loop(self, opt, model: nn.Module):
+        """The training loop around this target's step (kernel/loop.py)."""
+        from ..loop import Loop
+
+        return Loop(self.case, opt, scaler=self.grad_scaler, full=self.full_norm, own=self.clip_own(model) if (
+            self.case.clip and self.case.clip.how == "own") else None)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         """A full plain copy of a param, grad or state tensor."""

@@ -67,7 +67,7 @@ def distribute_params(model: nn.Module, mesh, placements: dict) -> list[nn.Modul
 class DTensorTarget(Target):
     name = "dtensor"
     spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
-                component="DTensor")
+                component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
     local_replicas = True  # a Replicate param's grad: each rank's own backward on replicated activations
 
     def shard(self, model: nn.Module) -> nn.Module:

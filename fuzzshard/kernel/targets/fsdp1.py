@@ -157,7 +157,7 @@ class FSDP1Target(Target):
         per = x.shape[0] // world
         r = self.dp_rank()
         loss = loss_fn(model(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per])
-        loss.backward()
+        self.backward(loss)
         for p in self.ignored:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self._job_group())

@@ -376,7 +376,8 @@ class FSDP2Target(Target):
     name = "fsdp2"
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
-                seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2")
+                seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:
@@ -496,7 +497,7 @@ class FSDP2Target(Target):
                 model.set_requires_gradient_sync(i == k - 1)
             with self._loss_context():
                 loss = self.objective(model, xm, ym, self.case.target_options) / k
-                loss.backward()
+                self.backward(loss)
             losses.append(loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach())
         # the global mean is an observation, summed in float64: a bfloat16 loss (mixed precision) summed in
         # its own dtype over the ranks would round where the reference's does not

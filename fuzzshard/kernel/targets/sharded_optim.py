@@ -117,7 +117,7 @@ class ShardedOptimTarget(Target):
         sharded = {n: p for n, p in model.named_parameters() if _is_sharded(p)}
         copies = {n: self.full(p).detach().requires_grad_(p.requires_grad) for n, p in sharded.items()}
         loss = loss_fn(torch.func.functional_call(model, copies, (x,)), y)
-        loss.backward()
+        self.backward(loss)
         for n, p in sharded.items():
             g = copies[n].grad
             if g is None:

@@ -75,7 +75,8 @@ class TPTarget(DTensorTarget):
     # tp_empty_shard trigger names fully_shard's bug with an empty TP shard, which TP alone does not meet
     known_as = ("dtensor", "fsdp2")
     spec = Spec(options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
-                coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP")
+                coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP",
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
 
     @property
     def localizable(self) -> bool:
@@ -110,5 +111,5 @@ class TPTarget(DTensorTarget):
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with loss_context(self.case.target_options):
             loss, full = self.loss(model, x, y)
-            loss.backward()
+            self.backward(loss)
         return full.detach()

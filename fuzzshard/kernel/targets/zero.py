@@ -320,7 +320,7 @@ class ZeroTarget(Target):
         world, rank = self._world(), dist.get_rank(self.group)
         per = x.shape[0] // world
         loss = loss_fn((self.ddp or model)(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
-        loss.backward()
+        self.backward(loss)
         if self.ddp is None:
             for p in model.parameters():
                 if p.grad is not None:
