@@ -185,6 +185,8 @@ class Case:
         if not 0 <= self.optim.added_at < max(len(self.schedule), 1) or (self.optim.added_at and not self.optim.added_groups):
             raise CaseError(f"param groups added before step {self.optim.added_at}: the schedule has "
                             f"{len(self.schedule)} steps and {self.optim.added_groups} added groups")
+        if self.scaler and not all(0 <= k < len(self.schedule) for k in self.scaler.overflow):
+            raise CaseError(f"an overflow at steps {list(self.scaler.overflow)}: the schedule has {len(self.schedule)} steps")
         if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):
             raise CaseError(f"checkpoint after step {self.checkpoint.after}: the schedule has {len(self.schedule)} steps")
         from . import targets  # what this target's options may be is said in its module

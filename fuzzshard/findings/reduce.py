@@ -89,16 +89,30 @@ def size(case: Case) -> tuple:
     mentions = (len(case.frozen) + sum(len(s.freeze) + len(s.unfreeze) for s in case.schedule)
                 + (len(ck.missing) if ck else 0))
     options = _count(case.target_options) + (_count(ck.target_options) if ck else 0)
-    ck_extras = (ck.split + (not ck.strict) + ck.unexpected + (ck.target_options != case.target_options)) if ck else 0
+    ck_extras = (ck.split + (not ck.strict) + ck.unexpected + (ck.target_options != case.target_options)
+                 + bool(ck.async_save)) if ck else 0
     optim = case.optim
     extras = (len(optim.kwargs) + bool(optim.tensor_lr) + optim.named + optim.added_groups + optim.added_at
-              + sum(len(g.overrides) for g in case.groups))
+              + sum(len(g.overrides) for g in case.groups) + _loop_size(case))
     elements = sum(math.prod(s) for s in shapes.values())
     rest = (model.d_in + _kernels(model.layers) + (model.sizes.get("norm") == "layer")
             + sum(v for k, v in model.sizes.items() if type(v) is int and k != "n_layers"))
     return (case.ranks, sum(w + len(m) for w, m in sides), ck is not None, structure, len(shapes),
             len(case.schedule), len(case.groups), mentions, options, ck_extras, extras,
             case.batch, case.seq, 8 if case.dtype == "float64" else 4, elements, rest)
+
+
+def _loop_size(case: Case) -> int:
+    """The training loop's part of a case (kernel/loop.py): each feature used, and what it does beyond its plainest form."""
+    clip, sched, scaler = case.clip, case.lr_scheduler, case.scaler
+    n = 0
+    if clip:
+        n += 1 + (clip.how != "norm") + (clip.norm_type != "2") + (clip.foreach is not None) + clip.error_if_nonfinite
+    if sched:
+        n += 1 + 2 * len(sched.children)
+    if scaler:
+        n += 1 + len(scaler.overflow)
+    return n
 
 
 def _count_layers(layers) -> int:
@@ -479,6 +493,8 @@ def _step_edits(data: dict) -> Iterator[Edit]:
         optim["added_at"] = min(optim["added_at"], n - 2)
         if "uneven" in new["target_options"]:  # zero: one rank still runs every step
             new["target_options"]["uneven"] = [min(c, n - 1) for c in new["target_options"]["uneven"]]
+        if new.get("scaler"):  # the overflows stay at the steps they were drawn for
+            new["scaler"]["overflow"] = [j - (j > k) for j in new["scaler"]["overflow"] if j != k]
         yield f"drop step {k}", new
 
 
@@ -611,5 +627,34 @@ def _torch_defaults(name: str) -> dict:
 
 
 # in order: the edits that remove most first
+def _loop_edits(data: dict) -> Iterator[Edit]:
+    """The training loop around the step (kernel/loop.py), each feature dropped
+    or made plainer: no clip, no scheduler, no scaler, no overflow at a step, a
+    blocking save; clip_grad_norm_ in its plainest form; SequentialLR or
+    ChainedScheduler as one of its children."""
+    def changed(what, **fields) -> Edit:
+        new = copy.deepcopy(data)
+        new.update(fields)
+        return what, new
+
+    clip, sched, scaler, ck = data.get("clip"), data.get("lr_scheduler"), data.get("scaler"), data.get("checkpoint")
+    if clip:
+        yield changed("no clipping", clip=None)
+        plain = {"how": "norm", "norm_type": "2", "foreach": None, "error_if_nonfinite": False}
+        for key, value in plain.items():
+            if clip[key] != value and not (key == "how" and clip["how"] == "own"):
+                yield changed(f"clip: {key} {clip[key]} -> {value}", clip={**clip, key: value})
+    if sched:
+        yield changed("no LR scheduler", lr_scheduler=None)
+        for i, child in enumerate(sched["children"]):
+            yield changed(f"{sched['name']} -> its scheduler {i} ({child['name']})", lr_scheduler=child)
+    if scaler:
+        yield changed("no grad scaler", scaler=None)
+        for k in scaler["overflow"]:
+            yield changed(f"no overflow at step {k}", scaler={**scaler, "overflow": [j for j in scaler["overflow"] if j != k]})
+    if ck and ck.get("async_save"):
+        yield changed("a blocking save", checkpoint={**ck, "async_save": ""})
+
+
 EDITS = (_world_edits, _layer_drops, _model_flags, _decoder_edits, _step_edits, _group_edits, _flag_edits,
-         _checkpoint_edits, _option_edits, _optim_edits, _size_edits, _layer_details)
+         _checkpoint_edits, _option_edits, _optim_edits, _loop_edits, _size_edits, _layer_details)
