@@ -185,6 +185,10 @@ class Case:
         if not 0 <= self.optim.added_at < max(len(self.schedule), 1) or (self.optim.added_at and not self.optim.added_groups):
             raise CaseError(f"param groups added before step {self.optim.added_at}: the schedule has "
                             f"{len(self.schedule)} steps and {self.optim.added_groups} added groups")
+        if self.scaler and self.optim.added_at:
+            # GradScaler.unscale_ unscales the optimizer's params' grads only: a param that joins later keeps
+            # a scaled grad (accumulated over the steps before it joins), which no user's loop steps with
+            raise CaseError("a grad scaler with param groups added mid-run: their params' grads stay scaled")
         if self.scaler and not all(0 <= k < len(self.schedule) for k in self.scaler.overflow):
             raise CaseError(f"an overflow at steps {list(self.scaler.overflow)}: the schedule has {len(self.schedule)} steps")
         if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):

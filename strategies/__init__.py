@@ -22,6 +22,7 @@ from fuzzshard.case import Case, Checkpoint, Group, Optim, Step, mesh_shapes
 from fuzzshard.kernel.state_io import STATE_DICT_KINDS
 from fuzzshard.kernel.model import param_shapes, tied_modules
 
+from .loop import loop_features
 from .models import models
 from .optimizers import NOT_ELEMENTWISE, ONLY_2D, default_optimizers, group_overrides, optimizer_kwargs
 
@@ -182,6 +183,7 @@ def cases(
     steer: dict | None = None,
     mesh_dims: int = 2,
     dims_up_to_world: bool = False,
+    loop=(),
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
     into every case, False into none (targets whose spec has checkpoint kinds).
@@ -194,7 +196,10 @@ def cases(
     Each a list, a cell as many times as its weight.
     ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py).
     ``dims_up_to_world``: a topology's dims drawn up to max(9, world size), not 9 (a simulated session's: at
-    64 ranks, dims of 1-9 leave most shards empty); they shrink towards 1 as always."""
+    64 ranks, dims of 1-9 leave most shards empty); they shrink towards 1 as always.
+    ``loop``: the training loop's features drawn around the step, of strategies/loop.py's FEATURES ("clip",
+    "lr_scheduler", "scaler", "async_save"), where the target takes them; none by default (the draws stay as
+    they were)."""
     spec = spec_of(target)
     steer = steer or {}
     plan = draw(st.sampled_from(steer["plan"])) if steer.get("plan") else None
@@ -262,4 +267,6 @@ def cases(
         case = dataclasses.replace(case, optim=dataclasses.replace(optim, added_groups=added, added_at=added_at))
     if spec.late_options:  # the target's options that depend on the whole case: drawn last of all
         case = dataclasses.replace(case, target_options=spec.late_options(draw, case))
+    if loop:  # the training loop around the step (strategies/loop.py): after everything, so the draws before stay
+        case = dataclasses.replace(case, **draw(loop_features(spec, case, loop)))
     return case

@@ -84,13 +84,13 @@ def scalers(draw, n_steps: int) -> Scaler | None:
 
 
 @st.composite
-def loop_features(draw, spec, n_steps: int, features) -> dict:
+def loop_features(draw, spec, case, features) -> dict:
     """The Case fields of the loop features asked for that the target takes."""
     out = {}
     if "clip" in features and spec.clips:
         out["clip"] = draw(clips(spec.clips))
     if "lr_scheduler" in features and spec.lr_scheduler:
-        out["lr_scheduler"] = draw(lr_schedulers(n_steps))
-    if "scaler" in features and spec.scaler:
-        out["scaler"] = draw(scalers(n_steps))
+        out["lr_scheduler"] = draw(lr_schedulers(len(case.schedule)))
+    if "scaler" in features and spec.scaler and not case.optim.added_at:  # (Case.check_world says why)
+        out["scaler"] = draw(scalers(len(case.schedule)))
     return out
