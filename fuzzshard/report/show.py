@@ -47,6 +47,7 @@ def render(finding: Finding) -> str:
     for k, s in enumerate(c.schedule):
         extra = "".join([f", freeze {', '.join(s.freeze)}" if s.freeze else "", f", unfreeze {', '.join(s.unfreeze)}" if s.unfreeze else ""])
         lines.append(f"  step {k}: zero_grad(set_to_none={s.set_to_none}){extra}")
+    lines += _loop(c)
     lines += _options("target options", c.target_options)
     ck = c.checkpoint
     if ck:
@@ -56,6 +57,7 @@ def render(finding: Finding) -> str:
         how = targets.get(c.target).spec.checkpoint_kinds.get(ck.kind, ck.kind)  # each target says how
         api = "set_model_state_dict + set_optimizer_state_dict" if ck.split else "set_state_dict"
         api = f", with {api}, strict={ck.strict}" if ck.kind in STATE_DICT_KINDS else ""
+        how += f", saved with dcp.async_save ({ck.async_save}) while training goes on" if ck.async_save else ""
         lines += [f"checkpoint after step {ck.after}: {how}",
                   f"  load on {ck.world_size} rank(s), mesh {ck.mesh_shape}{api}"]
         if ck.missing or ck.unexpected:
@@ -63,6 +65,33 @@ def render(finding: Finding) -> str:
             lines.append(f"  the model state dict loaded {' and '.join(keys)}")
         lines += _options("  loading side's target options", ck.target_options, "  ")
     return "\n".join(lines)
+
+
+def _loop(c) -> list[str]:
+    """The training loop around the step (kernel/loop.py), each feature the case uses on a line."""
+    out = []
+    if c.scaler:
+        s = c.scaler
+        over = f", the loss made infinite at step(s) {', '.join(map(str, s.overflow))}" if s.overflow else ""
+        out.append(f"scaler    init_scale={s.init_scale:g}, growth_factor={s.growth_factor:g}, "
+                   f"backoff_factor={s.backoff_factor:g}, growth_interval={s.growth_interval}{over}")
+    if c.clip:
+        k = c.clip
+        call = {"norm": "clip_grad_norm_", "two_part": "get_total_norm + clip_grads_with_norm_",
+                "value": "clip_grad_value_", "own": "the target's own clip_grad_norm_"}.get(k.how, k.how)
+        flags = "" if k.how == "value" else f", norm_type={k.norm_type}"
+        flags += f", foreach={k.foreach}" if k.foreach is not None else ""
+        flags += ", error_if_nonfinite=True" if k.error_if_nonfinite else ""
+        out.append(f"clip      {call}({k.max_norm:g}{flags}) after backward")
+    if c.lr_scheduler:
+        out.append(f"lr        {_scheduler(c.lr_scheduler)}, stepped after every step")
+    return out
+
+
+def _scheduler(s) -> str:
+    args = ", ".join(f"{k}={v}" for k, v in sorted(s.kwargs.items()))
+    inner = ", ".join(_scheduler(child) for child in s.children)
+    return f"{s.name}({', '.join(a for a in ([f'[{inner}]'] if inner else []) + ([args] if args else []))})"
 
 
 def _root_cause(rid: str) -> str:

@@ -53,7 +53,7 @@ PAIRS = "world x optimizer"  # steered, counted, but not a table row: optimizers
 OPTIMIZER_DIMS = ("optimizer", PAIRS, "optimizer flag")  # what a known bug before the first step says nothing of
 STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype")
 DIMENSIONS = ("optimizer", "optimizer flag", "world x checkpoint", "mesh", "dtype", "model", "target option",
-              "groups", "frozen", "steps")
+              "groups", "frozen", "steps", "loop")
 
 
 def _opt_flags(optim) -> list[str]:
@@ -110,11 +110,26 @@ def features(case) -> list[tuple[str, str]]:
     flips = any(s.freeze or s.unfreeze for s in case.schedule)
     out.append(("frozen", ("frozen" if case.frozen else "none frozen") + (", flipped mid-run" if flips else "")))
     out.append(("steps", f"{len(case.schedule)} step(s)"))
+    out += [("loop", f) for f in loop_cells(case)]
     m = case.model
     if not m.factory:  # a drawn topology: its input and the kinds of layer it has
         out.append(("model", f"{m.input} in"))
         out += [("model", f"layer {k}") for k in dict.fromkeys(layer.kind for layer in m.layers) if k in KINDS]
     return out
+
+
+def loop_cells(case) -> list[str]:
+    """The training loop around the step a case used (kernel/loop.py): a cell per feature and its form."""
+    out = []
+    if case.clip:
+        out.append(f"clip {case.clip.how}" + (f" norm {case.clip.norm_type}" if case.clip.how != "value" else ""))
+    if case.lr_scheduler:
+        out.append(f"lr {case.lr_scheduler.name}")
+    if case.scaler:
+        out.append("scaler" + (" with overflow" if case.scaler.overflow else ""))
+    if case.checkpoint and case.checkpoint.async_save:
+        out.append(f"async save {case.checkpoint.async_save}")
+    return out or ["none"]
 
 
 def stepped(verdict) -> bool:
