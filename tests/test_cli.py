@@ -124,3 +124,9 @@ def test_version_says_fuzzshard_torch_and_python_in_one_line():
     assert r.stdout == f"fuzzshard {fuzzshard.__version__}, torch {torch.__version__}, python {platform.python_version()}\n"
     assert fuzzshard.__version__ == importlib.metadata.version("fuzzshard")  # one version: pyproject.toml's
     assert environment(None, "gloo")["fuzzshard"] == fuzzshard.__version__  # every finding file records it
+
+
+def test_flags_that_go_with_another_say_so_and_unknown_loop_features_are_named():
+    _one_line_error(run_cli("known", "--sample", 2), "--sample goes with --check")
+    _one_line_error(run_cli("known", "--json", "x.json"), "--json goes with --check")
+    _one_line_error(run_cli("fuzz", "--loop", "clip,warp", "--max-examples", 1), "--loop", "warp", "lr_scheduler")

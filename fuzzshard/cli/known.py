@@ -14,7 +14,9 @@ def add(sub) -> None:
                        "shows, where it stands upstream, its findings. A session counts a known finding as a known "
                        "hit, not a new one. --check replays every one on this torch; --minimal runs the "
                        "hand-reduced scripts.")
-    k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces")
+    k.add_argument("--check", action="store_true", help="replay each and say whether it still reproduces; exit 0 "
+                   "when every one is as recorded (reproduces, or cannot run here), 1 when one is fixed or fails "
+                   "differently")
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
     k.add_argument("--sample", type=int, metavar="N", help="with --check: only N root causes, one finding each "
                    "(the smallest cases on at most 2 ranks): a quick check of another torch (ci/version_smoke.sh)")
@@ -31,6 +33,9 @@ def run(args) -> int:
     from ..findings.judge import judge
     from ..findings.rootcause import load_root_causes
 
+    if (args.sample or args.json) and not args.check:
+        raise UsageError(f"{'--sample' if args.sample else '--json'} goes with --check (it says what a check replays "
+                         "or writes)")
     known = load_known()
     if not known:
         print("no known findings")
@@ -54,7 +59,8 @@ def run(args) -> int:
 
                 ranks = min(ranks, torch.cuda.device_count())
             pool = start_pool(args, ranks)
-    print(f"{len(causes)} root causes behind {len(known)} known findings in torch (--markdown: the table with "
+    listed = sum(1 for rc in causes.values() if rc.signatures)  # the header counts what the list below shows
+    print(f"{listed} root causes behind {len(known)} known findings in torch (--markdown: the table with "
           f"upstream states; `fuzzshard show fuzzshard/known/SIG.json`: one finding)", flush=True)
     outcome: dict[str, list] = {}
     each: dict[str, str] = {}  # signature -> reproduces / fixed / differs (SIG) / skipped, for --json
@@ -96,7 +102,8 @@ def run(args) -> int:
             verdict = ("still reproduces" if n["reproduces"] else "FIXED" if n["fixed"] else
                        "NOW FAILS DIFFERENTLY" if n["differs"] else "skipped")
             print(f"  {rid:55} {verdict:22} {n['reproduces']} / {n['fixed']} / {n['differs']} / {n['skipped']}")
-    return 0
+    # 0: every finding checked is as recorded (it reproduces, or could not run here); 1: something differs
+    return int(any(not (v == "reproduces" or v == "skipped") for v in each.values()))
 
 
 def _sample(known: dict, n: int, device: str) -> dict:
