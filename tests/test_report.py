@@ -93,3 +93,16 @@ def test_the_page_says_a_findings_summary_from_its_verdict_and_a_root_causes_sho
 
     # the short title in the cell, the bug in full where the cell says more on hover
     assert f"title='{escape(rc.what, quote=True)}'>{escape(rc.title, quote=True)}</td>" in page, page[-3000:]
+
+
+def test_report_reads_a_fuzz_sessions_out_too(tmp_path):
+    """A fuzz session logs a line per case in OUT/cells/fuzz.jsonl and writes its findings into OUT itself."""
+    from fuzzshard.report.page import summarize, text
+
+    (tmp_path / "cells").mkdir()
+    lines = [_case(0, "pass", "Adam", "foreach"), _case(10, "new", "SGD", "forloop")]
+    (tmp_path / "cells" / "fuzz.jsonl").write_text("".join(json.dumps(c) + "\n" for c in lines))
+    (tmp_path / "dtensor.parity.grad.json").write_text(json.dumps({"signature": "dtensor.parity.grad"}))
+    s = summarize(tmp_path)
+    assert s["cases"] == 2 and [f["signature"] for f in s["findings"]] == ["dtensor.parity.grad"]
+    assert "training loop" in text(s)

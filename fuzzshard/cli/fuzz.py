@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import random
 import sys
 
@@ -104,6 +105,8 @@ def run(args) -> int:
                           duration=duration, seed=seed, device=args.device, strategy_kwargs=draws,
                           database=database, shrink_budget=shrink_budget, plugins=args.plugin or (),
                           **({"pack": pool.size} if args.simulate and not args.one_at_a_time else {}))
+        session.log = Path(args.out, "cells", "fuzz.jsonl")  # a line per case: `fuzzshard report OUT` reads them
+        session.log.parent.mkdir(parents=True, exist_ok=True)
         if session.pack > 1:
             print(f"fuzzshard: cases drawn in packs of up to {session.pack}, run side by side on disjoint ranks of "
                   f"{pool.size} (--one-at-a-time: one at a time)", file=sys.stderr)

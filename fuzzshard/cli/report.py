@@ -7,10 +7,11 @@ from .common import UsageError
 
 
 def add(sub) -> None:
-    rp = sub.add_parser("report", help="coverage tables, findings and rate of a soak's --out; writes report.html",
-                        description="A soak's coverage tables, its findings (new and known apart) and its rate, as "
-                        "text, and as an HTML page (DIR/report.html).")
-    rp.add_argument("dir", help="a soak's --out folder")
+    rp = sub.add_parser("report", help="coverage tables, findings and rate of a soak's or a fuzz session's --out; "
+                        "writes report.html",
+                        description="A soak's or a fuzz session's coverage tables, its findings (new and known apart) "
+                        "and its rate, as text, and as an HTML page (DIR/report.html).")
+    rp.add_argument("dir", help="a soak's or a fuzz session's --out folder")
     rp.add_argument("--html", default=None, help="where to write the HTML page (default DIR/report.html)")
 
 
@@ -20,11 +21,11 @@ def run(args) -> int:
     from ..report.page import html_page, summarize, text
 
     if not Path(args.dir, "cells").is_dir():
-        raise UsageError(f"{args.dir} holds no soak run (no cells/ folder)")
+        raise UsageError(f"{args.dir} holds no soak or fuzz run (no cells/ folder of per-case lines)")
     s = summarize(args.dir)
     sys.stdout.write(text(s))
     page = Path(args.html or Path(args.dir) / "report.html")
-    page.write_text(html_page(s, f"fuzzshard soak {args.dir}"))
+    page.write_text(html_page(s, f"fuzzshard {args.dir}"))
     print(f"\nHTML report: {page}")
     return 0
 

@@ -48,6 +48,26 @@ def _compact(v) -> str:
     return str(v)
 
 
+def case_line(case, verdict, sig: str | None, known: bool, procs: int = 1) -> dict:
+    """The line a session logs per case run (OUT/cells/*.jsonl), what the tables count."""
+    import time
+
+    from ..session.schedule import loop_cells
+
+    ck = case.checkpoint
+    return {"t": round(time.time(), 3), "target": case.target, "world": case.world_size,
+            "mesh": len(case.mesh_shape), "ck": ck.kind if ck else None, "ck_world": ck.world_size if ck else None,
+            "optim": case.optim.name, "impl": case.optim.implementation, "dtype": case.dtype,
+            "steps": len(case.schedule), "options": option_tokens(case), "loop": loop_cells(case),
+            "groups": len(case.groups), "frozen": bool(case.frozen), "procs": procs, "status": verdict.status,
+            "oracle": verdict.oracle, "sig": sig, "known": known}
+
+
+def findings_folder(out: str | Path) -> Path:
+    """Where a run's finding files are: a soak's OUT/findings/, a fuzz session's OUT itself."""
+    return Path(out, "findings") if Path(out, "findings").is_dir() else Path(out)
+
+
 def load_cases(out: str | Path, prefix: str = "") -> list[dict]:
     """Every case line of every cell; a line cut short by a kill is skipped."""
     cases = []
@@ -74,7 +94,7 @@ def load_findings(out: str | Path, matcher=None) -> list[dict]:
 
     matcher = matcher or Matcher(load_known())
     found = []
-    for p in sorted(Path(out, "findings").glob("*.json")):
+    for p in sorted(findings_folder(out).glob("*.json")):
         try:
             data = json.loads(p.read_text())
             f = Finding.from_dict(data)
@@ -111,6 +131,7 @@ TABLES = {
     "checkpoint kind": lambda c: [c.get("ck") or "none"],
     "checkpoint kind x world sizes (saved -> loaded)":
         lambda c: [f"{c['ck']} W{c.get('world')} -> W{c.get('ck_world')}"] if c.get("ck") else [],
+    "training loop": lambda c: c.get("loop") or ["none"],  # clip, LR scheduler, grad scaler, async save
     "steps": lambda c: [c.get("steps", "?")],
     "mesh dims": lambda c: [c.get("mesh")],
     "processes in the cell": lambda c: [c.get("procs", 1)],

@@ -36,6 +36,7 @@ Nothing found is lost, and the search ends in time:
 from __future__ import annotations
 
 import collections
+import json
 import hashlib
 import sys
 import time
@@ -341,9 +342,19 @@ class Session:
         self.database = open_database(self.database, str(self.out / self.fallback_db), self.progress)
         return self.database
 
+    # OUT/cells/NAME.jsonl: a line per case run, what ``fuzzshard report`` reads (a soak cell's, a fuzz session's)
+    log: Path | None = None
+    procs = 1  # the processes the session's ranks run in (a soak under torchrun: more than one)
+
     def on_case(self, case, verdict: Verdict, sig: str | None) -> None:
-        """Called once per case run (``sig``: its finding's signature, known or
-        new); a soak logs it here."""
+        """Called once per case run (``sig``: its finding's signature, known or new): its line in ``log``."""
+        if self.log is None:
+            return
+        from ..report.page import case_line
+
+        line = case_line(case, verdict, sig, known=bool(sig and sig in self.known), procs=self.procs)
+        with open(self.log, "a") as f:  # one short line per write: O_APPEND keeps lines whole
+            f.write(json.dumps(line) + "\n")
 
     def _run_cases(self, cases: list, rnd: _Round) -> list[tuple[str | None, Verdict | None]]:
         """Per case, run side by side: (signature of a new finding or None, verdict; None: cut short by the

@@ -35,7 +35,6 @@ import sys
 import time
 from pathlib import Path
 
-from ..verdict import Verdict
 
 STATUS_EVERY = 10.0
 
@@ -238,22 +237,12 @@ class Soak:
 def run_cell(spec: dict) -> int:
     from .engine import Session
     from ..findings.life import SoakBook
-    from ..report.page import option_tokens
     from ..pool.runner import LostRank, Pool, PoolError
 
     class SoakSession(Session):
         fallback_db = "db"
 
-        def on_case(self, case, verdict: Verdict, sig: str | None) -> None:
-            ck = case.checkpoint
-            line = {"t": round(time.time(), 3), "target": case.target, "world": case.world_size,
-                    "mesh": len(case.mesh_shape), "ck": ck.kind if ck else None, "ck_world": ck.world_size if ck else None,
-                    "optim": case.optim.name, "impl": case.optim.implementation, "dtype": case.dtype,
-                    "steps": len(case.schedule), "options": option_tokens(case),
-                    "groups": len(case.groups), "frozen": bool(case.frozen), "procs": spec.get("procs", 1), "status": verdict.status,
-                    "oracle": verdict.oracle, "sig": sig, "known": bool(sig and sig in self.known)}
-            with open(self.log, "a") as f:  # one short line per write: O_APPEND keeps lines whole
-                f.write(json.dumps(line) + "\n")
+        procs = spec.get("procs", 1)
 
         def _new_book(self, *args, **kwargs) -> SoakBook:
             origin = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"], "seed": spec["seed"]}
