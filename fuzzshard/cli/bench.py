@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import Renamed, UsageError, check_gpus, model_families, parse_duration, resolve_targets
+from .common import Renamed, UsageError, check_gpus, model_families, parse_duration, parse_world_sizes, resolve_targets
 
 
 def add(sub) -> None:
@@ -13,28 +13,29 @@ def add(sub) -> None:
                        "uses, a fresh process group per case, and the bare training loop with no checking. The last "
                        "line ends with the ratio (e.g. '41.4x'). A benchmark, never a test: compare numbers from one "
                        "machine and one run.")
-    b.add_argument("--cases", type=int, default=30, help="cases per mode (default 30)")
-    b.add_argument("--world-sizes", dest="world_size", type=int, default=2, metavar="N",
-                   help="the world size of the cases (one; default 2)")
-    b.add_argument("--world-size", dest="world_size", type=int, action=Renamed, new="--world-sizes",
-                   help=argparse.SUPPRESS)
+    b.add_argument("--max-examples", dest="cases", type=int, default=30, metavar="N",
+                   help="cases drawn per mode, as fuzz's --max-examples (default 30)")
+    b.add_argument("--cases", dest="cases", type=int, action=Renamed, new="--max-examples", help=argparse.SUPPRESS)
+    b.add_argument("--world-sizes", default="2",
+                   help="comma-separated world sizes, as fuzz takes them: the comparison runs at each (default 2)")
+    b.add_argument("--world-size", dest="world_sizes", action=Renamed, new="--world-sizes", help=argparse.SUPPRESS)
     b.add_argument("--seed", type=int, default=0, help="the seed of the cases drawn (default 0)")
     b.add_argument("--target", default="dtensor", help="which target's cases to run (default dtensor)")
     b.add_argument("--models", default=None, metavar="FAMILIES",
                    help="model families of the cases, as fuzz takes them (default topologies; decoder: transformers)")
     b.add_argument("--scaling", action="store_true",
                    help="instead: cases/s and the per-case split against world size 1-4, model depth and steps "
-                        "(--cases per world size)")
+                        "(--max-examples per world size)")
     b.add_argument("--soak", default=None, metavar="DURATION",
                    help="instead: a soak in cells vs one fuzz session, both on --workers ranks for DURATION each")
     b.add_argument("--session", action="store_true",
-                   help="instead: one fuzz session over world sizes 1..--workers (--cases examples, --seed), one "
+                   help="instead: one fuzz session over world sizes 1..--workers (--max-examples, --seed), one "
                         "case at a time vs side by side on disjoint ranks, each on its own pool")
     b.add_argument("--workers", type=int, default=4, help="ranks for --soak and --session (default 4)")
     b.add_argument("--simulate", action="store_true",
                    help="instead: cases/s of the same cases simulated under LocalTensorMode (one worker, and one "
                         "per core side by side) and real (a warm pool of W gloo processes) at W=2, 4, 8, and "
-                        "simulated alone at W=16 and 64 (--cases per world size; docs/simulate.md)")
+                        "simulated alone at W=16 and 64 (--max-examples per world size; docs/simulate.md)")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (cuda: NCCL, one GPU a rank)")
     from ..session.hunt import add_arguments as hunt_arguments
 
@@ -52,8 +53,9 @@ def run(args) -> int:
         except (ValueError, OSError) as e:
             raise UsageError(f"--hunt: {e}") from None
 
-    if args.world_size < 1 or args.cases < 1:
-        raise UsageError("--world-size and --cases must be >= 1")
+    worlds = parse_world_sizes(str(args.world_sizes))
+    if args.cases < 1:
+        raise UsageError("--max-examples must be >= 1")
     names = resolve_targets(args.target)
     if len(names) != 1:
         raise UsageError("bench measures one target at a time")
@@ -80,12 +82,13 @@ def run(args) -> int:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available here")
-        check_gpus(args, args.world_size)
+        check_gpus(args, max(worlds))
     if args.scaling:
         from ..session.bench import run_scaling
 
         run_scaling(args.cases, args.seed, names[0], device=args.device, models=models)
         return 0
-    run_bench(args.cases, args.world_size, args.seed, names[0], device=args.device, models=models)
+    for world in worlds:
+        run_bench(args.cases, world, args.seed, names[0], device=args.device, models=models)
     return 0
 

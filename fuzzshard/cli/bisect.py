@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from .common import FILE_HELP, UsageError, pool_args
+from .common import FILE_HELP, UsageError, case_timeout, pool_args
 
 HELP = """\
 Replay findings on several torch releases, one venv per release, and say which have the bug.
@@ -47,7 +47,7 @@ def add(sub) -> None:
                         "fixed_in into root_causes.json, and regenerate known/README.md's regression table")
     b.add_argument("--json", metavar="FILE", help="also write every release's outcomes and wall time to FILE")
     b.add_argument("--keep", metavar="DIR", help="where the per-release results and logs go (default: a temp folder)")
-    pool_args(b)
+    pool_args(b, runs="recorded")
 
 
 def releases_asked(text: str | None, venvs: Path) -> tuple[dict[str, str], list[str]]:
@@ -88,8 +88,7 @@ def run(args) -> int:
         paths += [str(p) for p in sorted(KNOWN_DIR.glob("*.json")) if p.name != ROOT_CAUSES]
     if not paths:
         raise UsageError("no finding: give FINDING.json files or --known")
-    if args.case_timeout <= 0:
-        raise UsageError("--case-timeout must be positive")
+    case_timeout(args)
     signatures = {p: load_file(p).signature for p in paths}  # an unreadable file: one line, exit 2, before any run
     venvs = Path(args.venvs) if args.venvs else releases.VENVS
     pythons, missing = releases_asked(args.torch, venvs)

@@ -72,18 +72,27 @@ def draw_args(p) -> None:
                         "DCP files, at any of the world sizes) in some cases (default), every case, or none")
 
 
-def pool_args(p) -> None:
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="where the ranks run (default: cpu; replay: the device the case was recorded on)")
+def pool_args(p, runs: str = "drawn") -> None:
+    """The worker pool's flags. ``runs``: what the command runs, for the help that depends on it: "drawn"
+    (fuzz, soak: cases drawn), "recorded" (replay, bisect: a file's case), "known" (known --check)."""
+    device = {"drawn": "where the ranks run (default: cpu)",
+              "recorded": "where the ranks run (default: the device the case was recorded on)",
+              "known": "where the ranks run: the known findings recorded there are checked (default: cpu)"}[runs]
+    plugin = {"drawn": "your own optimizer, model or parallelism, from one file (fuzzshard.plugin.optimizer / "
+                       ".model / .parallelism; see examples/): drawn beside the built-in ones (a parallelism is "
+                       "--target NAME); recorded in each finding, so replay loads it again; may be given more than once",
+              "recorded": "a plugin file (fuzzshard.plugin) the case needs, loaded in every worker, beside the "
+                          "plugins the finding recorded (those load from where they were found); repeatable",
+              "known": "a plugin file (fuzzshard.plugin) loaded in every worker before the known findings replay; "
+                       "repeatable"}[runs]
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help=device)
     p.add_argument("--backend", default=None, help="process group backend (default: gloo on cpu, nccl on cuda)")
-    p.add_argument("--plugin", action="append", default=None, metavar="FILE.py",
-                   help="your own optimizer, model or parallelism, from one file (fuzzshard.plugin.optimizer / "
-                        ".model / .parallelism; see examples/): drawn beside the built-in ones (a parallelism is "
-                        "--target NAME); recorded in each finding, so replay loads it again; may be given more than once")
+    p.add_argument("--plugin", action="append", default=None, metavar="FILE.py", help=plugin)
     p.add_argument("--worker-setup", default=None, metavar="FILE.py",
                    help="Python file run in every worker before any case: patch torch, register_target(...)")
-    p.add_argument("--case-timeout", type=float, default=120.0, metavar="SEC",
-                   help="a case still running after this is a hang finding (default 120)")
+    p.add_argument("--case-timeout", default=120.0, metavar="DURATION",
+                   help="a case still running after this is a hang finding: 90s, 5m (a bare number is seconds; "
+                        "default 120s)")
 
 
 def out_dir(path: str) -> None:
@@ -104,6 +113,15 @@ def warn_cores(ranks: int) -> None:
               f"run slowly here and may reach --case-timeout", file=sys.stderr)
 
 
+def case_timeout(args) -> float:
+    """``--case-timeout`` read as a duration like every other (90s, 5m; a bare number is seconds), in seconds."""
+    seconds = parse_duration(str(args.case_timeout))
+    if seconds <= 0:
+        raise UsageError("--case-timeout must be positive")
+    args.case_timeout = seconds
+    return seconds
+
+
 def check_pool_args(args, device: str | None = None) -> None:
     args.device = args.device or device or "cpu"
     # the plugins first, then --worker-setup (which may patch what a plugin brings): each runs in every worker
@@ -111,8 +129,7 @@ def check_pool_args(args, device: str | None = None) -> None:
     for flag, path in [("--plugin", p) for p in args.plugin or []] + [("--worker-setup", args.worker_setup)]:
         if path and not os.path.isfile(path):
             raise UsageError(f"{flag}: no such file {path!r}")
-    if args.case_timeout <= 0:
-        raise UsageError("--case-timeout must be positive")
+    case_timeout(args)
     if args.device == "cuda":
         import torch
 
@@ -180,7 +197,7 @@ def redis_url(url: str) -> str:
     try:
         import redis  # noqa: F401
     except ImportError:
-        raise UsageError("--redis needs the redis package (pip install redis)") from None
+        raise UsageError("--redis needs the redis package: pip install 'fuzzshard[redis]'") from None
     if not url.startswith("redis://"):
         raise UsageError(f"--redis takes a redis://host:port/db URL, got {url!r}")
     return url

@@ -25,7 +25,7 @@ def add(sub) -> None:
     k.add_argument("--minimal", nargs="*", metavar="ROOT_CAUSE",
                    help="run the hand-reduced scripts of these root causes (none named: all) under torchrun here and "
                         "say, per root cause, whether each still reproduces (a quick check of another torch version)")
-    pool_args(k)
+    pool_args(k, runs="known")
 
 
 def run(args) -> int:

@@ -19,7 +19,7 @@ def add(sub) -> None:
                        "another signature (both are printed); 2: unreadable or invalid file.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("file", help=FILE_HELP)
-    pool_args(r)
+    pool_args(r, runs="recorded")
 
 
 def run(args) -> int:

@@ -78,6 +78,6 @@ examples:
   torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
       -m fuzzshard soak --duration 8h --workers 8 --device cuda --out /shared/run1
   fuzzshard report soak1                                                 # tables + soak1/report.html
-ready-made launchers: ci/torchrun/soak.sh, ci/slurm/soak.sbatch
+ready-made launchers, in fuzzshard's source tree (not an installed package): ci/torchrun/soak.sh, ci/slurm/soak.sbatch
 """
 
