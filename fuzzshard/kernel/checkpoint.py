@@ -34,6 +34,11 @@ def check_saved(case: Case, saved: dict, rec: dict, device: str) -> list[dict]:
     if 0 < case.optim.added_at <= step:
         add_late_groups(opt, model, case)
     anchor(model, opt, case, rec)
+    if case.lr_scheduler:
+        # the loop's scheduler moved the hyperparameters (and gave each group its initial_lr): they are the
+        # sharded run's after this step, which the parity oracle holds to the reference loop's every step
+        for group, values in zip(opt.param_groups, rec["groups"]):
+            group.update(values)
     want_model, got_model = model.state_dict(), saved["model"]
     out = [compare("saved.model", step, key, got_model.get(key), want_model.get(key), EXACT)
            for key in sorted(set(want_model) | set(got_model))]

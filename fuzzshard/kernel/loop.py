@@ -71,14 +71,14 @@ def clip_grads(params: list, clip: Clip, full=None, own=None):
     if clip.how == "value":
         torch.nn.utils.clip_grad_value_(params, clip.max_norm, foreach=clip.foreach)
         return None
-    if clip.how == "own":
+    if clip.how == "own" and own is not None:
         norm = own(clip.max_norm, nt)
     elif clip.how == "two_part":
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, nt, clip.error_if_nonfinite, clip.foreach)
         norm = full(norm) if full else norm
         torch.nn.utils.clip_grads_with_norm_(params, clip.max_norm, norm, clip.foreach)
-    else:
+    else:  # "norm"; "own" with no own (the reference: what FSDP1's documents itself as, on the full grads)
         norm = torch.nn.utils.clip_grad_norm_(params, clip.max_norm, nt, clip.error_if_nonfinite, clip.foreach)
     return (full(norm) if full else norm).detach().clone()
 
@@ -112,6 +112,12 @@ class Loop:
             return None
         inf = self.overflows(k)
         return lambda loss: self.scaler.scale(loss) * (math.inf if inf else 1.0)
+
+    def scale_kwargs(self) -> dict:
+        """What a target's reference_loss_grads takes of the scaler: its scale
+        now (``scale``), for a reference whose low-precision grads depend on it
+        (fsdp2's mixed precision); nothing without a scaler."""
+        return {"scale": float(self.scaler.get_scale())} if self.scaler else {}
 
     def unscale(self) -> None:
         if self.scaler:

@@ -56,7 +56,8 @@ def reference_error(case: Case, device: str, target_cls) -> dict | None:
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
             options, world = options_at(case, k)
             scaled = loop.scale_loss(k) or (lambda t: t)
-            own = target_cls.reference_loss_grads(case, model, options, world, x, y)  # the same casts, or errors
+            # the same casts, or errors; with the loss scaled as the grad scaler scales it (not its drawn overflow)
+            own = target_cls.reference_loss_grads(case, model, options, world, x, y, **loop.scale_kwargs())
             if own is not None:
                 loss = own[0]
                 for n, p in model.named_parameters():
@@ -158,7 +159,8 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
             options, world = options_at(case, k)
             trace, extra = None, {}
-            own = target_cls.reference_loss_grads(case, model, options, world, x, y)
+            own = target_cls.reference_loss_grads(case, model, options, world, x, y,
+                                                  **loops[step_device(options, device)].scale_kwargs())
             if own is not None:
                 loss, grads, tol, sens, extra = own
             else:

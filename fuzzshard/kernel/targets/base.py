@@ -125,11 +125,15 @@ class Target:
         return False
 
     @classmethod
-    def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y) -> tuple | None:
+    def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y,
+                             scale: float = 1.0) -> tuple | None:
         """The reference's loss and grads for a step run with these target
         options, where the target's math is not the plain model's (fsdp2's
         mixed precision): (loss, {fqn: grad}, tolerance, sensitivity,
-        {fqn: elementwise allowance}); None: the plain forward/backward."""
+        {fqn: elementwise allowance}); None: the plain forward/backward.
+        ``scale``: the grad scaler's scale this step (passed only where the
+        case has a scaler): the grads computed from the loss times it, as
+        the sharded run's are, and returned unscaled, as ``unscale_`` leaves them."""
         return None
 
     def __init__(self, case: Case, mesh):

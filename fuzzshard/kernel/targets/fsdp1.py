@@ -100,6 +100,27 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     return options
 
 
+def coverage(case) -> dict:
+    """What a case covered of the training loop (kernel/loop.py): the clip form, the
+    scheduler, the grad scaler (and an overflow drawn on purpose), by sharding strategy."""
+    return loop_coverage(case, case.target_options.get("strategy", "FULL_SHARD"))
+
+
+def loop_coverage(case, where: str = "") -> dict:
+    """{"loop features": cells} of a case that uses the training loop ({} else):
+    "clip <how>", "lr <scheduler>", "scaler" / "scaler overflow", each with ``where``."""
+    cells = set()
+    if case.clip:
+        cells.add(f"clip {case.clip.how}")
+    if case.lr_scheduler:
+        cells.add(f"lr {case.lr_scheduler.name}")
+    if case.scaler:
+        cells.add("scaler overflow" if case.scaler.overflow else "scaler")
+    if not cells:
+        return {}
+    return {"loop features" + (f" ({where})" if where else ""): cells}
+
+
 class StateNotPlain(AssertionError):
     """The optimizer holds a sharded tensor type where torch.optim holds a plain tensor."""
 
@@ -107,8 +128,11 @@ class StateNotPlain(AssertionError):
 class FSDP1Target(Target):
     name = "fsdp1"
     # FSDP1 records requires_grad when it wraps; it steps each rank's flat 1-D slice of a param
+    # the loop: FSDP's own clip_grad_norm_ (torch.nn.utils' over sharded flat grads would be each rank's
+    # norm) and clip_grad_value_ (elementwise: right on any shard), any scheduler, ShardedGradScaler
     spec = Spec(options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
-                may_flatten=True, flags_fixed=lambda options: True, fit_options=fit_options, component="FSDP")
+                may_flatten=True, flags_fixed=lambda options: True, fit_options=fit_options, component="FSDP",
+                coverage=coverage, clips=("own", "value"), lr_scheduler=True, scaler=True)
     localizable = False  # wrapped module names differ from the reference's
     freeze_before_shard = True  # FSDP records requires_grad per original param when it flattens
 
@@ -165,6 +189,21 @@ class FSDP1Target(Target):
         full = loss.detach().clone()
         dist.all_reduce(full, group=self._job_group())
         return full / world
+
+    def grad_scaler(self, **kwargs):
+        """ShardedGradScaler, FSDP's (a rank's found_inf all-reduced: each holds
+        only its shard's grads), over the job's ranks: its default group
+        (``dist.group.WORLD`` read when torch imported the module) is not the job's."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.mesh.device_type, process_group=self._job_group(), **kwargs)
+
+    def clip_own(self, model: nn.Module):
+        """``FullyShardedDataParallel.clip_grad_norm_`` of the root (the local
+        model's torch.nn.utils.clip_grad_norm_ where ``local`` resumes without FSDP)."""
+        if self.local or not isinstance(model, FSDP):
+            return lambda max_norm, norm_type: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        return model.clip_grad_norm_
 
     def _job_group(self):
         return dist.group.WORLD  # meshes.job(w) makes ranks 0..w-1 the default group

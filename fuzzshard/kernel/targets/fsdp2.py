@@ -166,16 +166,21 @@ def draw_late_options(draw, case) -> dict:
 def coverage(case) -> dict:
     """A decoder case's share of the TP plan: its elements' styles (heads, mlp,
     the embedding rowwise, the head colwise), sp, loss_parallel, a checkpoint;
-    "no TP" without a plan."""
-    if case.model.factory != "decoder":
-        return {}
+    "no TP" without a plan. Any case's training loop features (fsdp1.loop_coverage),
+    apart under mixed precision and gradient accumulation."""
+    from .fsdp1 import loop_coverage
+
     opts = case.target_options
+    loop = loop_coverage(case, "mixed precision" if opts.get("mp") else "microbatches" if opts.get("microbatches")
+                         else "")
+    if case.model.factory != "decoder":
+        return loop
     cells = {"cases"} | set((opts.get("tp") or {}).values()) | {k for k in ("sp", "loss_parallel") if opts.get(k)}
     if not opts.get("tp"):
         cells.add("no TP")
     if case.checkpoint:
         cells.add("checkpoint")
-    return {"decoder cases by TP plan element": cells}
+    return {"decoder cases by TP plan element": cells, **loop}
 
 
 def draw_mp_policy(draw) -> dict:
@@ -306,7 +311,7 @@ def _gather_along(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y) -> tuple:
+def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y, scale: float = 1.0) -> tuple:
     """fsdp2's MixedPrecisionPolicy, replayed with the same casts: each
     data-parallel rank's slice runs forward/backward on a copy of the model
     whose params are in param_dtype, with FSDP2's casts at every unit (float
@@ -320,6 +325,13 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
     sum|microbatch grads|/W. Per-rank compute is the same
     code on the same values, up to kernel rounding, which the sensitivity
     (one-ulp nudges in param_dtype) bounds.
+    ``scale``: the grad scaler's scale this step (kernel/loop.py). Each
+    microbatch's loss is scaled as ``GradScaler.scale`` does (times the float32
+    scale, in the loss's dtype), so the low-precision grads are the scaled ones
+    the sharded run computes (no underflow where the scale lifts them; inf
+    where it overflows them, per rank or in a float16 reduction's sum after
+    FSDP2's pre-divide), and unscaled in the original dtype, as
+    ``unscale_`` does to the reduced grads (a power of two: exact).
     Returns (loss, grads, tolerance, sensitivity, elementwise allowance)."""
     mp, orig = options["mp"], torch_dtype(case)
     compute_name = mp["param_dtype"] or case.dtype
@@ -348,7 +360,8 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
             for p in params.values():
                 p.grad = None
             local = FSDP2Target.objective(low, xm, ym, options) / m
-            local.backward()
+            # GradScaler.scale: times its float32 scale tensor, cast back to the loss's dtype
+            (local if scale == 1.0 else (local * torch.tensor(scale, dtype=torch.float32)).type(local.dtype)).backward()
             loss += local.detach().double() / world
             for n, p in params.items():
                 if p.grad is not None:
@@ -356,16 +369,32 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
                         acc[n] += p.grad  # in reduce_dtype, rounded once per add
                     else:
                         acc[n] = p.grad.to(reduce)
-                    spread[n] = spread.get(n, 0) + p.grad.double().abs()
+                    spread[n] = spread.get(n, 0) + p.grad.double().abs() / scale
         for n, g in acc.items():
             total[n] = total.get(n, 0) + g.double()
     tol = mixed_precision_tolerance(compute_name, reduce_name, world, m)
     grads = {}
+    pre = _predivide(world) if reduce == torch.float16 else None
     for n, p in model.named_parameters():  # FSDP2 adds to a grad the param still holds (frozen, or zeroed not None)
-        new = (total[n] / world).to(orig) if n in total else None
+        new = None
+        if n in total:
+            mean = total[n] / world
+            if pre is not None:  # FSDP2 sums g / pre in float16: a sum past its range is inf (nan stays nan)
+                over = (total[n] / pre).to(reduce).isinf() & total[n].isfinite()
+                mean = torch.where(over, total[n].sign() * torch.inf, mean)
+            new = (mean.to(orig) if scale == 1.0 else mean.to(orig) * (1.0 / scale))  # unscale_: in orig dtype
         grads[n] = p.grad if new is None else new if p.grad is None else p.grad + new
     extra = {n: tol["k_ulps"] * tol["u"] * spread[n] / world for n in spread}
     return loss.to(orig), grads, tol, sens, extra
+
+
+def _predivide(world: int) -> int:
+    """FSDP2's pre-divide factor for a float16 reduction over ``world`` ranks
+    (_fsdp_collectives._get_gradient_divide_factors: ~sqrt(world), a power of two)."""
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return pre
 
 
 def _cast(tree, dtype):
@@ -405,8 +434,9 @@ class FSDP2Target(Target):
         return self.case.target_options.get("built_as", self.case.dtype)
 
     @classmethod
-    def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y) -> tuple | None:
-        return mixed_precision_reference(case, model, options, world, x, y) if options.get("mp") else None
+    def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y,
+                             scale: float = 1.0) -> tuple | None:
+        return mixed_precision_reference(case, model, options, world, x, y, scale) if options.get("mp") else None
 
     @classmethod
     def microbatches(cls, options: dict) -> int:
@@ -513,6 +543,20 @@ class FSDP2Target(Target):
         blocks = list(submodule(model, "layers").children()) if hasattr(model, "layers") else [model]
         for block in blocks:
             block.compile()
+
+    def grad_scaler(self, **kwargs):
+        """FSDP's ShardedGradScaler (its DTensor grads unscaled locally, found_inf
+        all-reduced), on a group of every rank of the mesh: the 1-D mesh's own,
+        else the job's (HSDP and TP + FSDP: ranks 0..W-1, the default group).
+        Never its default ``process_group=dist.group.WORLD``: that default is
+        read when torch imports the module, so it names whatever the default
+        group was then, not the job's. (torchtitan's docs pair FSDP2 with plain
+        ``amp.GradScaler``, whose DTensor unscale reduces found_inf over the
+        first grad's mesh itself; a user of FSDP1 moving to FSDP2 keeps this one.)"""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        group = self.mesh.get_group() if self.mesh.ndim == 1 else dist.group.WORLD
+        return ShardedGradScaler(self.mesh.device_type, process_group=group, **kwargs)
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
         opt = super().optimizer(model, lr_scale)

@@ -56,6 +56,13 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     return options
 
 
+def coverage(case) -> dict:
+    """The training loop features a case used (fsdp1.loop_coverage)."""
+    from .fsdp1 import loop_coverage
+
+    return loop_coverage(case)
+
+
 class ShardedParamsListed(AssertionError):
     """named_params_with_sharded_tensor lists other params than the module has."""
 
@@ -77,13 +84,24 @@ def _shard_slices(md) -> tuple:
 class ShardedOptimTarget(Target):
     name = "sharded_optim"
     # ShardedOptimizer takes one flat set of params, steps each local shard on its own
+    # the loop: a scheduler (ShardedOptimizer's param_groups are its local optimizer's); ShardedGradScaler
+    # (found_inf all-reduced over the group: each rank unscales only its shards' grads). No clip: a
+    # ShardedTensor is no Parameter (model.parameters() leaves it out) and torch has no clip for its grads
     spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True, fit_options=fit_options,
-                component="ShardedOptimizer")
+                component="ShardedOptimizer", coverage=coverage, lr_scheduler=True, scaler=True)
     localizable = False  # the forward runs on gathered copies, not on the module's params
 
     def __init__(self, case, mesh):
         super().__init__(case, mesh)
         self.group = mesh.get_group()
+
+    def grad_scaler(self, **kwargs):
+        """ShardedGradScaler over the target's group: each rank's optimizer
+        holds its own shards, so found_inf must be all-reduced (a plain
+        GradScaler would let a rank whose shards hold no inf step alone)."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.mesh.device_type, process_group=self.group, **kwargs)
 
     def shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed._shard.api import shard_parameter

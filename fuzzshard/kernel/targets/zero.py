@@ -108,10 +108,21 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
 
 def check(case) -> str | None:
     uneven = case.target_options.get("uneven")
+    if uneven and (case.clip or case.lr_scheduler or case.scaler):
+        # ZeroJoinHook.main_hook calls zero.step() itself on a joined rank: no clip, no scaler, no scheduler there
+        return "uneven inputs under Join: a joined rank's ZeRO join hook steps without the loop (clip, scaler, lr)"
     if uneven is not None and (len(uneven) != case.world_size or max(uneven) != len(case.schedule) or min(uneven) < 1):
         return (f"uneven inputs {uneven}: want one step count in 1..{len(case.schedule)} per rank of "
                 f"{case.world_size}, one of them {len(case.schedule)}")
     return None
+
+
+def coverage(case) -> dict:
+    """The training loop features a case used (fsdp1.loop_coverage), with DDP or hand-averaged grads."""
+    from .fsdp1 import loop_coverage
+
+    return loop_coverage(case, "DDP" if "ddp" in case.target_options else "hand-averaged")
+
 
 CHECKPOINT_FILE = "zero.pt"
 
@@ -158,7 +169,11 @@ class ZeroTarget(Target):
                 checkpoint_kinds={"consolidate": "consolidate_state_dict + state_dict(), torch.save; "
                                                  "load_state_dict on every rank"},
                 flags_fixed=lambda options: "ddp" in options, check=check, fit_options=fit_options,
-                component="ZeroRedundancyOptimizer")
+                component="ZeroRedundancyOptimizer", coverage=coverage,
+                # the loop: full grads on every rank (DDP's or the hand all-reduce) before the step, so
+                # torch.nn.utils' clips and a plain GradScaler see what a local model's would; a scheduler
+                # moves ZeRO's param_groups, which its step syncs into the local optimizer
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
 
     @classmethod
