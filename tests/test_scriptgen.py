@@ -295,10 +295,52 @@ def test_a_mixed_precision_case_replays_fsdp2s_casts_and_shows_a_planted_bug(tmp
         buggy.stdout + buggy.stderr[-2000:]
 
 
-def test_a_replica_finding_falls_back_to_the_flattened_kernel_and_says_why():
+def _replica(quantity: str, fqn: str, step: int = 0) -> Verdict:
     from fuzzshard.verdict import finding
 
-    v = Verdict.from_dict(finding("replica", [{"quantity": "param", "fqn": "layers.0.weight", "step": 0,
-                                                "detail": "rank 1's copy differs"}]))
-    why = fallback_reason(simple_case(2, optim="SGD", foreach=False), {}, v)
-    assert why.startswith("a replica divergence"), why
+    return Verdict.from_dict(finding("replica", [{"quantity": quantity, "fqn": fqn, "step": step,
+                                                   "detail": "rank 1's copy vs rank 0's"}]))
+
+
+# the planted replica bugs (tests/planted/), on hand-written cases shaped as their shrunk findings: a param
+# stepped twice on rank 1 (dtensor, every param Replicate), and a ZeRO load that leaves rank 1's lr as it was
+REPLICA_SCRIPTS = [
+    ("dtensor_replica_step_twice.py", lambda: dataclasses.replace(simple_case(2, optim="SGD"), target_options={}),
+     _replica("param", "layers.0.weight"), "step 0 param layers.0.weight: ranks [0] vs [1]: "
+                                           "rank 1's copy vs rank 0's: max abs diff "),
+    ("zero_load_lr_one_rank.py", lambda: dataclasses.replace(
+        simple_case(2, optim="SGD"), target="zero", target_options={}, batch=4, schedule=(Step(), Step()),
+        checkpoint=Checkpoint(0, "consolidate", 2, (2,))),
+     _replica("loaded.param_groups.lr", "group 0"), "after the load lr of group 0: ranks [0] vs [1]: "
+                                                    "rank 1's copy vs rank 0's: 0.005 vs 0.01"),
+]
+
+
+@pytest.mark.parametrize("bug, make, verdict, shown", REPLICA_SCRIPTS, ids=[b[0][:-3] for b in REPLICA_SCRIPTS])
+def test_a_replica_findings_script_prints_which_ranks_differ_with_its_planted_bug_and_passes_without(
+        tmp_path, bug, make, verdict, shown):
+    """A replica finding's straight-line script trains the case up to the step (or the load) that diverged and
+    gathers every rank's copy of what diverged after each: which ranks hold which copy, how far apart."""
+    case = make()
+    assert fallback_reason(case, {}, verdict) is None
+    src = straight_script(case, "replica", {}, verdict)
+    assert src.count("\n") < 150 and "def replicas(" in src
+    (tmp_path / "repro.py").write_text(src)
+    buggy = torchrun(tmp_path / "repro.py", 2, "--setup", PLANTED / bug, cwd=tmp_path)
+    assert buggy.returncode == 1 and "FINDING: ranks hold different copies" in buggy.stdout and shown in buggy.stdout, \
+        buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(tmp_path / "repro.py", 2, cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS: every rank holds the same" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+
+
+def test_a_replica_finding_checks_only_what_diverged_and_falls_back_where_its_copies_are_not_observable():
+    hsdp = dataclasses.replace(simple_case(4, optim="Adam"), target="fsdp2", mesh_shape=(2, 2), batch=4,
+                               target_options={})
+    src = straight_script(hsdp, "hsdp", {}, _replica("state.exp_avg_sq", "layers.0.weight"))
+    assert "fail += replicas(f\"step {k} exp_avg_sq of\", {n: v for (n, k), v in snapshot(model, opt)[1].items() " \
+           "if k == 'exp_avg_sq'})" in src and "def check(" not in src and "k = 0\n" in src  # step 0 only
+    grads = straight_script(hsdp, "hsdp", {}, _replica("grad", "layers.0.weight", 1))
+    assert grads.index("fail += replicas(f\"step {k} grad\"") < grads.index("opt.step()")  # before the step
+    sharded = dataclasses.replace(simple_case(2), target="sharded_optim", target_options={})
+    assert fallback_reason(sharded, {}, _replica("param_groups.lr", "group 0")) == \
+        "sharded_optim's replicas of param_groups.lr are not observable"

@@ -13,6 +13,9 @@ that the finding failed (``verdict``: the oracle, the step, the quantity):
     optimizer state before the step (anchored, as kernel/reference.py does),
     runs the step on the whole batch and steps from the sharded grads; the
     difference beyond the kernel's rounding bound (kernel/oracles.py) printed;
+  - a replica divergence: after each step (and the load) every rank's copy of the
+    quantity that diverged (grads, params, an optimizer state, a group's hyperparameter)
+    gathered, and the ranks holding each copy and how far apart printed (bit for bit);
   - no verdict (a case, not a finding): parity at every step, or the round trip.
 Cases it cannot write return None (``fallback_reason`` says why): repro.script falls
 back to the flattened kernel and says so. The case's device and backend are one
@@ -28,7 +31,7 @@ repro and imported in every worker, and this is driver-only text generation
 that would weigh on both; a new target adds a module here with the same
 functions (imports, unsupported, shard, optimizer, forward_backward, snapshot,
 grads, KINDS and FREEZE_BEFORE_SHARD; the checkpoint kinds of its own as save_<kind> /
-load_<kind>) and one line in ``WRITERS``.
+load_<kind>; REPLICAS where its snapshot lacks some replicated quantities) and one line in ``WRITERS``.
 """
 from __future__ import annotations
 
@@ -68,11 +71,15 @@ def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdic
     if why:
         return why
     plan = _plan(case, verdict)
-    if plan is None:  # (_plan writes errors, checkpoint round trips and parity before a load)
-        if verdict is not None and verdict.oracle == "replica":
-            return "a replica divergence (ranks' copies compared: no straight-line writer for it yet)"
+    if plan is None:  # (_plan writes errors, checkpoint round trips, replicas, and parity before a load)
         return "a parity finding after a checkpoint load"
-    if plan["mode"] in ("parity", "checkpoint") and w.snapshot(case, case.target_options) is None:
+    if plan["mode"] == "replica":
+        q = plan["quantity"]
+        if q.split(".")[0] not in getattr(w, "REPLICAS", ("grad", "param", "state", "param_groups")):
+            return f"{case.target}'s replicas of {q} are not observable"
+        if q == "grad" and w.grads(case, case.target_options) is None:
+            return f"{case.target}'s grads are not observable under these options"
+    if plan["mode"] in ("parity", "checkpoint", "replica") and w.snapshot(case, case.target_options) is None:
         return f"{case.target}'s full state is not observable under these options"
     if plan["mode"] != "parity":
         return None
@@ -124,7 +131,8 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
     ck, n = case.checkpoint, len(case.schedule)
     oracle, first = (verdict.oracle or "", verdict.first) if verdict else ("", None)
     save_last = ck.after if ck else n - 1
-    plan = {"mode": "all", "last": save_last, "load": bool(ck), "load_last": n - 1, "observe": False, "check": ""}
+    plan = {"mode": "all", "last": save_last, "load": bool(ck), "load_last": n - 1, "observe": False, "check": "",
+            "ckpt": bool(ck)}  # ckpt: whether the script saves (and loads)
     if oracle in ERROR_ORACLES or (verdict and verdict.error and not first):
         err = verdict.error_record
         phase = err.phase or ""
@@ -148,6 +156,16 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
         saved = quantity.startswith("saved") and ck.kind in ("full", "fsdp1_full", "fsdp1_legacy")
         plan.update(mode="checkpoint", load_last=ck.after, saved=saved, load=not saved, quantity=quantity)
         return plan
+    if oracle == "replica":  # the run up to the step (or the load) where the ranks' copies differ, checked after each
+        q = first.quantity
+        loaded = q.startswith("loaded.")
+        k = ck.after if loaded else first.step
+        if ck and (loaded or k > ck.after):
+            plan.update(mode="replica", load_last=k)
+        else:
+            plan.update(mode="replica", last=k, load=False, ckpt=False)
+        plan["quantity"] = q.removeprefix("loaded.")
+        return plan
     if oracle == "parity" or not oracle:
         k = first.step if first else n - 1
         if ck and k > ck.after:
@@ -155,7 +173,7 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
         q = first.quantity if first else ""  # what the replay compares: the grads (the forward) or what the step made
         what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
             "state" if q.startswith("state") else "group" if q.startswith("param_groups") else ""
-        plan.update(mode="parity", last=k, load=False, steps=[k] if first else list(range(k + 1)), what=what)
+        plan.update(mode="parity", last=k, load=False, ckpt=False, steps=[k] if first else list(range(k + 1)), what=what)
         return plan
     return None
 
@@ -168,8 +186,9 @@ class Writer:
     # ---- the parts ----------------------------------------------------------
     def text(self) -> str:
         c, p = self.case, self.plan
-        body = self.side(c.target_options, c.world_size, c.mesh_shape, c.seed, 1.0, 0, p["last"], save=True)
-        if c.checkpoint and p["mode"] != "parity" and p["last"] >= c.checkpoint.after:
+        body = ["fail = []  # the replicated values whose copies differ"] * (p["mode"] == "replica")
+        body += self.side(c.target_options, c.world_size, c.mesh_shape, c.seed, 1.0, 0, p["last"], save=True)
+        if p["ckpt"] and p["last"] >= c.checkpoint.after:
             ck = c.checkpoint
             body += ["dist.barrier()  # the checkpoint is complete", "",
                      f"# the loading side, on {ck.world_size} rank(s): a fresh model (another seed) and optimizer "
@@ -179,8 +198,10 @@ class Writer:
                                   p["load_last"], save=False)
         body += self.verdict_lines()
         parts = [self.header(), self.imports(), self.prologue(), "\n".join(common.model(c, 2)), "\n".join(common.batch(c))]
-        if p["mode"] in ("parity", "checkpoint") or p["observe"]:
+        if p["mode"] in ("parity", "checkpoint", "replica") or p["observe"]:
             parts.append("\n".join(self.w.snapshot(c, c.target_options)))
+        if p["mode"] == "replica":
+            parts.append(_REPLICAS)
         if p["mode"] == "parity":
             parts.append(_CHECK.replace("{u}", f"2.0 ** {int(math.log2(UNIT_ROUNDOFF[c.dtype]))}")
                          .replace("{dtype}", c.dtype))
@@ -195,7 +216,10 @@ class Writer:
                 "compares the state right before the save with the state right after the load (exactly)",
                 "parity": "replays each checked step on a plain copy of the model, anchored on the sharded run's state, "
                           "and compares within rounding bounds",
-                "all": "replays each step on a plain copy of the model, anchored on the sharded run's state"}[p["mode"]]
+                "all": "replays each step on a plain copy of the model, anchored on the sharded run's state",
+                "replica": "gathers every rank's copy of the replicated "
+                           f"{self.replica_label() if p['mode'] == 'replica' else ''} after each step (and the load), "
+                           "which must be the same bit for bit"}[p["mode"]]
         headline = (self.headline or "a fuzzshard case").replace("\\", "/").replace('"', "'")
         plugin = f" and the plugin file it was found with ({self.env['plugins'][0]})" if self.env.get("plugins") else ""
         about = textwrap.fill(f"Needs only torch{plugin}; found with torch {self.env.get('torch', '?')}, "
@@ -211,11 +235,11 @@ class Writer:
         out += ["import torch.nn.functional as F"] * (c.model.factory in BUILTIN_MODELS)
         out += ["import copy"] * bool(self.plan["mode"] == "parity" and self.mixed_precision())
         own = list(self.w.imports(c, c.target_options))
-        if c.checkpoint and self.plan["mode"] != "parity":
+        if self.plan["ckpt"]:
             own += self.w.imports(c, c.checkpoint.target_options)
             own += ["import tempfile"] + (dsd.imports(c) if c.checkpoint.kind in dsd.KINDS else
                                           getattr(self.w, "imports_" + c.checkpoint.kind, lambda c: [])(c))
-        if self.plan["mode"] in ("parity", "checkpoint") or self.plan["observe"]:
+        if self.plan["mode"] in ("parity", "checkpoint", "replica") or self.plan["observe"]:
             own += getattr(self.w, "snapshot_imports", lambda: [])()
         if self.submesh(c.world_size) or (c.checkpoint and self.submesh(c.checkpoint.world_size)):
             own += ["from torch.distributed.device_mesh import DeviceMesh", "from torch.distributed import distributed_c10d as c10d"]
@@ -240,7 +264,7 @@ class Writer:
             lines.append("everyone = c10d._world.default_pg  # every rank: the script's world")
         if self.env.get("plugins"):
             lines += common.plugin_lines(c, self.env["plugins"][0])
-        if c.checkpoint and self.plan["mode"] != "parity":
+        if self.plan["ckpt"]:
             lines += ["dist.broadcast_object_list(ckpt := [tempfile.mkdtemp() if rank == 0 else None])  # one directory every rank sees",
                       "ckpt = ckpt[0]"]
         return "\n".join(lines)
@@ -293,10 +317,12 @@ class Writer:
             inner += load
             if p["mode"] == "checkpoint":
                 inner += ["loaded = snapshot(model, opt)"]
+            elif p["mode"] == "replica" and p["quantity"] != "grad":
+                inner += self.replicas(options, "\"after the load")
             elif p["observe"]:
                 inner += ["seen = snapshot(model, opt)  # the loaded params and optimizer state, gathered"]
         inner += self.steps(options, world, shape, first, last)
-        if save and ck and p["mode"] != "parity" and last >= ck.after:
+        if save and p["ckpt"] and last >= ck.after:
             inner += ["saved = snapshot(model, opt)"] * (p["mode"] == "checkpoint")
             inner += [f"# save after step {ck.after}"]
             inner += dsd.save(c, group) if ck.kind in dsd.KINDS else getattr(w, "save_" + ck.kind)(c, group)
@@ -336,7 +362,11 @@ class Writer:
             body.append(f"got.append({self.w.grads(c, options)})")
         elif p["observe"] and self.w.grads(c, options):
             body.append(f"seen = {self.w.grads(c, options)}  # the grads, gathered")
+        if p["mode"] == "replica" and p["quantity"] == "grad":
+            body += self.replicas(options, "f\"step {k}")
         body.append("opt.step()")
+        if p["mode"] == "replica" and p["quantity"] != "grad":
+            body += self.replicas(options, "f\"step {k}")
         if p["mode"] == "parity":
             body.append("after.append(snapshot(model, opt))")
         elif p["observe"]:
@@ -351,7 +381,26 @@ class Writer:
             return ["", "if rank == 0:", "    print(\"PASS: it ran through\")", "fail = []"]
         if p["mode"] == "checkpoint":
             return self.checkpoint_check()
+        if p["mode"] == "replica":
+            return ["", "if rank == 0:",
+                    "    print(\"\\n\".join([\"FINDING: ranks hold different copies of a replicated value\", *fail]) if fail else",
+                    f"          \"PASS: every rank holds the same {self.replica_label()} (bit for bit)\")"]
         return self.parity_check()
+
+    def replica_label(self) -> str:
+        """What the finding's quantity is, in words (param_groups.lr: "lr of each param group")."""
+        kind, _, key = self.plan["quantity"].partition(".")
+        return {"grad": "grads", "param": "params", "state": f"{key} of each param"}.get(kind, f"{key} of each param group")
+
+    def replicas(self, options: dict, when: str) -> list[str]:
+        """The check of every rank's copy of the finding's quantity (``when``: the label's opening, a string
+        literal's start), for each param or param group."""
+        q = self.plan["quantity"]
+        kind, _, key = q.partition(".")
+        mine = {"grad": self.w.grads(self.case, options), "param": "snapshot(model, opt)[0]",
+                "state": f"{{n: v for (n, k), v in snapshot(model, opt)[1].items() if k == {key!r}}}",
+                "param_groups": f"{{f\"group {{i}}\": g.get({key!r}) for i, g in enumerate(snapshot(model, opt)[2])}}"}[kind]
+        return [f"fail += replicas({when} {key + ' of' if key else kind}\", {mine})"]
 
     def checkpoint_check(self) -> list[str]:
         c, ck = self.case, self.case.checkpoint
@@ -555,6 +604,30 @@ _SENSITIVITY = '''def sensitivity(net, x, y, scale=1.0):  # per grad: its larges
         for n, q in pp.items():
             q.copy_(saved[n])
             q.grad = held[n]
+    return out'''
+
+
+_REPLICAS = '''def off(a, b):  # None where b is a copy of a bit for bit (NaN equals NaN, -0.0 equals 0.0), else how far apart
+    if not (torch.is_tensor(a) and torch.is_tensor(b)):  # a hyperparameter, or a copy one rank lacks
+        same = not torch.is_tensor(a) and not torch.is_tensor(b) and (a == b or a != a and b != b)
+        return None if same else f"{b!r} vs {a!r}"[:200]
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{b.dtype}{tuple(b.shape)} vs {a.dtype}{tuple(a.shape)}"
+    x, y = a.double(), b.double()
+    d = (x - y).abs().where((x != y) & ~(x.isnan() & y.isnan()), 0)
+    bad = int((d != 0).sum())
+    return f"max abs diff {d.max().item():.3g} ({bad}/{d.numel()} elements)" if bad else None
+
+def replicas(what, mine):  # every rank's copy of each value in mine, gathered: which ranks hold which copy, how far apart
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {n: v.detach().cpu() if torch.is_tensor(v) else v for n, v in mine.items()})
+    out = []
+    for n in dict.fromkeys(k for e in every for k in e):
+        copies, held = [e.get(n) for e in every], {}  # held: a copy's lowest rank: the ranks holding that copy
+        for r, v in enumerate(copies):
+            held.setdefault(next((h for h in held if off(copies[h], v) is None), r), []).append(r)
+        out += [f"{what} {n}: ranks {' vs '.join(map(str, held.values()))}: " +
+                "; ".join(f"rank {h}'s copy vs rank 0's: {off(copies[0], copies[h])}" for h in list(held)[1:])] * (len(held) > 1)
     return out'''
 
 

@@ -11,6 +11,7 @@ from .fsdp2 import module
 KINDS = ()
 FREEZE_BEFORE_SHARD = False
 GROUP = True
+REPLICAS = ("param",)  # a replica finding's quantities its snapshot holds (not the per-shard state, nor groups)
 
 
 def unsupported(case: Case, options: dict) -> str | None:
