@@ -196,6 +196,12 @@ class _Phase:
             os.pwrite(_Phase.sink, kind.encode().ljust(8), 0)
 
 
+def report_phases(path: str) -> None:
+    """Write the kind of each phase a case enters at the start of file ``path``
+    (a pool worker's, beside its log): what the driver reads of a rank that hangs or dies."""
+    _Phase.sink = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+
 def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, localize: bool = False,
                  ckpt_dir: str | None = None, clock: Clock | None = None):
     """(observations, None) or (None, error record). Collectives need every rank
@@ -368,7 +374,10 @@ def _steps(case: Case, target, model, opt, loop, steps, device: str, keep: bool,
             phase("other", f"step {k}: gather clipped grads")
             clipped = observe_clipped(norm)
         phase("step", f"step {k}: optimizer.step")
-        loop.step(full_loss)
+        if loop.used:  # through the scaler, then the scheduler's step
+            loop.step(full_loss)
+        else:
+            opt.step()
         phase("other", f"step {k}: gather params and state")
         rec = {"loss": full_loss.detach().clone(), **grads, **clipped, **observe_step(), "trace": traced}
         if keep:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..case import Case
+from .message import RunCase
 from ..verdict import ErrorRecord, Verdict, failure, finding
 
 START_TIMEOUT = 300.0
@@ -298,7 +299,7 @@ class Pool:
         text = job.case.to_json()
         for r in range(offset, offset + self._ranks(job.case)):
             try:
-                self.conns[r].send(("case", text, localize, job.ckpt_dir, bare, offset))
+                self.conns[r].send(("case", RunCase(text, offset, localize, job.ckpt_dir, bare)))
                 job.waiting.add(r)
                 busy[r] = job
             except OSError:  # it died between cases
@@ -315,9 +316,10 @@ class Pool:
             job = busy.pop(r)
             job.waiting.discard(r)
             try:
-                _, sent, timings = conn.recv()
-                verdict = Verdict.from_dict(sent) if sent is not None else None  # the ranks send dicts (the kernel's)
-                job.answers[r - job.offset] = (verdict, timings)
+                _, done = conn.recv()
+                # the ranks send dicts (the kernel's)
+                verdict = Verdict.from_dict(done.verdict) if done.verdict is not None else None
+                job.answers[r - job.offset] = (verdict, done.timings)
                 if verdict is not None and (verdict.oracle == "error_parity" or verdict.status == "invalid"):
                     job.raised_at = job.raised_at or time.monotonic()
                     job.deadline = min(job.deadline, time.monotonic() + GRACE_AFTER_ERROR)

@@ -45,11 +45,12 @@ def main() -> None:
     from .. import targets
     from ..case import Case
     from ..kernel.mesh import Meshes
-    from ..kernel.run import _Phase, run_bare, run_case
+    from ..kernel.run import report_phases, run_bare, run_case
     from ..verdict import failure
+    from .message import CaseDone
 
     if os.environ.get("FUZZSHARD_PHASE"):  # where this rank is (kernel/run.py), for the driver to read if it hangs
-        _Phase.sink = os.open(os.environ["FUZZSHARD_PHASE"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        report_phases(os.environ["FUZZSHARD_PHASE"])
 
     for path in options.get("setup") or []:
         run_setup_file(path)
@@ -87,25 +88,26 @@ def main() -> None:
         if msg[0] == "exit":
             dist.destroy_process_group()
             return
-        _, case_json, localize, ckpt_dir, bare, offset = msg
+        order = msg[1]  # a RunCase (message.py)
+        offset = order.offset
         t0 = time.perf_counter()
         try:
-            case = Case.from_json(case_json)
+            case = Case.from_json(order.case_json)
             timings: dict = {}
             with meshes.placed(offset, case.ranks):
-                if bare:  # bench's floor: the sharded training alone
+                if order.bare:  # bench's floor: the sharded training alone
                     verdict = run_bare(case, meshes, targets.get(case.target), device, reporter=rank == offset,
                                        timings=timings)
                 else:
                     verdict = run_case(case, meshes, targets.get(case.target), device, reporter=rank == offset,
-                                       timings=timings, localize=localize, ckpt_dir=ckpt_dir)
+                                       timings=timings, localize=order.localize, ckpt_dir=order.ckpt_dir)
         except Exception as e:  # a bug in fuzzshard or the setup file, not in the case
             verdict = failure(f"{type(e).__name__}: {e}", traceback.format_exc())
             timings = {}
         if "torch._dynamo" in sys.modules:  # a case compiled something (--compile, a plugin): its guards and
             torch._dynamo.reset()  # graphs would stay with the process and reach the next case (10 us)
         print(f"case done in {time.perf_counter() - t0:.3f}s: {verdict and verdict.get('status')}", flush=True)
-        conn.send(("verdict", verdict, timings))
+        conn.send(("verdict", CaseDone(verdict, timings)))
 
 
 def _die_with_parent() -> None:
