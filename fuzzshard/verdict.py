@@ -70,6 +70,9 @@ class Verdict(_Record):
     mismatches: list[Mismatch] | None = None  # ... and all of them (as many as recorded)
     error: ErrorRecord | str | None = None  # error_parity, crash, hang; a bare string for status "error"
     rank: int | None = None  # the rank that reported it
+    # where a finding stands in its session (findings/life.py), said by the session, never by an oracle:
+    timeout: float | None = None  # a hang seen under a shortened limit (seconds): provisional until re-run at the full one
+    unconfirmed: bool | None = None  # no time was left to re-run it in fresh workers
     extra: dict = field(default_factory=dict)  # count, stuck_ranks, where, reason, ...
     keys: tuple | None = field(default=None, repr=False, compare=False)
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import repro
-from .record import (Finding, atomic_write, environment, known_signature, load_finding, load_known, publish_finding,
+from .record import (Finding, Stage, atomic_write, environment, known_signature, load_finding, load_known, publish_finding,
                        summary, write_finding)
 from .generalize import Face, generalize, kin
 from .judge import Judgement, judge, judge_many, label
@@ -51,7 +51,7 @@ from .rootcause import Matcher, address, detail, template
 from ..verdict import Verdict
 
 WRITE_EVERY = 2.0  # seconds between two rewrites of one finding's file while it shrinks
-KNOWN_BY_ADDRESS = "known by address"  # the stage of a new signature the session counts as a known root cause's
+KNOWN_BY_ADDRESS = Stage.KNOWN_BY_ADDRESS  # a new signature the session counts as a known root cause's
 
 
 def rerun(pool, case, fresh: bool = True, timeout: float | None = None) -> Judgement:
@@ -142,7 +142,7 @@ class FindingBook:
             if hit is not None:  # a known root cause in a face not recorded: counted, never a finding
                 self._known_by_address(sig, hit, case, verdict)
                 return False
-            provisional = bool(verdict.extra.get("timeout"))  # a hang under a derived limit: on disk before its confirmation
+            provisional = bool(verdict.timeout)  # a hang under a derived limit: on disk before its confirmation
             if provisional and not self._write_provisional(sig, case, verdict):
                 return False
             if provisional and self.stopped:
@@ -181,21 +181,21 @@ class FindingBook:
                 self._write(sig, confirmed, first=False)  # with its faces and generalization table
             self.tracks[sig] = Track(confirmed, confirmed, confirmed, time.monotonic())
             probably = self.matcher.label(*confirmed[:2])
-            how = "confirmed in fresh workers" if not confirmed[1].extra.get("timeout") else \
-                f"hung in fresh workers too, for the {confirmed[1].extra['timeout']:.0f}s the session had left: still provisional"
+            how = "confirmed in fresh workers" if not confirmed[1].timeout else \
+                f"hung in fresh workers too, for the {confirmed[1].timeout:.0f}s the session had left: still provisional"
             self._say(f"new finding {sig}, {how} -> {self.findings_dir / sig}.json"
                       + (f" ({probably})" if probably else ""))
             return True
         if _smaller(case, track.best[0]):
             track.best = (case, verdict)
-            if not verdict.extra.get("timeout"):  # a provisional hang never reaches the file
+            if not verdict.timeout:  # a provisional hang never reaches the file
                 self._rewrite(sig, track)
         return True
 
     def shrunk_to(self, sig: str, case, verdict: Verdict) -> None:
         """Hypothesis's final replay names its minimal example: that is the best case."""
         track = self.tracks.get(sig)
-        if track is not None and not verdict.extra.get("timeout") and case.to_json() != track.best[0].to_json():
+        if track is not None and not verdict.timeout and case.to_json() != track.best[0].to_json():
             track.best = (case, verdict)
             self._rewrite(sig, track)
 
@@ -221,7 +221,7 @@ class FindingBook:
             track = self.tracks[sig]
             if track.best is not track.confirmed and self._time_left():
                 again = None
-                if not track.best[1].extra.get("unconfirmed"):
+                if not track.best[1].unconfirmed:
                     again, first = self.confirm(sig, *track.best, fresh=first), False
                 if again is not None:
                     track.confirmed = track.best = again
@@ -246,7 +246,7 @@ class FindingBook:
         before = list(self.pool.history)
         if self.until is not None and time.monotonic() > self.until:
             self._say(f"new finding {sig}: no time left to confirm it in fresh workers; written unconfirmed")
-            return case, replace(verdict, extra={**verdict.extra, "unconfirmed": True})
+            return case, replace(verdict, unconfirmed=True)
         limit = None  # a hang is confirmed at the full timeout, or in what the session has left of its time
         if verdict.oracle == "hang" and self.until is not None:
             left = self.until - time.monotonic()
@@ -257,7 +257,7 @@ class FindingBook:
         got = again.label
         if got == sig:
             return case, again.verdict
-        if verdict.extra.get("timeout"):
+        if verdict.timeout:
             self.stats.slow += 1
             return None
         self.stats.contaminated += 1
@@ -298,7 +298,7 @@ class FindingBook:
         """Re-run ``case`` along the dimensions a bug may not depend on
         (generalize.py): its table is kept for the file; returns the signatures
         this one bug shows under (``sig`` among them)."""
-        if verdict.oracle in ("hang", "crash") or verdict.extra.get("unconfirmed"):
+        if verdict.oracle in ("hang", "crash") or verdict.unconfirmed:
             return {sig}  # named by where it stops, whatever the optimizer; each variant could cost a timeout
         if not self._time_left():
             return {sig}  # stopped, or the session's time is up: its variants are not run
@@ -443,7 +443,7 @@ class FindingBook:
         kept while the case still gives ``sig``, to a fixed point, within
         ``shrink_budget``; the file is rewritten as it shrinks."""
         case, verdict = track.best
-        if verdict.oracle == "hang" or verdict.extra.get("timeout") or verdict.extra.get("unconfirmed"):
+        if verdict.oracle == "hang" or verdict.timeout or verdict.unconfirmed:
             return  # each edit could cost a timeout
         verdicts: dict[str, Verdict] = {}
 
@@ -474,7 +474,7 @@ class FindingBook:
 
     # -- its files ---------------------------------------------------------------
     def _rewrite(self, sig: str, track: Track, force: bool = False) -> None:
-        if track.best is track.written or track.best[1].extra.get("timeout"):
+        if track.best is track.written or track.best[1].timeout:
             return
         if force or time.monotonic() - track.last_write >= WRITE_EVERY:
             self._write(sig, track.best, first=False)
@@ -501,17 +501,18 @@ class FindingBook:
     def _finding(self, sig: str, found: tuple) -> Finding:
         case, verdict = found
         track = self.tracks.get(sig)
-        unconfirmed = verdict.extra.get("unconfirmed")
+        unconfirmed = verdict.unconfirmed
         confirmed = not unconfirmed and (track is None or found is track.confirmed)
-        stage = "confirmed" if confirmed else "unconfirmed" if unconfirmed else "shrinking"
-        if verdict.extra.get("timeout"):  # a hang seen under a shorter limit than --case-timeout (its "timeout")
-            confirmed, stage = False, "provisional"
+        stage = Stage.CONFIRMED if confirmed else Stage.UNCONFIRMED if unconfirmed else Stage.SHRINKING
+        if verdict.timeout:  # a hang seen under a shorter limit than --case-timeout (its "timeout")
+            confirmed, stage = False, Stage.PROVISIONAL
         env = environment(self.pool.info, self.pool.options["backend"], self.pool.options["device"])
         if self.plugins:
             env["plugins"] = self.plugins
         faces = sorted(s for s, o in self._owner.items() if o == sig and s != sig)
         table = [f.to_dict() for f in self._table(sig)]
-        kept = replace(verdict, extra={k: v for k, v in verdict.extra.items() if k != "unconfirmed"})
+        kept = replace(verdict, unconfirmed=None,  # the stage says it
+                       keys=verdict.keys and tuple(k for k in verdict.keys if k != "unconfirmed"))
         return Finding(sig, case, kept, deterministic=confirmed,
                        environment=env, stage=stage, faces=faces, generalization=table, removed=self._removed.get(sig, []))
 
@@ -523,7 +524,7 @@ class FindingBook:
         the full timeout that confirms it: a stop or a kill meanwhile keeps it. False: not this session's."""
         if not self._write(sig, (case, verdict), first=True):
             return False
-        self._say(f"new finding {sig}: provisional (hung past {verdict.extra['timeout']:.0f}s, a limit derived from the "
+        self._say(f"new finding {sig}: provisional (hung past {verdict.timeout:.0f}s, a limit derived from the "
                   f"passing cases) -> {self.findings_dir / sig}.json; confirming at the full timeout in fresh workers")
         return True
 

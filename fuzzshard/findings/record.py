@@ -7,6 +7,7 @@ in its module in fuzzshard/oracle/. Files are written atomically (temp + rename)
 """
 from __future__ import annotations
 
+import enum
 import json
 import os
 import platform
@@ -68,6 +69,27 @@ def environment(pool_info: dict | None, backend: str, device: str | None = None)
     }
 
 
+class Stage(str, enum.Enum):
+    """Where a finding stands (a str: written to and read from JSON as its value)."""
+    CONFIRMED = "confirmed"  # this case gave this signature in fresh workers
+    SHRINKING = "shrinking"  # a smaller case found in the warm workers, its fresh run still to come
+    UNCONFIRMED = "unconfirmed"  # no time was left to confirm it
+    PROVISIONAL = "provisional"  # a hang seen under a derived limit, on disk before its run at --case-timeout
+    KNOWN_BY_ADDRESS = "known by address"  # a new signature the session counts as a known root cause's
+    SIMULATED_ONLY = "simulated only"  # too large to confirm on real processes here (session/simulate.py)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def read(cls, text: str):
+        """The stage a file says; a word this fuzzshard does not know stays the word."""
+        try:
+            return cls(text)
+        except ValueError:
+            return text
+
+
 @dataclass
 class Finding:
     signature: str
@@ -77,9 +99,7 @@ class Finding:
     count: int = 1
     environment: dict = field(default_factory=dict)
     diagnosis: str = ""
-    # "confirmed": this case gave this signature in fresh workers; "shrinking": a smaller case found in the
-    # warm workers, its fresh run still to come; "unconfirmed": no time was left to confirm it
-    stage: str = "confirmed"
+    stage: Stage = Stage.CONFIRMED
     # known hangs only: case fields that always hit it ({"checkpoint.kind": "broadcast", "world_size": [2, 3]});
     # a matching case is counted as a hit of this finding without being run (it would cost the case timeout)
     trigger: dict = field(default_factory=dict)
@@ -134,7 +154,7 @@ class Finding:
             case=Case.from_dict(data["case"]),
             verdict=verdict,
             deterministic=data.get("deterministic", True),
-            stage=data.get("stage", "confirmed"),
+            stage=Stage.read(data.get("stage", "confirmed")),
             environment=data.get("environment", {}),
             diagnosis=data.get("diagnosis", ""),
             trigger=data.get("trigger", {}),

@@ -332,7 +332,7 @@ class Pool:
             self.stuck_seconds += time.monotonic() - job.raised_at
         verdict = self._combine(self._ranks(job.case), job.answers, job.dead, seconds, job.offset)
         if verdict.oracle == "hang" and job.timeout < self.case_timeout:
-            verdict.extra["timeout"] = round(job.timeout, 1)  # a shortened limit: provisional until re-run at the full one
+            verdict.timeout = round(job.timeout, 1)  # a shortened limit: provisional until re-run at the full one
         self.history.append((job.case, verdict))
         job.reset(keep_answers=True)
         return Result(verdict, seconds, job.answers.get(0, (None, {}))[1], job.offset)
