@@ -91,8 +91,8 @@ EOF
   have=$(holds)
   echo "torch=$V" > "$VENV/.fuzzshard-smoke"
 fi
-# fuzzshard's other requirements as pyproject.toml states them now (a cached venv gets what was added since), the
-# suite's Hypothesis pinned; then fuzzshard itself from this tree
+# fuzzshard's other requirements and its `test` extra as pyproject.toml states them now (a cached venv gets what was
+# added since), the suite's Hypothesis pinned; then fuzzshard itself from this tree
 missing=$("$VENV/bin/python" - "$HYP" <<'EOF' 2>>"$OUT/venv.log"
 import sys
 from importlib import metadata
@@ -103,7 +103,9 @@ except ImportError:  # Python 3.10: pip's own copy
 from pip._vendor.packaging.requirements import Requirement
 
 hyp = sys.argv[1]
-for req in map(Requirement, tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]):
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+# the runtime dependencies and the suite's (the `test` extra: pytest-xdist, pytest-timeout, redis)
+for req in map(Requirement, project["dependencies"] + project.get("optional-dependencies", {}).get("test", [])):
     if req.name == "torch" or (req.marker and not req.marker.evaluate()):
         continue
     want = f"hypothesis=={hyp}" if req.name == "hypothesis" and hyp else f"{req.name}{req.specifier}"

@@ -32,7 +32,7 @@ def test_a_region_with_a_stale_number_is_caught_and_rewritten():
 def test_the_readme_test_command_is_the_one_ci_runs_and_links_resolve():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    command = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && .venv/bin/python -m pytest"
+    command = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' && .venv/bin/python -m pytest"
     assert f"\n{command}\n" in readme
     assert ci.rstrip().endswith(command)
     # every relative link from the README and docs/ to a page that exists in this tree (other pages' authors

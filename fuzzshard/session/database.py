@@ -30,7 +30,10 @@ class RedisWithFallback(ExampleDatabase):
 
     def __init__(self, url: str, fallback_dir: str, progress):
         super().__init__()
-        import redis
+        try:
+            import redis
+        except ImportError:  # an extra, not a dependency: only a redis:// database needs it
+            raise ImportError(f"a redis database ({url}) needs the redis package: pip install 'fuzzshard[redis]'") from None
         from hypothesis.extra.redis import RedisExampleDatabase
         from redis.backoff import NoBackoff
         from redis.retry import Retry

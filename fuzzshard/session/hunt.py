@@ -51,6 +51,10 @@ class Bug:
 
 def load_set(path: str | Path = DEFAULT_SET) -> tuple[Path, list[Bug]]:
     path = Path(path)
+    if path == DEFAULT_SET and not path.exists():
+        raise ValueError(f"no hunt set at {path}: the default set (tests/planted/hunt.json) and its planted bugs "
+                         "come with fuzzshard's source tree, not with an installed package: run from a checkout "
+                         "(pip install -e .), or pass --hunt-set FILE.json")
     data = json.loads(path.read_text())
     bugs = [Bug(b["name"], b["setup"], b["target"], b["expect"], b.get("corner", ""), tuple(b.get("flags", ())),
                 b.get("optimizer")) for b in data["bugs"]]
@@ -217,7 +221,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cap", default=f"{DEFAULT_CAP:.0f}s", metavar="DURATION",
                    help=f"--hunt: stop a session not done in this long; the bug counts as not seen (default {DEFAULT_CAP:.0f}s)")
     p.add_argument("--hunt-set", default=str(DEFAULT_SET), metavar="FILE.json",
-                   help="--hunt: the set of planted bugs (default tests/planted/hunt.json)")
+                   help="--hunt: the set of planted bugs (default tests/planted/hunt.json, in fuzzshard's source tree: "
+                        "a checkout installed with pip install -e .)")
 
 
 def run_from_args(args, parse_duration) -> int:
