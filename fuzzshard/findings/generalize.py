@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, replace
 
+from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from ..case import Case, CaseError
 from .record import signature
 from ..verdict import Verdict
@@ -171,9 +172,9 @@ def _shape(verdict: Verdict) -> tuple:
     forward/backward quantity, a checkpoint's saved/loaded/resumed), the step,
     and the params that diverged there; an error's type and message."""
     oracle, first = verdict.oracle, verdict.first
-    if oracle in ("parity", "checkpoint") and first:
-        q = first.quantity
-        phase = q.split(".")[0] if oracle == "checkpoint" else q if q in ("loss", "grad", "forward", "backward") else "step"
+    phase_of = oracles.of(verdict).phase
+    if phase_of and first:
+        phase = phase_of(first.quantity)
         at = [m for m in verdict.mismatches or [first] if m.step == first.step]
         return oracle, phase, first.extra.get("module"), first.step, frozenset(m.fqn for m in at)
     err = verdict.error_record
@@ -187,7 +188,7 @@ def same_way(a: Verdict, b: Verdict) -> bool:
     sa, sb = _shape(a), _shape(b)
     if sa[:-1] != sb[:-1]:
         return False
-    if a.oracle not in ("parity", "checkpoint"):
+    if not oracles.of(a).phase:
         return sa == sb
     # the params that diverged: the same ones (a verdict keeps its first few mismatches: then one set holds the other)
     cut = any(v.extra.get("count", 0) > len(v.mismatches or []) for v in (a, b))
@@ -198,7 +199,7 @@ def faces_of(case: Case, verdict: Verdict) -> set[str]:
     """The signatures of every quantity this one run got wrong where it first
     diverged (an optimizer-step bug shows in the param and in each state)."""
     first = verdict.first
-    if verdict.oracle not in ("parity", "checkpoint") or not first:
+    if not oracles.of(verdict).phase or not first:
         return {signature(case, verdict)}
     # the same phase only: a grad bug also leaves the params after that step wrong, which is no face of it
     phase = _shape(verdict)[1]

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from .record import known_signature, signature, triggered
 from ..verdict import ErrorRecord, Verdict, failure, finding
 
@@ -72,9 +73,10 @@ def label(case, verdict: Verdict) -> str:
 def localized(pool, case, verdict: Verdict, timeout: float | None = None) -> Verdict:
     """A loss or grad divergence is re-run recording per-module activations, so
     its signature names the first diverging module, not a whole model."""
-    if verdict.oracle == "parity" and verdict.quantity in ("loss", "grad"):
+    localize = oracles.of(verdict).localize
+    if localize and localize(verdict):
         again = pool.run(case, localize=True, timeout=timeout).verdict
-        if again.oracle == "parity":
+        if again.oracle == verdict.oracle:
             return again
     return verdict
 
@@ -94,7 +96,7 @@ def internal_error(verdict: Verdict) -> str | None:
     programming error whose innermost frame is in fuzzshard's package (say an API this torch does
     not have: "type object 'Shard' has no attribute 'local_shard_size_and_offset'")."""
     err = verdict.error
-    if verdict.oracle != "error_parity" or not isinstance(err, ErrorRecord) or err.type not in _CODE_ERRORS:
+    if not oracles.raised(verdict) or not isinstance(err, ErrorRecord) or err.type not in _CODE_ERRORS:
         return None
     frames = _FRAME.findall(err.traceback or "")
     if not frames or not str(Path(frames[-1][0]).resolve()).startswith(_PACKAGE):

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from . import repro
 from .record import (Finding, Stage, atomic_write, environment, known_signature, load_finding, load_known, publish_finding,
                        summary, write_finding)
@@ -248,7 +249,7 @@ class FindingBook:
             self._say(f"new finding {sig}: no time left to confirm it in fresh workers; written unconfirmed")
             return case, replace(verdict, unconfirmed=True)
         limit = None  # a hang is confirmed at the full timeout, or in what the session has left of its time
-        if verdict.oracle == "hang" and self.until is not None:
+        if oracles.hangs(verdict) and self.until is not None:
             left = self.until - time.monotonic()
             limit = left if left < self.pool.case_timeout else None
         again = rerun(self.pool, case, fresh, timeout=limit)
@@ -298,7 +299,7 @@ class FindingBook:
         """Re-run ``case`` along the dimensions a bug may not depend on
         (generalize.py): its table is kept for the file; returns the signatures
         this one bug shows under (``sig`` among them)."""
-        if verdict.oracle in ("hang", "crash") or verdict.unconfirmed:
+        if oracles.costly(verdict) or verdict.unconfirmed:
             return {sig}  # named by where it stops, whatever the optimizer; each variant could cost a timeout
         if not self._time_left():
             return {sig}  # stopped, or the session's time is up: its variants are not run
@@ -377,13 +378,13 @@ class FindingBook:
         address, message template and missing op, and no variant that ran either case on the other's
         target passed or failed otherwise. Errors only: a divergence's address says where it showed,
         not what made it, and two planted bugs there would read as one."""
-        if verdict.oracle != "error_parity":
+        if not oracles.raised(verdict):
             return None
         mine = (address(case, verdict), template(case, verdict), detail(case, verdict))
         for other in sorted(self.tracks):
             o_case, o_verdict = self.tracks[other].confirmed
             if o_case.target not in kin(case.target) or case.target not in kin(o_case.target) \
-                    or o_verdict.oracle != "error_parity":
+                    or not oracles.raised(o_verdict):
                 continue
             if (address(o_case, o_verdict), template(o_case, o_verdict), detail(o_case, o_verdict)) != mine:
                 continue
@@ -443,7 +444,7 @@ class FindingBook:
         kept while the case still gives ``sig``, to a fixed point, within
         ``shrink_budget``; the file is rewritten as it shrinks."""
         case, verdict = track.best
-        if verdict.oracle == "hang" or verdict.timeout or verdict.unconfirmed:
+        if oracles.hangs(verdict) or verdict.timeout or verdict.unconfirmed:
             return  # each edit could cost a timeout
         verdicts: dict[str, Verdict] = {}
 

@@ -103,19 +103,19 @@ def address(case, verdict: Verdict) -> str:
 
 def detail(case, verdict: Verdict) -> str:
     """What an address leaves out and a summary still names: a missing sharding strategy's op."""
-    op = missing_strategy_op(verdict.error_record.message) if verdict.oracle == "error_parity" else None
+    op = missing_strategy_op(verdict.error_record.message) if oracle.raised(verdict) else None
     return f"aten.{op}" if op else ""
 
 
 def template(case, verdict: Verdict) -> str:
     """An error's message template (its signature's digest, whatever the phase), "" for other findings."""
-    return _digest(verdict.error_record.message, names=True) if verdict.oracle == "error_parity" else ""
+    return _digest(verdict.error_record.message, names=True) if oracle.raised(verdict) else ""
 
 
 def caller(case, verdict: Verdict) -> str:
     """The torch package whose code called into DTensor when it raised ("torch/optim": an optimizer's
     step, in a load's init step too), "" where the call came from outside torch (a model's own forward)."""
-    if verdict.oracle != "error_parity":
+    if not oracle.raised(verdict):
         return ""
     outside = [f for f in torch_frames(verdict.error_record.traceback or "") if not f[0].startswith("distributed/tensor/")]
     made = telling_frame(outside)
@@ -192,8 +192,8 @@ class Matcher:
         names no torch code, with the same message template; a missing strategy
         for an op it does not name, only where torch called that op from the
         same package as in its known findings (the optimizers', whatever op)."""
-        localized = verdict.oracle == "parity" and verdict.quantity in ("forward", "backward")
-        if verdict.oracle != "error_parity" and not localized:
+        localized = oracle.of(verdict).localized
+        if not oracle.raised(verdict) and not (localized and localized(verdict)):
             return None
         where = address(case, verdict)
         ids = self.suspects(case, verdict)

@@ -31,6 +31,18 @@ class Oracle:
     # an issue's words, torch's and not the fuzzer's, true of any script that shows the bug (no case's numbers):
     what: Callable | None = None  # (case, verdict) -> one sentence: what happens
     expected: Callable | None = None  # (case, verdict) -> what should happen instead
+    # what the session does with such a finding, said here so no other module branches on an oracle's name:
+    raised: bool = False  # an exception the sharded run raised: told apart by its message template and op
+    # what re-running such a case costs: "" (its time), "timeout" (a hang: the case timeout, then new
+    # workers), "restart" (a crash: new workers); a costly one is not shrunk or generalized in the session
+    rerun: str = ""
+    # (quantity) -> the phase a compared value diverged in (parity: loss, grad, forward, backward or step;
+    # checkpoint: saved, loaded, resumed); None: the oracle reports no compared values with a phase
+    phase: Callable | None = None
+    # (verdict) -> re-run recording per-module activations to name the module behind it (parity's loss and grads)
+    localize: Callable | None = None
+    # (verdict) -> its address names a module the localizer found (parity's forward and backward)
+    localized: Callable | None = None
 
 
 # the oracle modules build Oracle objects: imported once the class exists
@@ -61,6 +73,21 @@ UNKNOWN = Oracle(
     what=lambda case, v: "The sharded run does not behave like the same model trained without sharding.",
     expected=lambda case, v: "the sharded run behaves like the same model trained without sharding",
 )
+
+
+def raised(verdict: Verdict) -> bool:
+    """Whether the finding is an exception the sharded run raised (error_parity's)."""
+    return of(verdict).raised
+
+
+def hangs(verdict: Verdict) -> bool:
+    """Whether re-running it runs to the case timeout (a hang)."""
+    return of(verdict).rerun == "timeout"
+
+
+def costly(verdict: Verdict) -> bool:
+    """Whether re-running it costs a timeout or new workers (a hang, a crash)."""
+    return bool(of(verdict).rerun)
 
 
 def get(name: str) -> Oracle | None:

@@ -105,4 +105,4 @@ def expected_actual(verdict: Verdict) -> list[str]:
 
 
 ORACLE = Oracle("checkpoint", "silent (checkpoint)", signature, summary, address, title, expected_actual,
-                lambda case, v: frame_source(v), what, expected)
+                lambda case, v: frame_source(v), what, expected, phase=lambda q: q.split(".")[0])

@@ -39,4 +39,5 @@ ORACLE = Oracle("crash", "crash", signature, summary, address,
                 expected_actual=lambda v: ranks_finish(v, _happens(v)),
                 # the stack faulthandler dumped for the crash: innermost frame first
                 source=lambda case, v: frame_source(v, innermost_first=True),
-                what=what, expected=lambda case, v: "every rank finishes, as the same model trains without sharding")
+                what=what, expected=lambda case, v: "every rank finishes, as the same model trains without sharding",
+                rerun="restart")

@@ -111,4 +111,4 @@ def _digest(message: str, names: bool = False) -> str:
 
 
 ORACLE = Oracle("error_parity", "raises", signature, summary, address, title, expected_actual,
-                lambda case, v: frame_source(v), what, expected)
+                lambda case, v: frame_source(v), what, expected, raised=True)

@@ -34,4 +34,5 @@ ORACLE = Oracle("hang", "hang", signature, summary, address,
                 expected_actual=lambda v: ranks_finish(v, _happens(v)),
                 source=lambda case, v: frame_source(v),
                 what=lambda case, v: f"T{_happens(v)[1:]}, where the same model trains without sharding.",
-                expected=lambda case, v: "every rank finishes, as the same model trains without sharding")
+                expected=lambda case, v: "every rank finishes, as the same model trains without sharding",
+                rerun="timeout")

@@ -155,4 +155,7 @@ def source(case, verdict: Verdict) -> str:
     return ""
 
 
-ORACLE = Oracle("parity", "silent", signature, summary, address, title, expected_actual, source, what, expected)
+ORACLE = Oracle("parity", "silent", signature, summary, address, title, expected_actual, source, what, expected,
+                phase=lambda q: q if q in ("loss", "grad", "forward", "backward") else "step",
+                localize=lambda v: v.quantity in ("loss", "grad"),  # a module's output or grad names it then
+                localized=lambda v: v.quantity in ("forward", "backward"))

@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
+from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from ..case import Case
 from .message import RunCase
 from ..verdict import ErrorRecord, Verdict, failure, finding
@@ -320,7 +321,7 @@ class Pool:
                 # the ranks send dicts (the kernel's)
                 verdict = Verdict.from_dict(done.verdict) if done.verdict is not None else None
                 job.answers[r - job.offset] = (verdict, done.timings)
-                if verdict is not None and (verdict.oracle == "error_parity" or verdict.status == "invalid"):
+                if verdict is not None and (oracles.raised(verdict) or verdict.status == "invalid"):
                     job.raised_at = job.raised_at or time.monotonic()
                     job.deadline = min(job.deadline, time.monotonic() + GRACE_AFTER_ERROR)
             except (EOFError, OSError):  # the worker's socket closed: it died
@@ -331,7 +332,7 @@ class Pool:
         if job.waiting and job.raised_at is not None:
             self.stuck_seconds += time.monotonic() - job.raised_at
         verdict = self._combine(self._ranks(job.case), job.answers, job.dead, seconds, job.offset)
-        if verdict.oracle == "hang" and job.timeout < self.case_timeout:
+        if oracles.hangs(verdict) and job.timeout < self.case_timeout:
             verdict.timeout = round(job.timeout, 1)  # a shortened limit: provisional until re-run at the full one
         self.history.append((job.case, verdict))
         job.reset(keep_answers=True)
@@ -374,7 +375,7 @@ class Pool:
         # an exception on some ranks explains the others waiting, and a load that changed something
         # (seen by the reporting rank) explains an exception after it: the earliest divergence is the bug
         for r in sorted(verdicts, key=lambda r: (not verdicts[r].extra.get("then"), r)):
-            if verdicts[r].oracle == "error_parity" or verdicts[r].extra.get("then"):
+            if oracles.raised(verdicts[r]) or verdicts[r].extra.get("then"):
                 stuck = {"stuck_ranks": sorted(set(range(w)) - set(answers))} if len(answers) < w else {}
                 return replace(verdicts[r], rank=r, extra={**verdicts[r].extra, **stuck})
         if len(answers) < w:

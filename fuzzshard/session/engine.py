@@ -48,6 +48,7 @@ from hypothesis import strategies as st
 from hypothesis import seed as hseed
 from hypothesis.control import current_build_context
 
+from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from ..targets import get as target_class
 from ..findings.record import Finding, load_known, summary
 from ..findings.judge import judge_many
@@ -302,7 +303,7 @@ class Session:
                         self.book.shrunk_to(sig, case, verdict)
                 rnd.pending.add(sig)
                 rnd.found_at = rnd.found_at or time.monotonic()
-                rnd.hang = rnd.hang or verdict.oracle == "hang"
+                rnd.hang = rnd.hang or oracles.hangs(verdict)
                 raised = raised or (sig, verdict)  # the first drives shrinking; the others are on disk, confirmed
             if raised is None and invalid:
                 reject()
@@ -381,7 +382,7 @@ class Session:
             self.schedule.record(case, valid=True, known=True)
             self.on_case(case, v, j.signature)
             return None, v
-        if cut and v.oracle == "hang":  # the session's end cut it short: no verdict
+        if cut and oracles.hangs(v):  # the session's end cut it short: no verdict
             st.cut += 1
             return None, None
         self.schedule.record(case, valid=v.status != "invalid", known=j.known, verdict=v)
