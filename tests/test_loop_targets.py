@@ -2,6 +2,7 @@
 fsdp1, fsdp2, zero and sharded_optim: a hand-made case per target and
 feature passes on stock torch, and a planted ShardedGradScaler that steps
 on an inf is caught (its skip is checked). One pool of 2 ranks per run."""
+import dataclasses
 
 import pytest
 
@@ -44,6 +45,11 @@ CASES = {
                              scaler=Scaler(init_scale=2.0 ** 24, growth_interval=1), clip=Clip("norm", 0.1, "2")),
     "zero_ddp": _case("zero", {"ddp": DDP}, clip=Clip("two_part", 0.1, "2"),
                       lr_scheduler=LRScheduler("LambdaLR", {"lambda": "linear_warmup", "warmup": 2}), scaler=SCALER),
+    # fused SGD under ZeRO: GradScaler skips ZeRO's whole step on the overflow (ZeRO takes no found_inf), and
+    # the reference's fused SGD is stepped the same way (Target.amp_scaling_step), not its kernel's skip
+    "zero_fused_skip": dataclasses.replace(
+        _case("zero", {}, scaler=dataclasses.replace(SCALER, overflow=(0,))),
+        optim=Optim("SGD", {"lr": 0.01, "momentum": 0.9, "fused": True})),
     "zero_hand_value": _case("zero", {}, clip=Clip("value", 1e-3),
                              lr_scheduler=LRScheduler("ReduceLROnPlateau", {"mode": "min", "factor": 0.5,
                                                                             "patience": 0})),

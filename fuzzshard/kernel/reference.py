@@ -49,7 +49,7 @@ def reference_error(case: Case, device: str, target_cls) -> dict | None:
     """Run the plain reference schedule un-anchored; its exception's record, if any."""
     try:
         model, opt = setup(case, device)
-        loop = Loop(case, opt)
+        loop = Loop(case, _scaler_path(target_cls, opt))
         for k, step in enumerate(case.schedule):
             before_step(model, opt, case, k)
             opt.zero_grad(set_to_none=step.set_to_none)
@@ -72,6 +72,17 @@ def reference_error(case: Case, device: str, target_cls) -> dict | None:
     except Exception as e:
         return error_record(e)
     return None
+
+
+def _scaler_path(target_cls, opt):
+    """``opt``, stepped by a grad scaler as the target's optimizer is: where that
+    is a wrapper that does not take the scaler's found_inf (``amp_scaling_step``
+    False: ZeRO, ShardedOptimizer), GradScaler skips its whole step on an inf,
+    so a fused reference optimizer is not handed found_inf either (its kernel
+    would skip the update but still make state)."""
+    if not target_cls.amp_scaling_step:
+        opt._step_supports_amp_scaling = False
+    return opt
 
 
 def reduction_length(case: Case) -> int:
@@ -131,7 +142,8 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                 twins[d] = setup(case, d)
     except Exception as e:
         return invalid(f"reference rejects the config: {error_record(e)['text']}")
-    loops = {d: Loop(case, o) for d, (_, o) in twins.items()}  # the loop around each twin's step (loop.py)
+    # the loop around each twin's step (loop.py)
+    loops = {d: Loop(case, _scaler_path(target_cls, o)) for d, (_, o) in twins.items()}
     red_tol = reduction_tolerance(case.dtype, reduction_length(case))
     numel = max([p.numel() for p in model.parameters()] or [1])
     step_tol = step_tolerance_for(case, numel, target_cls)

@@ -209,6 +209,12 @@ class Target:
     # the training loop's loss scaling for the step running (kernel/loop.py: GradScaler.scale), or None
     scale_loss = None
 
+    # whether the optimizer this target's grad scaler steps takes the scaler's found_inf itself where its class
+    # does (torch.optim's fused ones: _step_supports_amp_scaling, the kernel skips the update and may still
+    # make state): False for a wrapper that does not pass it on (ZeroRedundancyOptimizer, ShardedOptimizer),
+    # whose whole step GradScaler skips instead; the reference's optimizer then goes the same way (reference.py)
+    amp_scaling_step = True
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, of the loss as the loop scales it (every target's backward goes through here)."""
         (self.scale_loss(loss) if self.scale_loss else loss).backward()

@@ -90,6 +90,7 @@ class ShardedOptimTarget(Target):
     spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True, fit_options=fit_options,
                 component="ShardedOptimizer", coverage=coverage, lr_scheduler=True, scaler=True)
     localizable = False  # the forward runs on gathered copies, not on the module's params
+    amp_scaling_step = False  # ShardedOptimizer takes no found_inf: GradScaler skips its whole step on an inf
 
     def __init__(self, case, mesh):
         super().__init__(case, mesh)

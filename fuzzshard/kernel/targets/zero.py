@@ -175,6 +175,9 @@ class ZeroTarget(Target):
                 # moves ZeRO's param_groups, which its step syncs into the local optimizer
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
+    # ZeroRedundancyOptimizer has no _step_supports_amp_scaling (its step could not pass found_inf on to
+    # the local optimizer): GradScaler skips its whole step on an inf, whatever the local optimizer is
+    amp_scaling_step = False
 
     @classmethod
     def reference_batch(cls, case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
