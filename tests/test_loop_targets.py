@@ -43,6 +43,9 @@ CASES = {
                                        "mp": {"param_dtype": "float16", "reduce_dtype": "float16",
                                               "output_dtype": None, "cast_forward_inputs": True}},
                              scaler=Scaler(init_scale=2.0 ** 24, growth_interval=1), clip=Clip("norm", 0.1, "2")),
+    # gradient accumulation: each microbatch's loss scaled, the unsynced grads summed scaled, a drawn overflow
+    "fsdp2_microbatches": _case("fsdp2", {"wrap": ["layers.0"], "reshard_after_forward": False, "microbatches": 2},
+                                scaler=SCALER, clip=Clip("value", 1e-3)),
     "zero_ddp": _case("zero", {"ddp": DDP}, clip=Clip("two_part", 0.1, "2"),
                       lr_scheduler=LRScheduler("LambdaLR", {"lambda": "linear_warmup", "warmup": 2}), scaler=SCALER),
     # fused SGD under ZeRO: GradScaler skips ZeRO's whole step on the overflow (ZeRO takes no found_inf), and
