@@ -46,10 +46,11 @@ from .. import targets
 from ..kernel.model import BUILTIN_MODELS, USER_MODELS, param_shapes
 from ..kernel.oracles import UNIT_ROUNDOFF, mixed_precision_tolerance, reduction_tolerance
 from ..kernel.reference import reduction_length, reduction_parts, step_tolerance_for  # the kernel's bounds
-from . import common, dsd, dtensor, fsdp1, fsdp2, sharded_optim, tp, zero
+from . import common, dsd, dtensor, fsdp1, fsdp2, pp, sharded_optim, tp, zero
 from ..verdict import Verdict
 
-WRITERS = {"dtensor": dtensor, "fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "sharded_optim": sharded_optim, "tp": tp}
+WRITERS = {"dtensor": dtensor, "fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "sharded_optim": sharded_optim, "tp": tp,
+           "pp": pp}
 ERROR_ORACLES = ("error_parity", "crash", "hang")
 
 

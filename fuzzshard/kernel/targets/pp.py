@@ -1,0 +1,393 @@
+"""Target ``pp``: pipeline parallelism, ``torch.distributed.pipelining``'s stages and schedules.
+
+The built-in topology's top-level layers (``layers.0``, ``layers.1``, ...)
+are cut into stages at the drawn ``cuts`` (the index of each stage's first
+layer but the first's); the last stage also holds the output ``scale``
+buffer and the ``unused`` submodule. Each stage is a ``PipelineStage`` over a
+module that holds its layers under their plain names, on the rank the
+schedule puts it: stage s on rank s for the single-stage schedules
+(``GPipe``, ``1F1B``), on rank s mod W for the looped multi-stage ones
+(``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``; ``stages``
+per rank), and V-shaped for ``ZBVZeroBubble`` and ``DualPipeV`` (two per
+rank: r and 2W-1-r). The schedule (``schedule``, among those the installed
+torch has) runs ``n_microbatches`` microbatches of the whole batch (split by
+``torch.tensor_split`` on dim 0, as the schedule splits it), the loss per
+microbatch is the plain loss (a mean over the microbatch), and with
+``scale_grads`` the schedule divides the summed microbatch grads by
+``n_microbatches``. The reference (``objective``) trains the unsplit model on
+the same microbatches: the sum of their losses, over ``n_microbatches`` with
+``scale_grads``; the loss the run reports is that same sum or mean of the
+last stage's losses. A config torch refuses (fewer microbatches than stages
+for 1F1B and DualPipeV, a microbatch count that is not a multiple of the
+rounds of the interleaved schedules, more microbatches than samples) is
+invalid (``documented_refusal``), not a finding.
+
+Each rank's optimizer is a plain torch.optim one over its own params, with
+the case's param groups restricted to them (a group may be left empty, which
+torch.optim takes). Every param, grad and state tensor is owned by one rank:
+the observations give every rank full copies keyed by plain FQN, from one
+``all_gather_object`` of every rank's own.
+``target_options``: ``schedule``, ``stages`` (per rank), ``cuts``,
+``scale_grads``, ``n_microbatches`` (drawn last, once the batch is known).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ...case import Case
+from ..model import loss_fn, named_params, param_shapes
+from ..optim import build_optimizer, group_hparams, state_by_fqn
+from .base import Spec, Target
+
+# the schedules, simplest first (shrinking goes there): name -> (stages per rank, style)
+SCHEDULES = {
+    "GPipe": ("single", "loop"),
+    "1F1B": ("single", "loop"),
+    "Interleaved1F1B": ("multi", "loop"),
+    "LoopedBFS": ("multi", "loop"),
+    "InterleavedZeroBubble": ("multi", "loop"),
+    "ZBVZeroBubble": ("v", "v"),
+    "DualPipeV": ("v", "v"),
+}
+
+# what torch says when it refuses a config by design (schedules.py, microbatch.py): such a case is invalid
+REFUSALS = (
+    "must be greater than or equal to the number of stages",  # Schedule1F1B
+    "requires at least as many microbatches as stages",  # ScheduleDualPipeV
+    "requires the number of microbatches to be a multiple of the number of rounds",  # Interleaved1F1B, ZB
+    "is smaller than num_chunks",  # a batch of fewer samples than microbatches (_split_tensor)
+)
+
+
+def available() -> list[str]:
+    """The schedules the installed torch has, in SCHEDULES' order."""
+    import torch.distributed.pipelining as pipelining
+
+    return [s for s in SCHEDULES if hasattr(pipelining, "Schedule" + s)]
+
+
+def schedule_class(name: str):
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, "Schedule" + name)
+
+
+def is_multi(name: str) -> bool:
+    return SCHEDULES[name][0] != "single"
+
+
+def n_stages(options: dict, world: int) -> int:
+    return world * options.get("stages", 1)
+
+
+def stage_ranks(options: dict, world: int) -> list[int]:
+    """The rank of each stage (torch's generate_stage_to_rank_mapping, loop or V style)."""
+    n = n_stages(options, world)
+    if SCHEDULES[options["schedule"]][1] == "v":
+        out, r = [], 0
+        for s in range(n):
+            out.append(r)
+            if (s + 1) % world:
+                r += 1 if (s // world) % 2 == 0 else -1
+        return out
+    return [s % world for s in range(n)]
+
+
+def stage_layers(options: dict, n_layers: int) -> list[list[int]]:
+    """The top-level layer indices of each stage."""
+    bounds = [0, *options["cuts"], n_layers]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+def stages_per_rank(name: str, world: int, n_layers: int) -> list[int]:
+    """The stage counts per rank a schedule may take with this many top-level layers."""
+    kind = SCHEDULES[name][0]
+    if kind == "single":
+        choices = [1]
+    elif kind == "v":
+        choices = [2]  # "ZBV requires exactly 2 stages per rank"
+    else:
+        choices = [2, 3]
+    return [c for c in choices if world * c <= n_layers]
+
+
+def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
+    """A schedule the installed torch has that the model's top-level layers
+    can fill (one layer or more per stage), its stages per rank, the cut
+    points, scale_grads. A model with fewer top-level layers than ranks (or a
+    plugin's model, the decoder, a tied head) cannot be cut: rejected."""
+    import hypothesis.strategies as st
+    from hypothesis import assume
+
+    model = context["model"]
+    world = mesh_shape[0]
+    n = len(model.layers)
+    assume(not model.factory and not model.tie_head and n >= world)
+    names = [s for s in available() if stages_per_rank(s, world, n)]
+    schedule = draw(st.sampled_from(names))
+    stages = draw(st.sampled_from(stages_per_rank(schedule, world, n)))
+    total = world * stages
+    cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=total - 1, max_size=total - 1, unique=True))) \
+        if total > 1 else []
+    out = {"schedule": schedule, "cuts": cuts, "scale_grads": draw(st.booleans())}
+    if stages > 1:
+        out["stages"] = stages
+    return out
+
+
+def accepts(name: str, n_microbatches: int, world: int, stages: int) -> bool:
+    """Whether Schedule<name> takes this many microbatches (what its constructor checks)."""
+    if name in ("1F1B", "DualPipeV"):
+        return n_microbatches >= world * stages
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return n_microbatches % max(1, n_microbatches // world) == 0
+    return True
+
+
+def draw_late_options(draw, case: Case) -> dict:
+    """``n_microbatches``, once the batch is known: three times in four a
+    divisor of the batch that the schedule takes (equal microbatches; any
+    divisor where none is taken), else any count up to one past the batch
+    (unequal microbatches, which torch's split makes; fewer than 1F1B's
+    stages, or one past the batch: torch refuses them, an invalid case)."""
+    import hypothesis.strategies as st
+
+    opts = dict(case.target_options)
+    if "schedule" in opts:
+        divisors = [d for d in range(1, case.batch + 1) if case.batch % d == 0]
+        taken = [d for d in divisors if accepts(opts["schedule"], d, case.world_size, opts.get("stages", 1))]
+        if draw(st.integers(0, 3)):
+            opts["n_microbatches"] = draw(st.sampled_from(taken or divisors))
+        else:
+            opts["n_microbatches"] = draw(st.integers(1, case.batch + 1))
+    return opts
+
+
+def check(case: Case) -> str | None:
+    """What makes a pp case impossible: a model the stages cannot hold, cuts that do not make one non-empty
+    stage per stage index."""
+    o = case.target_options
+    if case.model.factory:
+        return "pp cuts the built-in topologies' top-level layers; a plugin's model or the decoder has none to cut"
+    if case.model.tie_head:
+        return "pp: a tied head and embedding would live in different stages (the tie spans ranks)"
+    if len(case.mesh_shape) != 1:
+        return f"pp runs on a 1-D mesh of all the ranks, not {list(case.mesh_shape)}"
+    if case.checkpoint:
+        return "pp has no checkpoint kinds yet"
+    name = o.get("schedule")
+    if name not in SCHEDULES:
+        return f"pp: unknown schedule {name!r} (one of {list(SCHEDULES)})"
+    if name not in available():
+        return f"pp: this torch has no Schedule{name}"
+    stages = o.get("stages", 1)
+    if stages not in ({1} if not is_multi(name) else {2} if SCHEDULES[name][0] == "v" else {2, 3}):
+        return f"pp: Schedule{name} takes {'1' if not is_multi(name) else '2'} stage(s) per rank, not {stages}"
+    n, total = len(case.model.layers), n_stages(o, case.world_size)
+    if n < total:
+        return f"pp: {total} stages need {total} top-level layers or more, the model has {n}"
+    cuts = o.get("cuts", [])
+    if len(cuts) != total - 1 or cuts != sorted(set(cuts)) or (cuts and not 0 < cuts[0] <= cuts[-1] < n):
+        return f"pp: cuts {cuts} do not split {n} top-level layers into {total} non-empty stages"
+    if not isinstance(o.get("n_microbatches"), int) or o["n_microbatches"] < 1:
+        return "pp: n_microbatches must be a positive int"
+    return None
+
+
+def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
+    """Another world size: the first cuts, as many as its stages need (the check refuses too few)."""
+    if "cuts" in options:
+        options["cuts"] = options["cuts"][:n_stages(options, mesh_shape[0]) - 1]
+    return options
+
+
+def facts(case: Case) -> dict:
+    o = case.target_options
+    return {"schedule": o.get("schedule"), "n_stages": n_stages(o, case.world_size),
+            "n_microbatches": o.get("n_microbatches"), "scale_grads": o.get("scale_grads")}
+
+
+def coverage(case: Case) -> dict:
+    o = case.target_options
+    return {"schedule x world": [f"{o.get('schedule')} W{case.world_size}"]}
+
+
+def microbatch_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """The loss of each microbatch, split as the schedule splits the batch (tensor_split on dim 0)."""
+    return [loss_fn(model(xm), ym) for xm, ym in zip(torch.tensor_split(x, n, 0), torch.tensor_split(y, n, 0))]
+
+
+def combine(losses, options: dict) -> torch.Tensor:
+    """The schedule's objective over its microbatch losses: their mean with scale_grads, else their sum."""
+    total = sum(losses[1:], losses[0])
+    return total / len(losses) if options.get("scale_grads") else total
+
+
+class _StageModule(nn.Module):
+    """One stage: its layers under their plain names (``layers.<i>``), and on
+    the last stage the output scale (a buffer)."""
+
+    def __init__(self, layers: dict, scale: torch.Tensor | None):
+        super().__init__()
+        self.layers = nn.ModuleDict(layers)
+        if scale is not None:
+            self.register_buffer("scale", scale)
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x)
+        if hasattr(self, "scale"):
+            x = x * self.scale
+        return x
+
+
+class _Local(nn.Module):
+    """This rank's part of the model: every layer of its stages under its
+    plain name (and ``unused``, on the last stage's rank); what the optimizer
+    and the observations see."""
+
+    def __init__(self, layers: dict, unused: nn.Module | None):
+        super().__init__()
+        self.layers = nn.ModuleDict(layers)
+        if unused is not None:
+            self.unused = unused
+
+
+class PPTarget(Target):
+    name = "pp"
+    spec = Spec(options=draw_options, named_params=True, flat_mesh=True, late_options=draw_late_options,
+                check=check, fit_options=fit_options, facts=facts, coverage=coverage, component="pipelining")
+    localizable = False  # a rank runs only its stages' modules, once per microbatch
+
+    @classmethod
+    def objective(cls, model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
+        """The unsplit model on the schedule's microbatches: the mean of their
+        losses with scale_grads (the schedule divides the summed grads by
+        their number), else their sum."""
+        return combine(microbatch_losses(model, x, y, options["n_microbatches"]), options)
+
+    @classmethod
+    def documented_refusal(cls, case: Case, error: dict) -> bool:
+        """torch refuses the schedule's config by design (REFUSALS): an invalid case."""
+        return error.get("type") in ("ValueError", "AssertionError") and any(
+            r in error.get("message", "") for r in REFUSALS)
+
+    def __init__(self, case, mesh):
+        super().__init__(case, mesh)
+        self.group = mesh.get_group()
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        o = case.target_options
+        self.layers_of = stage_layers(o, len(case.model.layers))
+        self.rank_of = stage_ranks(o, self.world)
+        self.mine = [s for s, r in enumerate(self.rank_of) if r == self.rank]
+        self.last_rank = self.rank_of[-1]
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.pipelining import PipelineStage
+
+        o = self.case.target_options
+        device = next((p.device for p in model.parameters()), torch.device(self.case.device))
+        last = len(self.rank_of) - 1
+        scale = getattr(model, "scale", None)
+        self.stages = []
+        local = {}
+        for s in self.mine:
+            layers = {str(i): model.layers[i] for i in self.layers_of[s]}
+            local.update(layers)
+            module = _StageModule(layers, scale if s == last else None)
+            self.stages.append(PipelineStage(module, s, len(self.rank_of), device, group=self.group))
+        cls = schedule_class(o["schedule"])
+        kw = {"n_microbatches": o["n_microbatches"], "loss_fn": loss_fn, "scale_grads": bool(o.get("scale_grads"))}
+        self.schedule = cls(self.stages, **kw) if is_multi(o["schedule"]) else cls(self.stages[0], **kw)
+        unused = getattr(model, "unused", None) if self.rank == self.last_rank else None
+        return _Local(local, unused)
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One schedule step on the whole batch (the inputs on the first stage's
+        rank, the targets everywhere, as torchtitan passes them); the last
+        stage's microbatch losses combined as ``objective`` does, sent to every rank."""
+        losses = []
+        if 0 in self.mine:
+            self.schedule.step(x, target=y, losses=losses)
+        else:
+            self.schedule.step(target=y, losses=losses)
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        if self.rank == self.last_rank:
+            total = combine([loss.detach().double() for loss in losses], self.case.target_options)
+        dist.broadcast(total, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
+        return total.to(getattr(torch, self.case.dtype))
+
+    def set_requires_grad(self, model: nn.Module, fqns, flag: bool) -> None:
+        params = named_params(model)
+        for n in fqns:
+            if n in params:  # another rank's param: that rank sets it
+                params[n].requires_grad_(flag)
+
+    def _everywhere(self, mine: dict) -> dict:
+        """{fqn: value} of every rank's own, on every rank, in the plain model's param order."""
+        parts = [None] * self.world
+        dist.all_gather_object(parts, {n: _cpu(v) for n, v in mine.items()}, group=self.group)
+        merged = {n: v for part in parts for n, v in part.items()}
+        order = self._order()
+        return {n: merged[n] for n in sorted(merged, key=lambda n: order.get(n, len(order)))}
+
+    def _order(self) -> dict:
+        return {n: i for i, n in enumerate(param_shapes(self.case.model))}
+
+    def params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self._everywhere({n: p.detach() for n, p in named_params(model).items()})
+
+    def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+        return self._everywhere({n: None if p.grad is None else p.grad.detach()
+                                 for n, p in named_params(model).items()})
+
+    def optimizer_state(self, opt, model: nn.Module) -> dict:
+        return self._everywhere(state_by_fqn(opt, model, lambda t: t))
+
+    def noncontiguous_grads(self, model: nn.Module) -> list[str]:
+        mine = [n for n, p in named_params(model).items() if p.grad is not None and not p.grad.is_contiguous()]
+        parts = [None] * self.world
+        dist.all_gather_object(parts, mine, group=self.group)
+        return sorted({n for part in parts for n in part})
+
+    def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
+        """The case's groups over this rank's params only. A group with none of
+        them is left out (torch.optim refuses a group without names beside named
+        ones), unless the case's group is empty itself (the reference has it too)
+        or the rank has no params at all (then the first group, empty: torch.optim
+        refuses an optimizer without groups). ``group_hparams`` puts them back
+        together in the case's order."""
+
+        local = named_params(model)
+        groups = [dataclasses.replace(g, params=tuple(n for n in g.params if n in local)) for g in self.case.groups]
+        self.group_index = [i for i, (g, mine) in enumerate(zip(self.case.groups, groups))
+                            if mine.params or not g.params]
+        if not self.group_index:
+            self.group_index = [0]
+        kept = tuple(groups[i] for i in self.group_index)
+        return build_optimizer(model, dataclasses.replace(self.case, groups=kept), lr_scale)
+
+    def group_hparams(self, opt) -> list[dict]:
+        """Every case group's hyperparameters, from a rank whose optimizer holds
+        its params (the lowest), else from one that holds it empty."""
+        mine = [(i, bool(g["params"]), h) for i, g, h in zip(self.group_index, opt.param_groups, group_hparams(opt))]
+        parts = [None] * self.world
+        dist.all_gather_object(parts, mine, group=self.group)
+        out = {}
+        for has in (True, False):
+            for part in parts:
+                for i, full, h in part:
+                    if full == has and i not in out:
+                        out[i] = h
+        return [out[i] for i in sorted(out)]
+
+
+def _cpu(v):
+    if isinstance(v, dict):
+        return {k: _cpu(t) for k, t in v.items()}
+    return None if v is None else v.detach().cpu().clone()

@@ -1,0 +1,100 @@
+"""The ``pp`` target: pipeline parallelism (torch.distributed.pipelining's
+PipelineStage and schedules), its draws, its refusals, and a planted 1F1B bug
+found by a fuzz session, shrunk, and replayed."""
+import dataclasses
+import json
+
+from hypothesis import HealthCheck, given, settings
+
+import fuzzshard.strategies as fst
+from conftest import run_cli
+from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
+from fuzzshard.kernel.model import param_shapes
+from fuzzshard.kernel.targets import pp
+
+
+@settings(max_examples=60, database=None, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(case=fst.cases(target="pp", world_sizes=[1, 2, 3, 4]))
+def test_pp_draws_a_schedule_the_layers_can_fill(case):
+    """A schedule torch has, one top-level layer or more per stage (world x stages per rank), a 1-D mesh,
+    n_microbatches up to one past the batch; every drawn case passes the target's own check."""
+    o = case.target_options
+    assert case.mesh_shape == (case.world_size,)
+    assert o["schedule"] in pp.available()
+    assert set(o) <= {"schedule", "stages", "cuts", "scale_grads", "n_microbatches"}, o
+    assert len(o["cuts"]) == pp.n_stages(o, case.world_size) - 1
+    assert 1 <= o["n_microbatches"] <= case.batch + 1
+    assert pp.check(case) is None, pp.check(case)
+    assert case.checkpoint is None
+
+
+def test_pp_stage_ranks_follow_torchs_mapping():
+    """Loop style (stage s on rank s mod W) and V style (two stages a rank, r and 2W-1-r), as
+    torch's generate_stage_to_rank_mapping says."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for world in (1, 2, 3, 4):
+        for name, stages in (("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 3), ("ZBVZeroBubble", 2)):
+            o = {"schedule": name, "stages": stages}
+            style = pp.SCHEDULES[name][1]
+            want = generate_stage_to_rank_mapping(world, world * stages, style=style)
+            assert pp.stage_ranks(o, world) == [want[s] for s in range(world * stages)], (name, world)
+
+
+def _case(schedule="1F1B", world=2, n_microbatches=2, batch=2, layers=2, stages=1, scale_grads=True) -> Case:
+    model = Model("features", 3, tuple(Layer("linear", 3, 3) for _ in range(layers)))
+    o = {"schedule": schedule, "cuts": [round(i * layers / (world * stages)) for i in range(1, world * stages)],
+         "scale_grads": scale_grads, "n_microbatches": n_microbatches}
+    if stages > 1:
+        o["stages"] = stages
+    return Case(target="pp", world_size=world, mesh_shape=(world,), model=model, optim=Optim("SGD", {"lr": 0.1}),
+                groups=(Group(tuple(param_shapes(model))),), schedule=(Step(),), batch=batch, seq=2, target_options=o)
+
+
+def test_pp_check_refuses_what_cannot_be_cut():
+    assert pp.check(_case()) is None
+    assert "top-level layers" in pp.check(_case(world=3, layers=2))
+    bad = _case()
+    assert "cuts" in pp.check(dataclasses.replace(bad, target_options={**bad.target_options, "cuts": [0]}))
+    tied = dataclasses.replace(bad, model=dataclasses.replace(bad.model, tie_head=True))
+    assert "tied" in pp.check(tied)
+
+
+def test_pp_a_documented_refusal_is_invalid_and_a_case_trains_in_parity(tmp_path):
+    """1F1B with fewer microbatches than stages is refused by torch (ValueError, documented): an invalid case,
+    never a finding. The same model with as many microbatches as stages trains in parity, scale_grads on and
+    off."""
+    refused = tmp_path / "refused.json"
+    refused.write_text(_case(n_microbatches=1).to_json())
+    r = run_cli("replay", refused)
+    assert r.returncode == 2 and "invalid: documented" in r.stderr, r.stdout + r.stderr[-2000:]
+    for scale in (True, False):
+        ok = tmp_path / f"ok{scale}.json"
+        ok.write_text(_case(n_microbatches=2, batch=4, scale_grads=scale).to_json())
+        r = run_cli("replay", ok)
+        assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_planted_1f1b_bug_is_found_shrunk_and_replays(tmp_path):
+    """Schedule1F1B loses the param grads of its second microbatch's backward: found by a short pp session
+    as a grad parity finding, shrunk to one 1F1B stage, 2 microbatches, one step (the torch bugs this
+    session also meets are known ones: counted, not shrunk); it replays as itself, and passes on
+    unmodified torch."""
+    bug = "pp_1f1b_drop_microbatch_grads.py"
+    out = tmp_path / "out"
+    r = run_cli("fuzz", "--target", "pp", "--max-examples", 20, "--seed", 0, "--world-sizes", "2",
+                "--optimizers", "SGD", "--checkpoints", "none", "--case-timeout", 60, "--shrink-budget", "30s",
+                "--out", out, setup=bug)
+    assert r.returncode == 1, r.stderr[-3000:]
+    found = sorted(out.glob("pp.*.json"))
+    assert [p.name for p in found] == ["pp.parity.grad.json"], f"{[p.name for p in found]}; stderr:\n{r.stderr[-3000:]}"
+    finding = json.loads(found[0].read_text())
+    sig, case = finding["signature"], finding["case"]
+    assert finding["stage"] == "confirmed" and finding["deterministic"] is True
+    o = case["target_options"]
+    assert case["world_size"] <= 2 and o["schedule"] == "1F1B" and o["n_microbatches"] == 2, case
+    assert len(case["schedule"]) == 1
+    buggy = run_cli("replay", found[0], setup=bug)
+    assert buggy.returncode == 1 and f"FAIL: {sig}" in buggy.stdout, buggy.stdout
+    clean = run_cli("replay", found[0])
+    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
