@@ -303,3 +303,54 @@ def test_replay_runs_a_finding_larger_than_real_runs_here_simulated_never_as_32_
     r = run_cli("replay", bad)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "32 ranks, more than the 8 real processes" in r.stderr and "its checkpoint is not simulated" in r.stderr
+
+
+REPLICA_BUG = PLANTED / "dtensor_replica_step_twice.py"
+
+
+def replicated_case(world: int, mesh=None, **kwargs) -> Case:
+    """Every param Replicate on every mesh dim (the planted replica bug's corner)."""
+    from dataclasses import replace
+
+    mesh = mesh or (world,)
+    case = simple_case(world, optim="SGD", placements={"layers.0.weight": ["R"] * len(mesh)})
+    return replace(case, mesh_shape=mesh, **kwargs)
+
+
+def test_the_replica_oracle_runs_simulated_each_rank_its_own_copy_and_finds_what_real_processes_find(tmp_path,
+                                                                                                  monkeypatch):
+    """Each simulated rank's copy of a replicated DTensor is its own tensor of a LocalTensor: each rank digests
+    its own, the digests ride LocalTensor's all-gather and the copies of a value that differs are handed over
+    per rank (gather._all_gather_objects). The planted bug (a Replicate param stepped twice on every rank but
+    the mesh's first) is found simulated at 5 and 8 ranks (1-, 2- and 3-dim meshes) as dtensor.replica.param,
+    the very record 5 real gloo processes give. Where the diverged replicas then meet a float of the loss
+    (ReduceLROnPlateau), LocalTensor raises its own error (real ranks each take their own float: the replica
+    finding): set aside, its real check meets the finding already written, whose file is kept as it is."""
+    from fuzzshard.case import LRScheduler
+    from fuzzshard.session import simulate
+
+    cases = [replicated_case(5), replicated_case(8, (2, 4)), replicated_case(8, (2, 2, 2))]
+    plateau = replicated_case(5, lr_scheduler=LRScheduler("ReduceLROnPlateau", {"patience": 0}))
+    with Pool(1, simulate=True, worker_setup=str(REPLICA_BUG), case_timeout=120) as pool:
+        judged = [judge(pool, c) for c in cases]
+        late = judge(pool, plateau)
+    with Pool(5, worker_setup=str(REPLICA_BUG), case_timeout=120) as pool:
+        real, real_late = judge(pool, cases[0]), judge(pool, plateau)
+    assert [j.signature for j in judged] == ["dtensor.replica.param"] * 3, [j.label for j in judged]
+    for j, c in zip(judged, cases):
+        first = j.verdict.first
+        assert (first.step, first.extra["base_rank"], first.extra["replicas"]) == (0, 0, [[0], list(range(1, c.ranks))])
+    assert real.signature == judged[0].signature and real.verdict.first == judged[0].verdict.first
+    assert simulate.local_tensor_error(late.verdict) and "float(loss)" in late.verdict.error_record.traceback
+    assert real_late.signature == judged[0].signature
+
+    found = Finding(judged[0].signature, cases[0], judged[0].verdict, deterministic=True, environment={},
+                    stage="confirmed")
+    write_finding(tmp_path, found, "# script\n")
+    before = (tmp_path / f"{found.signature}.json").read_text()
+    monkeypatch.setattr(simulate, "_judge_for_real", lambda case, args, known: (
+        real_late, {}, {"signature": real_late.signature, "status": "finding", "world_size": 5}))
+    args = argparse.Namespace(device="cpu", backend=None, setups=[str(REPLICA_BUG)], case_timeout=120.0, simulate=True)
+    result = simulate.confirm([], tmp_path, args, set_aside={late.signature: (plateau, late.verdict, "why", 1)})
+    assert result["met"] == {late.signature: found.signature} and not result["found"], result
+    assert (tmp_path / f"{found.signature}.json").read_text() == before  # not overwritten by the unshrunk case

@@ -26,6 +26,13 @@ tensors. Three things the harness does differently, and why:
     coordinate, which is every rank's at once here) is off: each tensor is
     gathered with its own ``full_tensor()``, which gives the same bytes.
 
+The replica oracle runs as on real ranks, nothing switched off: a replicated
+value's copy is a LocalTensor holding each simulated rank's own, so each rank
+digests its own copies, the digests ride LocalTensor's all-gather, and where
+they differ each rank's names and copies are handed over as a real rank's
+``all_gather_object`` would (gather._all_gather_objects): the same records and
+signatures (``dtensor.replica.param``) as on real process groups.
+
 A simulated finding is a finding only once its shrunk case fails the same
 way on real gloo process groups (``confirm``); one that passes there is a
 LocalTensor limitation, written under OUT/simulation_limits/ and never
@@ -259,23 +266,14 @@ def _patched():
         obs, error = run_sharded(*args, **kwargs)
         return rank0(obs), error
 
-    # the replica oracle (gather.replica_mismatches) is off: it all-gathers each rank's own digests, plain
-    # tensors made from a rank's Python values, which LocalTensor's collectives refuse ("Input tensor must be a
-    # LocalTensor"); every simulated case ended so
-    replicas = getattr(gather, "replica_mismatches", None)
-
     run.build_model, run.make_batch, run._run_sharded = built, batch, sharded
     gather._gather_batchable = lambda t: enabled_local_tensor_mode() is None and batchable(t)
-    if replicas is not None:
-        gather.replica_mismatches = lambda *a, **k: [] if enabled_local_tensor_mode() is not None else replicas(*a, **k)
     try:
         with installed():  # LocalTensorMode's costs a case does not need (simulate_fast.py)
             yield
     finally:
         run.build_model, run.make_batch, run._run_sharded = build_model, make_batch, run_sharded
         gather._gather_batchable = batchable
-        if replicas is not None:
-            gather.replica_mismatches = replicas
 
 
 # -- the driver side: LocalTensor's own errors, set aside unshrunk -------------------------------------
@@ -370,7 +368,9 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
     that is not a known one is written as a finding of its own (the real
     run's signature: a real bug the simulated run only stumbled over); else
     (a pass, a known bug) it goes to OUT/simulation_limits/. Then the result
-    also holds "set_aside" (signatures) and "found" (the Findings written)."""
+    also holds "set_aside" (signatures) and "found" (the Findings written).
+    A real run that gives a finding already written in ``out`` leaves its file
+    as it is (shrunk, confirmed): "met" says signature -> that finding."""
     from ..findings.record import atomic_write, load_known
 
     known = load_known()
@@ -408,7 +408,9 @@ def confirm(findings: list, out: str | Path, args, progress=sys.stderr, set_asid
             result["limits"].append(f.signature)
             print(f"fuzzshard: {f.signature}: not a finding: real processes give {j.label} "
                   f"-> {limits}/{f.signature}.json (a LocalTensor limitation)", file=progress)
-            if j.verdict.is_finding and not j.known:  # the real run fails otherwise, with no known bug: a finding
+            if j.verdict.is_finding and not j.known and (out / f"{j.signature}.json").exists():
+                result.setdefault("met", {})[f.signature] = j.signature  # a finding already written: its file kept
+            elif j.verdict.is_finding and not j.known:  # the real run fails otherwise, with no known bug: a finding
                 found = _write_real(out, f.case, j, env, f"found on real process groups through the simulated "
                                     f"finding {f.signature}, which LocalTensor shows otherwise", real)
                 result.setdefault("found", []).append(found)
@@ -752,6 +754,13 @@ def _confirm_set_aside(set_aside: dict, out: Path, args, result: dict, progress)
         print(f"fuzzshard: {sig}: LocalTensor's own error, {hits} case(s); its smallest on {w} real gloo processes",
               file=progress, flush=True)
         j, env, real = _judge_for_real(case, args, known)
+        if j.verdict.is_finding and not j.known and (out / f"{j.signature}.json").exists():
+            # a finding already written (this session's, shrunk and confirmed: e.g. replicas that diverged, which a
+            # later .item() or float(loss) of them turns into LocalTensor's own error): one more case of it, kept as is
+            result.setdefault("met", {})[sig] = j.signature
+            print(f"fuzzshard: {sig}: real processes give {j.signature}, a finding already in {out} (its file kept)",
+                  file=progress)
+            continue
         if j.verdict.is_finding and not j.known:  # a real finding: the same signature, or a real bug of its own
             f = _write_real(out, case, j, env, "confirmed on real process groups" if j.signature == sig else
                             f"found on real process groups through a simulated case that ended in LocalTensor's "
