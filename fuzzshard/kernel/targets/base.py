@@ -22,6 +22,7 @@ from ...case import Case
 from ..gather import owned_copy
 from ..state_io import load, save
 from ..model import loss_fn, named_params
+from ..loop import Loop
 from ..optim import add_late_groups, build_optimizer, group_hparams, state_by_fqn
 
 
@@ -236,8 +237,6 @@ class Target:
 
     def loop(self, opt, model: nn.Module):
         """The training loop around this target's step (kernel/loop.py)."""
-        from ..loop import Loop
-
         return Loop(self.case, opt, scaler=self.grad_scaler, full=self.full_norm, own=self.clip_own(model) if (
             self.case.clip and self.case.clip.how == "own") else None)
 
