@@ -7,7 +7,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 
 import fuzzshard.strategies as fst
-from conftest import run_cli
+from conftest import PLANTED, run_cli, torchrun
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 from fuzzshard.kernel.model import param_shapes
 from fuzzshard.kernel.targets import pp
@@ -78,8 +78,8 @@ def test_pp_a_documented_refusal_is_invalid_and_a_case_trains_in_parity(tmp_path
 def test_planted_1f1b_bug_is_found_shrunk_and_replays(tmp_path):
     """Schedule1F1B loses the param grads of its second microbatch's backward: found by a short pp session
     as a grad parity finding, shrunk to one 1F1B stage, 2 microbatches, one step (the torch bugs this
-    session also meets are known ones: counted, not shrunk); it replays as itself, and passes on
-    unmodified torch."""
+    session also meets are known ones: counted, not shrunk); it replays as itself through fuzzshard and
+    standalone under torchrun, and passes on unmodified torch."""
     bug = "pp_1f1b_drop_microbatch_grads.py"
     out = tmp_path / "out"
     r = run_cli("fuzz", "--target", "pp", "--max-examples", 20, "--seed", 0, "--world-sizes", "2",
@@ -98,3 +98,10 @@ def test_planted_1f1b_bug_is_found_shrunk_and_replays(tmp_path):
     assert buggy.returncode == 1 and f"FAIL: {sig}" in buggy.stdout, buggy.stdout
     clean = run_cli("replay", found[0])
     assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    # the standalone script: the flattened kernel (no straight-line writer for pp yet, and it says so)
+    script = found[0].with_suffix(".py")
+    assert "fallback: pp pipeline stages and schedules are not written straight-line yet" in script.read_text()
+    buggy = torchrun(script, case["world_size"], "--setup", PLANTED / bug, cwd=tmp_path)
+    assert buggy.returncode != 0 and "FINDING" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(script, case["world_size"], cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
