@@ -113,7 +113,8 @@ def async_save(case: Case, pg: str) -> list[str]:
         f"use_async_staging=True, use_non_blocking_copy={blocking}))  # kept over saves, as torchtitan keeps it",
         "# an earlier save through the same stager, of other values (a loop that saves every few steps)",
         "restore = training_goes_on(sd)",
-        f"response = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(f\"{{ckpt}}/earlier\"), async_stager=stager{pg})",
+        f"response = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(f\"{{ckpt}}/earlier\"), "
+        f"async_stager=stager{pg})",
         "response.staging_completion.result()",
         "restore()",
         "response.upload_completion.result()",

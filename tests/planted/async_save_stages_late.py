@@ -12,7 +12,8 @@ from torch.distributed.checkpoint import _async_thread_executor as executor
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-_stage, _offload_tensor, _save_wrapper = BlockingAsyncStager.stage, StateDictStager._offload_tensor, executor.save_wrapper
+_stage, _offload_tensor = BlockingAsyncStager.stage, StateDictStager._offload_tensor
+_save_wrapper = executor.save_wrapper
 
 
 def stage(self, state_dict):
