@@ -174,6 +174,50 @@ def test_planted_target_bug_is_found_shrunk_and_replays(tmp_path, target, bug, o
     assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
 
 
+LOOP_BUGS = [
+    # issue 38's training loop, one planted bug per feature, hunted with the whole loop drawn (--loop all): the
+    # shrunk case keeps only the feature its bug needs (Hypothesis shrinks each to not used, the reducer drops it)
+    # bug file, --checkpoints, examples, the finding's file pattern, its signature, its oracle, the feature it needs
+    ("loop_clip_coef_squared.py", "none", 30, "dtensor.parity.*clipped_grad.json",
+     r"^dtensor\.parity\.(\w+\.\w+\.)?clipped_grad$", "parity", "clip"),
+    ("loop_sched_load_drops_epoch.py", "all", 30, "dtensor.checkpoint.*.loaded.lr_scheduler*.json",
+     r"^dtensor\.checkpoint\.\w+\.loaded\.lr_scheduler(\._schedulers\.\d+)?\.last_epoch$", "checkpoint", "lr_scheduler"),
+    ("loop_scaler_steps_on_inf.py", "none", 30, "dtensor.parity.*.json",
+     r"^dtensor\.parity\.\w+\.\w+\.(param|state\.\w+)$", "parity", "scaler"),
+]
+
+
+@pytest.mark.parametrize("bug, checkpoints, examples, pattern, sig, oracle, feature", LOOP_BUGS,
+                         ids=[b[0][:-3] for b in LOOP_BUGS])
+def test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays(tmp_path, bug, checkpoints, examples, pattern,
+                                                                     sig, oracle, feature):
+    out = tmp_path / "out"
+    # 20 s of shrinking after the find: the loop's fields shrink in Hypothesis's first passes and the reducer
+    # makes the rest 1-minimal (the default budget with --max-examples, 5 min, only polishes the seed and widths)
+    r = run_cli("fuzz", "--target", "dtensor", "--loop", "all", "--checkpoints", checkpoints, "--max-examples",
+                examples, "--shrink-budget", "20s", "--seed", 0, "--world-sizes", 1, "--case-timeout", 60, "--out",
+                out, setup=bug)
+    found = sorted(out.glob(pattern))
+    assert r.returncode == 1 and len(found) == 1, f"{[p.name for p in found]}; stderr:\n{r.stderr[-3000:]}"
+    finding = json.loads(found[0].read_text())
+    case = finding["case"]
+    assert re.match(sig, finding["signature"]), finding["signature"]
+    assert finding["verdict"]["oracle"] == oracle and finding["deterministic"] is True
+    assert finding["stage"] == "confirmed"
+    # shrunk: the one feature the bug needs, in the form that shows it; the rest of the loop not used
+    assert [f for f in ("clip", "lr_scheduler", "scaler") if case.get(f)] == [feature], case
+    if feature == "clip":  # the clipping bites (else the coefficient is 1, squared or not) and is a norm clip
+        assert case["clip"]["how"] in ("norm", "two_part"), case["clip"]
+    if feature == "scaler":  # only a step whose loss overflows is skipped
+        assert case["scaler"]["overflow"], case["scaler"]
+    if feature == "lr_scheduler":
+        assert case["checkpoint"] and finding["verdict"]["first"]["detail"].startswith("0 loaded"), finding["verdict"]
+    assert len([x for x in case["model"]["layers"] if x["kind"] != "act"]) <= 2 and len(case["schedule"]) <= 2
+    buggy = run_cli("replay", found[0], setup=bug)
+    assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
+    assert run_cli("replay", found[0]).returncode == 0
+
+
 def test_zero_param_group_added_mid_run_is_partitioned_and_trained(tmp_path):
     """add_param_group after some steps (the group's params got grads but no
     steps before it): the clean run keeps parity, through a checkpoint too;
