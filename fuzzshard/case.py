@@ -101,9 +101,9 @@ class Checkpoint:
     # strict load must refuse it, a non-strict one leaves the missing params as the fresh model has them
     missing: tuple[str, ...] = ()
     unexpected: bool = False
-    # torch.distributed.checkpoint.async_save in place of dcp.save ("dcp" kind): "" (a blocking save),
-    # "thread" (the default stager), "stager" (a DefaultStager kept and reused), "pinned" (its pinned-memory
-    # staging); training goes on while it runs, and what loads is the state at the call
+    # torch.distributed.checkpoint.async_save in place of dcp.save ("dcp" kind): "" (a blocking save), or one
+    # of kernel/state_io.py's ASYNC_SAVES ("thread", "writer", "stager", "pinned"); training goes on while it
+    # runs, and what loads is the state at the call
     async_save: str = field(default="", metadata={"omit_default": True})
 
 
@@ -193,6 +193,11 @@ class Case:
             raise CaseError(f"an overflow at steps {list(self.scaler.overflow)}: the schedule has {len(self.schedule)} steps")
         if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):
             raise CaseError(f"checkpoint after step {self.checkpoint.after}: the schedule has {len(self.schedule)} steps")
+        from .kernel.state_io import async_save_problem  # where an async save can run is said beside it
+
+        problem = async_save_problem(self)
+        if problem:
+            raise CaseError(problem)
         from . import targets  # what this target's options may be is said in its module
 
         check = targets.get(self.target).spec.check if self.target in targets.names() else None

@@ -19,7 +19,7 @@ import hypothesis.strategies as st
 from hypothesis import assume
 
 from fuzzshard.case import Case, Checkpoint, Group, Optim, Step, mesh_shapes
-from fuzzshard.kernel.state_io import STATE_DICT_KINDS
+from fuzzshard.kernel.state_io import ASYNC_SAVES, STATE_DICT_KINDS
 from fuzzshard.kernel.model import param_shapes, tied_modules
 
 from .loop import loop_features
@@ -125,10 +125,13 @@ def _flips_allowed(spec, options: dict, ck) -> bool:
 
 @st.composite
 def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied: tuple = (), kinds=None,
-                mesh_dims: int = 2, **context) -> Checkpoint:
+                mesh_dims: int = 2, async_saves: bool = False, **context) -> Checkpoint:
     """A save point in the schedule, how the state is saved, and the loading
     side: any world size of the session (resharding), its own mesh and its
-    own target options (another wrapping or placement)."""
+    own target options (another wrapping or placement). ``async_saves``: a
+    DCP save may be ``dcp.async_save`` (kernel/state_io.py's ASYNC_SAVES;
+    drawn last, so the draws without it stay as they were; on CPU only: the
+    pool's groups on CUDA hold no CPU backend, which async_save needs)."""
     spec = spec_of(target)
     world = draw(st.sampled_from(sorted(world_sizes)))
     mesh_shape = draw(st.sampled_from(_meshes(spec, world, mesh_dims)))
@@ -148,6 +151,8 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
         # drawn last and rarely: the keys the load sees differ from the model's
         missing=(draw(st.sampled_from(untied)),) if dsd and untied and draw(rarely) else (),
         unexpected=dsd and draw(rarely),
+        # drawn last of all: "" (a blocking save) first, where a shrunk case goes
+        async_save=draw(st.sampled_from(["", *ASYNC_SAVES])) if async_saves and kind == "dcp" else "",
     )
 
 
@@ -236,9 +241,10 @@ def cases(
     ck = None
     if plan and plan[1]:
         ck = draw(checkpoints(target, [plan[1][1]], n_steps, shapes, tied, kinds=[plan[1][0]], mesh_dims=mesh_dims,
-                              **context))
+                              async_saves="async_save" in loop and device == "cpu", **context))
     elif not plan and spec.checkpoint_kinds and (checkpoint or (checkpoint is None and draw(st.booleans()))):
-        ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied, mesh_dims=mesh_dims, **context))
+        ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied, mesh_dims=mesh_dims,
+                              async_saves="async_save" in loop and device == "cpu", **context))
     # data parallel: every rank of either side gets an equal slice, in equal microbatches
     split = _target_class(target).microbatches
     microbatches = max(split(options), split(ck.target_options) if ck else 1)

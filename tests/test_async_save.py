@@ -87,7 +87,7 @@ def test_planted_async_save_staging_late_is_found_shrunk_and_replays(tmp_path):
                 "--shrink-budget", "10s", "--seed", 1, "--world-sizes", 1, "--optimizers", "SGD", "--case-timeout", 60,
                 "--out", out, setup=bug)
     assert r.returncode == 1, r.stderr[-3000:]
-    found = sorted(out.glob("dtensor.checkpoint.dcp.loaded.*.json"))
+    found = sorted(out.glob("dtensor.checkpoint.dcp_async.loaded.*.json"))
     assert len(found) == 1, f"{[p.name for p in out.glob('*.json')]}; stderr:\n{r.stderr[-3000:]}"
     finding = json.loads(found[0].read_text())
     case = finding["case"]

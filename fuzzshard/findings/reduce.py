@@ -90,7 +90,7 @@ def size(case: Case) -> tuple:
                 + (len(ck.missing) if ck else 0))
     options = _count(case.target_options) + (_count(ck.target_options) if ck else 0)
     ck_extras = (ck.split + (not ck.strict) + ck.unexpected + (ck.target_options != case.target_options)
-                 + bool(ck.async_save)) if ck else 0
+                 + bool(ck.async_save) + (ck.async_save not in ("", "thread"))) if ck else 0
     optim = case.optim
     extras = (len(optim.kwargs) + bool(optim.tensor_lr) + optim.named + optim.added_groups + optim.added_at
               + sum(len(g.overrides) for g in case.groups) + _loop_size(case))
@@ -654,6 +654,8 @@ def _loop_edits(data: dict) -> Iterator[Edit]:
             yield changed(f"no overflow at step {k}", scaler={**scaler, "overflow": [j for j in scaler["overflow"] if j != k]})
     if ck and ck.get("async_save"):
         yield changed("a blocking save", checkpoint={**ck, "async_save": ""})
+        if ck["async_save"] != "thread":  # the plainest async form: async_save(checkpoint_id=...)
+            yield changed(f"async_save {ck['async_save']} -> thread", checkpoint={**ck, "async_save": "thread"})
 
 
 EDITS = (_world_edits, _layer_drops, _model_flags, _decoder_edits, _step_edits, _group_edits, _flag_edits,

@@ -16,7 +16,14 @@ def signature(case, verdict: Verdict) -> str:
         quantity = quantity.split(".param_groups")[0] + ".group"
         if any(not g.params for g in case.groups):
             quantity += ".empty_group"
-    return f"{case.target}.checkpoint.{case.checkpoint.kind}.{quantity}"
+    return f"{case.target}.checkpoint.{_kind_tag(case)}.{quantity}"
+
+
+def _kind_tag(case) -> str:
+    """The kind of round trip as a signature names it: an async DCP save is a code path of its own
+    (its staging), so "dcp_async" (a blocking save's bug that shows either way is one finding: generalize)."""
+    ck = case.checkpoint
+    return f"{ck.kind}_async" if ck.async_save else ck.kind
 
 
 def summary(verdict: Verdict) -> str:
@@ -33,7 +40,9 @@ def address(case, verdict: Verdict) -> str:
     from ..kernel.state_io import STATE_DICT_KINDS  # the kinds that go through DCP's state_dict API
 
     family = "state-dict API" if kind in STATE_DICT_KINDS else kind
-    return f"checkpoint through {family}: {signature(case, verdict).split(f'.checkpoint.{kind}.', 1)[-1]}"
+    family += " and async_save" if case.checkpoint and case.checkpoint.async_save else ""
+    tag = _kind_tag(case) if case.checkpoint else kind
+    return f"checkpoint through {family}: {signature(case, verdict).split(f'.checkpoint.{tag}.', 1)[-1]}"
 
 
 # how a torch user names each kind of save and load (kernel/state_io.py's kinds)
@@ -47,6 +56,8 @@ _KINDS = {"full": "full state dict (get_/set_state_dict with full_state_dict=Tru
 
 def _kind(case) -> str:
     kind = case.checkpoint.kind if case is not None and case.checkpoint else ""
+    if kind == "dcp" and case.checkpoint.async_save:
+        return "torch.distributed.checkpoint (dcp.async_save while training goes on / dcp.load)"
     return _KINDS.get(kind, f"{kind} checkpoint" if kind else "checkpoint")
 
 

@@ -48,6 +48,7 @@ def main() -> None:
     from ..kernel.run import report_phases, run_bare, run_case
     from ..verdict import failure
     from .message import CaseDone
+    from ..kernel.state_io import close_stagers
 
     if os.environ.get("FUZZSHARD_PHASE"):  # where this rank is (kernel/run.py), for the driver to read if it hangs
         report_phases(os.environ["FUZZSHARD_PHASE"])
@@ -86,6 +87,7 @@ def main() -> None:
         except EOFError:
             return
         if msg[0] == "exit":
+            close_stagers()  # the DefaultStagers async saves keep: their threads end with them
             dist.destroy_process_group()
             return
         order = msg[1]  # a RunCase (message.py)
