@@ -8,19 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import hypothesis.strategies as st
 from hypothesis import HealthCheck, assume, given, settings
 
 from cases import simple_case
 from conftest import PLANTED, torchrun
 from fuzzshard import targets
 from fuzzshard.findings import repro
-from fuzzshard.case import Checkpoint, Group, Optim, Step
+from fuzzshard.case import Checkpoint, Clip, Group, LRScheduler, Optim, Scaler, Step
 from fuzzshard.findings.record import KNOWN_DIR, load_finding, load_known
+from fuzzshard.kernel.loop import lr_lambda
 from fuzzshard.kernel.model import build_model, make_batch
 from fuzzshard.kernel.oracles import mixed_precision_tolerance, reduction_tolerance
 from fuzzshard.kernel.reference import reduction_length, reference_error, step_tolerance_for
 from fuzzshard.scriptgen import WRITERS, fallback_reason, straight_script
-from fuzzshard.verdict import ErrorRecord, Mismatch, Verdict
+from fuzzshard.verdict import ErrorRecord, Mismatch, Verdict, finding
 from strategies import cases
 
 # the whole script for the drawn topologies (up to 4 layers deep, 3 groups, 3 steps, every step compared);
@@ -31,6 +33,8 @@ LINES = 165
 # once met a 4-layer fsdp2 case whose whole script was 160 lines, which the bound is not meant to flake on
 # mixed precision's parity adds the kernel's replay of FSDP2's casts (mp_grads) and the one-ulp sensitivity
 MP_REPLAY = 50
+# the training loop's scaler, clip and scheduler, replayed on the plain model too (every step compared)
+LOOP_LINES = 45
 DRAWN = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                  suppress_health_check=list(HealthCheck))
 
@@ -47,11 +51,11 @@ def _defs(src: str) -> dict:
     return ns
 
 
-def _check_drawn(case, src: str | None = None) -> None:
+def _check_drawn(case, src: str | None = None, extra: int = 0) -> None:
     src = src or straight_script(case, "drawn")
     if src is None:
         return
-    assert src.count("\n") < LINES + MP_REPLAY * ("def mp_grads" in src)
+    assert src.count("\n") < LINES + MP_REPLAY * ("def mp_grads" in src) + extra
     assert "import fuzzshard" not in src and "from fuzzshard" not in src
     ns = _defs(src)
     dtype = getattr(torch, case.dtype)
@@ -344,3 +348,100 @@ def test_a_replica_finding_checks_only_what_diverged_and_falls_back_where_its_co
     sharded = dataclasses.replace(simple_case(2), target="sharded_optim", target_options={})
     assert fallback_reason(sharded, {}, _replica("param_groups.lr", "group 0")) == \
         "sharded_optim's replicas of param_groups.lr are not observable"
+
+
+# ---- the training loop around the step (issue 38: kernel/loop.py): scaler, clip, LR scheduler ----
+
+def _loop_case(**loop):
+    return dataclasses.replace(simple_case(2, optim="SGD"), **{"schedule": (Step(), Step()), **loop})
+
+
+def _verdict(oracle, quantity, step, fqn=""):
+    return Verdict.from_dict(finding(oracle, [{"quantity": quantity, "fqn": fqn, "step": step, "detail": "x"}]))
+
+
+def _loop_scripts():
+    v = _verdict
+    # the planted loop bugs (tests/planted/loop_*.py) on hand-written cases shaped as their findings: each
+    # finding's script with its bug; and, clean, the whole loop's (every step, every quantity) and the round trip's
+    whole = _loop_case(clip=Clip("norm", 0.01), scaler=Scaler(init_scale=256.0, growth_interval=1, overflow=(1,)),
+                       lr_scheduler=LRScheduler("StepLR", {"step_size": 1, "gamma": 0.5}))
+    ck = _loop_case(lr_scheduler=LRScheduler("StepLR", {"step_size": 1, "gamma": 0.5}), schedule=(Step(), Step(), Step()),
+                    checkpoint=Checkpoint(0, "dcp", 2, (2,)))
+    return [
+        ("loop_clip_coef_squared.py", whole, v("parity", "clipped_grad", 0, "layers.0.weight"),
+         "step 0 clipped grad layers.0.weight: sharded "),
+        ("loop_scaler_steps_on_inf.py", whole, v("parity", "param", 1, "layers.0.weight"),
+         "step 1 param layers.0.weight: NaN or inf in one run only"),
+        ("loop_sched_load_drops_epoch.py", ck, v("checkpoint", "loaded.lr_scheduler.last_epoch", 0),
+         "lr_scheduler last_epoch: saved 1, loaded 0"),
+        (None, whole, None, "PASS: the sharded run matches the plain one"),
+        (None, ck, None, "PASS: the loaded state equals the saved one"),
+    ]
+
+
+@pytest.mark.parametrize("bug, case, verdict, shown", _loop_scripts(),
+                         ids=["clip", "scaler", "lr_scheduler", "whole_loop_clean", "round_trip_clean"])
+def test_a_loop_findings_script_runs_the_loop_in_torchs_words_and_shows_its_planted_bug(tmp_path, bug, case, verdict,
+                                                                                         shown):
+    """The script of a case that draws the training loop holds the loop's calls (the scaler's scale, unscale_,
+    step and update with the loss made inf at its overflow steps; clip_grad_norm_; the scheduler stepped and
+    saved beside the checkpoint) and the plain model's own: a finding's fails with its planted bug, as the kernel
+    did; the whole loop's, every step and quantity compared, and the round trip's pass on torch as it is."""
+    assert fallback_reason(case, {}, verdict) is None
+    src = straight_script(case, "loop", {}, verdict)
+    assert src.count("\n") < (150 if verdict else LINES) and "import fuzzshard" not in src  # a finding's: < 150
+    (tmp_path / "repro.py").write_text(src)
+    r = torchrun(tmp_path / "repro.py", 2, *(["--setup", PLANTED / bug] if bug else []), cwd=tmp_path)
+    assert r.returncode == (1 if bug else 0) and ("FINDING" in r.stdout) == bool(bug) and shown in r.stdout, \
+        r.stdout + r.stderr[-2000:]
+
+
+def test_the_loop_is_written_in_torchs_words_and_only_where_a_finding_needs_it():
+    scripts = {b: (c, straight_script(c, "loop", {}, v)) for b, c, v, _ in _loop_scripts() if b}
+    _, clip = scripts["loop_clip_coef_squared.py"]
+    assert "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type=2.0)" in clip
+    assert "norm_p = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01, norm_type=2.0)" in clip
+    assert "dist.all_gather_object(every, " in clip and "k = 0\n" in clip  # every rank's norm; step 0 only
+    assert "opt_p.step()" not in clip and "sched_p" not in clip and "scaler_p" not in clip  # the norm: grads only
+    _, scaler = scripts["loop_scaler_steps_on_inf.py"]
+    assert "scaler = torch.amp.GradScaler(device.type, init_scale=256.0, growth_interval=1)" in scaler
+    assert "(scaler.scale(loss) * (float(\"inf\") if k in [1] else 1.0)).backward()" in scaler
+    assert scaler.index("scaler.unscale_(opt)") < scaler.index("scaler.step(opt)") < scaler.index("scaler.update()")
+    assert "for k in [0, 1]:" in scaler and "scaler_p.step(opt_p)" in scaler  # the scale carries over: every step
+    case, sched = scripts["loop_sched_load_drops_epoch.py"]
+    assert "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)" in sched and "sched.step()" in sched
+    assert "dcp.save({\"loop\": loop_sd}" in sched and "sched.load_state_dict(loop_sd[\"lr_scheduler\"])" in sched
+    assert "param {n}: saved" not in sched  # only what the finding is about
+    full = straight_script(dataclasses.replace(case, checkpoint=dataclasses.replace(case.checkpoint, kind="full",
+                                                                                    split=True)), "loop")
+    assert "torch.save(loop_sd, f\"{ckpt}/loop.pt\")" in full and "param {n}: saved" in full  # no verdict: all
+    # an error in the clip (clip_grad_value_ on a Partial grad): the run up to it, in torch's words, nothing else
+    err = Verdict("finding", "error_parity", error=ErrorRecord("RuntimeError", "x", phase="step 0: clip grads (value)"))
+    src = straight_script(_loop_case(clip=Clip("value", 1.0)), "", None, err)
+    assert "torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)\nopt.step()" in src and "def check" not in src
+    # ReduceLROnPlateau fed the step's global loss, on both sides; LambdaLR's named lambda as the kernel's
+    plateau = _loop_case(lr_scheduler=LRScheduler("ReduceLROnPlateau", {"factor": 0.5, "patience": 0}))
+    src = straight_script(plateau, "", None, _verdict("parity", "loop.last_lr", 1))
+    assert "sched.step(full_loss)" in src and "sched_p.step(ran[k][\"loss\"])" in src and "get_last_lr()" in src
+    for kw in ({"lambda": "linear_warmup", "warmup": 2}, {"lambda": "exponential", "factor": 0.5}):
+        src = straight_script(_loop_case(lr_scheduler=LRScheduler("LambdaLR", kw)), "")
+        fn = eval(src.split("LambdaLR(opt, ")[1].split(")\n")[0])
+        assert [fn(k) for k in range(5)] == [lr_lambda(kw)(k) for k in range(5)]
+    own = dataclasses.replace(simple_case(2), target="zero", target_options={}, clip=Clip("norm", 1.0))
+    assert fallback_reason(own) == "the training loop's clip under zero (no straight-line writer for it yet)"
+
+
+@settings(DRAWN, max_examples=25)
+@given(st.sampled_from(["dtensor", "fsdp2", "tp"]).flatmap(
+    lambda t: cases(target=t, world_sizes=[1, 2, 4] if t == "fsdp2" else [1, 2],
+                    loop=("clip", "lr_scheduler", "scaler"))))
+def test_drawn_loop_cases_give_a_script_that_builds_the_kernels_model_and_data(case):
+    why = fallback_reason(case)
+    assert (straight_script(case) is None) == bool(why)
+    assert not why or why.startswith(("parity under mixed precision", "parity of a compiled", "a grad scaler under",
+                                      "ReduceLROnPlateau fed")), why
+    src = straight_script(case, "drawn")
+    if src is not None:
+        compile(src, "repro.py", "exec")
+        _check_drawn(case, src, extra=LOOP_LINES * bool(case.clip or case.scaler or case.lr_scheduler))

@@ -22,6 +22,9 @@ back to the flattened kernel and says so. The case's device and backend are one
 variable (``device``: cpu with gloo, cuda with NCCL, one GPU per rank); the decoder
 transformer is written out; a plugin's optimizer or model comes from the user's
 plugin file, imported by the path the finding recorded (``environment["plugins"]``).
+The training loop a case draws (kernel/loop.py: grad scaler, clip, LR scheduler, their
+state beside the checkpoint) is written in torch's words on both sides (loop.py;
+dtensor, tp and fsdp2 for now).
 
 Per-target knowledge lives in one module per target here (dtensor.py,
 fsdp2.py, fsdp1.py, zero.py, sharded_optim.py, tp.py; dsd.py holds the state-dict
@@ -46,7 +49,7 @@ from .. import targets
 from ..kernel.model import BUILTIN_MODELS, USER_MODELS, param_shapes
 from ..kernel.oracles import UNIT_ROUNDOFF, mixed_precision_tolerance, reduction_tolerance
 from ..kernel.reference import reduction_length, reduction_parts, step_tolerance_for  # the kernel's bounds
-from . import common, dsd, dtensor, fsdp1, fsdp2, pp, sharded_optim, tp, zero
+from . import common, dsd, dtensor, fsdp1, fsdp2, loop, pp, sharded_optim, tp, zero
 from ..verdict import Verdict
 
 WRITERS = {"dtensor": dtensor, "fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "sharded_optim": sharded_optim, "tp": tp,
@@ -76,7 +79,7 @@ def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdic
         return "a parity finding after a checkpoint load"
     if plan["mode"] == "replica":
         q = plan["quantity"]
-        if q.split(".")[0] not in getattr(w, "REPLICAS", ("grad", "param", "state", "param_groups")):
+        if q.split(".")[0] not in getattr(w, "REPLICAS", ("grad", "param", "state", "param_groups", "clip_norm", "loop")):
             return f"{case.target}'s replicas of {q} are not observable"
         if q == "grad" and w.grads(case, case.target_options) is None:
             return f"{case.target}'s grads are not observable under these options"
@@ -116,7 +119,7 @@ def _unsupported(case: Case, w, env: dict) -> str | None:
             return "TP of the decoder transformer (torchtitan's plan)"
     if case.checkpoint and case.checkpoint.kind not in w.KINDS:
         return f"the checkpoint kind {case.checkpoint.kind}"
-    return None
+    return loop.unsupported(case)  # the training loop around the step (scaler, clip, LR scheduler)
 
 
 def _step_tolerance(case: Case) -> dict:
@@ -173,7 +176,10 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
             return None  # (parity after a load: the flattened kernel)
         q = first.quantity if first else ""  # what the replay compares: the grads (the forward) or what the step made
         what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
-            "state" if q.startswith("state") else "group" if q.startswith("param_groups") else ""
+            "state" if q.startswith("state") else "group" if q.startswith("param_groups") else \
+            "clip" if q in ("clip_norm", "clipped_grad") else "loop" if q.startswith("loop.") else ""
+        if first and loop.stateful(case) and what not in ("grad", "clip"):
+            first = None  # the scheduler and the scaler carry state from step to step: each step replayed
         plan.update(mode="parity", last=k, load=False, ckpt=False, steps=[k] if first else list(range(k + 1)), what=what)
         return plan
     return None
@@ -203,6 +209,8 @@ class Writer:
             parts.append("\n".join(self.w.snapshot(c, c.target_options)))
         if p["mode"] == "replica":
             parts.append(_REPLICAS)
+        if self.keep_loop():
+            parts.append("\n".join(loop.PLAIN))
         if p["mode"] == "parity":
             parts.append(_CHECK.replace("{u}", f"2.0 ** {int(math.log2(UNIT_ROUNDOFF[c.dtype]))}")
                          .replace("{dtype}", c.dtype))
@@ -224,7 +232,8 @@ class Writer:
         headline = (self.headline or "a fuzzshard case").replace("\\", "/").replace('"', "'")
         plugin = f" and the plugin file it was found with ({self.env['plugins'][0]})" if self.env.get("plugins") else ""
         about = textwrap.fill(f"Needs only torch{plugin}; found with torch {self.env.get('torch', '?')}, "
-                              f"{self.env.get('backend', 'gloo')}, on {c.device}. Trains the case with {c.target} "
+                              f"{self.env.get('backend', 'gloo')}, on {c.device}. Trains the case with {c.target}"
+                              f"{f' ({loop.about(c)} around each step)' if loop.used(c) else ''} "
                               f"and {what}.", 120)
         return f'#!/usr/bin/env python\n"""{headline}\n\nRun: torchrun --nproc-per-node {self.ranks} THIS_FILE.py ' \
                f'[--setup PATCH.py]  (exit 0: as expected; 1: the finding, printed)\n{about}\n"""'
@@ -235,7 +244,7 @@ class Writer:
                "import torch, torch.distributed as dist, torch.nn as nn"]
         out += ["import torch.nn.functional as F"] * (c.model.factory in BUILTIN_MODELS)
         out += ["import copy"] * bool(self.plan["mode"] == "parity" and self.mixed_precision())
-        own = list(self.w.imports(c, c.target_options))
+        own = list(self.w.imports(c, c.target_options)) + loop.imports(c)
         if self.plan["ckpt"]:
             own += self.w.imports(c, c.checkpoint.target_options)
             own += ["import tempfile"] + (dsd.imports(c) if c.checkpoint.kind in dsd.KINDS else
@@ -305,17 +314,18 @@ class Writer:
                     [(n, True) for s in c.schedule[:ck.after + 1] for n in s.unfreeze]
             frozen += [f"model.get_parameter({n!r}).requires_grad_({v})" for n, v in flags]
         inner += (frozen + shard) if w.FREEZE_BEFORE_SHARD else (shard + frozen)
-        inner += make_opt
+        inner += make_opt + loop.build(c, shape=tuple(shape))
         if save and p["check"] and hasattr(w, "check_" + p["check"]):
             inner += getattr(w, "check_" + p["check"])(c)  # the target's own check that failed
         if p["mode"] == "parity":
             inner += ["got, after = [], [snapshot(model, opt)]  # per step: the grads, and the state after it"]
+            inner += ["ran = []  # per step: what the loop around it gave"] * loop.used(c)
         if not save:
             load = dsd.load(c, group) if ck.kind in dsd.KINDS else getattr(w, "load_" + ck.kind)(c, group)
             if ck.strict and (ck.missing or ck.unexpected):  # a strict load must refuse it
                 load = ["try:", *common.indent(load), "    accepted = True", "except Exception as e:",
                         "    accepted = False", "    print(f\"rank {rank}: the strict load refused it: {e!r}\"[:300])"]
-            inner += load
+            inner += load + loop.load(c, group, keep=self.keep_loop())
             if p["mode"] == "checkpoint":
                 inner += ["loaded = snapshot(model, opt)"]
             elif p["mode"] == "replica" and p["quantity"] != "grad":
@@ -327,6 +337,7 @@ class Writer:
             inner += ["saved = snapshot(model, opt)"] * (p["mode"] == "checkpoint")
             inner += [f"# save after step {ck.after}"]
             inner += dsd.save(c, group) if ck.kind in dsd.KINDS else getattr(w, "save_" + ck.kind)(c, group)
+            inner += loop.save(c, group, keep=self.keep_loop())
         if sub:  # as torchrun with this side's ranks: torch code that takes the default group (DCP, DSD, FSDP) sees them
             return out + [f"group = dist.new_group(list(range({world})))", f"if rank < {world}:",
                           f"    c10d._world.default_pg = group  # ranks 0..{world - 1} as the default group (as the kernel runs it)",
@@ -358,17 +369,23 @@ class Writer:
         else:
             body.append(f"opt.zero_grad(set_to_none={[s.set_to_none for s in c.schedule]!r}[k])")
         body.append("x, y = batch(k)")
-        body += self.w.forward_backward(c, options, world, shape)
+        body += loop.backward(c, self.w.forward_backward(c, options, world, shape), first, last)
+        body += loop.unscale(c)
         if p["mode"] == "parity":
             body.append(f"got.append({self.w.grads(c, options)})")
         elif p["observe"] and self.w.grads(c, options):
             body.append(f"seen = {self.w.grads(c, options)}  # the grads, gathered")
         if p["mode"] == "replica" and p["quantity"] == "grad":
             body += self.replicas(options, "f\"step {k}")
-        body.append("opt.step()")
+        body += loop.clip(c)
+        if p["observe"] and c.clip and self.w.grads(c, options):
+            body.append(f"seen = {self.w.grads(c, options)}  # the clipped grads, gathered")
+        body += loop.global_loss(c, world) if loop.plateau(c) else []
+        body += loop.step(c)
         if p["mode"] == "replica" and p["quantity"] != "grad":
             body += self.replicas(options, "f\"step {k}")
         if p["mode"] == "parity":
+            body += loop.record(c, self.w.grads(c, options)) if loop.used(c) else []
             body.append("after.append(snapshot(model, opt))")
         elif p["observe"]:
             body.append("seen = snapshot(model, opt)  # params and optimizer state, gathered")
@@ -391,7 +408,8 @@ class Writer:
     def replica_label(self) -> str:
         """What the finding's quantity is, in words (param_groups.lr: "lr of each param group")."""
         kind, _, key = self.plan["quantity"].partition(".")
-        return {"grad": "grads", "param": "params", "state": f"{key} of each param"}.get(kind, f"{key} of each param group")
+        return {"grad": "grads", "param": "params", "state": f"{key} of each param", "clip_norm": "total grad norm",
+                "loop": {"scale": "grad scaler's scale"}.get(key, "scheduler's last lrs")}.get(kind, f"{key} of each param group")
 
     def replicas(self, options: dict, when: str) -> list[str]:
         """The check of every rank's copy of the finding's quantity (``when``: the label's opening, a string
@@ -400,8 +418,25 @@ class Writer:
         kind, _, key = q.partition(".")
         mine = {"grad": self.w.grads(self.case, options), "param": "snapshot(model, opt)[0]",
                 "state": f"{{n: v for (n, k), v in snapshot(model, opt)[1].items() if k == {key!r}}}",
-                "param_groups": f"{{f\"group {{i}}\": g.get({key!r}) for i, g in enumerate(snapshot(model, opt)[2])}}"}[kind]
-        return [f"fail += replicas({when} {key + ' of' if key else kind}\", {mine})"]
+                "param_groups": f"{{f\"group {{i}}\": g.get({key!r}) for i, g in enumerate(snapshot(model, opt)[2])}}",
+                # the training loop's (kernel/loop.py): the total norm, the scale, the lrs
+                "clip_norm": "{\"total grad norm\": norm}", "loop": "{\"scale\": scaler.get_scale()}" if key == "scale"
+                else "{\"get_last_lr()\": sched.get_last_lr()}"}[kind]
+        label = "" if kind in ("clip_norm", "loop") else f" {key} of" if key else f" {kind}"
+        return [f"fail += replicas({when}{label}\", {mine})"]
+
+    def checkpoint_what(self) -> str:
+        """What a round trip's finding is about (param, state, group, loop; "": all of it)."""
+        q = "" if self.plan.get("saved") else self.plan.get("quantity", "")
+        return "param" if q.startswith("loaded.param") and not q.startswith("loaded.param_groups") else \
+            "state" if q.startswith("loaded.state") else "group" if q.startswith(("loaded.group", "loaded.param_groups")) \
+            else "loop" if q.startswith(("loaded.lr_scheduler", "loaded.scaler")) else ""
+
+    def keep_loop(self) -> bool:
+        """Whether the round trip checks the loop's state (the scheduler's, the scaler's) saved and loaded."""
+        ck = self.case.checkpoint
+        return self.plan["mode"] == "checkpoint" and loop.stateful(self.case) and not self.plan.get("saved") and \
+            self.checkpoint_what() in ("", "loop") and not (ck.strict and (ck.missing or ck.unexpected))
 
     def checkpoint_check(self) -> list[str]:
         c, ck = self.case, self.case.checkpoint
@@ -421,10 +456,10 @@ class Writer:
                     "            for n, s in file.items() for k, v in s.items() if not torch.equal(torch.as_tensor(v), saved[1][n, k])]",
                     "    print(\"\\n\".join([\"FINDING: the checkpoint holds other values than the optimizer\", *fail]) if fail else",
                     "          \"PASS: the checkpoint holds the optimizer's state\")"]
-        q = "" if self.plan.get("saved") else self.plan.get("quantity", "")
-        what = "param" if q.startswith("loaded.param") and not q.startswith("loaded.param_groups") else \
-            "state" if q.startswith("loaded.state") else "group" if q.startswith(("loaded.group", "loaded.param_groups")) else ""
+        what = self.checkpoint_what()
         out += ["fail = []", "if rank == 0:  # saved and loaded: (params, optimizer state, param groups)"]
+        if self.keep_loop():  # ... and the scheduler's and the scaler's state
+            out += loop.check_loaded()
         if what in ("", "param"):
             out += ["    fail += [f\"param {n}: saved {v.tolist()}, loaded {loaded[0][n].tolist()}\"",
                     "             for n, v in saved[0].items() if not torch.equal(v, loaded[0][n])]"]
@@ -505,14 +540,22 @@ class Writer:
         step_u = "U" if step["u"] == UNIT_ROUNDOFF[c.dtype] else f"2.0 ** {int(math.log2(step['u']))}"
         what = p.get("what", "")
         plain = [f"GRAD_ULPS = {red_k}  # the kernel's bound: {red['why']}"] * \
-            (what in ("", "grad") and not c.target_options.get("mp"))
-        plain += [f"STEP_ULPS, STEP_U = {step['k_ulps']}, {step_u}  # the kernel's bound: {step['why']}"] * (what != "grad")
+            (what in ("", "grad") and not c.target_options.get("mp") or what in ("", "clip") and bool(c.clip))
+        plain += [f"STEP_ULPS, STEP_U = {step['k_ulps']}, {step_u}  # the kernel's bound: {step['why']}"] * \
+            (what not in ("grad", "clip"))
         plain += ["plain = build(%d)" % c.seed]
         if c.frozen:
             plain += [f"for n in {list(c.frozen)!r}:", "    plain.get_parameter(n).requires_grad_(False)"]
         opt = [ln.replace("model.", "plain.").replace("opt = ", "opt_p = ").replace("opt.add", "opt_p.add")
                for ln in common.optimizer(c)]
+        opt += loop.build(c, "opt_p", "sched_p", "scaler_p", sharded=False) if what not in ("grad", "clip") else []
         steps = p["steps"]
+        over = [k for k in c.scaler.overflow if k in steps] if c.scaler else []
+        if over:  # an overflow step's grads are inf: none to compare (as the kernel)
+            guard = lambda lines: [f"if k not in {over!r}:  # the loss overflowed: its grads are inf"] + common.indent(lines) \
+                if len(steps) > 1 else [] if steps[0] in over else lines
+        else:
+            guard = lambda lines: lines
         body = []
         for k in steps:
             acts = [f"plain.get_parameter({n!r}).requires_grad_(False)" for n in c.schedule[k].freeze] + \
@@ -537,22 +580,25 @@ class Writer:
                      "x, y = batch(k)", "new, sens, extra = mp_grads(x, y)",
                      "want = {n: q.grad if n not in new else new[n] if q.grad is None else q.grad + new[n]  # FSDP2 adds to a held grad",
                      "        for n, q in plain.named_parameters()}",
-                     "fail += [check(f\"step {k} grad {n}\", got[k][n], want[n], MP_ULPS, MP_U, sens.get(n, 0.0) + MP_ETA, "
-                     "extra.get(n, 0.0)) for n in want]"]
+                     *guard(["fail += [check(f\"step {k} grad {n}\", got[k][n], want[n], MP_ULPS, MP_U, sens.get(n, 0.0) + "
+                             "MP_ETA, extra.get(n, 0.0)) for n in want]"])]
         elif what in ("", "grad"):
             body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
                      "x, y = batch(k)",
                      f"{common.loss(c, 'plain(x)', 'y')}.backward()  # the whole batch"]
             sens = ", sens=sens.get(n, 0.0)" if self.sensitive() else ""
             body += ["sens = sensitivity(plain, x, y)"] * bool(sens)
-            body += [f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, GRAD_ULPS{sens})"
-                     "  # summed in another order", "         for n, q in plain.named_parameters()]"]
+            body += guard([f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, GRAD_ULPS{sens})"
+                           "  # summed in another order", "         for n, q in plain.named_parameters()]"])
+        replayed, loop_checks = loop.replay(c, what) if loop.used(c) else ([], [])
         if what != "grad":
-            body += ["with torch.no_grad():  # the plain optimizer steps from the sharded grads: only the step differs",
-                     "    for n, q in plain.named_parameters():",
-                     "        q.grad = got[k][n]",
-                     "opt_p.step()",
-                     "(params, state, groups), mine = after[k + 1], snapshot(plain, opt_p)"]
+            if not (c.scaler and what != "clip"):  # (the scaler's replay sets them, scaled)
+                body += ["with torch.no_grad():  # the plain optimizer steps from the sharded grads: only the step differs",
+                         "    for n, q in plain.named_parameters():",
+                         "        q.grad = got[k][n]"]
+            body += replayed or ["opt_p.step()"]
+        if what not in ("grad", "clip"):
+            body += ["(params, state, groups), mine = after[k + 1], snapshot(plain, opt_p)"]
         if what in ("", "param"):
             body += [f"fail += [check(f\"step {{k}} param {{n}}\", params[n], v, STEP_ULPS, STEP_U) for n, v in mine[0].items()]"]
         if what in ("", "state"):
@@ -561,9 +607,11 @@ class Writer:
         if what in ("", "group"):
             body += ["if groups != mine[2]:",
                      "    fail.append(f\"step {k} param_groups: sharded {groups}, plain {mine[2]}\")"]
-        loop = [f"k = {steps[0]}"] + body if len(steps) == 1 else [f"for k in {steps!r}:"] + common.indent(body)
+        body += loop_checks
+        run = [f"k = {steps[0]}"] + body if len(steps) == 1 else [f"for k in {steps!r}:"] + common.indent(body)
+        run += loop.same_norm() if what in ("", "clip") and c.clip and c.clip.how != "value" else []
         return ["", "# the plain model replays the step on the whole batch from the sharded run's state",
-                *plain, *opt, *self.mixed_precision(), "fail = []", *loop, "fail = [f for f in fail if f]",
+                *plain, *opt, *self.mixed_precision(), "fail = []", *run, "fail = [f for f in fail if f]",
                 "if rank == 0:",
                 "    print(\"\\n\".join([\"FINDING: the sharded run differs from the plain one\", *fail]) if fail else",
                 "          \"PASS: the sharded run matches the plain one\")"]

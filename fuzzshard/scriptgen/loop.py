@@ -1,0 +1,308 @@
+"""The training loop around the step (kernel/loop.py) as a script writes it, in
+torch's own words: the grad scaler (``scaler.scale(loss).backward()``, a loss
+made infinite on purpose at the case's overflow steps, ``unscale_``,
+``scaler.step`` / ``update``), the clip (``clip_grad_norm_``, torchtitan's
+``get_total_norm`` + ``clip_grads_with_norm_`` with the norm made full, or
+``clip_grad_value_``) and the LR scheduler (stepped after every step,
+ReduceLROnPlateau fed the step's global loss), their state saved beside the
+checkpoint (DCP or torch.save, as Loop.save / Loop.load) and, in a parity
+replay, the plain model's own scaler, clip and scheduler run on the sharded
+run's grads (as kernel/reference.py's _loop_step). Every function returns
+lines (empty where the case draws none of it)."""
+from __future__ import annotations
+
+import re
+
+from ..case import Case, LRScheduler
+from .. import targets
+from . import common
+
+SCHED = "torch.optim.lr_scheduler."
+WRITTEN = ("dtensor", "tp", "fsdp2")  # the targets whose scripts write the loop (the rest: the flattened kernel)
+
+
+def used(case: Case) -> bool:
+    return bool(case.clip or case.lr_scheduler or case.scaler)
+
+
+def stateful(case: Case) -> bool:
+    """Whether the loop has state a checkpoint keeps (the scheduler's, the scaler's)."""
+    return bool(case.lr_scheduler or case.scaler)
+
+
+def unsupported(case: Case) -> str | None:
+    if not used(case):
+        return None
+    spec = targets.get(case.target).spec
+    if case.clip and case.clip.how not in spec.clips or case.lr_scheduler and not spec.lr_scheduler or \
+            case.scaler and not spec.scaler:
+        return f"the training loop's {_names(case)} under {case.target}, which does not draw it"
+    if case.target not in WRITTEN:
+        return f"the training loop's {_names(case)} under {case.target} (no straight-line writer for it yet)"
+    if case.clip and case.clip.how == "own":
+        return "the target's own clip_grad_norm_"
+    o = case.target_options
+    if plateau(case) and case.target == "fsdp2" and o.get("microbatches", 1) > 1:
+        return "ReduceLROnPlateau fed a loss accumulated over microbatches"
+    if case.scaler and o.get("mp"):
+        return "a grad scaler under mixed precision (the replay of FSDP2's casts does not scale its loss)"
+    return None
+
+
+def _names(case: Case) -> str:
+    return " and ".join(n for n, on in (("clip", case.clip), ("LR scheduler", case.lr_scheduler),
+                                        ("grad scaler", case.scaler)) if on)
+
+
+def plateau(case: Case) -> bool:
+    return bool(case.lr_scheduler) and case.lr_scheduler.name == "ReduceLROnPlateau"
+
+
+def about(case: Case) -> str:
+    """The loop in a few words, for the script's docstring."""
+    parts = []
+    if case.scaler:
+        parts.append("a ShardedGradScaler" if case.target == "fsdp2" else "a GradScaler")
+    if case.clip:
+        parts.append({"norm": "clip_grad_norm_", "two_part": "get_total_norm + clip_grads_with_norm_",
+                      "value": "clip_grad_value_"}.get(case.clip.how, case.clip.how))
+    if case.lr_scheduler:
+        parts.append(case.lr_scheduler.name)
+    return ", ".join(parts)
+
+
+# ---- built beside the optimizer --------------------------------------------
+
+def _scheduler(spec: LRScheduler, opt: str) -> str:
+    kw = dict(spec.kwargs)
+    if spec.name == "LambdaLR":  # the kernel's named lambdas (kernel/loop.py lr_lambda), written out
+        if kw.pop("lambda", "linear_warmup") == "exponential":
+            fn = f"lambda k: {kw.pop('factor', 0.9)!r} ** k"
+        else:
+            w = kw.pop("warmup", 2)
+            fn = f"lambda k: (k + 1) / {w + 1} if k < {w} else 1.0"  # torchtitan's linear warmup
+        kw.pop("factor", None), kw.pop("warmup", None)
+        args = [fn]
+    elif spec.name == "SequentialLR":
+        args = ["[" + ", ".join(_scheduler(c, opt) for c in spec.children) + "]"]
+    elif spec.name == "ChainedScheduler":
+        return f"{SCHED}ChainedScheduler([" + ", ".join(_scheduler(c, opt) for c in spec.children) + f"], optimizer={opt})"
+    else:
+        args = []
+    args += [f"{k}={common.lit(v)}" for k, v in kw.items()]
+    return f"{SCHED}{spec.name}({', '.join([opt] + args)})"
+
+
+def imports(case: Case) -> list[str]:
+    return ["from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler"] * \
+        bool(case.scaler and case.target == "fsdp2")
+
+
+def build(case: Case, opt: str = "opt", sched: str = "sched", scaler: str = "scaler", sharded: bool = True,
+          shape: tuple = ()) -> list[str]:
+    """The scheduler and the scaler over ``opt``: on fsdp2's sharded side FSDP's ShardedGradScaler (found_inf
+    all-reduced) over every rank of the mesh, as the kernel's (never its default group, read at import)."""
+    out = []
+    if case.lr_scheduler:
+        out.append(f"{sched} = {_scheduler(case.lr_scheduler, opt)}")
+    if case.scaler:
+        s = case.scaler
+        kw = [f"init_scale={s.init_scale!r}"] + [f"{k}={getattr(s, k)!r}" for k, d in (
+            ("growth_factor", 2.0), ("backoff_factor", 0.5), ("growth_interval", 2000)) if getattr(s, k) != d]
+        if sharded and case.target == "fsdp2":
+            group = "mesh.get_group()" if len(shape) == 1 else "dist.group.WORLD"
+            out.append(f"{scaler} = ShardedGradScaler(device.type, process_group={group}, {', '.join(kw)})")
+        else:
+            out.append(f"{scaler} = torch.amp.GradScaler(device.type, {', '.join(kw)})")
+    return out
+
+
+# ---- each step of the sharded run ------------------------------------------
+
+def backward(case: Case, lines: list[str], first: int, last: int) -> list[str]:
+    """A target's forward/backward lines with the loss scaled: ``scaler.scale(loss).backward()``, times inf
+    at the steps whose loss overflows on purpose."""
+    if not case.scaler:
+        return lines
+    over = [k for k in case.scaler.overflow if first <= k <= last]
+    if not over:
+        inf, note = "", ""
+    elif first == last:
+        inf, note = " * float(\"inf\")", "  # the loss overflows on purpose: a step to skip"
+    else:
+        inf, note = f" * (float(\"inf\") if k in {over!r} else 1.0)", \
+            f"  # step(s) {over}: the loss overflows on purpose (a step to skip)"
+    out = []
+    for ln in lines:
+        m = re.fullmatch(r"(\s*)(.+?)\.backward\(\)(\s*#.*)?", ln)
+        if m:
+            loss = m.group(2)
+            loss = loss[1:-1] if loss.startswith("(") and loss.endswith(")") else loss
+            scaled = f"scaler.scale({loss})"
+            ln = f"{m.group(1)}{f'({scaled}{inf})' if inf else scaled}.backward(){note or (m.group(3) or '')}"
+        out.append(ln)
+    return out
+
+
+def unscale(case: Case, opt: str = "opt", scaler: str = "scaler") -> list[str]:
+    return [f"{scaler}.unscale_({opt})  # the grads as the plain model's"] if case.scaler else []
+
+
+def _norm_type(case: Case) -> str:
+    return "float(\"inf\")" if case.clip.norm_type == "inf" else f"{float(case.clip.norm_type)!r}"
+
+
+def clip(case: Case, params: str = "model.parameters()", full: bool = True, norm: str = "norm") -> list[str]:
+    """The clip (``norm``: the total norm, as a full tensor where ``full``, as torchtitan reads it)."""
+    c = case.clip
+    if not c:
+        return []
+    fe = [f"foreach={c.foreach!r}"] * (c.foreach is not None)
+    whole = f"{norm} = {norm}.full_tensor() if isinstance({norm}, DTensor) else {norm}  # the full norm, as torchtitan reads it"
+    if c.how == "value":
+        return [f"torch.nn.utils.clip_grad_value_({', '.join([params, repr(c.max_norm)] + fe)})"]
+    kw = [f"norm_type={_norm_type(case)}"] + ["error_if_nonfinite=True"] * c.error_if_nonfinite + fe
+    if c.how == "two_part":  # torchtitan's: the total norm, made full, then the clip by it
+        return [f"{norm} = torch.nn.utils.get_total_norm([q.grad for q in {params} if q.grad is not None], "
+                f"{', '.join(kw)})", *([whole] if full else []),
+                f"torch.nn.utils.clip_grads_with_norm_({', '.join([params, repr(c.max_norm), norm] + fe)})"]
+    return [f"{norm} = torch.nn.utils.clip_grad_norm_({', '.join([params, repr(c.max_norm)] + kw)})",
+            *([whole] if full else [])]
+
+
+def global_loss(case: Case, world: int) -> list[str]:
+    """Lines leaving ``full_loss``: the step's global mean loss as a float, as the kernel feeds ReduceLROnPlateau."""
+    if case.target == "fsdp2":  # each rank's slice: the mean over the ranks, summed in float64 (as the kernel)
+        return ["full_loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double()",
+                "dist.all_reduce(full_loss)  # every rank of a data-parallel slice holds its loss: the mean over ranks",
+                f"full_loss = float((full_loss / {world}).to(torch.{case.dtype}))"]
+    if case.target == "dtensor":
+        return ["full_loss = float(loss.full_tensor())"]
+    return ["full_loss = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)"]
+
+
+def step(case: Case, opt: str = "opt", sched: str = "sched", scaler: str = "scaler", loss: str = "full_loss") -> list[str]:
+    """The optimizer's step (through the scaler: skipped on an inf), the scaler's update, the scheduler's step."""
+    out = [f"{scaler}.step({opt})  # skipped where unscale_ found an inf", f"{scaler}.update()"] if case.scaler \
+        else [f"{opt}.step()"]
+    if case.lr_scheduler:
+        out.append(f"{sched}.step({loss})  # fed the step's global loss" if plateau(case) else f"{sched}.step()")
+    return out
+
+
+def record(case: Case, grads: str | None) -> list[str]:
+    """What a parity replay needs of the step's loop, one dict a step."""
+    parts = []
+    if case.clip and case.clip.how != "value":
+        parts.append("\"norm\": norm")
+    if case.clip:
+        parts.append(f"\"clipped\": {grads}")
+    if case.scaler:
+        parts.append("\"scale\": scaler.get_scale()")
+    if case.lr_scheduler:
+        parts.append("\"lr\": [float(v) for v in sched.get_last_lr()]")
+    if plateau(case):
+        parts.append("\"loss\": full_loss")
+    text = "ran.append({" + ", ".join(parts) + "})"
+    if len(text) <= 120 or not case.clip:
+        return [text]
+    rest = [p for p in parts if not p.startswith("\"clipped\"")]  # the clipped grads on a line of their own
+    return ["ran.append({" + ", ".join(rest) + ","] * bool(rest) + \
+        [("ran.append({" if not rest else " " * 12) + next(p for p in parts if p.startswith("\"clipped\"")) + "})"]
+
+
+# ---- the checkpoint: the scheduler's and the scaler's state beside it --------
+
+def _state(case: Case, sched: str = "sched", scaler: str = "scaler") -> str:
+    return "{" + ", ".join([f"\"lr_scheduler\": {sched}.state_dict()"] * bool(case.lr_scheduler) +
+                           [f"\"scaler\": {scaler}.state_dict()"] * bool(case.scaler)) + "}"
+
+
+def save(case: Case, group: str, keep: bool) -> list[str]:
+    """Loop.save: a DCP checkpoint's loop state as a Stateful in its own DCP save (torchtitan's), else torch.save
+    on rank 0. ``keep``: hold a plain copy (``saved_loop``) for the round trip's check."""
+    if not stateful(case):
+        return []
+    out = [f"loop_sd = {_state(case)}  # the scheduler's and scaler's state, saved beside them"]
+    if case.checkpoint.kind == "dcp":
+        pg = f", process_group={group}" if group else ""
+        out.append(f"dcp.save({{\"loop\": loop_sd}}, storage_writer=dcp.FileSystemWriter(f\"{{ckpt}}/loop\"){pg})")
+    else:
+        out += ["if rank == 0:", "    torch.save(loop_sd, f\"{ckpt}/loop.pt\")"]
+    return out + ["saved_loop = comparable(loop_sd)"] * keep
+
+
+def load(case: Case, group: str, keep: bool) -> list[str]:
+    if not stateful(case):
+        return []
+    if case.checkpoint.kind == "dcp":
+        pg = f", process_group={group}" if group else ""
+        out = [f"loop_sd = {{\"loop\": {_state(case)}}}  # the layout to load into",
+               f"dcp.load(loop_sd, storage_reader=dcp.FileSystemReader(f\"{{ckpt}}/loop\"){pg})",
+               "loop_sd = loop_sd[\"loop\"]"]
+    else:
+        out = ["loop_sd = torch.load(f\"{ckpt}/loop.pt\", weights_only=False)"]
+    out += ["sched.load_state_dict(loop_sd[\"lr_scheduler\"])"] * bool(case.lr_scheduler)
+    out += ["scaler.load_state_dict(loop_sd[\"scaler\"])"] * bool(case.scaler)
+    return out + [f"loaded_loop = comparable({_state(case)})"] * keep
+
+
+PLAIN = ["def comparable(v):  # a state dict as plain Python values (tensors as lists), to compare",
+         "    if isinstance(v, dict):", "        return {k: comparable(x) for k, x in v.items()}",
+         "    return [comparable(x) for x in v] if isinstance(v, (list, tuple)) else v.tolist() if torch.is_tensor(v) else v"]
+
+
+def check_loaded() -> list[str]:
+    """(rank 0) The loop's state right after the load vs what was saved, key by key (kernel/checkpoint.py
+    check_loaded_loop)."""
+    return ["    fail += [f\"{part} {k}: saved {v!r}, loaded {loaded_loop[part].get(k)!r}\" for part, sd in saved_loop.items()",
+            "             for k, v in sd.items() if v != loaded_loop[part].get(k)]"]
+
+
+# ---- the parity replay: the plain model's own loop on the sharded grads ----------
+
+def replay(case: Case, what: str) -> tuple[list[str], list[str]]:
+    """(the lines that replace the plain step, the loop's own checks after it) for step k of a parity replay:
+    the plain scaler scales and unscales the sharded grads (powers of two: exact; it finds the inf where the
+    sharded run did), the plain clip's norm and clipped grads checked against the sharded run's, then the step
+    from the sharded clipped grads (only the step differs), the scaler's update and the scheduler's step."""
+    out = []
+    if case.scaler and what != "clip":
+        out += ["scale = scaler_p.scale(torch.ones((), device=device))  # the sharded grads scaled as they were",
+                "with torch.no_grad():  # ... then unscaled (powers of two: exact)", "    for n, q in plain.named_parameters():",
+                "        q.grad = None if got[k][n] is None else got[k][n] * scale",
+                "scaler_p.unscale_(opt_p)  # finds an inf where the sharded run's found one"]
+    if case.clip and what in ("", "clip", "param", "state"):
+        out += clip(case, "plain.parameters()", full=False, norm="norm_p")
+        if what in ("", "clip"):
+            if case.clip.norm_type == "inf":
+                out.append("CLIP_ULPS = GRAD_ULPS  # a max: exact, but for the grads it is read from")
+            else:
+                out.append("CLIP_ULPS = GRAD_ULPS + 2 * (sum(q.numel() for q in plain.parameters() if q.grad is not None) "
+                           f"+ {2 * len(case.groups) + 2}) + 4  # the kernel's: a norm, summed in another order")
+            if case.clip.how != "value":
+                out.append("fail.append(check(f\"step {k} total norm\", ran[k][\"norm\"], norm_p, CLIP_ULPS))")
+            out += ["fail += [check(f\"step {k} clipped grad {n}\", ran[k][\"clipped\"][n], q.grad, CLIP_ULPS)",
+                    "         for n, q in plain.named_parameters()]"]
+        if what != "clip":
+            out += ["with torch.no_grad():  # the plain optimizer steps from the sharded clipped grads: only the step differs",
+                    "    for n, q in plain.named_parameters():", "        q.grad = ran[k][\"clipped\"][n]"]
+    if what == "clip":
+        return out, []
+    out += step(case, "opt_p", "sched_p", "scaler_p", "ran[k][\"loss\"]")
+    checks = []
+    if what in ("", "loop") and case.scaler:
+        checks += ["if ran[k][\"scale\"] != scaler_p.get_scale():",
+                   "    fail.append(f\"step {k} scale: sharded {ran[k]['scale']}, plain {scaler_p.get_scale()}\")"]
+    if what in ("", "loop") and case.lr_scheduler:
+        checks += ["lrs = [float(v) for v in sched_p.get_last_lr()]",
+                   "fail += [f\"step {k} get_last_lr(): sharded {ran[k]['lr']}, plain {lrs}\"] * (ran[k][\"lr\"] != lrs)"]
+    return out, checks
+
+
+def same_norm() -> list[str]:
+    """Every rank's total norm is the same number (a user logs and clips by it): one all_gather."""
+    return ["every = [None] * dist.get_world_size()  # every rank's total norm at each step: the same number",
+            "dist.all_gather_object(every, [str(float(r[\"norm\"])) for r in ran])",
+            "fail += [f\"step {k} total norm: the ranks' differ: {[e[k] for e in every]}\" for k in range(len(ran)) "
+            "if len({e[k] for e in every}) > 1]"]
