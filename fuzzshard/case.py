@@ -136,6 +136,9 @@ class Scaler:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     overflow: tuple[int, ...] = ()  # schedule steps whose loss is made infinite on purpose (a skipped step)
+    # torch.amp.GradScaler where the target's own scaler is another (fsdp2: ShardedGradScaler; torchtitan's docs
+    # pair FSDP2 with amp's, whose DTensor unscale reduces found_inf over the grads' mesh itself)
+    amp: bool = field(default=False, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def lr_schedulers(draw, n_steps: int) -> LRScheduler | None:
 
 
 @st.composite
-def scalers(draw, n_steps: int) -> Scaler | None:
+def scalers(draw, n_steps: int, amp_too: bool = False) -> Scaler | None:
     """Powers of two throughout (as the defaults are), so scaling and unscaling are exact; now and then a
     step whose loss overflows on purpose, and a growth interval short enough for the scale to grow."""
     if not draw(st.booleans()):
@@ -80,7 +80,8 @@ def scalers(draw, n_steps: int) -> Scaler | None:
     overflow = tuple(k for k in range(n_steps) if draw(st.sampled_from([False, False, True])))
     return Scaler(init_scale=2.0 ** draw(st.sampled_from([16, 0, 8, 24])),
                   growth_factor=draw(st.sampled_from([2.0, 4.0])), backoff_factor=draw(st.sampled_from([0.5, 0.25])),
-                  growth_interval=draw(st.sampled_from([2000, 1, 2])), overflow=overflow)
+                  growth_interval=draw(st.sampled_from([2000, 1, 2])), overflow=overflow,
+                  amp=amp_too and draw(st.booleans()))  # (the target's own scaler first: where a shrunk case goes)
 
 
 @st.composite
@@ -92,5 +93,5 @@ def loop_features(draw, spec, case, features) -> dict:
     if "lr_scheduler" in features and spec.lr_scheduler:
         out["lr_scheduler"] = draw(lr_schedulers(len(case.schedule)))
     if "scaler" in features and spec.scaler and not case.optim.added_at:  # (Case.check_world says why)
-        out["scaler"] = draw(scalers(len(case.schedule)))
+        out["scaler"] = draw(scalers(len(case.schedule), spec.amp_scaler))
     return out

@@ -111,7 +111,7 @@ def _loop_size(case: Case) -> int:
     if sched:
         n += 1 + 2 * len(sched.children)
     if scaler:
-        n += 1 + len(scaler.overflow)
+        n += 1 + len(scaler.overflow) + scaler.amp
     return n
 
 
@@ -650,6 +650,8 @@ def _loop_edits(data: dict) -> Iterator[Edit]:
             yield changed(f"{sched['name']} -> its scheduler {i} ({child['name']})", lr_scheduler=child)
     if scaler:
         yield changed("no grad scaler", scaler=None)
+        if scaler.get("amp"):
+            yield changed("the target's own grad scaler", scaler={**scaler, "amp": False})
         for k in scaler["overflow"]:
             yield changed(f"no overflow at step {k}", scaler={**scaler, "overflow": [j for j in scaler["overflow"] if j != k]})
     if ck and ck.get("async_save"):

@@ -126,7 +126,7 @@ def loop_cells(case) -> list[str]:
     if case.lr_scheduler:
         out.append(f"lr {case.lr_scheduler.name}")
     if case.scaler:
-        out.append("scaler" + (" with overflow" if case.scaler.overflow else ""))
+        out.append("scaler" + (" (amp's)" if case.scaler.amp else "") + (" with overflow" if case.scaler.overflow else ""))
     if case.checkpoint and case.checkpoint.async_save:
         out.append(f"async save {case.checkpoint.async_save}")
     return out or ["none"]

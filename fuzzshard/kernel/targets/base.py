@@ -65,6 +65,7 @@ class Spec:
     clips: tuple = ()
     lr_scheduler: bool = False
     scaler: bool = False
+    amp_scaler: bool = False  # its grad scaler is its own (ShardedGradScaler), and amp's is drawn too
 
 
 class Target:
@@ -237,8 +238,9 @@ class Target:
 
     def loop(self, opt, model: nn.Module):
         """The training loop around this target's step (kernel/loop.py)."""
-        return Loop(self.case, opt, scaler=self.grad_scaler, full=self.full_norm, own=self.clip_own(model) if (
-            self.case.clip and self.case.clip.how == "own") else None)
+        amp = self.case.scaler and self.case.scaler.amp  # amp's GradScaler in place of the target's own
+        return Loop(self.case, opt, scaler=None if amp else self.grad_scaler, full=self.full_norm,
+                    own=self.clip_own(model) if (self.case.clip and self.case.clip.how == "own") else None)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         """A full plain copy of a param, grad or state tensor."""

@@ -406,7 +406,7 @@ class FSDP2Target(Target):
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
-                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True)
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:
