@@ -445,3 +445,11 @@ def test_drawn_loop_cases_give_a_script_that_builds_the_kernels_model_and_data(c
     if src is not None:
         compile(src, "repro.py", "exec")
         _check_drawn(case, src, extra=LOOP_LINES * bool(case.clip or case.scaler or case.lr_scheduler))
+
+
+def test_a_non_root_forward_is_in_the_plain_models_loss_too():
+    """fsdp2's ``nonroot``: the kernel's objective adds layers.0 called on the input; the plain replay adds it too
+    (without it the grads of layers.0 differ on torch as it is)."""
+    case = dataclasses.replace(_fsdp2_case(), target_options={"wrap": ["layers.0"], "nonroot": True})
+    src = straight_script(case, "nonroot")
+    assert "(((plain(x) - y) ** 2).mean() + plain.layers[0](x).square().mean()).backward()" in src

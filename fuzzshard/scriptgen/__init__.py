@@ -215,7 +215,7 @@ class Writer:
             parts.append(_CHECK.replace("{u}", f"2.0 ** {int(math.log2(UNIT_ROUNDOFF[c.dtype]))}")
                          .replace("{dtype}", c.dtype))
             if self.sensitive():
-                parts.append(_SENSITIVITY.replace("LOSS", common.loss(c, "net(xin)", "y")))
+                parts.append(_SENSITIVITY.replace("LOSS", self.plain_loss("net", "xin")))
         parts += ["\n".join(body), _END]
         return "\n\n".join(x.strip("\n") for x in parts if x) + "\n"
 
@@ -476,6 +476,13 @@ class Writer:
                 "          \"PASS: the loaded state equals the saved one\")"]
         return out
 
+    def plain_loss(self, net: str, x: str) -> str:
+        """The kernel's objective on the plain model: the loss, plus fsdp2's non-root forward term (``nonroot``)."""
+        nonroot = f" + {net}.layers[0]({x}).square().mean()" if self.case.target == "fsdp2" and \
+            self.case.target_options.get("nonroot") else ""
+        loss = common.loss(self.case, f"{net}({x})", "y")
+        return f"({loss}{nonroot})" if nonroot else loss
+
     def sensitive(self) -> bool:
         """Whether the grads' bound takes the one-ulp sensitivity too, as the kernel's does: in a low precision,
         where rounding inside the forward (a norm over a near-constant row) outweighs the reductions' bound."""
@@ -585,7 +592,7 @@ class Writer:
         elif what in ("", "grad"):
             body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
                      "x, y = batch(k)",
-                     f"{common.loss(c, 'plain(x)', 'y')}.backward()  # the whole batch"]
+                     f"{self.plain_loss('plain', 'x')}.backward()  # the whole batch"]
             sens = ", sens=sens.get(n, 0.0)" if self.sensitive() else ""
             body += ["sens = sensitivity(plain, x, y)"] * bool(sens)
             body += guard([f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, GRAD_ULPS{sens})"
