@@ -296,7 +296,7 @@ def _grad_uncertainty(case: Case, rec: dict) -> dict:
 
 # ---- the training loop around the step (loop.py): scaler, clipping, scheduler ----
 
-EXACT = {"k_ulps": 0, "u": 0.0, "why": "the same numbers on both sides: exact"}
+LOOP_EXACT = {"k_ulps": 0, "u": 0.0, "why": "the same numbers on both sides: exact"}
 
 
 def clip_tolerance(case: Case, tol: dict, numel: int) -> dict:
@@ -352,4 +352,4 @@ def _loop_step(case: Case, k: int, loops: dict, at: str, stepper: tuple, rec: di
 def _compare_loop(k: int, got: dict, loop) -> list:
     """The scale and the scheduler's last lrs after step k: exact (they are not computed from the data)."""
     want = loop.observe()
-    return [compare(f"loop.{key}", k, "", got.get(key), want.get(key), EXACT) for key in sorted(set(got) | set(want))]
+    return [compare(f"loop.{key}", k, "", got.get(key), want.get(key), LOOP_EXACT) for key in sorted(set(got) | set(want))]
