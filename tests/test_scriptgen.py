@@ -453,3 +453,13 @@ def test_a_non_root_forward_is_in_the_plain_models_loss_too():
     case = dataclasses.replace(_fsdp2_case(), target_options={"wrap": ["layers.0"], "nonroot": True})
     src = straight_script(case, "nonroot")
     assert "(((plain(x) - y) ** 2).mean() + plain.layers[0](x).square().mean()).backward()" in src
+
+
+def test_fsdp2s_grad_scaler_is_the_kernels_sharded_one_or_amps():
+    case = dataclasses.replace(_fsdp2_case(), scaler=Scaler(init_scale=16.0))
+    src = straight_script(case, "fsdp2")
+    assert "scaler = ShardedGradScaler(device.type, process_group=mesh.get_group(), init_scale=16.0)" in src
+    assert "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler" in src
+    assert "scaler_p = torch.amp.GradScaler(device.type, init_scale=16.0)" in src  # the plain model's: amp's
+    amp = straight_script(dataclasses.replace(case, scaler=Scaler(init_scale=16.0, amp=True)), "fsdp2")
+    assert "ShardedGradScaler" not in amp and "scaler = torch.amp.GradScaler(device.type, init_scale=16.0)" in amp

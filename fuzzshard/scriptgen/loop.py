@@ -62,7 +62,7 @@ def about(case: Case) -> str:
     """The loop in a few words, for the script's docstring."""
     parts = []
     if case.scaler:
-        parts.append("a ShardedGradScaler" if case.target == "fsdp2" else "a GradScaler")
+        parts.append("a ShardedGradScaler" if _sharded_scaler(case) else "a GradScaler")
     if case.clip:
         parts.append({"norm": "clip_grad_norm_", "two_part": "get_total_norm + clip_grads_with_norm_",
                       "value": "clip_grad_value_"}.get(case.clip.how, case.clip.how))
@@ -93,9 +93,13 @@ def _scheduler(spec: LRScheduler, opt: str) -> str:
     return f"{SCHED}{spec.name}({', '.join([opt] + args)})"
 
 
+def _sharded_scaler(case: Case) -> bool:
+    """Whether the sharded run's scaler is FSDP's ShardedGradScaler (fsdp2's own; amp's where ``Scaler.amp``)."""
+    return bool(case.scaler) and case.target == "fsdp2" and not getattr(case.scaler, "amp", False)
+
+
 def imports(case: Case) -> list[str]:
-    return ["from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler"] * \
-        bool(case.scaler and case.target == "fsdp2")
+    return ["from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler"] * _sharded_scaler(case)
 
 
 def build(case: Case, opt: str = "opt", sched: str = "sched", scaler: str = "scaler", sharded: bool = True,
@@ -109,7 +113,7 @@ def build(case: Case, opt: str = "opt", sched: str = "sched", scaler: str = "sca
         s = case.scaler
         kw = [f"init_scale={s.init_scale!r}"] + [f"{k}={getattr(s, k)!r}" for k, d in (
             ("growth_factor", 2.0), ("backoff_factor", 0.5), ("growth_interval", 2000)) if getattr(s, k) != d]
-        if sharded and case.target == "fsdp2":
+        if sharded and _sharded_scaler(case):
             group = "mesh.get_group()" if len(shape) == 1 else "dist.group.WORLD"
             out.append(f"{scaler} = ShardedGradScaler(device.type, process_group={group}, {', '.join(kw)})")
         else:
