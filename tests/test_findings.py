@@ -217,3 +217,16 @@ def test_a_wrapper_own_root_cause_is_no_suspect_for_another_target():
     fsdp1 = known["fsdp1.checkpoint.dcp.loaded.state.step"]
     assert matcher.suspects(fsdp1.case, fsdp1.verdict) == ["dsd-frozen-param-optim-state-dropped",
                                                            "fsdp1-shared-0d-step"]
+
+
+def test_a_known_finding_with_a_generic_signature_is_known_only_where_its_conditions_hold():
+    """pp.parity.loss is known for unequal microbatches only (only_when): the same signature on equal ones is new."""
+    import dataclasses
+
+    from fuzzshard.findings.record import known_signature, load_known
+
+    known = load_known()
+    f = known["pp.parity.loss"]
+    assert f.only_when and known_signature("pp.parity.loss", f.case, known) == "pp.parity.loss"
+    even = dataclasses.replace(f.case, target_options={**f.case.target_options, "n_microbatches": 2})
+    assert even.batch % 2 == 0 and known_signature("pp.parity.loss", even, known) is None

@@ -103,6 +103,9 @@ class Finding:
     # known hangs only: case fields that always hit it ({"checkpoint.kind": "broadcast", "world_size": [2, 3]});
     # a matching case is counted as a hit of this finding without being run (it would cost the case timeout)
     trigger: dict = field(default_factory=dict)
+    # known findings with a signature any other bug could have (pp.parity.loss): known only for cases that
+    # match this (field paths and facts.NAME, as a trigger), so a new bug of that signature elsewhere is new
+    only_when: dict = field(default_factory=dict)
     # known findings only: the devices it shows on ([] any); a torch bug seen only on CUDA does not
     # hide a new bug of the same signature on the CPU
     devices: list = field(default_factory=list)
@@ -133,6 +136,7 @@ class Finding:
             "environment": self.environment,
             "case": self.case.to_dict(),
             **({"trigger": self.trigger} if self.trigger else {}),
+            **({"only_when": self.only_when} if self.only_when else {}),
             **({"devices": self.devices} if self.devices else {}),
             **({"root_cause": self.root_cause} if self.root_cause else {}),
             **({"faces": sorted(self.faces)} if self.faces else {}),
@@ -158,6 +162,7 @@ class Finding:
             environment=data.get("environment", {}),
             diagnosis=data.get("diagnosis", ""),
             trigger=data.get("trigger", {}),
+            only_when=data.get("only_when", {}),
             devices=data.get("devices", []),
             root_cause=data.get("root_cause", ""),
             faces=data.get("faces", []),
@@ -258,9 +263,17 @@ def known_signature(sig: str, case: Case, known: dict[str, Finding]) -> str | No
         sigs.append(sig.replace(f".{tag}.", ".", 1))
     for s in [x for one in sigs for x in [one] + _as_family(one, case.target, family)]:
         f = known.get(s)
-        if f is not None and (not f.devices or case.device in f.devices):
+        if f is not None and (not f.devices or case.device in f.devices) and _holds(case, f.only_when):
             return s
     return None
+
+
+def _holds(case: Case, conditions: dict) -> bool:
+    """Whether the case matches ``conditions`` (a known finding's ``only_when``; none: any case)."""
+    if not conditions:
+        return True
+    data = {**case.to_dict(), "facts": facts(case)}
+    return all(_matches(_field(data, k), v) for k, v in conditions.items())
 
 
 def _as_family(sig: str, target: str, family) -> list[str]:

@@ -205,10 +205,28 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     return options
 
 
+# the schedules that split a stage's backward into input and weight parts (stage_backward_input / _weight)
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
 def facts(case: Case) -> dict:
+    """What a pp case is beyond its fields, for a known finding's ``only_when``: whether its microbatches are
+    unequal, and whether a split-backward schedule meets a stage whose input needs no grad (no trainable param
+    before it)."""
     o = case.target_options
+    n_mb = o.get("n_microbatches") or 0
     return {"schedule": o.get("schedule"), "n_stages": n_stages(o, case.world_size),
-            "n_microbatches": o.get("n_microbatches"), "scale_grads": o.get("scale_grads")}
+            "n_microbatches": n_mb, "scale_grads": o.get("scale_grads"),
+            "uneven_microbatches": bool(n_mb) and case.batch % n_mb != 0,
+            "split_backward_input_without_grad": o.get("schedule") in SPLIT_BACKWARD and _input_without_grad(case)}
+
+
+def _input_without_grad(case: Case) -> bool:
+    """Some stage after the first has no trainable param before it (every layer before it frozen or parameter-free)."""
+    if not case.target_options.get("cuts") or case.model.factory:
+        return False
+    trainable = {int(n.split(".")[1]) for n in param_shapes(case.model) if n not in case.frozen and n.startswith("layers.")}
+    return any(not any(i < start for i in trainable) for start in case.target_options["cuts"])
 
 
 def coverage(case: Case) -> dict:
