@@ -428,19 +428,22 @@ def test_the_loop_is_written_in_torchs_words_and_only_where_a_finding_needs_it()
         src = straight_script(_loop_case(lr_scheduler=LRScheduler("LambdaLR", kw)), "")
         fn = eval(src.split("LambdaLR(opt, ")[1].split(")\n")[0])
         assert [fn(k) for k in range(5)] == [lr_lambda(kw)(k) for k in range(5)]
-    own = dataclasses.replace(simple_case(2), target="zero", target_options={}, clip=Clip("norm", 1.0))
-    assert fallback_reason(own) == "the training loop's clip under zero (no straight-line writer for it yet)"
+    own = dataclasses.replace(simple_case(2), target="fsdp1", target_options={}, clip=Clip("own", 1.0))
+    assert fallback_reason(own) == "the training loop's clip under fsdp1 (no straight-line writer for it yet)"
+    zero = straight_script(dataclasses.replace(_zero_case(), clip=Clip("norm", 1.0), lr_scheduler=plateau.lr_scheduler))
+    assert "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=2.0)\n" in zero  # plain grads
+    assert "dist.all_reduce(full_loss, group=opt.process_group)" in zero and "full_tensor" not in zero
 
 
 @settings(DRAWN, max_examples=25)
-@given(st.sampled_from(["dtensor", "fsdp2", "tp"]).flatmap(
+@given(st.sampled_from(["dtensor", "fsdp2", "tp", "zero"]).flatmap(
     lambda t: cases(target=t, world_sizes=[1, 2, 4] if t == "fsdp2" else [1, 2],
                     loop=("clip", "lr_scheduler", "scaler"))))
 def test_drawn_loop_cases_give_a_script_that_builds_the_kernels_model_and_data(case):
     why = fallback_reason(case)
     assert (straight_script(case) is None) == bool(why)
     assert not why or why.startswith(("parity under mixed precision", "parity of a compiled", "a grad scaler under",
-                                      "ReduceLROnPlateau fed")), why
+                                      "ReduceLROnPlateau fed", "zero options")), why
     src = straight_script(case, "drawn")
     if src is not None:
         compile(src, "repro.py", "exec")

@@ -24,7 +24,7 @@ transformer is written out; a plugin's optimizer or model comes from the user's
 plugin file, imported by the path the finding recorded (``environment["plugins"]``).
 The training loop a case draws (kernel/loop.py: grad scaler, clip, LR scheduler, their
 state beside the checkpoint) is written in torch's words on both sides (loop.py;
-dtensor, tp and fsdp2 for now).
+dtensor, tp, fsdp2 and zero for now).
 
 Per-target knowledge lives in one module per target here (dtensor.py,
 fsdp2.py, fsdp1.py, zero.py, sharded_optim.py, tp.py; dsd.py holds the state-dict

@@ -18,7 +18,8 @@ from .. import targets
 from . import common
 
 SCHED = "torch.optim.lr_scheduler."
-WRITTEN = ("dtensor", "tp", "fsdp2")  # the targets whose scripts write the loop (the rest: the flattened kernel)
+WRITTEN = ("dtensor", "tp", "fsdp2", "zero")  # the targets whose scripts write the loop (the rest: the flattened kernel)
+DTENSOR_PARAMS = ("dtensor", "tp", "fsdp2")  # a total norm over DTensor grads is a DTensor: made full
 
 
 def used(case: Case) -> bool:
@@ -162,6 +163,7 @@ def clip(case: Case, params: str = "model.parameters()", full: bool = True, norm
     if not c:
         return []
     fe = [f"foreach={c.foreach!r}"] * (c.foreach is not None)
+    full = full and case.target in DTENSOR_PARAMS
     whole = f"{norm} = {norm}.full_tensor() if isinstance({norm}, DTensor) else {norm}  # the full norm, as torchtitan reads it"
     if c.how == "value":
         return [f"torch.nn.utils.clip_grad_value_({', '.join([params, repr(c.max_norm)] + fe)})"]
@@ -182,6 +184,9 @@ def global_loss(case: Case, world: int) -> list[str]:
                 f"full_loss = float((full_loss / {world}).to(torch.{case.dtype}))"]
     if case.target == "dtensor":
         return ["full_loss = float(loss.full_tensor())"]
+    if case.target == "zero":  # each rank's slice: all-reduced in its dtype, as the kernel's
+        return ["full_loss = loss.detach().clone()", "dist.all_reduce(full_loss, group=opt.process_group)",
+                f"full_loss = float(full_loss / {world})"] if world > 1 else ["full_loss = float(loss)"]
     return ["full_loss = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)"]
 
 
