@@ -109,3 +109,61 @@ def test_planted_1f1b_bug_is_found_shrunk_and_replays(tmp_path):
     assert buggy.returncode != 0 and "FINDING" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
     ok = torchrun(script, case["world_size"], cwd=tmp_path)
     assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+
+
+def _hunt_shrink_replay(tmp_path, bug, seed, max_examples, shrink_budget="30s"):
+    """A short pp session with ``bug`` planted: its one new finding (a grad parity finding), confirmed and
+    deterministic, replaying as itself with the bug and passing on unmodified torch; returns its case."""
+    out = tmp_path / "out"
+    r = run_cli("fuzz", "--target", "pp", "--max-examples", max_examples, "--seed", seed, "--world-sizes", "2",
+                "--optimizers", "SGD", "--checkpoints", "none", "--case-timeout", 60, "--shrink-budget", shrink_budget,
+                "--out", out, setup=bug)
+    assert r.returncode == 1, r.stderr[-3000:]
+    found = sorted(out.glob("pp.*.json"))
+    assert [p.name for p in found] == ["pp.parity.grad.json"], f"{[p.name for p in found]}; stderr:\n{r.stderr[-3000:]}"
+    finding = json.loads(found[0].read_text())
+    assert finding["stage"] == "confirmed" and finding["deterministic"] is True
+    buggy = run_cli("replay", found[0], setup=bug)
+    assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
+    clean = run_cli("replay", found[0])
+    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    return finding["case"]
+
+
+def test_planted_zero_bubble_dw_twice_is_found_shrunk_and_replays(tmp_path):
+    """The zero-bubble split backward counts the first microbatch's weight grads (backward_weight_one_chunk)
+    twice: found as a grad parity finding (new: pp.parity.grad, not the known vanished grads), shrunk to a
+    split-backward schedule on one rank, its two virtual stages (the fewest), one microbatch, one step."""
+    case = _hunt_shrink_replay(tmp_path, "pp_zero_bubble_dw_twice.py", 6, 25)
+    o = case["target_options"]
+    assert o["schedule"] in pp.SPLIT_BACKWARD and pp.n_stages(o, case["world_size"]) == 2, case
+    assert o["n_microbatches"] == 1 and len(case["schedule"]) == 1, case
+
+
+def test_planted_looped_stage_scale_is_found_shrunk_and_replays(tmp_path):
+    """Interleaved1F1B / LoopedBFS divide a rank's later virtual stage's summed grads by n_microbatches x its
+    stages: found as a grad parity finding, shrunk to a looped schedule on one rank, two virtual stages,
+    two microbatches (one would not be scaled), scale_grads on, one step."""
+    case = _hunt_shrink_replay(tmp_path, "pp_looped_stage_scale.py", 0, 20, "20s")
+    o = case["target_options"]
+    assert o["schedule"] in ("Interleaved1F1B", "LoopedBFS") and pp.n_stages(o, case["world_size"]) == 2, case
+    assert o["n_microbatches"] == 2 and o["scale_grads"] is True and len(case["schedule"]) == 1, case
+
+
+def test_pp_lr_scheduler_steps_each_ranks_groups_in_the_case_order(tmp_path):
+    """An LR scheduler over each rank's optimizer (Spec.lr_scheduler): three groups, the first and last on
+    stage 1's rank, the middle one on stage 0's, with their own lrs; the scheduler's last lrs observed per
+    case group in the case's order match the reference's one scheduler over all three, every step."""
+    from fuzzshard.case import LRScheduler
+
+    case = _case(n_microbatches=2, batch=2, scale_grads=False)
+    case = dataclasses.replace(case, schedule=(Step(), Step(), Step()),
+                               groups=(Group(("layers.1.weight",), {"lr": 0.3}),
+                                       Group(("layers.0.weight", "layers.0.bias"), {"lr": 0.2}),
+                                       Group(("layers.1.bias",))),
+                               lr_scheduler=LRScheduler("StepLR", {"step_size": 1, "gamma": 0.5}))
+    path = tmp_path / "lr.json"
+    path.write_text(case.to_json())
+    r = run_cli("replay", path)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert pp.PPTarget.spec.lr_scheduler and not pp.PPTarget.spec.clips

@@ -278,7 +278,8 @@ class _Local(nn.Module):
 class PPTarget(Target):
     name = "pp"
     spec = Spec(options=draw_options, named_params=True, flat_mesh=True, late_options=draw_late_options,
-                check=check, fit_options=fit_options, facts=facts, coverage=coverage, component="pipelining")
+                check=check, fit_options=fit_options, facts=facts, coverage=coverage, component="pipelining",
+                lr_scheduler=True)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
@@ -393,17 +394,39 @@ class PPTarget(Target):
     def group_hparams(self, opt) -> list[dict]:
         """Every case group's hyperparameters, from a rank whose optimizer holds
         its params (the lowest), else from one that holds it empty."""
-        mine = [(i, bool(g["params"]), h) for i, g, h in zip(self.group_index, opt.param_groups, group_hparams(opt))]
+        return self._in_case_order(opt, group_hparams(opt))
+
+    def _in_case_order(self, opt, values: list) -> list:
+        """One value per group of this rank's optimizer -> one per case group, in the case's order, each from
+        the lowest rank whose optimizer holds the group's params, else from one that holds it empty (a
+        collective over the pipeline's ranks)."""
+        mine = [(i, bool(g["params"]), v) for i, g, v in zip(self.group_index, opt.param_groups, values)]
         parts = [None] * self.world
         dist.all_gather_object(parts, mine, group=self.group)
         out = {}
         for has in (True, False):
             for part in parts:
-                for i, full, h in part:
+                for i, full, v in part:
                     if full == has and i not in out:
-                        out[i] = h
+                        out[i] = v
         return [out[i] for i in sorted(out)]
 
+    def loop(self, opt, model: nn.Module):
+        """The training loop (kernel/loop.py) over this rank's optimizer: an LR scheduler steps each rank's
+        groups; its last lrs are observed per case group, in the case's order, as the reference's one scheduler
+        over all of them. No clipping: a norm over every stage's grads needs a reduction across the stages that
+        torch's clip_grad_norm_ does not make (torchtitan #596); no grad scaler (the schedule runs backward)."""
+        loop = super().loop(opt, model)
+        observe = loop.observe
+
+        def observe_in_case_order() -> dict:
+            out = observe()
+            if "last_lr" in out:
+                out["last_lr"] = torch.tensor(self._in_case_order(opt, out["last_lr"].tolist()), dtype=torch.float64)
+            return out
+
+        loop.observe = observe_in_case_order
+        return loop
 
 def _cpu(v):
     if isinstance(v, dict):
