@@ -230,3 +230,16 @@ def test_a_known_finding_with_a_generic_signature_is_known_only_where_its_condit
     assert f.only_when and known_signature("pp.parity.loss", f.case, known) == "pp.parity.loss"
     even = dataclasses.replace(f.case, target_options={**f.case.target_options, "n_microbatches": 2})
     assert even.batch % 2 == 0 and known_signature("pp.parity.loss", even, known) is None
+
+
+def test_an_async_saves_face_of_a_known_blocking_save_bug_is_known():
+    """A load after dcp.async_save that loses what a blocking save's load loses is that known DSD bug."""
+    import dataclasses
+
+    from fuzzshard.findings.record import known_signature, load_known
+
+    known = load_known()
+    f = known["fsdp2.checkpoint.dcp.loaded.group.empty_group"]
+    c = dataclasses.replace(f.case, checkpoint=dataclasses.replace(f.case.checkpoint, async_save="thread"))
+    assert known_signature("fsdp2.checkpoint.dcp_async.loaded.group.empty_group", c, known) == f.signature
+    assert known_signature("fsdp2.checkpoint.dcp_async.loaded.param", c, known) is None

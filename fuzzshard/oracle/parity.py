@@ -20,6 +20,8 @@ def signature(case, verdict: Verdict) -> str:
         # a grad where the reference has none (or none where it has one) is its own kind of bug
         presence = f".{first.extra['presence']}" if "presence" in first.extra else ""
         return f"{case.target}.parity.{quantity}{presence}"
+    if _loop(quantity):  # the training loop's (kernel/loop.py): the clip, the scaler, the scheduler, not the optimizer
+        return f"{case.target}.parity.{quantity}"
     # the implementation is half a step bug's address; a fused kernel's, also the layout of the grad it read
     layout = ".noncontig_grad" if first.extra.get("grad") == "non-contiguous" else ""
     return f"{case.target}.parity.{case.optim.name}.{case.optim.implementation}.{quantity}{layout}"
@@ -47,10 +49,18 @@ def address(case, verdict: Verdict) -> str:
         return f"forward/backward of {x.get('module', '?')}"
     if quantity in ("loss", "grad"):
         return quantity + (f" {x['presence']}" if "presence" in x else "")
+    if _loop(quantity):
+        return {"clipped_grad": "grad clipping", "clip_norm": "grad clipping: total norm",
+                "loop.scale": "grad scaler", "loop.last_lr": "LR scheduler"}.get(quantity, quantity)
     kw = case.optim.kwargs  # a fused kernel is shared by its optimizers; elsewhere the optimizer is the code
     if kw.get("fused"):
         return "optimizer step: fused kernel" + (", non-contiguous grad" if x.get("grad") == "non-contiguous" else "")
     return f"optimizer step: {case.optim.name}"
+
+
+def _loop(quantity: str) -> bool:
+    """A quantity of the training loop around the step (kernel/reference.py's _loop_step, _compare_loop)."""
+    return quantity in ("clipped_grad", "clip_norm") or quantity.startswith("loop.")
 
 
 def _thing(m: Mismatch | None) -> str:
@@ -156,6 +166,6 @@ def source(case, verdict: Verdict) -> str:
 
 
 ORACLE = Oracle("parity", "silent", signature, summary, address, title, expected_actual, source, what, expected,
-                phase=lambda q: q if q in ("loss", "grad", "forward", "backward") else "step",
+                phase=lambda q: q if q in ("loss", "grad", "forward", "backward") else "loop" if _loop(q) else "step",
                 localize=lambda v: v.quantity in ("loss", "grad"),  # a module's output or grad names it then
                 localized=lambda v: v.quantity in ("forward", "backward"))
