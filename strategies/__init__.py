@@ -198,7 +198,7 @@ def cases(
     ``steer``: a timed session's weighted choices for this round (fuzzshard/session/schedule.py): ``plan``, (world
     size, None or (checkpoint kind, its world size)); ``optimizer by world``, world size -> (name,
     implementation) (pairs: the world size is drawn first); ``mesh``, world size -> mesh shapes; ``dtype``.
-    Each a list, a cell as many times as its weight.
+    Each a list, a cell as many times as its weight; ``loop``: {"clip": forms, "lr_scheduler": classes}, weighted alike.
     ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py).
     ``dims_up_to_world``: a topology's dims drawn up to max(9, world size), not 9 (a simulated session's: at
     64 ranks, dims of 1-9 leave most shards empty); they shrink towards 1 as always.
@@ -274,5 +274,5 @@ def cases(
     if spec.late_options:  # the target's options that depend on the whole case: drawn last of all
         case = dataclasses.replace(case, target_options=spec.late_options(draw, case))
     if loop:  # the training loop around the step (strategies/loop.py): after everything, so the draws before stay
-        case = dataclasses.replace(case, **draw(loop_features(spec, case, loop)))
+        case = dataclasses.replace(case, **draw(loop_features(spec, case, loop, steer.get("loop"))))
     return case

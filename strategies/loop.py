@@ -20,12 +20,12 @@ SCHEDULERS = ("LambdaLR", "StepLR", "MultiStepLR", "LinearLR", "CosineAnnealingL
 
 
 @st.composite
-def clips(draw, forms: tuple) -> Clip | None:
+def clips(draw, forms: tuple, steered=None) -> Clip | None:
     """clip_grad_norm_ (every norm type, foreach on and off, error_if_nonfinite), torchtitan's two-part
     form, clip_grad_value_ and a target's own (FSDP1's): small max norms, so clipping bites."""
     if not forms or not draw(st.booleans()):
         return None
-    how = draw(st.sampled_from(list(forms)))
+    how = draw(st.sampled_from(list(steered or forms)))  # steered: a timed session's weighted forms
     return Clip(how=how, max_norm=draw(st.sampled_from([1.0, 0.1, 1e-3, 10.0])),
                 norm_type=draw(st.sampled_from(["2", "1", "inf", "3"])) if how != "value" else "2",
                 foreach=draw(st.sampled_from([None, True, False])) if how != "own" else None,
@@ -65,10 +65,10 @@ def _one(draw, name: str, n_steps: int) -> LRScheduler:
 
 
 @st.composite
-def lr_schedulers(draw, n_steps: int) -> LRScheduler | None:
+def lr_schedulers(draw, n_steps: int, steered=None) -> LRScheduler | None:
     if not draw(st.booleans()):
         return None
-    return _one(draw, draw(st.sampled_from(SCHEDULERS)), n_steps)
+    return _one(draw, draw(st.sampled_from(list(steered or SCHEDULERS))), n_steps)
 
 
 @st.composite
@@ -85,13 +85,15 @@ def scalers(draw, n_steps: int, amp_too: bool = False) -> Scaler | None:
 
 
 @st.composite
-def loop_features(draw, spec, case, features) -> dict:
-    """The Case fields of the loop features asked for that the target takes."""
+def loop_features(draw, spec, case, features, steer: dict | None = None) -> dict:
+    """The Case fields of the loop features asked for that the target takes. ``steer``: a timed session's
+    weighted choices (session/schedule.py): the clip forms and scheduler classes covered least come most."""
+    steer = steer or {}
     out = {}
     if "clip" in features and spec.clips:
-        out["clip"] = draw(clips(spec.clips))
+        out["clip"] = draw(clips(spec.clips, steer.get("clip")))
     if "lr_scheduler" in features and spec.lr_scheduler:
-        out["lr_scheduler"] = draw(lr_schedulers(len(case.schedule)))
+        out["lr_scheduler"] = draw(lr_schedulers(len(case.schedule), steer.get("lr_scheduler")))
     if "scaler" in features and spec.scaler and not case.optim.added_at:  # (Case.check_world says why)
         out["scaler"] = draw(scalers(len(case.schedule), spec.amp_scaler))
     return out

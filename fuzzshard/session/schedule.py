@@ -207,6 +207,19 @@ class Scheduler:
                          for w in worlds}
         dtypes = list(strategy_kwargs.get("dtypes") or DTYPES)
         steer["dtype"] = weights({d: seen["dtype", d] for d in dtypes})
+        if strategy_kwargs.get("loop"):  # the training loop's forms: each feature stays half on, half off
+            from fuzzshard.strategies.loop import SCHEDULERS
+
+            def drawn(word: str) -> dict:  # cells "clip FORM ..." / "lr NAME" -> drawn cases by FORM / NAME
+                out: dict = {}
+                for (dim, cell), n in seen.items():
+                    if dim == "loop" and cell.split(" ")[0] == word:
+                        out[cell.split(" ")[1]] = out.get(cell.split(" ")[1], 0) + n
+                return out
+
+            clip, lr = drawn("clip"), drawn("lr")
+            steer["loop"] = {"clip": weights({f: clip.get(f, 0) for f in spec.clips}),
+                             "lr_scheduler": weights({s: lr.get(s, 0) for s in SCHEDULERS}) if spec.lr_scheduler else []}
         return {"steer": steer}
 
     def table(self, target: str | None = None, width: int = 100) -> str:
