@@ -167,3 +167,19 @@ def test_pp_lr_scheduler_steps_each_ranks_groups_in_the_case_order(tmp_path):
     r = run_cli("replay", path)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert pp.PPTarget.spec.lr_scheduler and not pp.PPTarget.spec.clips
+
+
+def test_pp_facts_see_a_stage_input_without_grad_from_a_steps_freeze():
+    """facts' split_backward_input_without_grad (what the known pp.parity.grad.vanished is known under) follows
+    the schedule's freezes and unfreezes: a first stage frozen by step 0's flags, not by the case's frozen
+    params, counts (a clean 2.15.0 session met it reported new), and an unfreeze before every step does not."""
+    case = dataclasses.replace(_case(schedule="InterleavedZeroBubble", world=1, n_microbatches=1, batch=1, stages=2),
+                               frozen=("layers.0.weight",))
+    assert not pp.facts(case)["split_backward_input_without_grad"]
+    freeze = dataclasses.replace(case, schedule=(Step(freeze=("layers.0.bias",)),))
+    assert pp.facts(freeze)["split_backward_input_without_grad"]
+    thawed = dataclasses.replace(case, frozen=("layers.0.weight", "layers.0.bias"),
+                                 schedule=(Step(unfreeze=("layers.0.bias",)),))
+    assert not pp.facts(thawed)["split_backward_input_without_grad"]
+    assert pp.facts(dataclasses.replace(freeze, target_options={**freeze.target_options, "schedule": "Interleaved1F1B"})
+                    )["split_backward_input_without_grad"] is False

@@ -222,11 +222,20 @@ def facts(case: Case) -> dict:
 
 
 def _input_without_grad(case: Case) -> bool:
-    """Some stage after the first has no trainable param before it (every layer before it frozen or parameter-free)."""
+    """At some step, some stage after the first has no trainable param before it (every layer before it frozen
+    or parameter-free): the case's frozen params, then each step's freezes and unfreezes, as they are applied
+    before that step."""
     if not case.target_options.get("cuts") or case.model.factory:
         return False
-    trainable = {int(n.split(".")[1]) for n in param_shapes(case.model) if n not in case.frozen and n.startswith("layers.")}
-    return any(not any(i < start for i in trainable) for start in case.target_options["cuts"])
+    names = [n for n in param_shapes(case.model) if n.startswith("layers.")]
+    frozen = set(case.frozen)
+    for step in case.schedule or (None,):
+        if step is not None:
+            frozen = (frozen | set(step.freeze)) - set(step.unfreeze)
+        trainable = {int(n.split(".")[1]) for n in names if n not in frozen}
+        if any(not any(i < start for i in trainable) for start in case.target_options["cuts"]):
+            return True
+    return False
 
 
 def coverage(case: Case) -> dict:
