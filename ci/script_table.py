@@ -63,7 +63,8 @@ def run_script(finding, text: str, timeout: int, env: dict) -> tuple:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "repro.py"
         path.write_text(text)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(finding.case.ranks), str(path)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(finding.case.ranks),
+               str(path)]
         try:
             r = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout, env=env)
             return r.returncode, r.stdout + r.stderr

@@ -52,7 +52,10 @@ def run_cli(*args, cwd=None, timeout=900, setup=None):
 def torchrun(script, nproc, *args, cwd, timeout=300):
     """Run a standalone repro script under torchrun, with an env free of fuzzshard."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUZZSHARD")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(script), *map(str, args)]
+    # --standalone: a free port for each run (the default 29500 is shared by every torchrun at once, and two
+    # xdist workers' scripts met there: one run's ranks failed to start, with nothing on stdout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script),
+           *map(str, args)]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -19,7 +19,7 @@ from fuzzshard.session.database import open_database
 
 PREFIX = b"hypothesis-example:"  # RedisExampleDatabase's key prefix
 PLANTED_ARGS = ["--optimizers", "SGD", "--world-sizes", "1", "--checkpoints", "none", "--case-timeout", "60",
-                "--worker-setup", str(PLANTED / "skip_weight_decay.py")]
+                "--loop", "none", "--worker-setup", str(PLANTED / "skip_weight_decay.py")]
 
 
 class Server:

@@ -65,7 +65,7 @@ def test_a_simulated_finding_is_confirmed_on_real_processes_or_kept_apart_as_a_l
 
 
 def test_meshes_of_three_dims_are_drawn_only_when_asked():
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, given, seed, settings
 
     import fuzzshard.strategies as fst
 
@@ -73,6 +73,7 @@ def test_meshes_of_three_dims_are_drawn_only_when_asked():
     assert mesh_shapes(8, 3)[-1] == (2, 2, 2) and all(len(m) <= 3 for m in mesh_shapes(64, 3))
     seen = {2: set(), 3: set()}
     for dims in (2, 3):
+        @seed(0)  # seeded: an unseeded run of 40 drew no 2x2x2 mesh once (a CI run of the full suite)
         @settings(max_examples=40, database=None, deadline=None, suppress_health_check=list(HealthCheck))
         @given(fst.cases(target="dtensor", world_sizes=[8], checkpoint=False, mesh_dims=dims))
         def draw(case):

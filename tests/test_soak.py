@@ -12,8 +12,9 @@ import time
 
 from conftest import PLANTED, run_cli
 
+# (--loop none: what these soaks find was picked against the draws without the training loop, as run_cli's)
 PLANTED_ARGS = ["--target", "dtensor", "--optimizers", "SGD", "--world-sizes", "1", "--checkpoints", "none",
-                "--worker-setup", str(PLANTED / "skip_weight_decay.py")]
+                "--loop", "none", "--worker-setup", str(PLANTED / "skip_weight_decay.py")]
 
 
 def _soak(out, *args):
@@ -114,7 +115,7 @@ def test_torchrun_soak_cells_span_nodes_and_a_lost_node_leaves_the_rest_going(tm
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "soaktest",
                  "-m", "fuzzshard", "soak", "--workers", "2", "--cells", "1,2,1", "--epoch", "45s", "--duration", "70s",
-                 "--out", str(out), *args], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+                 "--loop", "none", "--out", str(out), *args], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
         time.sleep(2)  # the first agent hosts the rendezvous store
     # the node dies once the spanning cell has run a 2-rank case; a 45 s epoch keeps that well inside
     # epoch 0 on a loaded machine (with 30 s, one CI run saw the cell end without being lost)

@@ -25,6 +25,8 @@ def _start(out: Path, *args, setup: str | None = None) -> tuple[subprocess.Popen
     """A fuzz session in the background; its stderr goes to OUT.err."""
     err = out.with_suffix(".err")
     cmd = [sys.executable, "-m", "fuzzshard", "fuzz", "--out", str(out), *map(str, args)]
+    if "--loop" not in cmd:  # the seeds here were picked against the draws without the training loop (run_cli's)
+        cmd += ["--loop", "none"]
     if setup:
         cmd += ["--worker-setup", str(PLANTED / setup)]
     with open(err, "w") as f:

@@ -53,8 +53,9 @@ def address(case, verdict: Verdict) -> str:
         return {"clipped_grad": "grad clipping", "clip_norm": "grad clipping: total norm",
                 "loop.scale": "grad scaler", "loop.last_lr": "LR scheduler"}.get(quantity, quantity)
     kw = case.optim.kwargs  # a fused kernel is shared by its optimizers; elsewhere the optimizer is the code
-    if kw.get("fused"):
-        return "optimizer step: fused kernel" + (", non-contiguous grad" if x.get("grad") == "non-contiguous" else "")
+    if kw.get("fused"):  # a grad scaler hands a fused kernel its found_inf: a code path of its own
+        return ("optimizer step: fused kernel" + (", non-contiguous grad" if x.get("grad") == "non-contiguous" else "")
+                + (", under a grad scaler" if case.scaler else ""))
     return f"optimizer step: {case.optim.name}"
 
 
