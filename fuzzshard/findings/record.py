@@ -287,9 +287,8 @@ def _as_family(sig: str, target: str, family) -> list[str]:
 
 def triggered(case: Case, known: dict[str, Finding]) -> str | None:
     """The signature of a known finding whose recorded trigger this case matches."""
-    data = {**case.to_dict(), "facts": facts(case)}
     for sig, f in known.items():
-        if f.trigger and is_known(sig, case, known) and all(_matches(_field(data, k), v) for k, v in f.trigger.items()):
+        if f.trigger and is_known(sig, case, known) and _holds(case, f.trigger):
             return sig
     return None
 
