@@ -34,8 +34,17 @@ def test_cells_share_findings_and_sigterm_then_restart_resumes(tmp_path):
     out = tmp_path / "run"
     # two cells of one rank each find the same planted bug; each signature is written once
     soak = subprocess.Popen(_soak(out, "--cells", "1,1", "--duration", "10m"), stderr=subprocess.PIPE, text=True)
+    def both_cells_hit_a_published_finding() -> bool:
+        """(each cell's log has a case with a signature, and the finding's file is written)"""
+        try:
+            cells = _cases(out)
+        except (OSError, ValueError):  # a log line being written
+            return False
+        return (len(cells) == 2 and all(any(c["sig"] for c in lines) for lines in cells.values())
+                and any((out / "findings").glob("*.json")))
+
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and len(list((out / "findings").glob("*.json"))) < 2:
+    while time.monotonic() < deadline and not both_cells_hit_a_published_finding():
         time.sleep(1)
     time.sleep(3)
     soak.send_signal(signal.SIGTERM)  # as SLURM preempts a job
