@@ -211,7 +211,7 @@ def cases(
     world = plan[0] if plan else draw(st.sampled_from(sorted(world_sizes)))
     # flat: the optimizer may see flattened params (one group, nothing frozen)
     flat = spec.may_flatten and draw(st.booleans())
-    depth = draw(st.integers(1, max_depth))
+    depth = draw(st.integers(1, spec.max_depth or max_depth))
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world, mesh_dims)))

@@ -288,7 +288,7 @@ class PPTarget(Target):
     name = "pp"
     spec = Spec(options=draw_options, named_params=True, flat_mesh=True, late_options=draw_late_options,
                 check=check, fit_options=fit_options, facts=facts, coverage=coverage, component="pipelining",
-                lr_scheduler=True)
+                lr_scheduler=True, max_depth=8)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
