@@ -26,19 +26,27 @@ The training loop a case draws (kernel/loop.py: grad scaler, clip, LR scheduler,
 state beside the checkpoint) is written in torch's words on both sides (loop.py;
 dtensor, tp, fsdp2 and zero for now).
 
-Per-target knowledge lives in one module per target here (dtensor.py,
-fsdp2.py, fsdp1.py, zero.py, sharded_optim.py, tp.py; dsd.py holds the state-dict
-checkpoint kinds they share), registered in ``WRITERS``. Not a hook in each
-target's Spec: the kernel's target modules are flattened into every fallback
-repro and imported in every worker, and this is driver-only text generation
-that would weigh on both; a new target adds a module here with the same
-functions (imports, unsupported, shard, optimizer, forward_backward, snapshot,
-grads, KINDS and FREEZE_BEFORE_SHARD; the checkpoint kinds of its own as save_<kind> /
-load_<kind>; REPLICAS where its snapshot lacks some replicated quantities) and one line in ``WRITERS``.
+Per-target knowledge lives in one module per target here, found as targets are
+(``writer``): scriptgen/NAME.py writes target NAME's cases, as kernel/targets/NAME.py
+is target NAME (fuzzshard/targets.py); the helpers they share (common.py, dsd.py: the
+state-dict checkpoint kinds, loop.py: the training loop) are ``_NOT_WRITERS``. Not a
+hook in each target's Spec: the kernel's target modules are flattened into every
+fallback repro and imported in every worker, and this is driver-only text generation
+that would weigh on both. A new target's writer is one module here, nothing else:
+``unsupported(case, options)`` (why a case is not written, or None) and ``KINDS``
+(the checkpoint kinds it writes) at the least, and for what it writes imports, shard,
+optimizer, forward_backward, snapshot, grads and FREEZE_BEFORE_SHARD; the checkpoint
+kinds of its own as save_<kind> / load_<kind>; REPLICAS where its snapshot lacks some
+replicated quantities; LOOP (it writes the training loop around the step) and
+DTENSOR_GRADS (its grads are DTensors: a total norm made full). A target with no
+module here falls back to the flattened kernel, saying so.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+import pkgutil
 import re
 import textwrap
 
@@ -49,12 +57,31 @@ from .. import targets
 from ..kernel.model import BUILTIN_MODELS, USER_MODELS, param_shapes
 from ..kernel.oracles import UNIT_ROUNDOFF, mixed_precision_tolerance, reduction_tolerance
 from ..kernel.reference import reduction_length, reduction_parts, step_tolerance_for  # the kernel's bounds
-from . import common, dsd, dtensor, fsdp1, fsdp2, loop, pp, sharded_optim, tp, zero
+from . import common, dsd, loop
+from .. import oracle as oracles  # what a finding of each oracle is
 from ..verdict import Verdict
 
-WRITERS = {"dtensor": dtensor, "fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "sharded_optim": sharded_optim, "tp": tp,
-           "pp": pp}
-ERROR_ORACLES = ("error_parity", "crash", "hang")
+# scriptgen/NAME.py is the writer of target NAME's scripts: adding one is adding its module (as
+# kernel/targets/NAME.py is target NAME). Not writers: the helpers the writers share.
+_NOT_WRITERS = {"common", "dsd", "loop"}
+_WRITTEN = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_WRITERS)
+
+
+@functools.lru_cache(maxsize=None)
+def writer(target: str):
+    """The module that writes ``target``'s scripts, or None (its repro is the flattened kernel)."""
+    if target not in _WRITTEN:
+        return None
+    module = importlib.import_module(f"{__name__}.{target}")
+    if not (callable(getattr(module, "unsupported", None)) and hasattr(module, "KINDS")):
+        raise TypeError(f"{module.__name__} must define unsupported(case, options) and KINDS, as every writer does")
+    return module
+
+
+def writers() -> dict:
+    """Every writer found: target name -> its module."""
+    return {name: writer(name) for name in _WRITTEN}
+
 
 
 def straight_script(case: Case, headline: str = "", environment: dict | None = None,
@@ -63,12 +90,12 @@ def straight_script(case: Case, headline: str = "", environment: dict | None = N
     where the case uses something no writer here writes (``fallback_reason``)."""
     if fallback_reason(case, environment, verdict):
         return None
-    return Writer(case, WRITERS[case.target], _plan(case, verdict), headline, environment or {}).text()
+    return Writer(case, writer(case.target), _plan(case, verdict), headline, environment or {}).text()
 
 
 def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdict | None = None) -> str | None:
     """Why the straight-line script cannot be written (the flattened kernel is then the repro); None: it can."""
-    w = WRITERS.get(case.target)
+    w = writer(case.target)
     if w is None:
         return f"no straight-line writer for the target {case.target}"
     why = _unsupported(case, w, environment or {})
@@ -137,10 +164,12 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
     save_last = ck.after if ck else n - 1
     plan = {"mode": "all", "last": save_last, "load": bool(ck), "load_last": n - 1, "observe": False, "check": "",
             "ckpt": bool(ck)}  # ckpt: whether the script saves (and loads)
-    if oracle in ERROR_ORACLES or (verdict and verdict.error and not first):
+    if verdict and (oracles.raised(verdict) or oracles.costly(verdict) or verdict.error and not first):
+        # an error, a crash or a hang: the run up to where it raised or stopped (where the ranks did not finish,
+        # observing the full state after each step as the kernel's gathers do)
         err = verdict.error_record
         phase = err.phase or ""
-        plan.update(mode="error", observe=oracle in ("crash", "hang") or "gather" in phase, check=err.type)
+        plan.update(mode="error", observe=oracles.costly(verdict) or "gather" in phase, check=err.type)
         m = re.match(r"step (\d+)", phase)
         if m:
             k = int(m.group(1))
@@ -155,6 +184,7 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
         elif phase.startswith("checkpoint load") or phase == "checkpoint barrier":
             plan["load_last"] = ck.after if ck else n - 1
         return plan
+    # the silent oracles by name: the script writes out that oracle's own comparison (docs/extending.md, An oracle)
     if oracle == "checkpoint" or (ck and not oracle):
         quantity = verdict.quantity if verdict else ""
         saved = quantity.startswith("saved") and ck.kind in ("full", "fsdp1_full", "fsdp1_legacy")
@@ -500,7 +530,7 @@ class Writer:
         reduce = mp.get("reduce_dtype") or compute
         world, m = c.world_size, o.get("microbatches", 1)
         tol, per = mixed_precision_tolerance(compute, reduce, world, m), c.batch // world
-        units = ", ".join(["low"] + [fsdp2.module(u, c).replace("model", "low", 1) for u in o.get("wrap", [])])
+        units = ", ".join(["low"] + [self.w.module(u, c).replace("model", "low", 1) for u in o.get("wrap", [])])
         hooks = []
         if mp.get("cast_forward_inputs", True) and mp.get("param_dtype"):
             hooks.append(f"        unit.register_forward_pre_hook(lambda m, a: tuple(t.to(torch.{compute}) "

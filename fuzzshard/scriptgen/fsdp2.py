@@ -10,6 +10,8 @@ from . import common, dsd
 from .dtensor import SNAPSHOT
 
 KINDS = dsd.KINDS
+LOOP = True  # its scripts write the training loop around the step (loop.py)
+DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
 FREEZE_BEFORE_SHARD = False
 _OPTIONS = {"wrap", "reshard_after_forward", "offload", "mp", "ac", "ac_wrapper", "tp", "microbatches", "nonroot",
             "built_as", "compile", "compile_step"}

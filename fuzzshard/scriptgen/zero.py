@@ -8,6 +8,7 @@ from ..case import Case
 from . import common
 
 KINDS = ("consolidate",)
+LOOP = True  # its scripts write the training loop around the step (loop.py)
 FREEZE_BEFORE_SHARD = True  # DDP records the params that require grad when it wraps
 GROUP = True  # on fewer ranks than the script's: a process group of its own
 _OPTIONS = {"ddp", "bucket_view", "consolidate_to", "generator_groups"}
