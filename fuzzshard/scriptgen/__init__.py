@@ -507,7 +507,10 @@ class Writer:
         return out
 
     def plain_loss(self, net: str, x: str) -> str:
-        """The kernel's objective on the plain model: the loss, plus fsdp2's non-root forward term (``nonroot``)."""
+        """The kernel's objective on the plain model: the loss, plus fsdp2's non-root forward term (``nonroot``);
+        a writer's own ``objective(case, net, x)`` where it has one (pp: the schedule's microbatches)."""
+        if hasattr(self.w, "objective"):
+            return self.w.objective(self.case, net, x)
         nonroot = f" + {net}.layers[0]({x}).square().mean()" if self.case.target == "fsdp2" and \
             self.case.target_options.get("nonroot") else ""
         loss = common.loss(self.case, f"{net}({x})", "y")
@@ -622,7 +625,7 @@ class Writer:
         elif what in ("", "grad"):
             body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
                      "x, y = batch(k)",
-                     f"{self.plain_loss('plain', 'x')}.backward()  # the whole batch"]
+                     f"{self.plain_loss('plain', 'x')}.backward()  # {getattr(self.w, 'BATCH', 'the whole batch')}"]
             sens = ", sens=sens.get(n, 0.0)" if self.sensitive() else ""
             body += ["sens = sensitivity(plain, x, y)"] * bool(sens)
             body += guard([f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, GRAD_ULPS{sens})"

@@ -1,21 +1,180 @@
-"""pp: not written straight-line yet. A pipeline's script needs what the
-Writer's one-model-per-rank shape does not hold: each rank's stages cut from
-the model (PipelineStage over its top-level layers), the schedule's step
-with the inputs on the first stage's rank, params, grads and state gathered
-from the rank that owns each, and a reference on the schedule's microbatches
-(their summed or averaged losses, kernel/targets/pp.py's ``objective``),
-not on the whole batch. ``unsupported`` says so for every case, and the
-repro is the flattened kernel, which runs the target's module as the pool does."""
+"""pp: ``torch.distributed.pipelining``'s stages and schedules, written straight-line.
+
+Every rank builds the whole model (the kernel's init) and cuts its top-level
+``model.layers`` at the case's ``cuts``: stage s is ``model.layers[cuts[s]:cuts[s + 1]]``
+(the last one times the output ``scale`` buffer, where the model has one), a
+``PipelineStage`` on the rank the schedule puts it (kernel/targets/pp.py's
+``stage_ranks``: one a rank, looped, or V-shaped), and the schedule class runs
+``n_microbatches`` with ``loss_fn`` and ``scale_grads``. Each rank's optimizer
+holds its own params (``own``: its stages' layers, and ``unused`` on the last
+stage's rank) with the case's param groups restricted to them, as the kernel's
+(a group with none of them left out, ``kept``: the case's index of each group it
+holds). The schedule's step gets the inputs on the first stage's rank (rank 0)
+and the targets everywhere. Params, grads and optimizer state each live on one
+rank: ``snapshot`` and ``gather`` merge every rank's own with one
+``all_gather_object``, the param groups in the case's order (each from the
+lowest rank that holds its params), as the target's observations do. The plain
+model's replay (scriptgen/__init__.py) trains on the same microbatches:
+``objective`` is the kernel's (the sum of the microbatch losses, their mean
+with ``scale_grads``), with the kernel's bounds.
+
+Written for the options the target draws today (one pipeline over all the
+ranks, on the CPU, no checkpoint, no training loop around the step); anything
+else falls back to the flattened kernel and ``unsupported`` says what."""
 from __future__ import annotations
 
 from ..case import Case
+from ..kernel.model import param_shapes
+from ..kernel.targets import pp as target
+from . import common
 
-KINDS: dict = {}
-FREEZE_BEFORE_SHARD = False
-
-REASON = ("pipeline stages and schedules are not written straight-line yet (the flattened kernel runs "
-          "kernel/targets/pp.py itself)")
+KINDS: dict = {}  # no checkpoint kind written yet (a case with one falls back)
+FREEZE_BEFORE_SHARD = False  # the kernel sets requires_grad after cutting the stages
+REPLICAS = ()  # each param lives on one rank: nothing replicated to compare
+BATCH = "the whole batch, in the schedule's microbatches"  # what the plain model's replay trains on
+OPTIONS = {"schedule", "stages", "cuts", "scale_grads", "n_microbatches"}  # today's options: the rest fall back
 
 
 def unsupported(case: Case, options: dict) -> str | None:
-    return REASON
+    extra = sorted(set(options) - OPTIONS)
+    if extra:
+        return f"options {extra} (the script writes one pipeline over every rank, without them)"
+    if len(case.mesh_shape) != 1:
+        return f"on the mesh {list(case.mesh_shape)} (the script writes a 1-D pipeline)"
+    if case.device != "cpu":
+        return "on cuda (the script gathers the stages' tensors on the CPU)"
+    if case.optim.added_groups:
+        return "param groups added after the constructor (each rank adds only its own)"
+    if case.model.factory or case.model.tie_head or target.check(case):
+        return target.check(case) or "a model the stages cannot cut"
+    return None
+
+
+def imports(case: Case, options: dict) -> list[str]:
+    return [f"from torch.distributed.pipelining import PipelineStage, Schedule{options['schedule']}"]
+
+
+def _layout(case: Case, options: dict) -> tuple[list[list[int]], list[int]]:
+    """(each stage's top-level layers, each stage's rank): the kernel's own split."""
+    return target.stage_layers(options, len(case.model.layers)), target.stage_ranks(options, case.world_size)
+
+
+def owned(case: Case, options: dict) -> list[list[str]]:
+    """Each rank's params, by plain FQN, in the model's order (what its optimizer may hold)."""
+    layers, ranks = _layout(case, options)
+    layer_rank = {i: r for s, ls in enumerate(layers) for i in ls for r in [ranks[s]]}
+    out = [[] for _ in range(case.world_size)]
+    for n in param_shapes(case.model):
+        head, _, rest = n.partition(".")
+        r = layer_rank[int(rest.split(".")[0])] if head == "layers" else ranks[-1]  # (unused: on the last stage's rank)
+        out[r].append(n)
+    return out
+
+
+def kept(case: Case, options: dict) -> list[list[int]]:
+    """Each rank's groups, as the case's indices: a group with none of its params left out, unless the case's
+    group is empty itself; a rank with none at all holds the first, empty (kernel/targets/pp.py optimizer)."""
+    out = []
+    for mine in map(set, owned(case, options)):
+        out.append([i for i, g in enumerate(case.groups) if not g.params or mine & set(g.params)] or [0])
+    return out
+
+
+def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
+    layers, ranks = _layout(case, options)
+    n, name = len(ranks), options["schedule"]
+    cuts = [ls[0] for ls in layers] + [len(case.model.layers)]
+    style = {"single": "one a rank", "multi": f"{options.get('stages', 1)} a rank, looped",
+             "v": "two a rank, V-shaped"}[target.SCHEDULES[name][0]]
+    out = [f"cuts = {cuts!r}  # stage s: model.layers[cuts[s]:cuts[s + 1]]",
+           f"on = {ranks!r}  # the rank of each stage ({style}, as Schedule{name} places them)"]
+    part = "model.layers[cuts[s]:cuts[s + 1]]"
+    if case.model.buffer:  # the output scale after the last stage's layers, as the model's forward
+        out += ["class Scaled(nn.Sequential):  # the last stage: its layers, then the model's output scale",
+                "    def forward(self, x):", "        return super().forward(x) * model.scale"]
+        part = f"({part} if s < {n - 1} else Scaled(*model.layers[cuts[s]:]))"
+    out += [f"stages = [PipelineStage({part}, s, {n}, device) for s in range({n}) if on[s] == rank]",
+            f"def loss_fn(out, y):  # each microbatch's loss",
+            f"    return {common.loss(case, 'out', 'y')}"]
+    kw = f"n_microbatches={options['n_microbatches']}, loss_fn=loss_fn, scale_grads={bool(options.get('scale_grads'))}"
+    out.append(f"schedule = Schedule{name}({'stages' if target.is_multi(name) else 'stages[0]'}, {kw})")
+    mine = "any(q is p for st in stages for p in st.submod.parameters())"
+    if case.model.unused:  # never called: in no stage, on the last stage's rank
+        mine += f" or n.startswith(\"unused.\") and rank == {ranks[-1]}"
+    return out + [f"own = {{n: q for n, q in model.named_parameters() if {mine}}}  # this rank's params"]
+
+
+def _per_rank(values: list) -> str:
+    """``[v0, v1, ...][rank]``, or ``v0`` where every rank's is the same."""
+    if all(v == values[0] for v in values):
+        return repr(values[0])
+    return f"{values!r}[rank]"
+
+
+def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:
+    cls, kw = common.optim_class(case), common.kwargs(case, case.optim.kwargs, lr_scale)
+    groups, held = case.groups, kept(case, options)
+    pick = "(n, own[n])" if case.optim.named else "own[n]"
+    if len(groups) == 1 and not groups[0].overrides and set(groups[0].params) == set(param_shapes(case.model)) \
+            and all(owned(case, options)) and not case.optim.named:
+        return ["kept = [0]  # the case's one group, over this rank's params",
+                f"opt = {cls}({', '.join(['list(own.values())', *kw])})"]
+    literal = "[" + ", ".join(f"({list(g.params)!r}, {_overrides(case, g.overrides, lr_scale)})" for g in groups) + "]"
+    return [f"groups = [{{\"params\": [{pick} for n in names if n in own], **kw}} for names, kw in {literal}]",
+            f"kept = {_per_rank(held)}  # the case's groups this rank holds (none of its params: left out)",
+            f"opt = {cls}({', '.join(['[groups[i] for i in kept]', *kw])})"]
+
+
+def _overrides(case: Case, overrides: dict, lr_scale: float) -> str:
+    """A group's own hyperparameters as a dict literal (common.kwargs' ``k=v``, as ``"k": v``)."""
+    items = [kv.split("=", 1) for kv in common.kwargs(case, overrides, lr_scale, all_keys=True)]
+    return "{" + ", ".join(f"{k!r}: {v}" for k, v in items) + "}"
+
+
+def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
+    return ["if rank == 0:  # the schedule's step: the inputs on the first stage's rank, the targets everywhere",
+            "    schedule.step(x, target=y)", "else:", "    schedule.step(target=y)"]
+
+
+def objective(case: Case, net: str, x: str) -> str:
+    """The plain model on the schedule's microbatches (tensor_split, as the schedule splits the batch): the sum of
+    their losses, their mean with scale_grads (kernel/targets/pp.py objective)."""
+    o = case.target_options
+    n = o["n_microbatches"]
+    if n == 1:  # one microbatch: the whole batch (its mean, with scale_grads, is itself)
+        return common.loss(case, f"{net}({x})", "y")
+    loss = common.loss(case, f"{net}(xm)", "ym")
+    total = f"sum({loss} for xm, ym in zip({x}.tensor_split({n}), y.tensor_split({n})))"
+    return f"({total} / {n})" if o.get("scale_grads") else total
+
+
+SNAPSHOT = [
+    "def gather(mine):  # {key: tensor} of every rank's own, merged on every rank (each param lives on one rank)",
+    "    parts = [None] * dist.get_world_size()",
+    "    dist.all_gather_object(parts, {k: v if v is None else v.detach().clone() for k, v in mine.items()})",
+    "    return {k: v for part in parts for k, v in part.items()}",
+    "",
+    "def snapshot(net, opt):  # params, optimizer state by (param, name), param groups (the pipeline's: gathered)",
+    "    name, piped = {q: n for n, q in net.named_parameters()}, net is model",
+    "    params = {n: q.detach().clone() for n, q in net.named_parameters() if not piped or n in own}",
+    "    state = {(name[q], k): torch.as_tensor(v).clone() for g in opt.param_groups for q in g[\"params\"]",
+    "             for k, v in opt.state.get(q, {}).items()}",
+    "    hp = [{k: v.tolist() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v for k, v in g.items()",
+    "           if k not in (\"params\", \"param_names\")} for g in opt.param_groups]",
+    "    if not piped:",
+    "        return params, state, hp",
+    "    held = [None] * dist.get_world_size()  # each rank's groups: (the case's index, holds params, hyperparameters)",
+    "    dist.all_gather_object(held, [(i, bool(g[\"params\"]), h) for i, g, h in zip(kept, opt.param_groups, hp)])",
+    "    first = {}  # each case group from the lowest rank that holds its params, else from one that holds it empty",
+    "    for has in (True, False):",
+    "        for i, _, h in (t for part in held for t in part if t[1] == has):",
+    "            first.setdefault(i, h)",
+    "    return gather(params), gather(state), [first[i] for i in sorted(first)]"]
+
+
+def snapshot(case: Case, options: dict) -> list[str] | None:
+    return SNAPSHOT
+
+
+def grads(case: Case, options: dict) -> str | None:
+    return "gather({n: q.grad for n, q in own.items()})"
