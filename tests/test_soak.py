@@ -168,3 +168,24 @@ def test_torchrun_soak_cells_span_nodes_and_a_lost_node_leaves_the_rest_going(tm
     assert sorted(found) == sorted([s + ".json" for s in sigs] + [s + ".py" for s in sigs])  # whole files only
     for s in sigs:
         assert json.loads(found[s + ".json"])["signature"] == s
+
+
+def test_a_cells_session_says_what_it_changes_through_the_sessions_hooks(tmp_path):
+    """A cell's session (session/soak.py's module-level SoakSession) changes what a Session does only through
+    its public hooks: ``book_class`` (a SoakBook with the cell's origin), ``fallback_db``, ``log``, ``procs``;
+    no override of a private method. Built without a pool: nothing runs."""
+    import io
+
+    from fuzzshard.findings.life import SoakBook
+    from fuzzshard.session.soak import SoakSession
+
+    (tmp_path / "cells").mkdir()
+    spec = {"out": str(tmp_path), "origin": {"host": "h"}, "name": "e0c1", "size": 2, "seed": 5, "procs": 2,
+            "world_sizes": [1, 2, 3], "deadline": time.time() + 60, "device": "cpu", "targets": ["dtensor"],
+            "strategy_kwargs": {}, "database": None, "plugins": []}
+    s = SoakSession(spec, None, progress=io.StringIO(), known={})
+    assert type(s.book) is SoakBook and s.book.origin == {"host": "h", "cell": "e0c1", "ranks": 2, "seed": 5}
+    assert s.book.findings_dir == tmp_path / "findings" and s.world_sizes == [1, 2] and s.seed == 5
+    assert s.fallback_db == "db" and s.database == str(tmp_path / "db") and s.procs == 2
+    assert s.log == tmp_path / "cells" / "e0c1.jsonl" and s.log.exists()
+    assert not any(n.startswith("_") and not n.startswith("__") for n in vars(SoakSession))

@@ -42,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import strategies as st
@@ -132,7 +133,16 @@ class _Round:
 
 
 class Session:
+    """A fuzz session (the module's docstring). What a kind of session changes, it says through these, a
+    subclass's class attributes or the constructor's arguments (soak.SoakSession, simulate.SimulatedSession):
+      - ``book_class``: what keeps the session's findings from first sight to their files: FindingBook, a
+        subclass (a simulated session's SimulatedBook), or any callable taking FindingBook's arguments (a
+        soak cell's SoakBook with its ``origin``); the constructor's ``book_class`` wins over the class's;
+      - ``fallback_db``: the directory database under OUT (that a redis database also writes);
+      - ``log`` and ``procs``: OUT/cells/NAME.jsonl, a line per case (``on_case``), and the processes the
+        session's ranks run in."""
     fallback_db = ".hypothesis"  # the directory database under OUT that a redis database also writes
+    book_class: Callable[..., FindingBook] = FindingBook
 
     def __init__(
         self,
@@ -152,8 +162,11 @@ class Session:
         findings_dir: str | Path | None = None,
         plugins=(),
         pack: int | None = None,
+        book_class: Callable[..., FindingBook] | None = None,
     ):
         self.pool = pool
+        if book_class is not None:
+            self.book_class = book_class
         self.targets = targets
         self.out = Path(out_dir)
         self.findings_dir = Path(findings_dir) if findings_dir else self.out
@@ -188,8 +201,9 @@ class Session:
             pack=self.pack, shrink_budget=self.shrink_budget, variant_timeout=self._derived_timeout)
 
     def _new_book(self, *args, **kwargs) -> FindingBook:
-        """The session's findings from first sight to their files (a soak cell's publish into a shared folder)."""
-        return FindingBook(*args, **kwargs)
+        """The session's findings from first sight to their files: ``book_class`` makes them. (Private, and
+        going: the hook is ``book_class``; session/simulate.py's override of this moves to it.)"""
+        return self.book_class(*args, **kwargs)
 
     # what the summary reads (cli/fuzz.py): the book's
     @property
