@@ -29,10 +29,30 @@ the observations give every rank full copies keyed by plain FQN, from one
 ``all_gather_object`` of every rank's own.
 ``target_options``: ``schedule``, ``stages`` (per rank), ``cuts``,
 ``scale_grads``, ``n_microbatches`` (drawn last, once the batch is known).
+
+With FSDP2 (torchtitan's composition): on a 2-D mesh ``[pp, dp]`` (``dp``, the
+mesh's second dim, in the options too: the reference reads it) the pipeline
+runs on each dp index's pp group, and each stage's module is ``fully_shard``ed
+on the dp sub-mesh (first the top-level layers named in ``wrap``, then the
+stage's root, all with ``reshard_after_forward``, torchtitan's default under PP
+False); the schedule drives FSDP2 (no sync but on the last backward, its
+``perform_reduce_grad``). Each dp rank runs the pipeline on its slice of the
+batch (``batch`` a multiple of ``dp``) and FSDP2's reduce-scatter averages the
+grads over dp: the reference's objective is the mean over the dp slices of each
+slice's. Gradient accumulation (``accum`` steps, torchtitan's
+gradient_accumulation_steps): ``schedule.step`` on each of ``accum`` equal
+parts of the slice before the optimizer step, the grads summed, but with
+``scale_grads`` the schedule divides the model's whole grad by
+``n_microbatches`` at the end of every step (``stage.scale_grads``: every
+``p.grad``, the earlier steps' contributions too, as torchtitan #1733 met it):
+the reference's objective is that recursion (``accumulate``), not a plain sum
+or mean. Params, grads and state are gathered to full plain tensors over dp
+(``full_tensor``), then over the stages as above.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -80,21 +100,26 @@ def is_multi(name: str) -> bool:
     return SCHEDULES[name][0] != "single"
 
 
+def pp_degree(options: dict, world: int) -> int:
+    """The pipeline's ranks: the world, over ``dp`` on a [pp, dp] mesh."""
+    return world // options.get("dp", 1)
+
+
 def n_stages(options: dict, world: int) -> int:
-    return world * options.get("stages", 1)
+    return pp_degree(options, world) * options.get("stages", 1)
 
 
 def stage_ranks(options: dict, world: int) -> list[int]:
-    """The rank of each stage (torch's generate_stage_to_rank_mapping, loop or V style)."""
-    n = n_stages(options, world)
+    """The pp rank of each stage (torch's generate_stage_to_rank_mapping, loop or V style)."""
+    n, pp = n_stages(options, world), pp_degree(options, world)
     if SCHEDULES[options["schedule"]][1] == "v":
         out, r = [], 0
         for s in range(n):
             out.append(r)
-            if (s + 1) % world:
-                r += 1 if (s // world) % 2 == 0 else -1
+            if (s + 1) % pp:
+                r += 1 if (s // pp) % 2 == 0 else -1
         return out
-    return [s % world for s in range(n)]
+    return [s % pp for s in range(n)]
 
 
 def stage_layers(options: dict, n_layers: int) -> list[list[int]]:
@@ -119,11 +144,15 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     """A schedule the installed torch has that the model's top-level layers
     can fill (one layer or more per stage), its stages per rank, the cut
     points, scale_grads. A model with fewer top-level layers than ranks (or a
-    plugin's model, the decoder, a tied head) cannot be cut: rejected."""
+    plugin's model, the decoder, a tied head) cannot be cut: rejected. On a
+    2-D mesh [pp, dp], FSDP2 on each stage: ``dp``, ``reshard_after_forward``,
+    the top-level layers with their own fully_shard (``wrap``); drawn after the
+    rest, and only there, so the 1-D draws stay as they were."""
     import hypothesis.strategies as st
     from hypothesis import assume
 
     model = context["model"]
+    assume(len(mesh_shape) <= 2)
     world = mesh_shape[0]
     n = len(model.layers)
     assume(not model.factory and not model.tie_head and n >= world)
@@ -136,6 +165,12 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     out = {"schedule": schedule, "cuts": cuts, "scale_grads": draw(st.booleans())}
     if stages > 1:
         out["stages"] = stages
+    if len(mesh_shape) == 2:
+        out["dp"] = mesh_shape[1]
+        out["reshard_after_forward"] = draw(st.booleans())  # torchtitan's default under PP: False
+        wrap = [f"layers.{i}" for i in range(n) if draw(st.booleans())]
+        if wrap:
+            out["wrap"] = wrap
     return out
 
 
@@ -150,20 +185,33 @@ def accepts(name: str, n_microbatches: int, world: int, stages: int) -> bool:
 
 def draw_late_options(draw, case: Case) -> dict:
     """``n_microbatches``, once the batch is known: three times in four a
-    divisor of the batch that the schedule takes (equal microbatches; any
+    divisor of the batch (each dp rank's slice of it on a [pp, dp] mesh, which
+    must divide it) that the schedule takes (equal microbatches; any
     divisor where none is taken), else any count up to one past the batch
     (unequal microbatches, which torch's split makes; fewer than 1F1B's
-    stages, or one past the batch: torch refuses them, an invalid case)."""
+    stages, or one past the batch: torch refuses them, an invalid case).
+    Then ``accum``, where the slice splits into that many equal parts of
+    ``n_microbatches`` samples or more (drawn last: the draws before stay)."""
     import hypothesis.strategies as st
+    from hypothesis import assume
 
     opts = dict(case.target_options)
     if "schedule" in opts:
-        divisors = [d for d in range(1, case.batch + 1) if case.batch % d == 0]
-        taken = [d for d in divisors if accepts(opts["schedule"], d, case.world_size, opts.get("stages", 1))]
+        dp = opts.get("dp", 1)
+        assume(case.batch % dp == 0)
+        batch = case.batch // dp
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        pp = pp_degree(opts, case.world_size)
+        taken = [d for d in divisors if accepts(opts["schedule"], d, pp, opts.get("stages", 1))]
         if draw(st.integers(0, 3)):
             opts["n_microbatches"] = draw(st.sampled_from(taken or divisors))
         else:
-            opts["n_microbatches"] = draw(st.integers(1, case.batch + 1))
+            opts["n_microbatches"] = draw(st.integers(1, batch + 1))
+        accums = [a for a in (1, 2, 3) if batch % a == 0 and batch // a >= opts["n_microbatches"]]
+        if len(accums) > 1:
+            accum = draw(st.sampled_from(accums))
+            if accum > 1:
+                opts["accum"] = accum
     return opts
 
 
@@ -175,8 +223,19 @@ def check(case: Case) -> str | None:
         return "pp cuts the built-in topologies' top-level layers; a plugin's model or the decoder has none to cut"
     if case.model.tie_head:
         return "pp: a tied head and embedding would live in different stages (the tie spans ranks)"
-    if len(case.mesh_shape) != 1:
-        return f"pp runs on a 1-D mesh of all the ranks, not {list(case.mesh_shape)}"
+    if len(case.mesh_shape) > 2:
+        return f"pp runs on a 1-D mesh [pp] or a 2-D one [pp, dp], not {list(case.mesh_shape)}"
+    dp = case.mesh_shape[1] if len(case.mesh_shape) == 2 else None
+    if o.get("dp") != dp:
+        return f"pp: dp {o.get('dp')} is not the mesh {list(case.mesh_shape)}'s second dim" if dp else \
+            "pp: dp (FSDP2 over the mesh's second dim) needs a 2-D mesh [pp, dp]"
+    if not dp and any(k in o for k in ("wrap", "reshard_after_forward")):
+        return "pp: wrap and reshard_after_forward are FSDP2's, on a 2-D mesh [pp, dp]"
+    if dp and case.batch % dp:
+        return f"pp: each of the {dp} dp ranks trains on an equal slice of the batch ({case.batch})"
+    accum = o.get("accum", 1)
+    if type(accum) is not int or accum < 1 or (case.batch // (dp or 1)) % accum:
+        return f"pp: accum {accum} must be a positive int dividing each dp rank's slice of the batch"
     if case.checkpoint:
         return "pp has no checkpoint kinds yet"
     name = o.get("schedule")
@@ -188,6 +247,8 @@ def check(case: Case) -> str | None:
     if stages not in ({1} if not is_multi(name) else {2} if SCHEDULES[name][0] == "v" else {2, 3}):
         return f"pp: Schedule{name} takes {'1' if not is_multi(name) else '2'} stage(s) per rank, not {stages}"
     n, total = len(case.model.layers), n_stages(o, case.world_size)
+    if not set(o.get("wrap", ())) <= {f"layers.{i}" for i in range(n)}:
+        return f"pp: wrap {o['wrap']} names modules that are not top-level layers"
     if n < total:
         return f"pp: {total} stages need {total} top-level layers or more, the model has {n}"
     cuts = o.get("cuts", [])
@@ -199,9 +260,16 @@ def check(case: Case) -> str | None:
 
 
 def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
-    """Another world size: the first cuts, as many as its stages need (the check refuses too few)."""
+    """Another world size: the first cuts, as many as its stages need (the check refuses too few); ``dp``
+    the mesh's second dim (FSDP2's options dropped on a 1-D mesh)."""
+    if len(mesh_shape) == 2:
+        options["dp"] = mesh_shape[1]
+        options.setdefault("reshard_after_forward", False)
+    else:
+        for key in ("dp", "wrap", "reshard_after_forward"):
+            options.pop(key, None)
     if "cuts" in options:
-        options["cuts"] = options["cuts"][:n_stages(options, mesh_shape[0]) - 1]
+        options["cuts"] = options["cuts"][:n_stages(options, math.prod(mesh_shape)) - 1]
     return options
 
 
@@ -217,7 +285,8 @@ def facts(case: Case) -> dict:
     n_mb = o.get("n_microbatches") or 0
     return {"schedule": o.get("schedule"), "n_stages": n_stages(o, case.world_size),
             "n_microbatches": n_mb, "scale_grads": o.get("scale_grads"),
-            "uneven_microbatches": bool(n_mb) and case.batch % n_mb != 0,
+            "uneven_microbatches": bool(n_mb) and (case.batch // o.get("dp", 1) // o.get("accum", 1)) % n_mb != 0,
+            "dp": o.get("dp", 1), "accum": o.get("accum", 1),
             "split_backward_input_without_grad": o.get("schedule") in SPLIT_BACKWARD and _input_without_grad(case)}
 
 
@@ -240,7 +309,9 @@ def _input_without_grad(case: Case) -> bool:
 
 def coverage(case: Case) -> dict:
     o = case.target_options
-    return {"schedule x world": [f"{o.get('schedule')} W{case.world_size}"]}
+    fsdp = f" FSDP2 [{pp_degree(o, case.world_size)},{o['dp']}]" if o.get("dp") else ""
+    return {"schedule x world": [f"{o.get('schedule')} W{case.world_size}{fsdp}"],
+            "accum x scale_grads": [f"accum {o.get('accum', 1)} scale_grads {bool(o.get('scale_grads'))}"]}
 
 
 def microbatch_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -252,6 +323,28 @@ def combine(losses, options: dict) -> torch.Tensor:
     """The schedule's objective over its microbatch losses: their mean with scale_grads, else their sum."""
     total = sum(losses[1:], losses[0])
     return total / len(losses) if options.get("scale_grads") else total
+
+
+def accumulate(steps, options: dict) -> torch.Tensor:
+    """The objective of several schedule steps' microbatch losses (``accum``), whose grads add up in
+    ``p.grad``: their sum, but with scale_grads each step ends by dividing the whole grad (the earlier steps'
+    too: stage.scale_grads) by n_microbatches, so step a of A counts 1 / n_microbatches^(A - a)."""
+    total = None
+    for losses in steps:
+        total = combine(losses, options) if total is None else combine([total + losses[0], *losses[1:]], options)
+    return total
+
+
+def pp_objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
+    """The unsplit model on what the pipeline trains: each dp rank's equal slice of the batch, in ``accum``
+    equal parts, each split into ``n_microbatches`` microbatches (``accumulate``); the mean over the dp
+    slices (FSDP2's reduce-scatter averages)."""
+    dp, n = options.get("dp", 1), options["n_microbatches"]
+    per = []
+    for xd, yd in zip(torch.tensor_split(x, dp, 0), torch.tensor_split(y, dp, 0)):
+        parts = zip(torch.tensor_split(xd, options.get("accum", 1), 0), torch.tensor_split(yd, options.get("accum", 1), 0))
+        per.append(accumulate([microbatch_losses(model, xa, ya, n) for xa, ya in parts], options))
+    return per[0] if dp == 1 else sum(per[1:], per[0]) / dp
 
 
 class _StageModule(nn.Module):
@@ -286,7 +379,7 @@ class _Local(nn.Module):
 
 class PPTarget(Target):
     name = "pp"
-    spec = Spec(options=draw_options, named_params=True, flat_mesh=True, late_options=draw_late_options,
+    spec = Spec(options=draw_options, named_params=True, late_options=draw_late_options,
                 check=check, fit_options=fit_options, facts=facts, coverage=coverage, component="pipelining",
                 lr_scheduler=True, max_depth=8)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
@@ -295,8 +388,8 @@ class PPTarget(Target):
     def objective(cls, model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
         """The unsplit model on the schedule's microbatches: the mean of their
         losses with scale_grads (the schedule divides the summed grads by
-        their number), else their sum."""
-        return combine(microbatch_losses(model, x, y, options["n_microbatches"]), options)
+        their number), else their sum; with ``dp`` and ``accum``, pp_objective."""
+        return pp_objective(model, x, y, options)
 
     @classmethod
     def documented_refusal(cls, case: Case, error: dict) -> bool:
@@ -306,12 +399,14 @@ class PPTarget(Target):
 
     def __init__(self, case, mesh):
         super().__init__(case, mesh)
-        self.group = mesh.get_group()
+        # the pipeline's group: the mesh's, or on a [pp, dp] mesh this dp index's pp group
+        self.group = mesh.get_group(0) if mesh.ndim == 2 else mesh.get_group()
+        self.dp_group = mesh.get_group(1) if mesh.ndim == 2 else None
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         o = case.target_options
         self.layers_of = stage_layers(o, len(case.model.layers))
-        self.rank_of = stage_ranks(o, self.world)
+        self.rank_of = stage_ranks(o, case.world_size)
         self.mine = [s for s, r in enumerate(self.rank_of) if r == self.rank]
         self.last_rank = self.rank_of[-1]
 
@@ -328,6 +423,8 @@ class PPTarget(Target):
             layers = {str(i): model.layers[i] for i in self.layers_of[s]}
             local.update(layers)
             module = _StageModule(layers, scale if s == last else None)
+            if o.get("dp"):
+                self._fully_shard(module)
             self.stages.append(PipelineStage(module, s, len(self.rank_of), device, group=self.group))
         cls = schedule_class(o["schedule"])
         kw = {"n_microbatches": o["n_microbatches"], "loss_fn": loss_fn, "scale_grads": bool(o.get("scale_grads"))}
@@ -335,19 +432,46 @@ class PPTarget(Target):
         unused = getattr(model, "unused", None) if self.rank == self.last_rank else None
         return _Local(local, unused)
 
+    def _fully_shard(self, module: nn.Module) -> None:
+        """FSDP2 on the dp sub-mesh, as torchtitan's parallelize does to each model part: the ``wrap`` layers
+        of this stage first, then the stage's module (the FSDPModule the schedule drives)."""
+        from torch.distributed.fsdp import fully_shard
+
+        o = self.case.target_options
+        kw = {"mesh": self.mesh["d1"], "reshard_after_forward": bool(o.get("reshard_after_forward"))}
+        for fqn in o.get("wrap", ()):
+            if fqn.split(".")[1] in module.layers:
+                fully_shard(module.get_submodule(fqn), **kw)
+        fully_shard(module, **kw)
+
+    @property
+    def dp_dims(self) -> list[int]:
+        """The batch is split over the mesh's dp dim (the second), not over the pipeline's."""
+        return [1] if self.mesh.ndim == 2 else []
+
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One schedule step on the whole batch (the inputs on the first stage's
-        rank, the targets everywhere, as torchtitan passes them); the last
-        stage's microbatch losses combined as ``objective`` does, sent to every rank."""
-        losses = []
-        if 0 in self.mine:
-            self.schedule.step(x, target=y, losses=losses)
-        else:
-            self.schedule.step(target=y, losses=losses)
+        """One schedule step (``accum`` steps, on equal parts of it) on this dp rank's slice of the batch
+        (the whole batch without dp; the inputs on the first stage's rank, the targets everywhere, as
+        torchtitan passes them); the last stage's microbatch losses combined as ``objective`` does,
+        sent to every rank of the pipeline, averaged over dp."""
+        o = self.case.target_options
+        dp, accum = o.get("dp", 1), o.get("accum", 1)
+        xd, yd = torch.tensor_split(x, dp, 0)[self.dp_rank()], torch.tensor_split(y, dp, 0)[self.dp_rank()]
+        steps = []
+        for xa, ya in zip(torch.tensor_split(xd, accum, 0), torch.tensor_split(yd, accum, 0)):
+            losses = []
+            if 0 in self.mine:
+                self.schedule.step(xa, target=ya, losses=losses)
+            else:
+                self.schedule.step(target=ya, losses=losses)
+            steps.append([loss.detach().double() for loss in losses])
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         if self.rank == self.last_rank:
-            total = combine([loss.detach().double() for loss in losses], self.case.target_options)
+            total = accumulate(steps, o)
         dist.broadcast(total, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+            total = total / dp
         return total.to(getattr(torch, self.case.dtype))
 
     def set_requires_grad(self, model: nn.Module, fqns, flag: bool) -> None:
@@ -367,21 +491,34 @@ class PPTarget(Target):
     def _order(self) -> dict:
         return {n: i for i, n in enumerate(param_shapes(self.case.model))}
 
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """FSDP2's sharded DTensor, whole (a collective over dp); a plain tensor as it is."""
+        from torch.distributed.tensor import DTensor
+
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
     def params(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return self._everywhere({n: p.detach() for n, p in named_params(model).items()})
+        return self._everywhere({n: self.full(p.detach()) for n, p in named_params(model).items()})
 
     def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
-        return self._everywhere({n: None if p.grad is None else p.grad.detach()
+        return self._everywhere({n: None if p.grad is None else self.full(p.grad.detach())
                                  for n, p in named_params(model).items()})
 
     def optimizer_state(self, opt, model: nn.Module) -> dict:
-        return self._everywhere(state_by_fqn(opt, model, lambda t: t))
+        return self._everywhere(state_by_fqn(opt, model, self.full))
 
     def noncontiguous_grads(self, model: nn.Module) -> list[str]:
-        mine = [n for n, p in named_params(model).items() if p.grad is not None and not p.grad.is_contiguous()]
-        parts = [None] * self.world
-        dist.all_gather_object(parts, mine, group=self.group)
-        return sorted({n for part in parts for n in part})
+        """The grads some rank's step reads non-contiguous (FSDP2's: its local shard), over the pipeline, then dp."""
+        from torch.distributed.tensor import DTensor
+
+        local = {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in named_params(model).items()}
+        mine = sorted(n for n, g in local.items() if g is not None and not g.is_contiguous())
+        for group in (self.group, self.dp_group):
+            if group is not None:
+                parts = [None] * dist.get_world_size(group)
+                dist.all_gather_object(parts, mine, group=group)
+                mine = sorted({n for part in parts for n in part})
+        return mine
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
         """The case's groups over this rank's params only. A group with none of
