@@ -203,6 +203,10 @@ def test_writers_are_found_as_targets_are():
     mine = dataclasses.replace(simple_case(2), target="mine")
     assert writer("mine") is None and straight_script(mine) is None
     assert fallback_reason(mine) == "no straight-line writer for the target mine"
+    # an oracle whose check the script does not write (a new one): the flattened kernel, saying so
+    new = Verdict("finding", "new_check", first=Mismatch("param", "layers.0.weight", 0, ""))
+    assert fallback_reason(simple_case(2), verdict=new) == \
+        "a finding of the new_check oracle, whose check the script does not write"
 
 
 @settings(max_examples=2, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -102,8 +102,8 @@ def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdic
     if why:
         return why
     plan = _plan(case, verdict)
-    if plan is None:  # (_plan writes errors, checkpoint round trips, replicas, and parity before a load)
-        return "a parity finding after a checkpoint load"
+    if isinstance(plan, str):  # (_plan writes errors, checkpoint round trips, replicas, and parity before a load)
+        return plan
     if plan["mode"] == "replica":
         q = plan["quantity"]
         if q.split(".")[0] not in getattr(w, "REPLICAS", ("grad", "param", "state", "param_groups", "clip_norm", "loop")):
@@ -155,8 +155,8 @@ def _step_tolerance(case: Case) -> dict:
     return step_tolerance_for(case, numel, targets.get(case.target))
 
 
-def _plan(case: Case, verdict: Verdict | None) -> dict | None:
-    """What the script runs and checks: mode (error, checkpoint, parity, all),
+def _plan(case: Case, verdict: Verdict | None) -> dict | str:
+    """What the script runs and checks (or why it cannot: a string): mode (error, checkpoint, parity, all),
     the last saving-side step, whether the loading side runs and its last step,
     whether each step observes the full state (where the kernel's gathers raised)."""
     ck, n = case.checkpoint, len(case.schedule)
@@ -203,7 +203,7 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
     if oracle == "parity" or not oracle:
         k = first.step if first else n - 1
         if ck and k > ck.after:
-            return None  # (parity after a load: the flattened kernel)
+            return "a parity finding after a checkpoint load"
         q = first.quantity if first else ""  # what the replay compares: the grads (the forward) or what the step made
         what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
             "state" if q.startswith("state") else "group" if q.startswith("param_groups") else \
@@ -212,7 +212,7 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
             first = None  # the scheduler and the scaler carry state from step to step: each step replayed
         plan.update(mode="parity", last=k, load=False, ckpt=False, steps=[k] if first else list(range(k + 1)), what=what)
         return plan
-    return None
+    return f"a finding of the {oracle} oracle, whose check the script does not write"
 
 
 class Writer:
