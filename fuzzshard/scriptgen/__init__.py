@@ -573,10 +573,11 @@ class Writer:
     def parity_check(self) -> list[str]:
         c, p = self.case, self.plan
         red, step = reduction_tolerance(c.dtype, reduction_length(c)), _step_tolerance(c)  # the kernel's bounds
-        if c.model.factory:
+        per = reduction_tolerance(c.dtype, 1)["k_ulps"]  # the kernel's ulps per summed term
+        if c.model.factory or per * reduction_length(c) != red["k_ulps"]:
             red_k = str(red["k_ulps"])
-        else:  # as its factors: batch, seq, widest dim, conv kernel, depth + 1
-            red_k = "2 * " + " * ".join(map(str, reduction_parts(c)))
+        else:  # as its factors: ulps per term, batch, seq, widest dim, conv kernel, depth + 1
+            red_k = " * ".join(map(str, (per, *reduction_parts(c))))
         step_u = "U" if step["u"] == UNIT_ROUNDOFF[c.dtype] else f"2.0 ** {int(math.log2(step['u']))}"
         what = p.get("what", "")
         plain = [f"GRAD_ULPS = {red_k}  # the kernel's bound: {red['why']}"] * \
