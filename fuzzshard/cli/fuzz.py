@@ -19,14 +19,15 @@ def add(sub) -> None:
                        "divergence and write OUT/<signature>.json + .py.\nExit 0: no new finding; 1: new findings; 2: usage error.")
     from ..targets import names as target_names  # the registry imports no torch
 
-    f.add_argument("--target", default="dtensor",
+    f.add_argument("--target", default="dtensor", metavar="TARGET",
                    help=f"target name(s), comma-separated, or 'all': {', '.join(target_names())} (default: dtensor)")
     f.add_argument("--targets", dest="target", action=Renamed, new="--target", help=argparse.SUPPRESS)
     g = f.add_mutually_exclusive_group()
-    g.add_argument("--max-examples", type=int, default=None, help="cases to draw per target (default 100)")
+    g.add_argument("--max-examples", type=int, default=None, metavar="N", help="cases to draw per target (default 100)")
     g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
-    f.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
-    f.add_argument("--out", default="fuzzshard-out",
+    f.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="the seed of the cases drawn (default: a random one, printed, so that repeated sessions explore)")
+    f.add_argument("--out", default="fuzzshard-out", metavar="DIR",
                    help="findings and the example database go here (default: fuzzshard-out)")
     f.add_argument("--shrink-budget", default=None, metavar="DURATION",
                    help="once a round finds something, how much longer it may search and shrink before it ends "
