@@ -283,14 +283,17 @@ def facts(case: Case) -> dict:
     before it), or FSDP2 stages resharded after forward."""
     o = case.target_options
     n_mb = o.get("n_microbatches") or 0
-    return {"schedule": o.get("schedule"), "n_stages": n_stages(o, case.world_size),
-            "n_microbatches": n_mb, "scale_grads": o.get("scale_grads"),
-            "uneven_microbatches": bool(n_mb) and (case.batch // o.get("dp", 1) // o.get("accum", 1)) % n_mb != 0,
-            "dp": o.get("dp", 1), "accum": o.get("accum", 1),
-            "split_backward_input_without_grad": o.get("schedule") in SPLIT_BACKWARD and _input_without_grad(case),
-            # FSDP2 resharding a stage after its forward: its input backward sees the sharded params (known/)
-            "split_backward_fsdp_resharded": o.get("schedule") in SPLIT_BACKWARD and bool(o.get("dp"))
-            and bool(o.get("reshard_after_forward"))}
+    out = {"schedule": o.get("schedule"), "n_stages": n_stages(o, case.world_size),
+           "n_microbatches": n_mb, "scale_grads": o.get("scale_grads"),
+           "uneven_microbatches": bool(n_mb) and (case.batch // o.get("dp", 1) // o.get("accum", 1)) % n_mb != 0,
+           "dp": o.get("dp", 1), "accum": o.get("accum", 1),
+           "split_backward_input_without_grad": o.get("schedule") in SPLIT_BACKWARD and _input_without_grad(case),
+           # FSDP2 resharding a stage after its forward: its input backward sees the sharded params (known/)
+           "split_backward_fsdp_resharded": o.get("schedule") in SPLIT_BACKWARD and bool(o.get("dp"))
+           and bool(o.get("reshard_after_forward"))}
+    # either way stage_backward_input finds no path to the weights: a stage's grads may all vanish
+    out["split_backward_no_weight_path"] = out["split_backward_input_without_grad"] or out["split_backward_fsdp_resharded"]
+    return out
 
 
 def _input_without_grad(case: Case) -> bool:
