@@ -507,14 +507,11 @@ class Writer:
         return out
 
     def plain_loss(self, net: str, x: str) -> str:
-        """The kernel's objective on the plain model: the loss, plus fsdp2's non-root forward term (``nonroot``);
-        a writer's own ``objective(case, net, x)`` where it has one (pp: the schedule's microbatches)."""
+        """The kernel's objective on the plain model: the loss, or a writer's own ``objective(case, net, x)``
+        where it has one (fsdp2: its non-root forward term; pp: the schedule's microbatches)."""
         if hasattr(self.w, "objective"):
             return self.w.objective(self.case, net, x)
-        nonroot = f" + {net}.layers[0]({x}).square().mean()" if self.case.target == "fsdp2" and \
-            self.case.target_options.get("nonroot") else ""
-        loss = common.loss(self.case, f"{net}({x})", "y")
-        return f"({loss}{nonroot})" if nonroot else loss
+        return common.loss(self.case, f"{net}({x})", "y")
 
     def sensitive(self) -> bool:
         """Whether the grads' bound takes the one-ulp sensitivity too, as the kernel's does: in a low precision,

@@ -90,6 +90,13 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
     return out
 
 
+def objective(case: Case, net: str, x: str) -> str:
+    """The plain replay's loss as the kernel's objective says it (kernel/targets/fsdp2.py): plus the non-root
+    forward's term (layers.0 called on the input) under ``nonroot``."""
+    loss = common.loss(case, f"{net}({x})", "y")
+    return f"({loss} + {net}.layers[0]({x}).square().mean())" if case.target_options.get("nonroot") else loss
+
+
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
     dp = shape[0] if options.get("tp") else world
     per = case.batch // dp
