@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import PLANTED, run_cli, torchrun
-from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
+from fuzzshard.case import Case, Group, Layer, LRScheduler, Model, Optim, Step
 from fuzzshard.kernel.model import build_model, make_batch, param_shapes
 from fuzzshard.scriptgen import fallback_reason, straight_script
 from fuzzshard.verdict import Mismatch, Verdict
@@ -66,6 +66,12 @@ def test_pp_options_the_script_does_not_write_fall_back_with_the_reason():
     added = dataclasses.replace(case, optim=dataclasses.replace(case.optim, added_groups=1),
                                 groups=(Group(("layers.0.weight", "layers.0.bias")), Group(("layers.1.weight", "layers.1.bias"))))
     assert "added after the constructor" in fallback_reason(added)
+    # an LR scheduler is written (each rank's over its own groups, their lrs put in the case's order); Plateau is not
+    sched = dataclasses.replace(SHRUNK[-1][1], lr_scheduler=LRScheduler("StepLR", {"step_size": 1, "gamma": 0.5}))
+    src = straight_script(sched)
+    assert "StepLR(opt, " in src and "StepLR(opt_p, " in src and "in_case_order([float(v) for v in sched.get_last_lr()])" in src
+    plateau = dataclasses.replace(case, lr_scheduler=LRScheduler("ReduceLROnPlateau", {}))
+    assert "ReduceLROnPlateau" in fallback_reason(plateau)
 
 
 def test_a_pp_planted_bugs_script_fails_standalone_with_it_and_passes_without(tmp_path):

@@ -20,12 +20,17 @@ from . import common
 SCHED = "torch.optim.lr_scheduler."
 
 
-def _says(case: Case, what: str) -> bool:
-    """What the target's writer module declares (``LOOP``: its scripts write the loop, the rest fall back to the
-    flattened kernel; ``DTENSOR_GRADS``: its grads are DTensors, so a total norm over them is one, made full)."""
+def _writer(case: Case):
     from . import writer
 
-    return bool(getattr(writer(case.target), what, False))
+    return writer(case.target)
+
+
+def _says(case: Case, what: str) -> bool:
+    """What the target's writer module declares (``LOOP``: its scripts write the loop, the rest fall back to the
+    flattened kernel; ``DTENSOR_GRADS``: its grads are DTensors, so a total norm over them is one, made full;
+    ``SHARDED_SCALER``: its grad scaler is FSDP's ShardedGradScaler, unless the case draws amp's)."""
+    return bool(getattr(_writer(case), what, False))
 
 
 def used(case: Case) -> bool:
@@ -49,7 +54,7 @@ def unsupported(case: Case) -> str | None:
     if case.clip and case.clip.how == "own":
         return "the target's own clip_grad_norm_"
     o = case.target_options
-    if plateau(case) and case.target == "fsdp2" and o.get("microbatches", 1) > 1:
+    if plateau(case) and o.get("microbatches", 1) > 1:  # (fsdp2's gradient accumulation)
         return "ReduceLROnPlateau fed a loss accumulated over microbatches"
     if case.scaler and o.get("mp"):
         return "a grad scaler under mixed precision (the replay of FSDP2's casts does not scale its loss)"
@@ -102,7 +107,7 @@ def _scheduler(spec: LRScheduler, opt: str) -> str:
 
 def _sharded_scaler(case: Case) -> bool:
     """Whether the sharded run's scaler is FSDP's ShardedGradScaler (fsdp2's own; amp's where ``Scaler.amp``)."""
-    return bool(case.scaler) and case.target == "fsdp2" and not getattr(case.scaler, "amp", False)
+    return bool(case.scaler) and _says(case, "SHARDED_SCALER") and not getattr(case.scaler, "amp", False)
 
 
 def imports(case: Case) -> list[str]:
@@ -183,17 +188,10 @@ def clip(case: Case, params: str = "model.parameters()", full: bool = True, norm
 
 
 def global_loss(case: Case, world: int) -> list[str]:
-    """Lines leaving ``full_loss``: the step's global mean loss as a float, as the kernel feeds ReduceLROnPlateau."""
-    if case.target == "fsdp2":  # each rank's slice: the mean over the ranks, summed in float64 (as the kernel)
-        return ["full_loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double()",
-                "dist.all_reduce(full_loss)  # every rank of a data-parallel slice holds its loss: the mean over ranks",
-                f"full_loss = float((full_loss / {world}).to(torch.{case.dtype}))"]
-    if case.target == "dtensor":
-        return ["full_loss = float(loss.full_tensor())"]
-    if case.target == "zero":  # each rank's slice: all-reduced in its dtype, as the kernel's
-        return ["full_loss = loss.detach().clone()", "dist.all_reduce(full_loss, group=opt.process_group)",
-                f"full_loss = float(full_loss / {world})"] if world > 1 else ["full_loss = float(loss)"]
-    return ["full_loss = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)"]
+    """Lines leaving ``full_loss``: the step's global mean loss as a float, as the kernel feeds ReduceLROnPlateau
+    (a writer's own ``global_loss(case, world)`` where its ranks hold slices of the batch or a DTensor loss)."""
+    own = getattr(_writer(case), "global_loss", None)
+    return own(case, world) if own else ["full_loss = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)"]
 
 
 def step(case: Case, opt: str = "opt", sched: str = "sched", scaler: str = "scaler", loss: str = "full_loss") -> list[str]:
@@ -214,8 +212,9 @@ def record(case: Case, grads: str | None) -> list[str]:
         parts.append(f"\"clipped\": {grads}")
     if case.scaler:
         parts.append("\"scale\": scaler.get_scale()")
-    if case.lr_scheduler:
-        parts.append("\"lr\": [float(v) for v in sched.get_last_lr()]")
+    if case.lr_scheduler:  # (a writer's LAST_LR where a rank's scheduler steps only some of the case's groups: pp)
+        from . import writer
+        parts.append(f"\"lr\": {getattr(writer(case.target), 'LAST_LR', '[float(v) for v in sched.get_last_lr()]')}")
     if plateau(case):
         parts.append("\"loss\": full_loss")
     text = "ran.append({" + ", ".join(parts) + "})"

@@ -19,7 +19,7 @@ model's replay (scriptgen/__init__.py) trains on the same microbatches:
 with ``scale_grads``), with the kernel's bounds.
 
 Written for the options the target draws today (one pipeline over all the
-ranks, on the CPU, no checkpoint, no training loop around the step); anything
+ranks, on the CPU, no checkpoint; the LR scheduler but ReduceLROnPlateau); anything
 else falls back to the flattened kernel and ``unsupported`` says what."""
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ KINDS: dict = {}  # no checkpoint kind written yet (a case with one falls back)
 FREEZE_BEFORE_SHARD = False  # the kernel sets requires_grad after cutting the stages
 REPLICAS = ()  # each param lives on one rank: nothing replicated to compare
 BATCH = "the whole batch, in the schedule's microbatches"  # what the plain model's replay trains on
+LOOP = True  # the LR scheduler (the only part of the loop pp draws) written in torch's words, each rank's own
+LAST_LR = "in_case_order([float(v) for v in sched.get_last_lr()])"  # the lrs of every rank's groups, in the case's order
 OPTIONS = {"schedule", "stages", "cuts", "scale_grads", "n_microbatches"}  # today's options: the rest fall back
 
 
@@ -43,6 +45,8 @@ def unsupported(case: Case, options: dict) -> str | None:
         return f"on the mesh {list(case.mesh_shape)} (the script writes a 1-D pipeline)"
     if case.device != "cpu":
         return "on cuda (the script gathers the stages' tensors on the CPU)"
+    if case.lr_scheduler and case.lr_scheduler.name == "ReduceLROnPlateau":
+        return "ReduceLROnPlateau (fed the last stage's loss, which the script does not send to every rank)"
     if case.optim.added_groups:
         return "param groups added after the constructor (each rank adds only its own)"
     if case.model.factory or case.model.tie_head or target.check(case):
@@ -161,15 +165,16 @@ SNAPSHOT = [
     "             for k, v in opt.state.get(q, {}).items()}",
     "    hp = [{k: v.tolist() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v for k, v in g.items()",
     "           if k not in (\"params\", \"param_names\")} for g in opt.param_groups]",
-    "    if not piped:",
-    "        return params, state, hp",
-    "    held = [None] * dist.get_world_size()  # each rank's groups: (the case's index, holds params, hyperparameters)",
-    "    dist.all_gather_object(held, [(i, bool(g[\"params\"]), h) for i, g, h in zip(kept, opt.param_groups, hp)])",
-    "    first = {}  # each case group from the lowest rank that holds its params, else from one that holds it empty",
+    "    return (gather(params), gather(state), in_case_order(hp)) if piped else (params, state, hp)",
+    "",
+    "def in_case_order(values):  # one value per group of this rank's optimizer -> one per case group, each from the",
+    "    held = [None] * dist.get_world_size()  # lowest rank that holds its params, else from one that holds it empty",
+    "    dist.all_gather_object(held, [(i, bool(g[\"params\"]), v) for i, g, v in zip(kept, opt.param_groups, values)])",
+    "    first = {}",
     "    for has in (True, False):",
-    "        for i, _, h in (t for part in held for t in part if t[1] == has):",
-    "            first.setdefault(i, h)",
-    "    return gather(params), gather(state), [first[i] for i in sorted(first)]"]
+    "        for i, _, v in (t for part in held for t in part if t[1] == has):",
+    "            first.setdefault(i, v)",
+    "    return [first[i] for i in sorted(first)]"]
 
 
 def snapshot(case: Case, options: dict) -> list[str] | None:
