@@ -46,6 +46,11 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
     return common.optimizer(case, lr_scale)
 
 
+def global_loss(case: Case, world: int) -> list[str]:
+    """The step's global loss for ReduceLROnPlateau: the replicated loss DTensor, made full."""
+    return ["full_loss = float(loss.full_tensor())"]
+
+
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
     rep = "[" + ", ".join(["Replicate()"] * len(shape)) + "]"
     out, y = f"model(distribute_tensor(x, mesh, {rep}))", f"distribute_tensor(y, mesh, {rep})"

@@ -48,6 +48,13 @@ def check_GroupsLost(case: Case) -> list[str]:
             "assert not lost, f\"ZeroRedundancyOptimizer's param groups lack {lost}, which it was given\""]
 
 
+def global_loss(case: Case, world: int) -> list[str]:
+    """The step's global loss for ReduceLROnPlateau: each rank's slice, all-reduced over the optimizer's group in
+    its dtype, as the kernel's."""
+    return ["full_loss = loss.detach().clone()", "dist.all_reduce(full_loss, group=opt.process_group)",
+            f"full_loss = float(full_loss / {world})"] if world > 1 else ["full_loss = float(loss)"]
+
+
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
     per = case.batch // world
     out = [f"x, y = x[{per} * rank:{per} * rank + {per}], y[{per} * rank:{per} * rank + {per}]  # this rank's slice"] \
