@@ -37,9 +37,12 @@ that would weigh on both. A new target's writer is one module here, nothing else
 (the checkpoint kinds it writes) at the least, and for what it writes imports, shard,
 optimizer, forward_backward, snapshot, grads and FREEZE_BEFORE_SHARD; the checkpoint
 kinds of its own as save_<kind> / load_<kind>; REPLICAS where its snapshot lacks some
-replicated quantities; LOOP (it writes the training loop around the step) and
-DTENSOR_GRADS (its grads are DTensors: a total norm made full). A target with no
-module here falls back to the flattened kernel, saying so.
+replicated quantities; ``objective(case, net, x)`` where the plain replay's loss is not
+the loss on the whole batch (fsdp2's non-root term, pp's microbatches); LOOP (it
+writes the training loop around the step), DTENSOR_GRADS (its grads are DTensors: a
+total norm made full), SHARDED_SCALER (its grad scaler is ShardedGradScaler) and
+``global_loss(case, world)`` (ReduceLROnPlateau's loss where its ranks hold slices).
+A target with no module here falls back to the flattened kernel, saying so.
 """
 from __future__ import annotations
 
