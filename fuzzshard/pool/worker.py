@@ -126,7 +126,9 @@ def _forget_sharding_decisions() -> None:
     can be summed to passes, summed down). Two independent runs in one process meet it; a fresh worker does
     not (fuzzshard/known/minimal/min_dtensor_embedding_backward_cache_num_weights.py). The releases that need
     it are told by the registration itself; there, both caches: the Python one (a thread-local lru_cache with
-    no cache_clear of its own before 2.10) and the C++ fast path's (2.10). About a millisecond a case."""
+    no cache_clear of its own before 2.10) and the C++ fast path's (2.10). The reset takes 0.1 ms; the next
+    DTensor case then propagates its ops anew: +40 ms (2.9.1) to +80 ms (2.10.0) for an embedding and two
+    linears trained two steps, on those releases only."""
     global _STALE_KEYS
     if "torch.distributed.tensor" not in sys.modules or _STALE_KEYS is False:
         return
