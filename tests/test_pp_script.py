@@ -17,7 +17,7 @@ from test_scriptgen import _defs
 
 import torch
 
-LINES = 120  # a pp finding's script, the grads of one step compared (ci/script_table.py measures the known ones)
+LINES = 125  # a pp finding's script, the grads of one step compared, aims at 120 (ci/script_table.py measures the known ones)
 
 
 def _case(name, world, n_microbatches, stages=1, layers=2, scale_grads=False, **kw) -> Case:
@@ -66,12 +66,13 @@ def test_pp_options_the_script_does_not_write_fall_back_with_the_reason():
     added = dataclasses.replace(case, optim=dataclasses.replace(case.optim, added_groups=1),
                                 groups=(Group(("layers.0.weight", "layers.0.bias")), Group(("layers.1.weight", "layers.1.bias"))))
     assert "added after the constructor" in fallback_reason(added)
-    # an LR scheduler is written (each rank's over its own groups, their lrs put in the case's order); Plateau is not
+    # an LR scheduler is written (each rank's over its own groups, their lrs put in the case's order); Plateau fed
+    # the last stage's loss, sent to every rank
     sched = dataclasses.replace(SHRUNK[-1][1], lr_scheduler=LRScheduler("StepLR", {"step_size": 1, "gamma": 0.5}))
     src = straight_script(sched)
     assert "StepLR(opt, " in src and "StepLR(opt_p, " in src and "in_case_order([float(v) for v in sched.get_last_lr()])" in src
-    plateau = dataclasses.replace(case, lr_scheduler=LRScheduler("ReduceLROnPlateau", {}))
-    assert "ReduceLROnPlateau" in fallback_reason(plateau)
+    plateau = straight_script(dataclasses.replace(case, lr_scheduler=LRScheduler("ReduceLROnPlateau", {})))
+    assert "schedule.step(target=y, losses=losses)" in plateau and "sched.step(full_loss)" in plateau
 
 
 def test_a_pp_planted_bugs_script_fails_standalone_with_it_and_passes_without(tmp_path):

@@ -19,7 +19,7 @@ model's replay (scriptgen/__init__.py) trains on the same microbatches:
 with ``scale_grads``), with the kernel's bounds.
 
 Written for the options the target draws today (one pipeline over all the
-ranks, on the CPU, no checkpoint; the LR scheduler but ReduceLROnPlateau); anything
+ranks, on the CPU, no checkpoint; the LR scheduler, ReduceLROnPlateau fed the last stage's loss); anything
 else falls back to the flattened kernel and ``unsupported`` says what."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ KINDS: dict = {}  # no checkpoint kind written yet (a case with one falls back)
 FREEZE_BEFORE_SHARD = False  # the kernel sets requires_grad after cutting the stages
 REPLICAS = ()  # each param lives on one rank: nothing replicated to compare
 BATCH = "the whole batch, in the schedule's microbatches"  # what the plain model's replay trains on
-LOOP = True  # the LR scheduler (the only part of the loop pp draws) written in torch's words, each rank's own
+LOOP = True  # the LR scheduler (the only part of the loop pp draws) in torch's words: each rank's over its own groups
 LAST_LR = "in_case_order([float(v) for v in sched.get_last_lr()])"  # the lrs of every rank's groups, in the case's order
 OPTIONS = {"schedule", "stages", "cuts", "scale_grads", "n_microbatches"}  # today's options: the rest fall back
 
@@ -45,8 +45,6 @@ def unsupported(case: Case, options: dict) -> str | None:
         return f"on the mesh {list(case.mesh_shape)} (the script writes a 1-D pipeline)"
     if case.device != "cpu":
         return "on cuda (the script gathers the stages' tensors on the CPU)"
-    if case.lr_scheduler and case.lr_scheduler.name == "ReduceLROnPlateau":
-        return "ReduceLROnPlateau (fed the last stage's loss, which the script does not send to every rank)"
     if case.optim.added_groups:
         return "param groups added after the constructor (each rank adds only its own)"
     if case.model.factory or case.model.tie_head or target.check(case):
@@ -136,8 +134,24 @@ def _overrides(case: Case, overrides: dict, lr_scale: float) -> str:
 
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
-    return ["if rank == 0:  # the schedule's step: the inputs on the first stage's rank, the targets everywhere",
-            "    schedule.step(x, target=y)", "else:", "    schedule.step(target=y)"]
+    losses = ", losses=losses" if _plateau(case) else ""  # (the last stage's microbatch losses: ReduceLROnPlateau's)
+    return ["losses = []"] * bool(losses) + [
+        "if rank == 0:  # the schedule's step: the inputs on the first stage's rank, the targets everywhere",
+        f"    schedule.step(x, target=y{losses})", "else:", f"    schedule.step(target=y{losses})"]
+
+
+def _plateau(case: Case) -> bool:
+    return bool(case.lr_scheduler) and case.lr_scheduler.name == "ReduceLROnPlateau"
+
+
+def global_loss(case: Case, world: int) -> list[str]:
+    """``full_loss``, as the kernel's pp target reports the step's loss: the last stage's microbatch losses summed
+    in float64 (their mean with scale_grads) on its rank, sent to every rank, in the case's dtype."""
+    last, o = target.stage_ranks(case.target_options, world)[-1], case.target_options
+    total = "sum(t.detach().double() for t in losses)" + (f" / {o['n_microbatches']}" if o.get("scale_grads") else "")
+    return ["full_loss = torch.zeros((), dtype=torch.float64)  # the step's loss: the last stage's, sent to every rank",
+            f"if rank == {last}:", f"    full_loss = {total}", f"dist.broadcast(full_loss, src={last})",
+            f"full_loss = float(full_loss.to(torch.{case.dtype}))"]
 
 
 def objective(case: Case, net: str, x: str) -> str:
