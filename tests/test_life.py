@@ -12,6 +12,7 @@ from cases import simple_case
 from fuzzshard.session.engine import Stats
 from fuzzshard.findings.generalize import Face, table_text
 from fuzzshard.findings.life import FindingBook, SoakBook
+from fuzzshard.pool.options import PoolOptions
 from fuzzshard.findings.record import load_finding, load_known
 from fuzzshard.verdict import Verdict, finding, passing
 
@@ -23,7 +24,7 @@ class ScriptedPool:
 
     def __init__(self, fresh_fails=True):
         self.fresh_fails, self.generation, self.history = fresh_fails, 0, []
-        self.info, self.options = {"torch": "x"}, {"backend": "gloo", "device": "cpu"}
+        self.info, self.options = {"torch": "x"}, PoolOptions(backend="gloo")
 
     def fresh(self):
         self.generation += 1

@@ -62,7 +62,7 @@ def run(args) -> int:
         raise UsageError("bench measures one target at a time")
     models = tuple(model_families(args.models)) if args.models else ("topologies",)
     if args.simulate:
-        from ..session.simulate import run_bench as run_simulate_bench
+        from ..session.bench import run_simulate_bench
 
         run_simulate_bench(args.cases, args.seed, names[0])
         return 0

@@ -160,15 +160,22 @@ def recorded_plugins(environment, given=()) -> list[str]:
     return [p for p in plugins or [] if isinstance(p, str) and os.path.isfile(p) and p not in given]
 
 
+def pool_options(args):
+    """The pool's flags (pool_args, once check_pool_args has read them) as the typed record a pool is
+    made from (pool/options.py)."""
+    from ..pool.options import PoolOptions
+
+    return PoolOptions(device=args.device, backend=args.backend, setup=tuple(args.setups),
+                       case_timeout=args.case_timeout, simulate=getattr(args, "simulate", False))
+
+
 def start_pool(args, size: int, log_dir=None, spare: bool = False, placed: bool = False):
     """``spare``: keep a warm second set of workers for instant restarts (long sessions);
     ``placed``: run cases side by side (Pool.run_many)."""
     from ..pool.runner import Pool, PoolError
 
     try:
-        return Pool(size, device=args.device, backend=args.backend, worker_setup=args.setups,
-                    case_timeout=args.case_timeout, log_dir=log_dir, spare=spare, placed=placed,
-                    simulate=getattr(args, "simulate", False)).start()
+        return Pool(size, options=pool_options(args), log_dir=log_dir, spare=spare, placed=placed).start()
     except PoolError as e:
         raise UsageError(f"could not start {size} workers: {e}") from None
 

@@ -99,9 +99,7 @@ def run(args) -> int:
                       spare=True, placed=not args.one_at_a_time)
     try:
         if args.simulate:  # its book sets LocalTensor's own errors aside unshrunk, for the real check (simulate.py)
-            from ..session.simulate import simulated_session
-
-            Session = simulated_session()
+            from ..session.simulate import SimulatedSession as Session
         session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
                           duration=duration, seed=seed, device=args.device, strategy_kwargs=draws,
                           database=database, shrink_budget=shrink_budget, plugins=args.plugin or (),
@@ -121,9 +119,14 @@ def run(args) -> int:
     findings = list(session.findings.values())
     set_aside = getattr(session.book, "set_aside", None) if session else None
     if args.simulate and (findings or set_aside):  # a simulated finding is one only once real processes fail the same way
-        from ..session.simulate import confirm
+        from ..findings.simulated import confirm
+        from ..pool.runner import PoolError
 
-        found = confirm(findings, args.out, args, set_aside=set_aside).get("found", [])
+        try:  # on pools made from the session's own options, simulated and real
+            found = confirm(findings, args.out, pool.options, set_aside=set_aside, workers=args.simulate_workers,
+                            optimizer_names=draws.get("optimizer_names")).get("found", [])
+        except PoolError as e:
+            raise UsageError(f"could not start the workers that check the simulated findings: {e}") from None
         findings = [f for f in findings + found if os.path.exists(os.path.join(args.out, f"{f.signature}.json"))]
     _print_session_report(session, findings, args.out)
     if findings:

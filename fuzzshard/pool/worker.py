@@ -67,8 +67,8 @@ def main() -> None:
         where = {"store": open_store(store, options["collective_timeout"])}
     else:  # a cell of this machine: a file store in the driver's temp folder
         where = {"init_method": f"file://{store}"}
-    if options.get("simulate"):  # --simulate: this process runs whole cases alone, every rank (simulate.py)
-        from ..session.simulate import SimulatedWorld
+    if options.get("simulate"):  # --simulate: this process runs whole cases alone, every rank (kernel/simulated.py)
+        from ..kernel.simulated import SimulatedWorld
 
         meshes = SimulatedWorld()
     else:

@@ -495,7 +495,7 @@ def pack_size(pool, world_sizes) -> int:
     """How many cases a session draws together: as many of the smallest world
     size as the pool holds side by side, on a pool built for it (``placed``);
     otherwise 1, and a session draws what it always drew."""
-    if pool is None or not pool.options.get("placed"):
+    if pool is None or not pool.options.placed:
         return 1
     return max(1, pool.size // min(world_sizes))
 
