@@ -167,7 +167,7 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
     if names and (spec.models or draw(st.booleans())):
         return draw(user_models(names))
     family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
-    return draw(decoders()) if family == "decoder" else draw(models(depth, max_dim))
+    return draw(decoders(spec.max_depth or 2)) if family == "decoder" else draw(models(depth, max_dim))
 
 
 @st.composite

@@ -3,7 +3,10 @@
 The built-in topology's top-level layers (``layers.0``, ``layers.1``, ...)
 are cut into stages at the drawn ``cuts`` (the index of each stage's first
 layer but the first's); the last stage also holds the output ``scale``
-buffer and the ``unused`` submodule. Each stage is a ``PipelineStage`` over a
+buffer and the ``unused`` submodule. The decoder (``--models decoder``) is
+cut between its blocks, as torchtitan splits a Llama: the token embedding on
+the first stage, the final norm and the output head on the last (untied
+only: a tie would span ranks). Each stage is a ``PipelineStage`` over a
 module that holds its layers under their plain names, on the rank the
 schedule puts it: stage s on rank s for the single-stage schedules
 (``GPipe``, ``1F1B``), on rank s mod W for the looped multi-stage ones
@@ -140,11 +143,29 @@ def stages_per_rank(name: str, world: int, n_layers: int) -> list[int]:
     return [c for c in choices if world * c <= n_layers]
 
 
+def n_units(model) -> int:
+    """What the stages are cut from: a topology's top-level layers, the decoder's blocks."""
+    return model.sizes["n_layers"] if model.factory == "decoder" else len(model.layers)
+
+
+def uncuttable(model) -> str | None:
+    """Why a model cannot be cut into stages, or None."""
+    if model.factory == "decoder":
+        if model.sizes.get("tied"):
+            return "pp: the decoder's tied output head and embedding would live in different stages (the tie spans ranks)"
+        return None
+    if model.factory:
+        return "pp cuts a topology's top-level layers or the decoder's blocks; a plugin's model has none to cut"
+    if model.tie_head:
+        return "pp: a tied head and embedding would live in different stages (the tie spans ranks)"
+    return None
+
+
 def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
     """A schedule the installed torch has that the model's top-level layers
-    can fill (one layer or more per stage), its stages per rank, the cut
-    points, scale_grads. A model with fewer top-level layers than ranks (or a
-    plugin's model, the decoder, a tied head) cannot be cut: rejected. On a
+    (the decoder's blocks) can fill (one or more per stage), its stages per
+    rank, the cut points, scale_grads. A model with fewer of them than ranks
+    (or a plugin's model, a tied head) cannot be cut: rejected. On a
     2-D mesh [pp, dp], FSDP2 on each stage: ``dp``, ``reshard_after_forward``,
     the top-level layers with their own fully_shard (``wrap``); drawn after the
     rest, and only there, so the 1-D draws stay as they were."""
@@ -154,8 +175,8 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     model = context["model"]
     assume(len(mesh_shape) <= 2)
     world = mesh_shape[0]
-    n = len(model.layers)
-    assume(not model.factory and not model.tie_head and n >= world)
+    n = n_units(model)
+    assume(uncuttable(model) is None and n >= world)
     names = [s for s in available() if stages_per_rank(s, world, n)]
     schedule = draw(st.sampled_from(names))
     stages = draw(st.sampled_from(stages_per_rank(schedule, world, n)))
@@ -219,10 +240,8 @@ def check(case: Case) -> str | None:
     """What makes a pp case impossible: a model the stages cannot hold, cuts that do not make one non-empty
     stage per stage index."""
     o = case.target_options
-    if case.model.factory:
-        return "pp cuts the built-in topologies' top-level layers; a plugin's model or the decoder has none to cut"
-    if case.model.tie_head:
-        return "pp: a tied head and embedding would live in different stages (the tie spans ranks)"
+    if uncuttable(case.model):
+        return uncuttable(case.model)
     if len(case.mesh_shape) > 2:
         return f"pp runs on a 1-D mesh [pp] or a 2-D one [pp, dp], not {list(case.mesh_shape)}"
     dp = case.mesh_shape[1] if len(case.mesh_shape) == 2 else None
@@ -246,7 +265,7 @@ def check(case: Case) -> str | None:
     stages = o.get("stages", 1)
     if stages not in ({1} if not is_multi(name) else {2} if SCHEDULES[name][0] == "v" else {2, 3}):
         return f"pp: Schedule{name} takes {'1' if not is_multi(name) else '2'} stage(s) per rank, not {stages}"
-    n, total = len(case.model.layers), n_stages(o, case.world_size)
+    n, total = n_units(case.model), n_stages(o, case.world_size)
     if not set(o.get("wrap", ())) <= {f"layers.{i}" for i in range(n)}:
         return f"pp: wrap {o['wrap']} names modules that are not top-level layers"
     if n < total:
@@ -300,14 +319,16 @@ def _input_without_grad(case: Case) -> bool:
     """At some step, some stage after the first has no trainable param before it (every layer before it frozen
     or parameter-free): the case's frozen params, then each step's freezes and unfreezes, as they are applied
     before that step."""
-    if not case.target_options.get("cuts") or case.model.factory:
+    if not case.target_options.get("cuts") or uncuttable(case.model):
         return False
-    names = [n for n in param_shapes(case.model) if n.startswith("layers.")]
+    # the unit of each param before the last stage's end: layers.<i> -> i, the decoder's embedding -> -1
+    unit = {n: int(n.split(".")[1]) if n.startswith("layers.") else -1 for n in param_shapes(case.model)
+            if n.startswith(("layers.", "tok_embeddings."))}
     frozen = set(case.frozen)
     for step in case.schedule or (None,):
         if step is not None:
             frozen = (frozen | set(step.freeze)) - set(step.unfreeze)
-        trainable = {int(n.split(".")[1]) for n in names if n not in frozen}
+        trainable = {i for n, i in unit.items() if n not in frozen}
         if any(not any(i < start for i in trainable) for start in case.target_options["cuts"]):
             return True
     return False
@@ -353,19 +374,35 @@ def pp_objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: di
     return per[0] if dp == 1 else sum(per[1:], per[0]) / dp
 
 
-class _StageModule(nn.Module):
-    """One stage: its layers under their plain names (``layers.<i>``), and on
-    the last stage the output scale (a buffer)."""
+def stage_ends(model: nn.Module, s: int, last: int) -> dict:
+    """The decoder's modules around its blocks, as torchtitan splits it: the token embedding on the first
+    stage, the final norm and the output head on the last."""
+    if not hasattr(model, "tok_embeddings"):
+        return {}
+    return {**({"tok_embeddings": model.tok_embeddings} if s == 0 else {}),
+            **({"norm": model.norm, "output": model.output} if s == last else {})}
 
-    def __init__(self, layers: dict, scale: torch.Tensor | None):
+
+class _StageModule(nn.Module):
+    """One stage: its layers under their plain names (``layers.<i>``), on
+    the last stage the output scale (a buffer); a decoder's stage has its
+    ``stage_ends`` too."""
+
+    def __init__(self, layers: dict, scale: torch.Tensor | None, ends: dict):
         super().__init__()
+        for name, module in ends.items():
+            setattr(self, name, module)
         self.layers = nn.ModuleDict(layers)
         if scale is not None:
             self.register_buffer("scale", scale)
 
     def forward(self, x):
+        if hasattr(self, "tok_embeddings"):
+            x = self.tok_embeddings(x)
         for layer in self.layers.values():
             x = layer(x)
+        if hasattr(self, "output"):
+            x = self.output(self.norm(x))
         if hasattr(self, "scale"):
             x = x * self.scale
         return x
@@ -376,8 +413,10 @@ class _Local(nn.Module):
     plain name (and ``unused``, on the last stage's rank); what the optimizer
     and the observations see."""
 
-    def __init__(self, layers: dict, unused: nn.Module | None):
+    def __init__(self, layers: dict, unused: nn.Module | None, ends: dict):
         super().__init__()
+        for name, module in ends.items():
+            setattr(self, name, module)
         self.layers = nn.ModuleDict(layers)
         if unused is not None:
             self.unused = unused
@@ -411,7 +450,7 @@ class PPTarget(Target):
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         o = case.target_options
-        self.layers_of = stage_layers(o, len(case.model.layers))
+        self.layers_of = stage_layers(o, n_units(case.model))
         self.rank_of = stage_ranks(o, case.world_size)
         self.mine = [s for s, r in enumerate(self.rank_of) if r == self.rank]
         self.last_rank = self.rank_of[-1]
@@ -424,11 +463,13 @@ class PPTarget(Target):
         last = len(self.rank_of) - 1
         scale = getattr(model, "scale", None)
         self.stages = []
-        local = {}
+        local, ends = {}, {}
         for s in self.mine:
-            layers = {str(i): model.layers[i] for i in self.layers_of[s]}
+            layers = {str(i): model.layers[str(i) if isinstance(model.layers, nn.ModuleDict) else i]
+                      for i in self.layers_of[s]}
             local.update(layers)
-            module = _StageModule(layers, scale if s == last else None)
+            ends.update(stage_ends(model, s, last))
+            module = _StageModule(layers, scale if s == last else None, stage_ends(model, s, last))
             if o.get("dp"):
                 self._fully_shard(module)
             self.stages.append(PipelineStage(module, s, len(self.rank_of), device, group=self.group))
@@ -436,7 +477,7 @@ class PPTarget(Target):
         kw = {"n_microbatches": o["n_microbatches"], "loss_fn": loss_fn, "scale_grads": bool(o.get("scale_grads"))}
         self.schedule = cls(self.stages, **kw) if is_multi(o["schedule"]) else cls(self.stages[0], **kw)
         unused = getattr(model, "unused", None) if self.rank == self.last_rank else None
-        return _Local(local, unused)
+        return _Local(local, unused, ends)
 
     def _fully_shard(self, module: nn.Module) -> None:
         """FSDP2 on the dp sub-mesh, as torchtitan's parallelize does to each model part: the ``wrap`` layers
