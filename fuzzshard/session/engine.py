@@ -165,8 +165,8 @@ class Session:
         book_class: Callable[..., FindingBook] | None = None,
     ):
         self.pool = pool
-        if book_class is not None:
-            self.book_class = book_class
+        # (read off the class, never bound: a plain function a subclass names is called as it is)
+        self.book_class = book_class if book_class is not None else type(self).book_class
         self.targets = targets
         self.out = Path(out_dir)
         self.findings_dir = Path(findings_dir) if findings_dir else self.out
@@ -195,15 +195,10 @@ class Session:
         self.plugins = [str(Path(p).resolve()) for p in plugins]  # --plugin files: recorded, so replay loads them
         # cases drawn together and run side by side (at most): 1 draws and runs one at a time
         self.pack = pack_size(pool, self.world_sizes) if pack is None else pack
-        self.book = self._new_book(
+        self.book = self.book_class(
             pool, self.out, self.stats, findings_dir=self.findings_dir, known=load_known() if known is None else known,
             progress=progress, optimizer_names=self.strategy_kwargs.get("optimizer_names"), plugins=self.plugins,
             pack=self.pack, shrink_budget=self.shrink_budget, variant_timeout=self._derived_timeout)
-
-    def _new_book(self, *args, **kwargs) -> FindingBook:
-        """The session's findings from first sight to their files: ``book_class`` makes them. (Private, and
-        going: the hook is ``book_class``; session/simulate.py's override of this moves to it.)"""
-        return self.book_class(*args, **kwargs)
 
     # what the summary reads (cli/fuzz.py): the book's
     @property
