@@ -136,10 +136,11 @@ def _forget_sharding_decisions() -> None:
     from torch.distributed.tensor import DTensor
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    if _STALE_KEYS is None:
+    if _STALE_KEYS is None:  # (a later torch that moved these has the fix: never a worker's error between cases)
         op = torch.ops.aten.embedding_dense_backward.default
-        info = prop.op_to_schema_info.get(op) or getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}).get(op)
-        _STALE_KEYS = info is None or info.static_argnum > 2
+        info = (getattr(prop, "op_to_schema_info", {}).get(op)
+                or getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}).get(op))
+        _STALE_KEYS = hasattr(prop, "op_to_schema_info") and (info is None or info.static_argnum > 2)
         if not _STALE_KEYS:
             return
     prop.propagate_op_sharding.cache.cache_clear()  # LocalLRUCache: this (the main) thread's lru_cache
