@@ -47,6 +47,8 @@ def unsupported(case: Case, options: dict) -> str | None:
         return "on cuda (the script gathers the stages' tensors on the CPU)"
     if case.optim.added_groups:
         return "param groups added after the constructor (each rank adds only its own)"
+    if case.model.factory == "decoder":
+        return "the decoder cut into stages (its embedding and head on the end stages): not written straight-line yet"
     if case.model.factory or case.model.tie_head or target.check(case):
         return target.check(case) or "a model the stages cannot cut"
     return None
