@@ -63,7 +63,7 @@ def test_cells_share_findings_and_sigterm_then_restart_resumes(tmp_path):
     assert origin["cell"] in before and origin["host"] == socket.gethostname()
 
     # the same command resumes: new cells with new seeds, earlier counts and findings kept as they were
-    r = subprocess.run(_soak(out, "--cells", "1", "--duration", "20s"), capture_output=True, text=True, timeout=240)
+    r = subprocess.run(_soak(out, "--cells", "1", "--duration", "40s"), capture_output=True, text=True, timeout=240)
     assert r.returncode == 1 and "(resumed)" in r.stderr, r.stderr[-3000:]
     after = _cases(out)
     assert all(after[cell] == lines for cell, lines in before.items())

@@ -179,6 +179,9 @@ def _print_session_report(session, findings, out) -> None:
         print(f"CONTAMINATED (a fuzzshard internal error, not a finding): {c['signature']} in warm workers, "
               f"{c['fresh_signature']} in fresh ones, after {len(c['ran_before_in_that_generation'])} other case(s)"
               f"\n        -> {out}/contaminated/{c['signature']}.json", file=sys.stderr)
+    for c in session.unsteady:
+        print(f"UNSTEADY (not a finding: the case's outcome varies between fresh runs): {c['signature']}, then "
+              f"{c['fresh_signature']}\n        -> {out}/unsteady/{c['signature']}.json", file=sys.stderr)
     if st.internal_errors:
         print(f"{st.internal_errors} fuzzshard-internal errors, not findings (see above; cases in {out}/internal/)",
               file=sys.stderr)

@@ -109,6 +109,7 @@ class FindingBook:
         self.stopped = False
         self.findings: dict[str, Finding] = {}
         self.contaminated: list[dict] = []
+        self.unsteady: list[dict] = []  # verdicts fresh workers gave one way and fresh ones another (_report_contaminated)
         self.tracks: dict[str, Track] = {}
         self._owner: dict[str, str] = {}  # a signature -> the finding it is a face of (one bug, one finding)
         self._tables: dict[str, list] = {}  # finding -> its generalization table (generalize.Face)
@@ -117,6 +118,7 @@ class FindingBook:
         self._removed: dict[str, list] = {}  # finding -> what the reducer took out of its case
         self._met: dict[str, dict] = {}  # finding -> another target -> a face met failing there in its own case
         self._suspect: set[str] = set()  # signatures a fresh run did not confirm
+        self._unsteady: set[str] = set()  # of those, the ones with nothing run before them (_report_contaminated)
 
     # -- what the search asks --------------------------------------------------
     def new_signature(self, j: Judgement) -> str | None:
@@ -141,7 +143,10 @@ class FindingBook:
         track = self.tracks.get(sig)
         if track is None:
             if sig in self._suspect:  # one fresh run already said this signature is not what it seems
-                self.stats.contaminated += 1
+                if sig in self._unsteady:
+                    self.stats.unsteady += 1
+                else:
+                    self.stats.contaminated += 1
                 return False
             hit = self.matcher.known_hit(case, verdict)
             if hit is not None:  # a known root cause in a face not recorded: counted, never a finding
@@ -270,15 +275,28 @@ class FindingBook:
         if verdict.timeout:
             self.stats.slow += 1
             return None
-        self.stats.contaminated += 1
         self._suspect.add(sig)
         self._report_contaminated(sig, case, verdict, again.verdict, got, before)
         return None
 
     def _report_contaminated(self, sig, case, warm: Verdict, fresh: Verdict, got: str, before: list) -> None:
+        """OUT/contaminated/<sig>.json: the warm workers' verdict that fresh ones do not give, after the cases
+        that ran before it there. Where none did, the warm workers were as fresh as the confirmation's: nothing
+        could carry over, the case's outcome varies between fresh runs (torch 2.9.1's pipelining abort: a
+        crash, or the dying rank's error first), and it goes to OUT/unsteady/ instead, counted apart: not a
+        finding (it does not replay as itself), not fuzzshard's fault."""
         ran_before = [f"{c.target} W{c.ranks} {c.optim.name}: {label(c, v)}" for c, v in before[:-1]]
         record = {"signature": sig, "fresh_signature": got, "warm_verdict": warm.to_dict(), "fresh_verdict": fresh.to_dict(),
                   "ran_before_in_that_generation": ran_before, "case": case.to_dict()}
+        if not ran_before:
+            self.stats.unsteady += 1
+            self._unsteady.add(sig)
+            self.unsteady.append(record)
+            path = self._record("unsteady", sig, record)
+            self._say(f"unsteady, not a finding: {sig} in workers that had run nothing before it, {got} in fresh "
+                      f"ones (the case's outcome varies between fresh runs) -> {path}")
+            return
+        self.stats.contaminated += 1
         self.contaminated.append(record)
         path = self._record("contaminated", sig, record)
         self._say(f"fuzzshard internal error (contaminated, not a finding): {sig} in the warm workers, {got} in fresh "

@@ -102,7 +102,8 @@ class Stats:
     repeats: int = 0  # cases drawn again in the session: answered with their verdict, not run
     cut: int = 0  # cases the session's end cut short (not judged)
     internal_errors: int = 0
-    contaminated: int = 0  # new signatures a fresh run did not confirm
+    contaminated: int = 0  # new signatures a fresh run did not confirm, after other cases in the warm workers
+    unsteady: int = 0  # new signatures a fresh run did not confirm, with nothing run before them either
     slow: int = 0  # provisional hangs that finished at the full timeout
     derived_timeouts: int = 0  # cases run under a timeout derived while a hang shrank
     derived_timeout: float = 0.0  # the last such timeout
@@ -208,6 +209,10 @@ class Session:
     @property
     def contaminated(self) -> list[dict]:
         return self.book.contaminated
+
+    @property
+    def unsteady(self) -> list[dict]:
+        return self.book.unsteady
 
     @property
     def known(self) -> dict:
@@ -474,6 +479,8 @@ class Session:
             line += f" of {_clock(self.duration)} (ends in ~{_clock(max(0.0, self.duration - elapsed))})"
         if st.contaminated:
             line += f" · contaminated {st.contaminated}"
+        if st.unsteady:
+            line += f" · unsteady {st.unsteady}"
         if self.pool.restarts:
             line += (f" · pool restarts {self.pool.restarts} ({self.pool.stuck_seconds:.0f}s waiting for stuck ranks, "
                      f"{self.pool.restart_seconds:.0f}s restarting)")
