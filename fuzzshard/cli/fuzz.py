@@ -8,7 +8,7 @@ import random
 import sys
 
 from .common import (
-    Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
+    WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
     pool_args, redis_url, resolve_targets, start_pool, strategy_kwargs, torch_version, warn_cores,
 )
 
@@ -60,7 +60,7 @@ def run(args) -> int:
         from ..session.simulate import simulate_args
 
         simulate_args(args)
-    sizes = parse_world_sizes(args.world_sizes)
+    sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
     duration = parse_duration(args.duration) if args.duration else None
     shrink_budget = parse_duration(args.shrink_budget) if args.shrink_budget else None
     if args.max_examples is not None and args.max_examples < 1:

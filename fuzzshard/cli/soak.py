@@ -5,7 +5,7 @@ import argparse
 import os
 
 from .common import (
-    Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
+    WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
     pool_args, redis_url, resolve_targets, strategy_kwargs, warn_cores,
 )
 
@@ -42,7 +42,7 @@ def run(args) -> int:
     from ..session.soak import Soak
 
     duration, epoch = parse_duration(args.duration), parse_duration(args.epoch)
-    sizes = parse_world_sizes(args.world_sizes)
+    sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
     if args.workers < 1:
         raise UsageError("--workers must be >= 1")
     out_dir(args.out)

@@ -91,7 +91,7 @@ class FindingBook:
     session leaves its files as they are."""
 
     def __init__(self, pool, out: str | Path, stats, *, findings_dir: str | Path | None = None,
-                 known: dict | None = None, progress=sys.stderr, optimizer_names=None, plugins=(), pack: int = 1,
+                 known: dict | None = None, progress=None, optimizer_names=None, plugins=(), pack: int = 1,
                  shrink_budget: float = 300.0, variant_timeout: Callable = lambda case: None):
         self.pool = pool
         self.out = Path(out)
@@ -99,7 +99,7 @@ class FindingBook:
         self.stats = stats  # the session's Stats: the counters a finding's life adds to
         self.known = load_known() if known is None else known
         self.matcher = Matcher(self.known)  # a new finding's probable known root cause
-        self.progress = progress
+        self.progress = progress or sys.stderr  # when called, not imported (pytest swaps stderr)
         self.optimizer_names = optimizer_names  # what generalizing may swap in
         self.plugins = list(plugins)
         self.pack = pack  # edits the reducer judges side by side

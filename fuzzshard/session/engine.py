@@ -156,7 +156,7 @@ class Session:
         seed: int = 0,
         device: str = "cpu",
         known: dict | None = None,
-        progress=sys.stderr,
+        progress=None,
         strategy_kwargs: dict | None = None,
         database=None,
         shrink_budget: float | None = None,
@@ -177,7 +177,7 @@ class Session:
         self.shrink_budget = default_shrink_budget(duration) if shrink_budget is None else shrink_budget
         self.seed = seed
         self.device = device
-        self.progress = progress
+        self.progress = progress = progress or sys.stderr  # when called, not imported (pytest swaps stderr)
         self.strategy_kwargs = strategy_kwargs or {}
         self.database = database if database is not None else str(self.out / ".hypothesis")
         self.stats = Stats()

@@ -55,9 +55,9 @@ def simulate_args(args) -> None:
         print("fuzzshard: --simulate: no checkpoints (saving and loading LocalTensors is not simulated: "
               "docs/simulate.md)", file=sys.stderr)
         args.checkpoints = "none"
-    if args.world_sizes == "1,2,3,4":  # draw_args' default: a simulated session is for the sizes a pool cannot reach
+    if args.world_sizes is None:  # not given: a simulated session is for the sizes a pool cannot reach
         args.world_sizes = DEFAULT_WORLD_SIZES
-    if args.case_timeout == 120.0:  # pool_args' default: a simulated case runs its W ranks one after the other
+    if args.case_timeout is None:  # not given: a simulated case runs its W ranks one after the other
         args.case_timeout = SIMULATED_CASE_TIMEOUT
     args.simulate_workers = max(1, os.cpu_count() or 1)  # one simulated case per core, side by side
     # dims that grow with the world size: at 64 ranks, dims of 1-9 would leave most shards empty

@@ -70,9 +70,10 @@ class Soak:
     """The supervisor on one machine (or one torchrun process): epochs of cells."""
 
     def __init__(self, options: dict, workers: int, duration: float, epoch: float, out: str, seed: int,
-                 cells: list[int] | None = None, progress=sys.stderr):
+                 cells: list[int] | None = None, progress=None):
         self.options, self.workers, self.duration, self.epoch = options, workers, duration, epoch
-        self.out, self.seed, self.progress = Path(out), seed, progress
+        # (sys.stderr when called, not when imported: pytest's capture swaps it, and closes the one it swapped out)
+        self.out, self.seed, self.progress = Path(out), seed, progress or sys.stderr
         self.fixed = cells
         self.slot = torchrun_slot()
         self.coord = None  # span.Coordinator under torchrun
