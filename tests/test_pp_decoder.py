@@ -43,3 +43,16 @@ def test_pp_decoder_trains_in_parity_and_a_planted_looped_bug_is_found(tmp_path)
     assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
     buggy = run_cli("replay", path, setup="pp_looped_stage_scale.py")
     assert buggy.returncode == 1 and "FAIL: pp.parity.grad" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+
+
+def test_pp_decoder_case_gets_a_straight_script():
+    """The decoder's stages written out as the kernel cuts them (the embedding on stage 0, norm and head on the
+    last): no fallback to the flattened kernel. (Under torchrun it prints PASS on clean torch and FINDING with
+    pp_looped_stage_scale.py, as the replay above; measured by hand, not rerun here.)"""
+    from fuzzshard.scriptgen import fallback_reason, straight_script
+
+    case = _case()
+    assert fallback_reason(case) is None, fallback_reason(case)
+    text = straight_script(case)
+    assert "class Stage(nn.Module)" in text and "self.tok_embeddings = model.tok_embeddings" in text
+    assert "ScheduleInterleaved1F1B(stages" in text and len(text.splitlines()) < 200

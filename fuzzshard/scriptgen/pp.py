@@ -47,10 +47,8 @@ def unsupported(case: Case, options: dict) -> str | None:
         return "on cuda (the script gathers the stages' tensors on the CPU)"
     if case.optim.added_groups:
         return "param groups added after the constructor (each rank adds only its own)"
-    if case.model.factory == "decoder":
-        return "the decoder cut into stages (its embedding and head on the end stages): not written straight-line yet"
-    if case.model.factory or case.model.tie_head or target.check(case):
-        return target.check(case) or "a model the stages cannot cut"
+    if target.uncuttable(case.model) or target.check(case):
+        return target.check(case) or target.uncuttable(case.model)
     return None
 
 
@@ -60,7 +58,7 @@ def imports(case: Case, options: dict) -> list[str]:
 
 def _layout(case: Case, options: dict) -> tuple[list[list[int]], list[int]]:
     """(each stage's top-level layers, each stage's rank): the kernel's own split."""
-    return target.stage_layers(options, len(case.model.layers)), target.stage_ranks(options, case.world_size)
+    return target.stage_layers(options, target.n_units(case.model)), target.stage_ranks(options, case.world_size)
 
 
 def owned(case: Case, options: dict) -> list[list[str]]:
@@ -70,7 +68,8 @@ def owned(case: Case, options: dict) -> list[list[str]]:
     out = [[] for _ in range(case.world_size)]
     for n in param_shapes(case.model):
         head, _, rest = n.partition(".")
-        r = layer_rank[int(rest.split(".")[0])] if head == "layers" else ranks[-1]  # (unused: on the last stage's rank)
+        # (the decoder's embedding on the first stage's rank; its norm and head, unused, on the last stage's)
+        r = layer_rank[int(rest.split(".")[0])] if head == "layers" else ranks[0] if head == "tok_embeddings" else ranks[-1]
         out[r].append(n)
     return out
 
@@ -87,13 +86,30 @@ def kept(case: Case, options: dict) -> list[list[int]]:
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
     layers, ranks = _layout(case, options)
     n, name = len(ranks), options["schedule"]
-    cuts = [ls[0] for ls in layers] + [len(case.model.layers)]
+    cuts = [ls[0] for ls in layers] + [target.n_units(case.model)]
     style = {"single": "one a rank", "multi": f"{options.get('stages', 1)} a rank, looped",
              "v": "two a rank, V-shaped"}[target.SCHEDULES[name][0]]
     out = [f"cuts = {cuts!r}  # stage s: model.layers[cuts[s]:cuts[s + 1]]",
            f"on = {ranks!r}  # the rank of each stage ({style}, as Schedule{name} places them)"]
     part = "model.layers[cuts[s]:cuts[s + 1]]"
-    if case.model.buffer:  # the output scale after the last stage's layers, as the model's forward
+    if case.model.factory == "decoder":  # torchtitan's split: the embedding on the first stage, norm and head on the last
+        out[0] = f"cuts = {cuts!r}  # stage s: the blocks cuts[s]..cuts[s + 1] - 1"
+        out += ["class Stage(nn.Module):  # the decoder's part of stage s",
+                "    def __init__(self, s):",
+                "        super().__init__()",
+                "        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(cuts[s], cuts[s + 1])})",
+                f"        self.first, self.last = s == 0, s == {n - 1}",
+                "        if self.first:",
+                "            self.tok_embeddings = model.tok_embeddings",
+                "        if self.last:",
+                "            self.norm, self.output = model.norm, model.output",
+                "    def forward(self, x):",
+                "        x = self.tok_embeddings(x) if self.first else x",
+                "        for block in self.layers.values():",
+                "            x = block(x)",
+                "        return self.output(self.norm(x)) if self.last else x"]
+        part = "Stage(s)"
+    elif case.model.buffer:  # the output scale after the last stage's layers, as the model's forward
         out += ["class Scaled(nn.Sequential):  # the last stage: its layers, then the model's output scale",
                 "    def forward(self, x):", "        return super().forward(x) * model.scale"]
         part = f"({part} if s < {n - 1} else Scaled(*model.layers[cuts[s]:]))"
