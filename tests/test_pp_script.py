@@ -61,8 +61,8 @@ def test_pp_planted_bugs_get_a_short_straight_script_with_the_kernels_model_and_
 
 def test_pp_options_the_script_does_not_write_fall_back_with_the_reason():
     case = SHRUNK[0][1]
-    accum = dataclasses.replace(case, target_options={**case.target_options, "accum": 2})
-    assert "options ['accum']" in fallback_reason(accum) and straight_script(accum) is None
+    dp = dataclasses.replace(case, target_options={**case.target_options, "reshard_after_forward": True})
+    assert "options ['reshard_after_forward']" in fallback_reason(dp) and straight_script(dp) is None
     added = dataclasses.replace(case, optim=dataclasses.replace(case.optim, added_groups=1),
                                 groups=(Group(("layers.0.weight", "layers.0.bias")), Group(("layers.1.weight", "layers.1.bias"))))
     assert "added after the constructor" in fallback_reason(added)

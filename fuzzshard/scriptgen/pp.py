@@ -18,9 +18,14 @@ model's replay (scriptgen/__init__.py) trains on the same microbatches:
 ``objective`` is the kernel's (the sum of the microbatch losses, their mean
 with ``scale_grads``), with the kernel's bounds.
 
-Written for the options the target draws today (one pipeline over all the
-ranks, on the CPU, no checkpoint; the LR scheduler, ReduceLROnPlateau fed the last stage's loss); anything
-else falls back to the flattened kernel and ``unsupported`` says what."""
+Written for one pipeline over all the ranks, on the CPU, without a
+checkpoint: the topologies and the decoder (a ``Stage`` module per stage: its
+blocks, the embedding on the first, the norm and head on the last), gradient
+accumulation (``accum`` schedule steps on equal parts of the batch, whose
+objective counts step a of A 1 / n_microbatches^(A - a) with scale_grads), the
+LR scheduler (ReduceLROnPlateau fed the last stage's loss). Anything else
+(FSDP2 on a [pp, dp] mesh) falls back to the flattened kernel and
+``unsupported`` says what."""
 from __future__ import annotations
 
 from ..case import Case
@@ -34,7 +39,8 @@ REPLICAS = ()  # each param lives on one rank: nothing replicated to compare
 BATCH = "the whole batch, in the schedule's microbatches"  # what the plain model's replay trains on
 LOOP = True  # the LR scheduler (the only part of the loop pp draws) in torch's words: each rank's over its own groups
 LAST_LR = "in_case_order([float(v) for v in sched.get_last_lr()])"  # the lrs of every rank's groups, in the case's order
-OPTIONS = {"schedule", "stages", "cuts", "scale_grads", "n_microbatches"}  # today's options: the rest fall back
+# the options written: the rest (FSDP2 on a [pp, dp] mesh: dp, wrap, reshard_after_forward) fall back
+OPTIONS = {"schedule", "stages", "cuts", "scale_grads", "n_microbatches", "accum"}
 
 
 def unsupported(case: Case, options: dict) -> str | None:
@@ -153,6 +159,13 @@ def _overrides(case: Case, overrides: dict, lr_scale: float) -> str:
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
     losses = ", losses=losses" if _plateau(case) else ""  # (the last stage's microbatch losses: ReduceLROnPlateau's)
+    accum = options.get("accum", 1)
+    if accum > 1:  # gradient accumulation: a schedule step on each equal part, their grads adding up in p.grad
+        return ["steps = []  # each step's microbatch losses (the last stage's)"] * bool(losses) + [
+            f"for xa, ya in zip(x.tensor_split({accum}), y.tensor_split({accum})):  # accum: {accum} schedule steps",
+            "    losses = []" if losses else "    # (the inputs on the first stage's rank, the targets everywhere)",
+            "    if rank == 0:", f"        schedule.step(xa, target=ya{losses})", "    else:",
+            f"        schedule.step(target=ya{losses})"] + ["    steps.append(losses)"] * bool(losses)
     return ["losses = []"] * bool(losses) + [
         "if rank == 0:  # the schedule's step: the inputs on the first stage's rank, the targets everywhere",
         f"    schedule.step(x, target=y{losses})", "else:", f"    schedule.step(target=y{losses})"]
@@ -166,7 +179,15 @@ def global_loss(case: Case, world: int) -> list[str]:
     """``full_loss``, as the kernel's pp target reports the step's loss: the last stage's microbatch losses summed
     in float64 (their mean with scale_grads) on its rank, sent to every rank, in the case's dtype."""
     last, o = target.stage_ranks(case.target_options, world)[-1], case.target_options
-    total = "sum(t.detach().double() for t in losses)" + (f" / {o['n_microbatches']}" if o.get("scale_grads") else "")
+    scale = f" / {o['n_microbatches']}" if o.get("scale_grads") else ""
+    if o.get("accum", 1) > 1:  # each step's losses added to the earlier steps' objective, as the grads accumulate
+        return ["full_loss = torch.zeros((), dtype=torch.float64)  # the step's loss: the last stage's, sent to every rank",
+                f"if rank == {last}:", "    for i, losses in enumerate(steps):",
+                "        t = [v.detach().double() for v in losses]",
+                "        t[0] = t[0] + full_loss if i else t[0]",
+                f"        full_loss = sum(t[1:], t[0]){scale}", f"dist.broadcast(full_loss, src={last})",
+                f"full_loss = float(full_loss.to(torch.{case.dtype}))"]
+    total = "sum(t.detach().double() for t in losses)" + scale
     return ["full_loss = torch.zeros((), dtype=torch.float64)  # the step's loss: the last stage's, sent to every rank",
             f"if rank == {last}:", f"    full_loss = {total}", f"dist.broadcast(full_loss, src={last})",
             f"full_loss = float(full_loss.to(torch.{case.dtype}))"]
@@ -176,7 +197,14 @@ def objective(case: Case, net: str, x: str) -> str:
     """The plain model on the schedule's microbatches (tensor_split, as the schedule splits the batch): the sum of
     their losses, their mean with scale_grads (kernel/targets/pp.py objective)."""
     o = case.target_options
-    n = o["n_microbatches"]
+    n, accum = o["n_microbatches"], o.get("accum", 1)
+    if accum > 1:  # step a of accum counts 1 / n^(accum - a) with scale_grads: each step divides the whole grad
+        part = common.loss(case, f"{net}(xa)", "ya") if n == 1 else \
+            f"sum({common.loss(case, f'{net}(xm)', 'ym')} for xm, ym in zip(xa.tensor_split({n}), ya.tensor_split({n})))"
+        parts = f"zip({x}.tensor_split({accum}), y.tensor_split({accum}))"
+        if o.get("scale_grads"):
+            return f"sum({part} / {n} ** ({accum} - a) for a, (xa, ya) in enumerate({parts}))"
+        return f"sum({part} for xa, ya in {parts})"
     if n == 1:  # one microbatch: the whole batch (its mean, with scale_grads, is itself)
         return common.loss(case, f"{net}({x})", "y")
     loss = common.loss(case, f"{net}(xm)", "ym")
