@@ -52,6 +52,8 @@ def address(case, verdict: Verdict) -> str:
     if _loop(quantity):
         return {"clipped_grad": "grad clipping", "clip_norm": "grad clipping: total norm",
                 "loop.scale": "grad scaler", "loop.last_lr": "LR scheduler"}.get(quantity, quantity)
+    if quantity.startswith("param_groups."):  # a hyperparameter: set by what owns the groups, not by the step's code
+        return "param group " + quantity.split(".", 1)[1]
     kw = case.optim.kwargs  # a fused kernel is shared by its optimizers; elsewhere the optimizer is the code
     if kw.get("fused"):  # a grad scaler hands a fused kernel its found_inf: a code path of its own
         return ("optimizer step: fused kernel" + (", non-contiguous grad" if x.get("grad") == "non-contiguous" else "")

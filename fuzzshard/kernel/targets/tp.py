@@ -67,7 +67,7 @@ def _local(mod, outputs, mesh):
     return tree_map_only(DTensor, lambda t: t.to_local(), outputs)
 
 
-def layout(mesh_shape, options: dict, names) -> dict | None:
+def tp_layout(mesh_shape, options: dict, names) -> dict | None:
     """No plan: every param a replicated DTensor; a plan: no plain layout."""
     return None if options.get("tp") else {n: ["R"] * len(mesh_shape) for n in names}
 
@@ -82,7 +82,7 @@ class TPTarget(DTensorTarget):
     spec = Spec(options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
                 coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
-                layout=layout)
+                layout=tp_layout)
 
     @property
     def localizable(self) -> bool:
