@@ -33,6 +33,7 @@ the observations give every rank full copies keyed by plain FQN, from one
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -178,7 +179,9 @@ def check(case: Case) -> str | None:
     if len(case.mesh_shape) != 1:
         return f"pp runs on a 1-D mesh of all the ranks, not {list(case.mesh_shape)}"
     if case.checkpoint:
-        return "pp has no checkpoint kinds yet"
+        problem = check_checkpoint(case)
+        if problem:
+            return problem
     name = o.get("schedule")
     if name not in SCHEDULES:
         return f"pp: unknown schedule {name!r} (one of {list(SCHEDULES)})"
@@ -203,6 +206,70 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     if "cuts" in options:
         options["cuts"] = options["cuts"][:n_stages(options, mesh_shape[0]) - 1]
     return options
+
+
+# ---- checkpoints: each stage's rank saves its own part through DCP, the loading side at another pp degree ----
+
+# how each kind saves and loads (Spec.checkpoint_kinds; kernel/state_io.py's STATE_DICT_KINDS name the same "dcp")
+CHECKPOINT_KINDS = {
+    "dcp": "torchtitan's pipeline checkpoint: each rank's model part (its stages' layers, the output scale on the last "
+           "stage's rank) by get_model_state_dict and its optimizer by get_optimizer_state_dict("
+           "flatten_optimizer_state_dict=True), plain FQN keys, dcp.save to one directory; dcp.load into the loading "
+           "side's parts at another pp degree (world size, schedule, cuts), set_state_dict or the split setters",
+}
+
+
+def check_checkpoint(case: Case) -> str | None:
+    """What makes a pp checkpoint impossible: a kind pp has not, an LR scheduler (each rank's scheduler holds
+    its own groups' lrs under the same DCP keys: the scheduler state does not reshard across stages), or a
+    loading side that is no pp case of its own (its world size, mesh and target options, checked as the saving
+    side's)."""
+    ck = case.checkpoint
+    if ck.kind not in CHECKPOINT_KINDS:
+        return f"pp checkpoints are of kind {list(CHECKPOINT_KINDS)}, not {ck.kind!r}"
+    if case.lr_scheduler:
+        return ("pp: a checkpoint with an LR scheduler (each rank's scheduler holds its own groups' lrs under the "
+                "same keys: its state does not reshard across stages)")
+    saving = dataclasses.replace(case, checkpoint=None)
+    loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=tuple(ck.mesh_shape),
+                                  target_options=ck.target_options, checkpoint=None)
+    for side, what in ((saving, "the saving side"), (loading, "the loading side")):
+        problem = check(side)
+        if problem:
+            return f"{what}: {problem}"
+        empty = stateless_ranks(side)
+        if empty:
+            return (f"pp: {what}'s rank(s) {empty} hold no param or buffer (their stages' layers have none): "
+                    "get_model_state_dict refuses an empty model state dict by design")
+    return None
+
+
+def stateless_ranks(case: Case) -> list[int]:
+    """The ranks whose model part holds no param and no buffer (stages of parameter-free layers only)."""
+    o, names = case.target_options, list(param_shapes(case.model))
+    rank_of = stage_ranks(o, case.world_size)
+    held = {rank_of[s] for s, layers in enumerate(stage_layers(o, len(case.model.layers)))
+            if any(n.startswith(f"layers.{i}.") for i in layers for n in names)}
+    if case.model.unused or case.model.buffer:  # on the last stage's rank
+        held.add(rank_of[-1])
+    return sorted(set(range(case.world_size)) - held)
+
+
+def draw_late_options_both_sides(draw, case: Case) -> dict:
+    """``draw_late_options`` for the case, and for a checkpoint's loading side too (its own schedule at its own
+    world size takes its own microbatch count): the loading side's count is written into the checkpoint's
+    target options (a dict drawn for this case alone; the late draw returns the saving side's). A checkpoint
+    where a side's rank would hold no state (``stateless_ranks``) is rejected."""
+    from hypothesis import assume
+
+    out = draw_late_options(draw, case)
+    ck = case.checkpoint
+    if ck is not None and "schedule" in ck.target_options:
+        loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=tuple(ck.mesh_shape),
+                                      target_options=ck.target_options, checkpoint=None)
+        assume(not stateless_ranks(case) and not stateless_ranks(loading))
+        ck.target_options.update(draw_late_options(draw, loading))
+    return out
 
 
 # the schedules that split a stage's backward into input and weight parts (stage_backward_input / _weight)
@@ -241,6 +308,17 @@ def _input_without_grad(case: Case) -> bool:
 def coverage(case: Case) -> dict:
     o = case.target_options
     return {"schedule x world": [f"{o.get('schedule')} W{case.world_size}"]}
+
+
+def coverage_with_checkpoint(case: Case) -> dict:
+    """``coverage``, and for a checkpoint the pp degree it resharded across: the stages saved -> loaded (the
+    loading side's own schedule, stages per rank and cuts)."""
+    out = coverage(case)
+    ck = case.checkpoint
+    if ck is not None:
+        out["checkpoint stages saved -> loaded"] = [
+            f"{n_stages(case.target_options, case.world_size)} -> {n_stages(ck.target_options, ck.world_size)}"]
+    return out
 
 
 def microbatch_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -286,9 +364,9 @@ class _Local(nn.Module):
 
 class PPTarget(Target):
     name = "pp"
-    spec = Spec(options=draw_options, named_params=True, flat_mesh=True, late_options=draw_late_options,
-                check=check, fit_options=fit_options, facts=facts, coverage=coverage, component="pipelining",
-                lr_scheduler=True)
+    spec = Spec(options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True, flat_mesh=True,
+                late_options=draw_late_options_both_sides, check=check, fit_options=fit_options, facts=facts,
+                coverage=coverage_with_checkpoint, component="pipelining", lr_scheduler=True)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
@@ -436,6 +514,95 @@ class PPTarget(Target):
 
         loop.observe = observe_in_case_order
         return loop
+
+    # -- checkpoints (CHECKPOINT_KINDS): torchtitan's, each rank its own model part and optimizer by plain FQN --
+
+    def _part(self, model: nn.Module) -> nn.Module:
+        """This rank's model part as it is saved and loaded: its stages' layers and ``unused`` (the module the
+        optimizer is over) and, on the last stage's rank, the output ``scale`` buffer (a stage module's, the same
+        tensor: a load fills it in place), all under their plain FQNs."""
+        part = _Local(dict(model.layers.items()), getattr(model, "unused", None))
+        for stage in self.stages:
+            if hasattr(stage.submod, "scale"):
+                part.register_buffer("scale", stage.submod.scale)
+        return part
+
+    def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
+        """Collective over the saving job: every rank's part and its flattened optimizer state dict (one key per
+        param and state or hyperparameter, so each stage's keys are its own) in one DCP checkpoint."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        from ..state_io import dcp_save
+
+        part = self._part(model)
+        sd = {"model": get_model_state_dict(part),
+              "optim": get_optimizer_state_dict(part, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))}
+        dcp_save(self.case, sd, os.path.join(path, "dcp"), group)
+        return None
+
+    def load(self, model: nn.Module, opt, path: str, group) -> None:
+        """Collective over the loading job: the fresh part's and optimizer's own state dicts (the keys this rank
+        holds at the loading side's pp degree) filled by ``dcp.load``, then set back, split or not, strict or
+        not; a missing param is one this rank does not ask for. A rank whose load raises makes every rank
+        raise (``_together``), as a job whose rank fails stops whole."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict, set_state_dict)
+
+        from ..state_io import UNEXPECTED_KEY, keys_of, without
+
+        ck = self.case.checkpoint
+        part = self._part(model)
+
+        def load():
+            flat = StateDictOptions(flatten_optimizer_state_dict=True)
+            sd = {"model": without(get_model_state_dict(part), keys_of(part, ck.missing)),
+                  "optim": get_optimizer_state_dict(part, opt, options=flat)}
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(path, "dcp")), process_group=group)
+            msd = dict(sd["model"])
+            if ck.unexpected:
+                msd[UNEXPECTED_KEY] = torch.zeros(2)
+            options = StateDictOptions(strict=ck.strict, flatten_optimizer_state_dict=True)
+            if ck.split:
+                set_model_state_dict(part, msd, options=options)
+                set_optimizer_state_dict(part, opt, sd["optim"], options=options)
+            else:
+                set_state_dict(part, opt, model_state_dict=msd, optim_state_dict=sd["optim"], options=options)
+
+        self._together(load, group)
+
+    def _together(self, fn, group) -> None:
+        """``fn()`` on every rank of ``group``; where it raised on some, every rank raises a CheckpointException
+        holding each failed rank's error (as DCP's own collectives raise: the lowest failed rank's error is the
+        one a verdict reads), so no rank waits in a collective for one whose load failed."""
+        import traceback
+
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ...verdict import error_record
+
+        error = None
+        try:
+            fn()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException (it raises it on every rank)
+            error = e
+        failed = [None] * dist.get_world_size(group)
+        said = None if error is None else error_record(error)  # (a CheckpointException's: its first failure's)
+        dist.all_gather_object(failed, None if said is None else (said["type"], said["message"]), group=group)
+        if all(f is None for f in failed):
+            return
+        me = dist.get_rank(group)
+        failures = {}
+        for r, f in enumerate(failed):
+            if r == me and error is not None:
+                failures[r] = (error, traceback.extract_tb(error.__traceback__))
+            elif f is not None:  # another rank's error, as its type and message
+                failures[r] = (type(f[0], (Exception,), {})(f[1]), traceback.StackSummary())
+        raise CheckpointException(f"pp checkpoint load failed on ranks {sorted(failures)}", failures) from error
 
 def _cpu(v):
     if isinstance(v, dict):
