@@ -239,18 +239,19 @@ def check_checkpoint(case: Case) -> str | None:
             return f"{what}: {problem}"
         empty = stateless_ranks(side)
         if empty:
-            return (f"pp: {what}'s rank(s) {empty} hold no param or buffer (their stages' layers have none): "
-                    "get_model_state_dict refuses an empty model state dict by design")
+            return (f"pp: {what}'s rank(s) {empty} optimize no param (their stages' layers have none in a group): "
+                    "get_optimizer_state_dict refuses an empty optimizer state dict by design")
     return None
 
 
 def stateless_ranks(case: Case) -> list[int]:
-    """The ranks whose model part holds no param and no buffer (stages of parameter-free layers only)."""
-    o, names = case.target_options, list(param_shapes(case.model))
+    """The ranks whose optimizer holds no param (their stages' layers have none in a param group, or none at
+    all): DSD refuses the empty optimizer state dict (and an empty model state dict) by design."""
+    o, names = case.target_options, {n for g in case.groups for n in g.params}
     rank_of = stage_ranks(o, case.world_size)
     held = {rank_of[s] for s, layers in enumerate(stage_layers(o, len(case.model.layers)))
             if any(n.startswith(f"layers.{i}.") for i in layers for n in names)}
-    if case.model.unused or case.model.buffer:  # on the last stage's rank
+    if any(n.startswith("unused.") for n in names):  # on the last stage's rank
         held.add(rank_of[-1])
     return sorted(set(range(case.world_size)) - held)
 
@@ -366,7 +367,8 @@ class PPTarget(Target):
     name = "pp"
     spec = Spec(options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True, flat_mesh=True,
                 late_options=draw_late_options_both_sides, check=check, fit_options=fit_options, facts=facts,
-                coverage=coverage_with_checkpoint, component="pipelining", lr_scheduler=True)
+                coverage=coverage_with_checkpoint, component="pipelining", lr_scheduler=True,
+                lr_scheduler_checkpoint=False)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
@@ -536,16 +538,22 @@ class PPTarget(Target):
         from ..state_io import dcp_save
 
         part = self._part(model)
-        sd = {"model": get_model_state_dict(part),
-              "optim": get_optimizer_state_dict(part, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))}
+        sd = {}
+
+        def state_dicts():
+            sd["model"] = get_model_state_dict(part)
+            flat = StateDictOptions(flatten_optimizer_state_dict=True)
+            sd["optim"] = get_optimizer_state_dict(part, opt, options=flat)
+
+        self._together(state_dicts, group)  # (before dcp.save's collectives: no rank enters them alone)
         dcp_save(self.case, sd, os.path.join(path, "dcp"), group)
         return None
 
     def load(self, model: nn.Module, opt, path: str, group) -> None:
         """Collective over the loading job: the fresh part's and optimizer's own state dicts (the keys this rank
         holds at the loading side's pp degree) filled by ``dcp.load``, then set back, split or not, strict or
-        not; a missing param is one this rank does not ask for. A rank whose load raises makes every rank
-        raise (``_together``), as a job whose rank fails stops whole."""
+        not; a missing param is one this rank does not ask for. A rank whose own part of the load raises makes
+        every rank raise (``_together``), as a job whose rank fails stops whole."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict, set_model_state_dict,
@@ -555,12 +563,14 @@ class PPTarget(Target):
 
         ck = self.case.checkpoint
         part = self._part(model)
+        sd = {}
 
-        def load():
+        def state_dicts():  # the layout to load into
+            sd["model"] = without(get_model_state_dict(part), keys_of(part, ck.missing))
             flat = StateDictOptions(flatten_optimizer_state_dict=True)
-            sd = {"model": without(get_model_state_dict(part), keys_of(part, ck.missing)),
-                  "optim": get_optimizer_state_dict(part, opt, options=flat)}
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(path, "dcp")), process_group=group)
+            sd["optim"] = get_optimizer_state_dict(part, opt, options=flat)
+
+        def set_back():
             msd = dict(sd["model"])
             if ck.unexpected:
                 msd[UNEXPECTED_KEY] = torch.zeros(2)
@@ -571,7 +581,10 @@ class PPTarget(Target):
             else:
                 set_state_dict(part, opt, model_state_dict=msd, optim_state_dict=sd["optim"], options=options)
 
-        self._together(load, group)
+        self._together(state_dicts, group)  # (before dcp.load's collectives: no rank enters them alone)
+        # DCP's collectives raise on every rank where one fails
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(path, "dcp")), process_group=group)
+        self._together(set_back, group)
 
     def _together(self, fn, group) -> None:
         """``fn()`` on every rank of ``group``; where it raised on some, every rank raises a CheckpointException
