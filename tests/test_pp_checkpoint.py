@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 
 import fuzzshard.strategies as fst
 from conftest import run_cli
-from fuzzshard.case import LRScheduler
+from fuzzshard.case import Case, Checkpoint, Group, Layer, LRScheduler, Model, Optim, Step
+from fuzzshard.kernel.model import param_shapes
 from fuzzshard.kernel.targets import pp
 
 
@@ -33,6 +34,26 @@ def test_pp_checkpoint_draws_a_loading_side_that_is_a_pp_case_of_its_own(case):
     assert not pp.stateless_ranks(case) and not pp.stateless_ranks(loading)
     assert "kind" in pp.check(dataclasses.replace(case, checkpoint=dataclasses.replace(ck, kind="full")))
     assert "LR scheduler" in pp.check(dataclasses.replace(case, lr_scheduler=LRScheduler("StepLR", {"step_size": 1})))
+
+
+def test_pp_facts_count_the_loading_sides_schedule_after_the_load():
+    """Saved under GPipe, loaded under ZBVZeroBubble (a split backward) with the first stage's params frozen by
+    step 1's flags: the steps after the load meet the known zero-bubble bug of a stage input without grad
+    (facts' split_backward_input_without_grad, what the known pp.parity.grad.vanished is known under), which
+    the saving side's schedule alone would not say; a load after the last step changes nothing."""
+    model = Model("features", 3, tuple(Layer("linear", 3, 3) for _ in range(2)))
+    names = tuple(param_shapes(model))
+    loading = {"schedule": "ZBVZeroBubble", "stages": 2, "cuts": [1], "scale_grads": False, "n_microbatches": 2}
+    case = Case(target="pp", world_size=2, mesh_shape=(2,), model=model, optim=Optim("SGD", {"lr": 0.1}),
+                groups=(Group(names),), schedule=(Step(), Step(freeze=("layers.0.weight", "layers.0.bias"))),
+                batch=2, seq=2, target_options={"schedule": "GPipe", "cuts": [1], "scale_grads": False,
+                                                "n_microbatches": 2},
+                checkpoint=Checkpoint(after=0, kind="dcp", world_size=1, mesh_shape=(1,), target_options=loading))
+    assert pp.check(case) is None, pp.check(case)
+    assert not pp.facts(case)["split_backward_input_without_grad"]
+    assert pp.facts_with_checkpoint(case)["split_backward_input_without_grad"]
+    last = dataclasses.replace(case, checkpoint=dataclasses.replace(case.checkpoint, after=1))
+    assert not pp.facts_with_checkpoint(last)["split_backward_input_without_grad"]
 
 
 def test_pp_checkpoint_clean_session_reshards_across_pp_degrees(tmp_path):

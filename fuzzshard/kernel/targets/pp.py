@@ -322,6 +322,25 @@ def coverage_with_checkpoint(case: Case) -> dict:
     return out
 
 
+def facts_with_checkpoint(case: Case) -> dict:
+    """``facts``, where the steps after a checkpoint's load count too: they run the loading side's schedule,
+    stages and microbatches (unequal ones there, or a split-backward schedule there meeting a stage whose input
+    needs no grad, from the flags the steps before the load left)."""
+    out = facts(case)
+    ck = case.checkpoint
+    if ck is not None and "schedule" in ck.target_options and ck.after + 1 < len(case.schedule):
+        frozen = set(case.frozen)
+        for step in case.schedule[:ck.after + 1]:
+            frozen = (frozen | set(step.freeze)) - set(step.unfreeze)
+        loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=tuple(ck.mesh_shape),
+                                      target_options=ck.target_options, checkpoint=None,
+                                      frozen=tuple(sorted(frozen)), schedule=case.schedule[ck.after + 1:])
+        theirs = facts(loading)
+        for key in ("uneven_microbatches", "split_backward_input_without_grad"):
+            out[key] = out[key] or theirs[key]
+    return out
+
+
 def microbatch_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> list[torch.Tensor]:
     """The loss of each microbatch, split as the schedule splits the batch (tensor_split on dim 0)."""
     return [loss_fn(model(xm), ym) for xm, ym in zip(torch.tensor_split(x, n, 0), torch.tensor_split(y, n, 0))]
@@ -366,7 +385,8 @@ class _Local(nn.Module):
 class PPTarget(Target):
     name = "pp"
     spec = Spec(options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True, flat_mesh=True,
-                late_options=draw_late_options_both_sides, check=check, fit_options=fit_options, facts=facts,
+                late_options=draw_late_options_both_sides, check=check, fit_options=fit_options,
+                facts=facts_with_checkpoint,
                 coverage=coverage_with_checkpoint, component="pipelining", lr_scheduler=True,
                 lr_scheduler_checkpoint=False)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
