@@ -257,10 +257,13 @@ def stateless_ranks(case: Case) -> list[int]:
 
 
 def draw_late_options_both_sides(draw, case: Case) -> dict:
-    """``draw_late_options`` for the case, and for a checkpoint's loading side too (its own schedule at its own
-    world size takes its own microbatch count): the loading side's count is written into the checkpoint's
-    target options (a dict drawn for this case alone; the late draw returns the saving side's). A checkpoint
-    where a side's rank would hold no state (``stateless_ranks``) is rejected."""
+    """``draw_late_options`` for the case, and for a checkpoint's loading side its own microbatch count (its own
+    schedule at its own world size): one the schedule takes, a divisor of the batch where one is taken, else
+    any count up to the batch it takes (unequal microbatches), else a divisor (refused: an invalid case). The
+    saving side's draw explores torch's refusals; the loading side's would only double them. The count is
+    written into the checkpoint's target options (a dict drawn for this case alone; the late draw returns the
+    saving side's). A checkpoint where a side's rank would hold no state (``stateless_ranks``) is rejected."""
+    import hypothesis.strategies as st
     from hypothesis import assume
 
     out = draw_late_options(draw, case)
@@ -269,7 +272,11 @@ def draw_late_options_both_sides(draw, case: Case) -> dict:
         loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=tuple(ck.mesh_shape),
                                       target_options=ck.target_options, checkpoint=None)
         assume(not stateless_ranks(case) and not stateless_ranks(loading))
-        ck.target_options.update(draw_late_options(draw, loading))
+        lo = ck.target_options
+        counts = range(1, case.batch + 1)
+        takes = [n for n in counts if accepts(lo["schedule"], n, ck.world_size, lo.get("stages", 1))]
+        divisors = [n for n in counts if case.batch % n == 0]
+        lo["n_microbatches"] = draw(st.sampled_from([n for n in takes if n in divisors] or takes or divisors))
     return out
 
 
