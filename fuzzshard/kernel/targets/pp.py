@@ -42,6 +42,8 @@ import torch.nn as nn
 from ...case import Case
 from ..model import loss_fn, named_params, param_shapes
 from ..optim import build_optimizer, group_hparams, state_by_fqn
+from ..state_io import UNEXPECTED_KEY, dcp_save, keys_of, without
+from ...verdict import error_record
 from .base import Spec, Target
 
 # the schedules, simplest first (shrinking goes there): name -> (stages per rank, style)
@@ -562,8 +564,6 @@ class PPTarget(Target):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
 
-        from ..state_io import dcp_save
-
         part = self._part(model)
         sd = {}
 
@@ -585,8 +585,6 @@ class PPTarget(Target):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict, set_model_state_dict,
                                                              set_optimizer_state_dict, set_state_dict)
-
-        from ..state_io import UNEXPECTED_KEY, keys_of, without
 
         ck = self.case.checkpoint
         part = self._part(model)
@@ -620,8 +618,6 @@ class PPTarget(Target):
         import traceback
 
         from torch.distributed.checkpoint.api import CheckpointException
-
-        from ...verdict import error_record
 
         error = None
         try:
