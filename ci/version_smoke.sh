@@ -180,11 +180,19 @@ fi
 
 # ---- clean: every target, unmodified torch
 start
-# On 2.9.x, the clean session draws neither the training loop nor pp: there, warm workers carried state a fresh
-# worker does not have (seed 5: dtensor.error.fwdbwd.RuntimeError.7c34ba1f with the loop, EmbeddingBackward0's grad
-# shape; pp.error.fwdbwd.RuntimeError.e7b25854 without it): untriaged, in the stop's note. 2.10 and later: all.
+# On 2.9.x, the clean session draws every target but pp. 2.9.1's pipelining crashes in its first step's p2p
+# handshake on gloo (_initialize_stages sends an int64 scalar where the peer receives one float32: "8 vs 4",
+# gloo's I/O thread throws, SIGABRT; pytorch/pytorch#165539, fixed in 2.10): the session's own finding
+# pp.crash.Killed_by_SIGABRT.fwdbwd... Its face varies from run to run of one case in fresh workers: the driver
+# hears the abort (a crash, where the other rank waited or none) or, now and then, the dying rank's error first
+# (pp.error.fwdbwd.RuntimeError.e7b25854, "Pair is not connected" in isend, the other rank stuck): 1 run in 8 of
+# that case. A confirmation that meets another face reports the case as contaminated although nothing ran before
+# it (0 cases in that generation): torch's nondeterminism, not state a warm worker carried, and the check below
+# cannot tell them apart. (The dtensor verdict once seen there with the training loop, ...7c34ba1f, was carried
+# state, torch's: DTensor's sharding cache, emptied between cases by pool/worker.py on the releases that need
+# it.) 2.10 and later: all.
 CLEAN_ARGS=(--target all)
-case "$V" in 2.9.*) CLEAN_ARGS=(--target dtensor,fsdp1,fsdp2,sharded_optim,tp,zero --loop none) ;; esac
+case "$V" in 2.9.*) CLEAN_ARGS=(--target dtensor,fsdp1,fsdp2,sharded_optim,tp,zero) ;; esac
 run "$PY" ci/smoke_session.py "${CLEAN_ARGS[@]}" --max-examples "$EXAMPLES" --world-sizes "$WORLDS" --seed 5 \
   --shrink-budget 10s --case-timeout 60 --out "$OUT/fuzz" > "$OUT/fuzz.log" 2>&1
 rc=$?

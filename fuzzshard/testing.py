@@ -10,9 +10,9 @@ import os
 import pytest
 from hypothesis import reject
 
-from .findings.record import Finding, environment, load_known, summary, write_finding
+from .findings.record import Finding, environment, load_known, summary
 from .findings.judge import judge
-from .findings.life import FindingBook, rerun
+from .findings.life import put_finding, rerun
 from .verdict import Verdict
 
 # where a failing example's files go (the pytest plugin's --fuzzshard-out sets it): the same
@@ -57,6 +57,6 @@ def check(pool, case, known: dict | None = None) -> Verdict:
 def _write(pool, sig: str, case, verdict: Verdict):
     """OUT_DIR/<sig>.json + .py, as a fuzz session writes them; a smaller case of the same signature
     (Hypothesis shrinking) replaces a larger one, a larger one never a smaller."""
-    f = Finding(sig, case, verdict, environment=environment(pool.info, pool.options["backend"], pool.options["device"]))
-    path, _ = write_finding(OUT_DIR, f, FindingBook._script(f))
+    f = Finding(sig, case, verdict, environment=environment(pool.info, pool.options.backend, pool.options.device))
+    path, _ = put_finding(OUT_DIR, f, replace=False)  # the one writer of finding files (findings/life.py)
     return path

@@ -167,7 +167,7 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
     if names and (spec.models or draw(st.booleans())):
         return draw(user_models(names))
     family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
-    return draw(decoders()) if family == "decoder" else draw(models(depth, max_dim))
+    return draw(decoders(spec.max_depth or 2)) if family == "decoder" else draw(models(depth, max_dim))
 
 
 @st.composite
@@ -211,7 +211,7 @@ def cases(
     world = plan[0] if plan else draw(st.sampled_from(sorted(world_sizes)))
     # flat: the optimizer may see flattened params (one group, nothing frozen)
     flat = spec.may_flatten and draw(st.booleans())
-    depth = draw(st.integers(1, max_depth))
+    depth = draw(st.integers(1, spec.max_depth or max_depth))
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world, mesh_dims)))

@@ -84,12 +84,12 @@ FAMILIES = ("topologies", "decoder")  # what --models names
 
 
 @st.composite
-def decoders(draw) -> Model:
+def decoders(draw, max_layers: int = 2) -> Model:
     """The decoder's sizes (kernel/decoder.py's DECODER_SIZES). Each shrinks to
     the smallest: one block, one head, head dim 1, a SwiGLU MLP of width 1,
-    RMSNorm, non-causal, untied. Head counts are drawn small, so some do not
+    RMSNorm, non-causal, untied. Up to ``max_layers`` blocks (pp's stages need more). Head counts are drawn small, so some do not
     divide a TP degree (TP then leaves attention whole: strategies draw the plan)."""
-    n_layers = draw(st.integers(1, 2))
+    n_layers = draw(st.integers(1, max_layers))
     n_heads = draw(st.integers(1, 4))
     n_kv_heads = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
     head_dim = draw(st.integers(1, 4))

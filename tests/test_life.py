@@ -12,6 +12,7 @@ from cases import simple_case
 from fuzzshard.session.engine import Stats
 from fuzzshard.findings.generalize import Face, table_text
 from fuzzshard.findings.life import FindingBook, SoakBook
+from fuzzshard.pool.options import PoolOptions
 from fuzzshard.findings.record import load_finding, load_known
 from fuzzshard.verdict import Verdict, finding, passing
 
@@ -23,7 +24,7 @@ class ScriptedPool:
 
     def __init__(self, fresh_fails=True):
         self.fresh_fails, self.generation, self.history = fresh_fails, 0, []
-        self.info, self.options = {"torch": "x"}, {"backend": "gloo", "device": "cpu"}
+        self.info, self.options = {"torch": "x"}, PoolOptions(backend="gloo")
 
     def fresh(self):
         self.generation += 1
@@ -65,11 +66,25 @@ def test_a_new_signature_is_confirmed_fresh_written_and_finished(tmp_path):
 def test_a_verdict_fresh_workers_do_not_give_is_contaminated_never_a_finding(tmp_path):
     book, said = _book(tmp_path, ScriptedPool(fresh_fails=False))
     case = simple_case(2, optim="SGD", foreach=False)
-    verdict = book.pool.run_many([case], [None])[0].verdict
+    verdict = book.pool.run_many([simple_case(2, optim="Adam", foreach=False), case], [None, None])[1].verdict
     assert not book.accept(SIG, case, verdict) and not book.accept(SIG, case, verdict)
     assert book.stats.contaminated == 2 and not list(tmp_path.glob("*.json"))
     assert f"fuzzshard internal error (contaminated, not a finding): {SIG} in the warm workers, pass" in said.getvalue()
     assert json.loads((tmp_path / "contaminated" / f"{SIG}.json").read_text())["fresh_signature"] == "pass"
+
+
+def test_a_verdict_fresh_workers_do_not_give_with_nothing_run_before_it_is_unsteady(tmp_path):
+    """Workers that ran nothing before the case carried nothing into it: a verdict that fresh ones do not give
+    again is the case's own unsteadiness (torch 2.9.1's pipelining abort: a crash, or the dying rank's error
+    first), counted apart in OUT/unsteady/, neither a finding nor fuzzshard's fault."""
+    book, said = _book(tmp_path, ScriptedPool(fresh_fails=False))
+    case = simple_case(2, optim="SGD", foreach=False)
+    verdict = book.pool.run_many([case], [None])[0].verdict
+    assert not book.accept(SIG, case, verdict) and not book.accept(SIG, case, verdict)
+    assert book.stats.unsteady == 2 and book.stats.contaminated == 0 and not list(tmp_path.glob("*.json"))
+    assert f"unsteady, not a finding: {SIG} in workers that had run nothing before it, pass" in said.getvalue()
+    assert json.loads((tmp_path / "unsteady" / f"{SIG}.json").read_text())["fresh_signature"] == "pass"
+    assert not (tmp_path / "contaminated").exists()
 
 
 def test_soak_cells_publish_once_and_the_later_one_counts_it_known(tmp_path):
@@ -176,7 +191,7 @@ def test_a_new_signature_with_a_known_root_causes_address_is_a_known_hit_and_the
     tp = dataclasses.replace(lerp.case, target="tp")
     assert known_signature(lerp.signature.replace("dtensor.", "tp.", 1), tp, book.known) == lerp.signature
     session = SimpleNamespace(stats=book.stats, elapsed=1.0, duration=None, stop_reason=None, book=book,
-                              pool=SimpleNamespace(restarts=0), matcher=book.matcher, contaminated=[], known=book.known)
+                              pool=SimpleNamespace(restarts=0), matcher=book.matcher, contaminated=[], unsteady=[], known=book.known)
     _print_session_report(session, [], tmp_path)
     text = capsys.readouterr().err
     assert "known   dtensor-missing-strategy-optimizer-ops ×1 [not reported]" in text

@@ -16,14 +16,16 @@ from fuzzshard.kernel.targets import pp
 @settings(max_examples=60, database=None, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(case=fst.cases(target="pp", world_sizes=[1, 2, 3, 4]))
 def test_pp_draws_a_schedule_the_layers_can_fill(case):
-    """A schedule torch has, one top-level layer or more per stage (world x stages per rank), a 1-D mesh,
-    n_microbatches up to one past the batch; every drawn case passes the target's own check."""
+    """A schedule torch has, one top-level layer or more per stage (pp degree x stages per rank), a 1-D mesh
+    or a [pp, dp] one with FSDP2 (dp its second dim), n_microbatches up to one past each dp rank's slice of
+    the batch; every drawn case passes the target's own check."""
     o = case.target_options
-    assert case.mesh_shape == (case.world_size,)
+    assert case.mesh_shape == ((case.world_size,) if "dp" not in o else (case.world_size // o["dp"], o["dp"]))
     assert o["schedule"] in pp.available()
-    assert set(o) <= {"schedule", "stages", "cuts", "scale_grads", "n_microbatches"}, o
+    assert set(o) <= {"schedule", "stages", "cuts", "scale_grads", "n_microbatches", "dp", "reshard_after_forward",
+                      "wrap", "accum"}, o
     assert len(o["cuts"]) == pp.n_stages(o, case.world_size) - 1
-    assert 1 <= o["n_microbatches"] <= case.batch + 1
+    assert 1 <= o["n_microbatches"] <= case.batch // o.get("dp", 1) + 1
     assert pp.check(case) is None, pp.check(case)
     assert case.checkpoint is None or "n_microbatches" in case.checkpoint.target_options  # (test_pp_checkpoint.py)
 
@@ -102,9 +104,9 @@ def test_planted_1f1b_bug_is_found_shrunk_and_replays(tmp_path):
     assert buggy.returncode == 1 and f"FAIL: {sig}" in buggy.stdout, buggy.stdout
     clean = run_cli("replay", found[0])
     assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
-    # the standalone script: the flattened kernel (no straight-line writer for pp yet, and it says so)
+    # the standalone script: straight-line (scriptgen/pp.py), not the flattened kernel
     script = found[0].with_suffix(".py")
-    assert "fallback: pp pipeline stages and schedules are not written straight-line yet" in script.read_text()
+    assert "CASE_JSON" not in script.read_text() and "Schedule1F1B(stages[0]" in script.read_text()
     buggy = torchrun(script, case["world_size"], "--setup", PLANTED / bug, cwd=tmp_path)
     assert buggy.returncode != 0 and "FINDING" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
     ok = torchrun(script, case["world_size"], cwd=tmp_path)

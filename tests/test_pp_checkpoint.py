@@ -6,6 +6,7 @@ new finding; a planted DSD bug (a param's optimizer state loaded under another p
 loaded oracle, shrunk, and replays as itself."""
 import dataclasses
 import json
+import math
 import re
 
 from hypothesis import HealthCheck, given, settings
@@ -18,15 +19,16 @@ from fuzzshard.kernel.targets import pp
 
 
 @settings(max_examples=30, database=None, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(case=fst.cases(target="pp", world_sizes=[1, 2, 3], checkpoint=True))
+@given(case=fst.cases(target="pp", world_sizes=[1, 2, 3, 4], checkpoint=True))
 def test_pp_checkpoint_draws_a_loading_side_that_is_a_pp_case_of_its_own(case):
-    """Every drawn pp case has a dcp checkpoint whose loading side is a pp case at its own world size (its own
-    schedule, cuts and late-drawn microbatch count), no side with a rank that holds no state; the check refuses
+    """Every drawn pp case has a dcp checkpoint whose loading side is a pp case at its own world size and mesh
+    (its own schedule, cuts, late-drawn microbatch count; FSDP2 on a [pp, dp] mesh), no side with a rank that
+    holds no state; the check refuses
     another kind and an LR scheduler beside a checkpoint."""
     ck = case.checkpoint
     assert ck is not None and ck.kind == "dcp"
-    assert ck.mesh_shape == (ck.world_size,)
     o = ck.target_options
+    assert math.prod(ck.mesh_shape) == ck.world_size and o.get("dp") == (ck.mesh_shape[1:] or (None,))[0]
     assert len(o["cuts"]) == pp.n_stages(o, ck.world_size) - 1 and 1 <= o["n_microbatches"] <= case.batch + 1
     assert pp.check(case) is None, pp.check(case)
     loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=ck.mesh_shape, target_options=o,

@@ -15,6 +15,7 @@ from fuzzshard.case import Layer
 from fuzzshard.session.engine import Session, Stats
 from fuzzshard.findings.record import signature
 from fuzzshard.findings.life import FindingBook
+from fuzzshard.pool.options import PoolOptions
 from fuzzshard.session.schedule import ENERGY, KNOWN_DRAWS, Scheduler, features, weights
 from fuzzshard.verdict import ErrorRecord, Verdict, finding, passing
 
@@ -97,7 +98,7 @@ class HangPool:
 
     def __init__(self, finishes=False, check=None):
         self.finishes, self.check, self.generation, self.history, self.timeouts = finishes, check, 0, [], []
-        self.info, self.options = {"torch": "x"}, {"backend": "gloo", "device": "cpu"}
+        self.info, self.options = {"torch": "x"}, PoolOptions(backend="gloo")
 
     def fresh(self):
         self.generation += 1

@@ -21,7 +21,7 @@ from fuzzshard.kernel.loop import lr_lambda
 from fuzzshard.kernel.model import build_model, make_batch
 from fuzzshard.kernel.oracles import mixed_precision_tolerance, reduction_tolerance
 from fuzzshard.kernel.reference import reduction_length, reference_error, step_tolerance_for
-from fuzzshard.scriptgen import WRITERS, fallback_reason, straight_script
+from fuzzshard.scriptgen import fallback_reason, straight_script, writer, writers
 from fuzzshard.verdict import ErrorRecord, Mismatch, Verdict, finding
 from strategies import cases
 
@@ -192,8 +192,21 @@ def test_a_known_fsdp1_finding_reproduces_the_torch_bug(tmp_path):
         r.stdout + r.stderr[-2000:]
 
 
-def test_every_built_in_target_has_a_writer():
-    assert set(WRITERS) == set(targets.builtin())
+def test_writers_are_found_as_targets_are():
+    """scriptgen/NAME.py writes target NAME's scripts, found by its module as kernel/targets/NAME.py is (no
+    hand-kept list): every built-in target has one, with a writer's entry points; a target with none (a
+    plugin's) falls back to the flattened kernel and says why."""
+    found = writers()
+    assert set(found) == set(targets.builtin())
+    assert all(callable(w.unsupported) and hasattr(w, "KINDS") and w.__name__.endswith("." + n) for n, w in found.items())
+    assert writer("common") is None and writer("loop") is None  # the writers' helpers are none
+    mine = dataclasses.replace(simple_case(2), target="mine")
+    assert writer("mine") is None and straight_script(mine) is None
+    assert fallback_reason(mine) == "no straight-line writer for the target mine"
+    # an oracle whose check the script does not write (a new one): the flattened kernel, saying so
+    new = Verdict("finding", "new_check", first=Mismatch("param", "layers.0.weight", 0, ""))
+    assert fallback_reason(simple_case(2), verdict=new) == \
+        "a finding of the new_check oracle, whose check the script does not write"
 
 
 @settings(max_examples=2, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -1,7 +1,6 @@
-"""--simulate (fuzzshard/session/simulate.py): a case's ranks in one worker under
-LocalTensorMode; a simulated finding counts only once real process groups
-fail the same way, else it is a LocalTensor limitation kept apart."""
-import argparse
+"""--simulate (fuzzshard/session/simulate.py; the world: kernel/simulated.py; the real check:
+findings/simulated.py): a case's ranks in one worker under LocalTensorMode; a simulated finding
+counts only once real process groups fail the same way, else it is a LocalTensor limitation kept apart."""
 import json
 
 import pytest
@@ -11,6 +10,7 @@ from conftest import PLANTED, run_cli
 from fuzzshard.case import Case, mesh_shapes
 from fuzzshard.findings.record import Finding, write_finding
 from fuzzshard.findings.judge import judge
+from fuzzshard.pool.options import PoolOptions
 from fuzzshard.pool.runner import Pool
 
 pytest.importorskip("torch.distributed._local_tensor")
@@ -50,10 +50,10 @@ def test_a_simulated_finding_is_confirmed_on_real_processes_or_kept_apart_as_a_l
     # too large to run for real here
     big = Finding("dtensor.parity.big", wide_case(12), j.verdict, deterministic=True, environment={}, stage="confirmed")
     write_finding(tmp_path, big, None)
-    args = argparse.Namespace(device="cpu", backend=None, setups=[str(BUG)], case_timeout=120.0, simulate=True)
-    from fuzzshard.session.simulate import LIMITS, confirm
+    options = PoolOptions(setup=(str(BUG),), simulate=True)
+    from fuzzshard.findings.simulated import LIMITS, confirm
 
-    result = confirm([found, bogus, big], tmp_path, args)
+    result = confirm([found, bogus, big], tmp_path, options)
     assert result == {"confirmed": [found.signature], "limits": [bogus.signature], "simulated_only": [big.signature]}
     data = json.loads((tmp_path / f"{found.signature}.json").read_text())
     assert data["simulation"]["real"]["signature"] == found.signature and data["simulation"]["real"]["world_size"] == 5
@@ -134,7 +134,8 @@ def test_localtensors_own_errors_are_recognised_up_front_and_judged_on_real_proc
     which LocalTensor cannot carry ("Non Tensor or int rank results must be equal for all ranks"). A
     simulated session sets such a case aside unshrunk (SimulatedBook); the real run judges it: on 5 gloo
     processes it is the known dtensor-item-on-partial-returns-local bug (silent), so a limitation, no finding."""
-    from fuzzshard.session.simulate import LIMITS, confirm, local_tensor_error, simulated_session
+    from fuzzshard.findings.simulated import LIMITS, confirm, local_tensor_error
+    from fuzzshard.session.simulate import SimulatedSession
 
     case = simple_case(5, optim="Adafactor", foreach=True)
     with Pool(1, simulate=True, case_timeout=120) as pool:
@@ -144,20 +145,20 @@ def test_localtensors_own_errors_are_recognised_up_front_and_judged_on_real_proc
 
     class Stats:
         contaminated = 0
-    book = simulated_session()._new_book(None, None, tmp_path, Stats(), known={}, progress=open("/dev/null", "w"))
+    book = SimulatedSession.book_class(None, tmp_path, Stats(), known={}, progress=open("/dev/null", "w"))
     assert book.accept(j.signature, case, j.verdict) is False  # not raised to Hypothesis: nothing shrinks it
     assert book.accept(j.signature, simple_case(6, optim="Adafactor", foreach=True), j.verdict) is False
     held = book.set_aside[j.signature]
     assert held[0] is case and held[3] == 2 and not book.tracks  # the smaller case kept, both hits counted
 
-    args = argparse.Namespace(device="cpu", backend=None, setups=[], case_timeout=120.0, simulate=True)
-    result = confirm([], tmp_path, args, set_aside=book.set_aside)
+    options = PoolOptions(simulate=True)
+    result = confirm([], tmp_path, options, set_aside=book.set_aside)
     assert result["limits"] == [j.signature] and result["found"] == [] and result["set_aside"] == [j.signature]
     limit = json.loads((tmp_path / LIMITS / f"{j.signature}.json").read_text())
     assert limit["simulation"]["real"]["known"] and limit["simulation"]["real"]["status"] == "finding", limit
     # more ranks than run for real here: only its world size shrinks (simulated), to 8, where the real run judges it
     big = simple_case(12, optim="Adafactor", foreach=True)
-    result = confirm([], tmp_path / "big", args, set_aside={j.signature: (big, j.verdict, "why", 1)})
+    result = confirm([], tmp_path / "big", options, set_aside={j.signature: (big, j.verdict, "why", 1)})
     limit = json.loads((tmp_path / "big" / LIMITS / f"{j.signature}.json").read_text())
     assert result["limits"] == [j.signature] and limit["case"]["world_size"] == 8, limit["removed"]
     assert limit["removed"] == ["world size 12 -> 8"] and limit["simulation"]["real"]["world_size"] == 8
@@ -166,7 +167,7 @@ def test_localtensors_own_errors_are_recognised_up_front_and_judged_on_real_proc
 def test_the_shortcuts_apply_on_this_torch_or_switch_themselves_off(monkeypatch):
     """Each private torch function the shortcuts replace or call is checked by name and parameters; on a
     release where one differs, installed() takes none (torch's own path) instead of breaking every case."""
-    from fuzzshard.session import simulate_fast
+    from fuzzshard.kernel import simulated_fast as simulate_fast
 
     assert simulate_fast.applicable() == list(simulate_fast.SHORTCUTS)  # 2.13.0, 2.14.1, 2.15.0 alike
     import torch.distributed._local_tensor as ltm
@@ -189,7 +190,7 @@ def test_a_new_fake_world_gets_no_mesh_of_the_last_one_from_dtensors_caches():
 
     script = """
 import torch
-from fuzzshard.session.simulate import SimulatedWorld
+from fuzzshard.kernel.simulated import SimulatedWorld
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 w = SimulatedWorld()
 for n, shape in ((8, (2, 4)), (5, (5,)), (8, (2, 4))):
@@ -240,7 +241,7 @@ def test_one_bug_met_in_two_modules_at_other_world_sizes_is_one_finding_at_the_l
     signature allows (6 ranks on a 1-D mesh) and confirmed on real processes; both begin at 6 ranks (and pass
     at 5), so they are one bug: one file, whose case is the least case that fails, ``removed`` says how it
     got there, and the other is its face."""
-    from fuzzshard.session.simulate import confirm, world_shrinks
+    from fuzzshard.findings.simulated import confirm, world_shrinks
 
     big = even_case(16, (2, 8), {"layers.0.weight": ["R", "S1"]})
     assert [w for w, _ in world_shrinks(big)][:3] == [["world size 16 -> 1", "mesh [2, 8] -> [1]"]] * 2 + \
@@ -254,9 +255,7 @@ def test_one_bug_met_in_two_modules_at_other_world_sizes_is_one_finding_at_the_l
     g = Finding(k.signature, norm, k.verdict, environment={}, stage="confirmed")
     for found in (f, g):
         write_finding(tmp_path, found, "# script\n")
-    args = argparse.Namespace(device="cpu", backend=None, setups=[str(BUG6)], case_timeout=120.0, simulate=True,
-                              optimizers="SGD")
-    result = confirm([f, g], tmp_path, args)
+    result = confirm([f, g], tmp_path, PoolOptions(setup=(str(BUG6),), simulate=True), optimizer_names=["SGD"])
     assert result == {"confirmed": [j.signature], "limits": [], "simulated_only": [],
                       "folded": {k.signature: j.signature}}, result
     assert sorted(p.name for p in tmp_path.glob("*.json")) == [f"{j.signature}.json"]
@@ -328,7 +327,7 @@ def test_the_replica_oracle_runs_simulated_each_rank_its_own_copy_and_finds_what
     (ReduceLROnPlateau), LocalTensor raises its own error (real ranks each take their own float: the replica
     finding): set aside, its real check meets the finding already written, whose file is kept as it is."""
     from fuzzshard.case import LRScheduler
-    from fuzzshard.session import simulate
+    from fuzzshard.findings import simulated as simulate
 
     cases = [replicated_case(5), replicated_case(8, (2, 4)), replicated_case(8, (2, 2, 2))]
     plateau = replicated_case(5, lr_scheduler=LRScheduler("ReduceLROnPlateau", {"patience": 0}))
@@ -349,9 +348,9 @@ def test_the_replica_oracle_runs_simulated_each_rank_its_own_copy_and_finds_what
                     stage="confirmed")
     write_finding(tmp_path, found, "# script\n")
     before = (tmp_path / f"{found.signature}.json").read_text()
-    monkeypatch.setattr(simulate, "_judge_for_real", lambda case, args, known: (
+    monkeypatch.setattr(simulate, "_judge_for_real", lambda case, options, known: (
         real_late, {}, {"signature": real_late.signature, "status": "finding", "world_size": 5}))
-    args = argparse.Namespace(device="cpu", backend=None, setups=[str(REPLICA_BUG)], case_timeout=120.0, simulate=True)
-    result = simulate.confirm([], tmp_path, args, set_aside={late.signature: (plateau, late.verdict, "why", 1)})
+    options = PoolOptions(setup=(str(REPLICA_BUG),), simulate=True)
+    result = simulate.confirm([], tmp_path, options, set_aside={late.signature: (plateau, late.verdict, "why", 1)})
     assert result["met"] == {late.signature: found.signature} and not result["found"], result
     assert (tmp_path / f"{found.signature}.json").read_text() == before  # not overwritten by the unshrunk case

@@ -34,8 +34,17 @@ def test_cells_share_findings_and_sigterm_then_restart_resumes(tmp_path):
     out = tmp_path / "run"
     # two cells of one rank each find the same planted bug; each signature is written once
     soak = subprocess.Popen(_soak(out, "--cells", "1,1", "--duration", "10m"), stderr=subprocess.PIPE, text=True)
+    def both_cells_hit_a_published_finding() -> bool:
+        """(each cell's log has a case with a signature, and the finding's file is written)"""
+        try:
+            cells = _cases(out)
+        except (OSError, ValueError):  # a log line being written
+            return False
+        return (len(cells) == 2 and all(any(c["sig"] for c in lines) for lines in cells.values())
+                and any((out / "findings").glob("*.json")))
+
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and len(list((out / "findings").glob("*.json"))) < 2:
+    while time.monotonic() < deadline and not both_cells_hit_a_published_finding():
         time.sleep(1)
     time.sleep(3)
     soak.send_signal(signal.SIGTERM)  # as SLURM preempts a job
@@ -54,7 +63,7 @@ def test_cells_share_findings_and_sigterm_then_restart_resumes(tmp_path):
     assert origin["cell"] in before and origin["host"] == socket.gethostname()
 
     # the same command resumes: new cells with new seeds, earlier counts and findings kept as they were
-    r = subprocess.run(_soak(out, "--cells", "1", "--duration", "20s"), capture_output=True, text=True, timeout=240)
+    r = subprocess.run(_soak(out, "--cells", "1", "--duration", "40s"), capture_output=True, text=True, timeout=240)
     assert r.returncode == 1 and "(resumed)" in r.stderr, r.stderr[-3000:]
     after = _cases(out)
     assert all(after[cell] == lines for cell, lines in before.items())
@@ -159,3 +168,24 @@ def test_torchrun_soak_cells_span_nodes_and_a_lost_node_leaves_the_rest_going(tm
     assert sorted(found) == sorted([s + ".json" for s in sigs] + [s + ".py" for s in sigs])  # whole files only
     for s in sigs:
         assert json.loads(found[s + ".json"])["signature"] == s
+
+
+def test_a_cells_session_says_what_it_changes_through_the_sessions_hooks(tmp_path):
+    """A cell's session (session/soak.py's module-level SoakSession) changes what a Session does only through
+    its public hooks: ``book_class`` (a SoakBook with the cell's origin), ``fallback_db``, ``log``, ``procs``;
+    no override of a private method. Built without a pool: nothing runs."""
+    import io
+
+    from fuzzshard.findings.life import SoakBook
+    from fuzzshard.session.soak import SoakSession
+
+    (tmp_path / "cells").mkdir()
+    spec = {"out": str(tmp_path), "origin": {"host": "h"}, "name": "e0c1", "size": 2, "seed": 5, "procs": 2,
+            "world_sizes": [1, 2, 3], "deadline": time.time() + 60, "device": "cpu", "targets": ["dtensor"],
+            "strategy_kwargs": {}, "database": None, "plugins": []}
+    s = SoakSession(spec, None, progress=io.StringIO(), known={})
+    assert type(s.book) is SoakBook and s.book.origin == {"host": "h", "cell": "e0c1", "ranks": 2, "seed": 5}
+    assert s.book.findings_dir == tmp_path / "findings" and s.world_sizes == [1, 2] and s.seed == 5
+    assert s.fallback_db == "db" and s.database == str(tmp_path / "db") and s.procs == 2
+    assert s.log == tmp_path / "cells" / "e0c1.jsonl" and s.log.exists()
+    assert not any(n.startswith("_") and not n.startswith("__") for n in vars(SoakSession))

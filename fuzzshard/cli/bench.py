@@ -19,8 +19,9 @@ def add(sub) -> None:
     b.add_argument("--world-sizes", default="2",
                    help="comma-separated world sizes, as fuzz takes them: the comparison runs at each (default 2)")
     b.add_argument("--world-size", dest="world_sizes", action=Renamed, new="--world-sizes", help=argparse.SUPPRESS)
-    b.add_argument("--seed", type=int, default=0, help="the seed of the cases drawn (default 0)")
-    b.add_argument("--target", default="dtensor", help="which target's cases to run (default dtensor)")
+    b.add_argument("--seed", type=int, default=0, metavar="N", help="the seed of the cases drawn (default 0)")
+    b.add_argument("--target", default="dtensor", metavar="TARGET",
+                   help="which target's cases to run: one name (default dtensor)")
     b.add_argument("--models", default=None, metavar="FAMILIES",
                    help="model families of the cases, as fuzz takes them (default topologies; decoder: transformers)")
     b.add_argument("--scaling", action="store_true",
@@ -36,7 +37,7 @@ def add(sub) -> None:
                    help="instead: cases/s of the same cases simulated under LocalTensorMode (one worker, and one "
                         "per core side by side) and real (a warm pool of W gloo processes) at W=2, 4, 8, and "
                         "simulated alone at W=16 and 64 (--max-examples per world size; docs/simulate.md)")
-    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (cuda: NCCL, one GPU a rank)")
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (default: cpu; cuda: NCCL, one GPU a rank)")
     from ..session.hunt import add_arguments as hunt_arguments
 
     hunt_arguments(b)  # --hunt: time to first finding of planted bugs (fuzzshard/session/hunt.py)
@@ -61,7 +62,7 @@ def run(args) -> int:
         raise UsageError("bench measures one target at a time")
     models = tuple(model_families(args.models)) if args.models else ("topologies",)
     if args.simulate:
-        from ..session.simulate import run_bench as run_simulate_bench
+        from ..session.bench import run_simulate_bench
 
         run_simulate_bench(args.cases, args.seed, names[0])
         return 0

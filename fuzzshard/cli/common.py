@@ -48,8 +48,13 @@ def parse_world_sizes(text: str) -> list[int]:
     return sizes
 
 
+# the defaults of flags a mode may default otherwise (fuzz --simulate): the flag's default is None (not given)
+WORLD_SIZES = "1,2,3,4"
+CASE_TIMEOUT = "120s"
+
+
 def draw_args(p) -> None:
-    p.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes to draw from (default 1,2,3,4)")
+    p.add_argument("--world-sizes", default=None, help="comma-separated world sizes to draw from (default 1,2,3,4)")
     p.add_argument("--optimizers", default=None, help="restrict to these torch.optim classes, comma-separated")
     p.add_argument("--models", default=None, metavar="FAMILIES",
                    help="model families to draw, comma-separated: topologies (random trees of Linear, Embedding, "
@@ -90,7 +95,7 @@ def pool_args(p, runs: str = "drawn") -> None:
     p.add_argument("--plugin", action="append", default=None, metavar="FILE.py", help=plugin)
     p.add_argument("--worker-setup", default=None, metavar="FILE.py",
                    help="Python file run in every worker before any case: patch torch, register_target(...)")
-    p.add_argument("--case-timeout", default=120.0, metavar="DURATION",
+    p.add_argument("--case-timeout", default=None, metavar="DURATION",
                    help="a case still running after this is a hang finding: 90s, 5m (a bare number is seconds; "
                         "default 120s)")
 
@@ -115,7 +120,7 @@ def warn_cores(ranks: int) -> None:
 
 def case_timeout(args) -> float:
     """``--case-timeout`` read as a duration like every other (90s, 5m; a bare number is seconds), in seconds."""
-    seconds = parse_duration(str(args.case_timeout))
+    seconds = parse_duration(str(CASE_TIMEOUT if args.case_timeout is None else args.case_timeout))
     if seconds <= 0:
         raise UsageError("--case-timeout must be positive")
     args.case_timeout = seconds
@@ -160,15 +165,22 @@ def recorded_plugins(environment, given=()) -> list[str]:
     return [p for p in plugins or [] if isinstance(p, str) and os.path.isfile(p) and p not in given]
 
 
+def pool_options(args):
+    """The pool's flags (pool_args, once check_pool_args has read them) as the typed record a pool is
+    made from (pool/options.py)."""
+    from ..pool.options import PoolOptions
+
+    return PoolOptions(device=args.device, backend=args.backend, setup=tuple(args.setups),
+                       case_timeout=args.case_timeout, simulate=getattr(args, "simulate", False))
+
+
 def start_pool(args, size: int, log_dir=None, spare: bool = False, placed: bool = False):
     """``spare``: keep a warm second set of workers for instant restarts (long sessions);
     ``placed``: run cases side by side (Pool.run_many)."""
     from ..pool.runner import Pool, PoolError
 
     try:
-        return Pool(size, device=args.device, backend=args.backend, worker_setup=args.setups,
-                    case_timeout=args.case_timeout, log_dir=log_dir, spare=spare, placed=placed,
-                    simulate=getattr(args, "simulate", False)).start()
+        return Pool(size, options=pool_options(args), log_dir=log_dir, spare=spare, placed=placed).start()
     except PoolError as e:
         raise UsageError(f"could not start {size} workers: {e}") from None
 

@@ -8,7 +8,7 @@ import random
 import sys
 
 from .common import (
-    Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
+    WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
     pool_args, redis_url, resolve_targets, start_pool, strategy_kwargs, torch_version, warn_cores,
 )
 
@@ -19,14 +19,15 @@ def add(sub) -> None:
                        "divergence and write OUT/<signature>.json + .py.\nExit 0: no new finding; 1: new findings; 2: usage error.")
     from ..targets import names as target_names  # the registry imports no torch
 
-    f.add_argument("--target", default="dtensor",
+    f.add_argument("--target", default="dtensor", metavar="TARGET",
                    help=f"target name(s), comma-separated, or 'all': {', '.join(target_names())} (default: dtensor)")
     f.add_argument("--targets", dest="target", action=Renamed, new="--target", help=argparse.SUPPRESS)
     g = f.add_mutually_exclusive_group()
-    g.add_argument("--max-examples", type=int, default=None, help="cases to draw per target (default 100)")
+    g.add_argument("--max-examples", type=int, default=None, metavar="N", help="cases to draw per target (default 100)")
     g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
-    f.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
-    f.add_argument("--out", default="fuzzshard-out",
+    f.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="the seed of the cases drawn (default: a random one, printed, so that repeated sessions explore)")
+    f.add_argument("--out", default="fuzzshard-out", metavar="DIR",
                    help="findings and the example database go here (default: fuzzshard-out)")
     f.add_argument("--shrink-budget", default=None, metavar="DURATION",
                    help="once a round finds something, how much longer it may search and shrink before it ends "
@@ -59,7 +60,7 @@ def run(args) -> int:
         from ..session.simulate import simulate_args
 
         simulate_args(args)
-    sizes = parse_world_sizes(args.world_sizes)
+    sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
     duration = parse_duration(args.duration) if args.duration else None
     shrink_budget = parse_duration(args.shrink_budget) if args.shrink_budget else None
     if args.max_examples is not None and args.max_examples < 1:
@@ -98,9 +99,7 @@ def run(args) -> int:
                       spare=True, placed=not args.one_at_a_time)
     try:
         if args.simulate:  # its book sets LocalTensor's own errors aside unshrunk, for the real check (simulate.py)
-            from ..session.simulate import simulated_session
-
-            Session = simulated_session()
+            from ..session.simulate import SimulatedSession as Session
         session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
                           duration=duration, seed=seed, device=args.device, strategy_kwargs=draws,
                           database=database, shrink_budget=shrink_budget, plugins=args.plugin or (),
@@ -120,9 +119,14 @@ def run(args) -> int:
     findings = list(session.findings.values())
     set_aside = getattr(session.book, "set_aside", None) if session else None
     if args.simulate and (findings or set_aside):  # a simulated finding is one only once real processes fail the same way
-        from ..session.simulate import confirm
+        from ..findings.simulated import confirm
+        from ..pool.runner import PoolError
 
-        found = confirm(findings, args.out, args, set_aside=set_aside).get("found", [])
+        try:  # on pools made from the session's own options, simulated and real
+            found = confirm(findings, args.out, pool.options, set_aside=set_aside, workers=args.simulate_workers,
+                            optimizer_names=draws.get("optimizer_names")).get("found", [])
+        except PoolError as e:
+            raise UsageError(f"could not start the workers that check the simulated findings: {e}") from None
         findings = [f for f in findings + found if os.path.exists(os.path.join(args.out, f"{f.signature}.json"))]
     _print_session_report(session, findings, args.out)
     if findings:
@@ -175,6 +179,9 @@ def _print_session_report(session, findings, out) -> None:
         print(f"CONTAMINATED (a fuzzshard internal error, not a finding): {c['signature']} in warm workers, "
               f"{c['fresh_signature']} in fresh ones, after {len(c['ran_before_in_that_generation'])} other case(s)"
               f"\n        -> {out}/contaminated/{c['signature']}.json", file=sys.stderr)
+    for c in session.unsteady:
+        print(f"UNSTEADY (not a finding: the case's outcome varies between fresh runs): {c['signature']}, then "
+              f"{c['fresh_signature']}\n        -> {out}/unsteady/{c['signature']}.json", file=sys.stderr)
     if st.internal_errors:
         print(f"{st.internal_errors} fuzzshard-internal errors, not findings (see above; cases in {out}/internal/)",
               file=sys.stderr)

@@ -65,13 +65,14 @@ def _simulated(args, recorded: dict, case) -> bool:
     real processes run here (simulate.REAL_MAX), or a file marked simulated only (never run on real processes;
     FUZZSHARD_REAL_MAX admits its world size explicitly). One it cannot simulate is refused in one line (exit 2),
     never started as that many real processes."""
-    from ..session import simulate
+    from ..findings import simulated as simulate  # the real-process limit (REAL_MAX) and the stage it marks
+    from ..kernel.simulated import cannot_simulate
 
     marked = simulate.SIMULATED_ONLY in (recorded.get("stage"), (recorded.get("simulation") or {}).get("status"))
     if args.device != "cpu" or not (case.ranks > simulate.REAL_MAX or (marked and simulate.REAL_MAX_ENV not in
                                                                         os.environ)):
         return False
-    why = simulate.cannot_simulate(case)
+    why = cannot_simulate(case)
     if why:
         raise UsageError(f"{args.file}: {case.ranks} ranks, more than the {simulate.REAL_MAX} real processes this "
                          f"machine runs ({simulate.REAL_MAX_ENV}), and it cannot replay simulated: {why}")

@@ -12,7 +12,8 @@ def add(sub) -> None:
                         description="A soak's or a fuzz session's coverage tables, its findings (new and known apart) "
                         "and its rate, as text, and as an HTML page (DIR/report.html).")
     rp.add_argument("dir", help="a soak's or a fuzz session's --out folder")
-    rp.add_argument("--html", default=None, help="where to write the HTML page (default DIR/report.html)")
+    rp.add_argument("--html", default=None, metavar="FILE",
+                    help="where to write the HTML page (default DIR/report.html)")
 
 
 def run(args) -> int:

@@ -13,7 +13,7 @@ def add(sub) -> None:
                         "(--setup PATCH.py runs a patch first). Straight-line where the case allows it, else "
                         "fuzzshard's kernel flattened around the case.")
     sc.add_argument("file", help=FILE_HELP)
-    sc.add_argument("-o", "--output", help="write here instead of standard output")
+    sc.add_argument("-o", "--output", metavar="FILE", help="write here instead of standard output")
     sc.add_argument("--flat", action="store_true", help="fuzzshard's whole kernel flattened around the case, not the "
                     "straight-line script of what the case uses (which dtensor and plain fsdp2 cases get)")
 

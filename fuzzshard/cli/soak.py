@@ -5,7 +5,7 @@ import argparse
 import os
 
 from .common import (
-    Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
+    WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
     pool_args, redis_url, resolve_targets, strategy_kwargs, warn_cores,
 )
 
@@ -20,9 +20,9 @@ def add(sub) -> None:
                         "Exit 0: --out holds no finding (always 0 under torchrun, which would restart a process that exits 1); "
                         "1: it holds findings; 2: usage error.")
     so.add_argument("--duration", required=True, help="how long this invocation runs, e.g. 90s, 10m, 8h")
-    so.add_argument("--out", required=True, help="the run's folder (shared by every node and every restart)")
-    so.add_argument("--target", dest="targets", default="all",
-                    help="target name(s), comma-separated, or 'all' (default)")
+    so.add_argument("--out", required=True, metavar="DIR", help="the run's folder (shared by every node and every restart)")
+    so.add_argument("--target", dest="targets", default="all", metavar="TARGET",
+                    help="target name(s), comma-separated, or 'all' (default: all)")
     so.add_argument("--targets", dest="targets", action=Renamed, new="--target", help=argparse.SUPPRESS)
     so.add_argument("--workers", type=int, default=4, help="ranks on this machine, or per torchrun process (default 4)")
     so.add_argument("--cells", default=None, metavar="SIZES",
@@ -30,7 +30,8 @@ def add(sub) -> None:
                          "under torchrun they split all processes' ranks in rank order, so 1,2,1 over two "
                          "processes of 2 makes a middle cell that spans both")
     so.add_argument("--epoch", default="10m", help="how long one layout of cells lasts (default 10m)")
-    so.add_argument("--seed", type=int, default=0, help="the run's seed; cells, epochs and torchrun ranks derive theirs")
+    so.add_argument("--seed", type=int, default=0, metavar="N",
+                    help="the run's seed; cells, epochs and torchrun ranks derive theirs (default 0)")
     so.add_argument("--redis", default=None, metavar="URL",
                     help="share the example database through redis (redis://host:port/db) instead of OUT/db")
     draw_args(so)
@@ -41,7 +42,7 @@ def run(args) -> int:
     from ..session.soak import Soak
 
     duration, epoch = parse_duration(args.duration), parse_duration(args.epoch)
-    sizes = parse_world_sizes(args.world_sizes)
+    sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
     if args.workers < 1:
         raise UsageError("--workers must be >= 1")
     out_dir(args.out)

@@ -14,8 +14,9 @@ def add(sub) -> None:
                         "what it prints here as the evidence, expected vs actual from that output, the torch source "
                         "suspected, and versions (torch.utils.collect_env).")
     up.add_argument("file", help=FILE_HELP)
-    up.add_argument("-o", "--output", help="write the markdown here (a script too long for an issue body is "
-                    "written beside it as OUTPUT.repro.py); default: standard output, the script into the current folder")
+    up.add_argument("-o", "--output", metavar="FILE",
+                    help="write the markdown here (a script too long for an issue body is written beside it, its suffix "
+                         ".repro.py); default: standard output, the script into the current folder")
     up.add_argument("--no-run", action="store_true", help="do not run the script (nor collect_env) first")
 
 

@@ -28,7 +28,11 @@ finding is a bug a user can trust, and nothing found is lost:
   - *writing*: every file of a finding is written through ``_write`` (its
     script made by ``_script``, the one caller of repro.script here); a
     soak's cells publish into one shared folder instead (SoakBook: the first
-    cell wins, the others count it as known).
+    cell wins, the others count it as known). Both put files in place with
+    the writer at the end of this module (``put_finding``, ``amend_finding``,
+    ``keep_apart``, ``set_apart``, ``drop_finding``), which is also what the
+    real-process check of a simulated session's findings writes with
+    (findings/simulated.py): no other module writes a finding's files.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ class FindingBook:
     session leaves its files as they are."""
 
     def __init__(self, pool, out: str | Path, stats, *, findings_dir: str | Path | None = None,
-                 known: dict | None = None, progress=sys.stderr, optimizer_names=None, plugins=(), pack: int = 1,
+                 known: dict | None = None, progress=None, optimizer_names=None, plugins=(), pack: int = 1,
                  shrink_budget: float = 300.0, variant_timeout: Callable = lambda case: None):
         self.pool = pool
         self.out = Path(out)
@@ -95,7 +99,7 @@ class FindingBook:
         self.stats = stats  # the session's Stats: the counters a finding's life adds to
         self.known = load_known() if known is None else known
         self.matcher = Matcher(self.known)  # a new finding's probable known root cause
-        self.progress = progress
+        self.progress = progress or sys.stderr  # when called, not imported (pytest swaps stderr)
         self.optimizer_names = optimizer_names  # what generalizing may swap in
         self.plugins = list(plugins)
         self.pack = pack  # edits the reducer judges side by side
@@ -105,6 +109,7 @@ class FindingBook:
         self.stopped = False
         self.findings: dict[str, Finding] = {}
         self.contaminated: list[dict] = []
+        self.unsteady: list[dict] = []  # verdicts fresh workers gave one way and fresh ones another (_report_contaminated)
         self.tracks: dict[str, Track] = {}
         self._owner: dict[str, str] = {}  # a signature -> the finding it is a face of (one bug, one finding)
         self._tables: dict[str, list] = {}  # finding -> its generalization table (generalize.Face)
@@ -113,6 +118,7 @@ class FindingBook:
         self._removed: dict[str, list] = {}  # finding -> what the reducer took out of its case
         self._met: dict[str, dict] = {}  # finding -> another target -> a face met failing there in its own case
         self._suspect: set[str] = set()  # signatures a fresh run did not confirm
+        self._unsteady: set[str] = set()  # of those, the ones with nothing run before them (_report_contaminated)
 
     # -- what the search asks --------------------------------------------------
     def new_signature(self, j: Judgement) -> str | None:
@@ -137,7 +143,10 @@ class FindingBook:
         track = self.tracks.get(sig)
         if track is None:
             if sig in self._suspect:  # one fresh run already said this signature is not what it seems
-                self.stats.contaminated += 1
+                if sig in self._unsteady:
+                    self.stats.unsteady += 1
+                else:
+                    self.stats.contaminated += 1
                 return False
             hit = self.matcher.known_hit(case, verdict)
             if hit is not None:  # a known root cause in a face not recorded: counted, never a finding
@@ -266,15 +275,28 @@ class FindingBook:
         if verdict.timeout:
             self.stats.slow += 1
             return None
-        self.stats.contaminated += 1
         self._suspect.add(sig)
         self._report_contaminated(sig, case, verdict, again.verdict, got, before)
         return None
 
     def _report_contaminated(self, sig, case, warm: Verdict, fresh: Verdict, got: str, before: list) -> None:
+        """OUT/contaminated/<sig>.json: the warm workers' verdict that fresh ones do not give, after the cases
+        that ran before it there. Where none did, the warm workers were as fresh as the confirmation's: nothing
+        could carry over, the case's outcome varies between fresh runs (torch 2.9.1's pipelining abort: a
+        crash, or the dying rank's error first), and it goes to OUT/unsteady/ instead, counted apart: not a
+        finding (it does not replay as itself), not fuzzshard's fault."""
         ran_before = [f"{c.target} W{c.ranks} {c.optim.name}: {label(c, v)}" for c, v in before[:-1]]
         record = {"signature": sig, "fresh_signature": got, "warm_verdict": warm.to_dict(), "fresh_verdict": fresh.to_dict(),
                   "ran_before_in_that_generation": ran_before, "case": case.to_dict()}
+        if not ran_before:
+            self.stats.unsteady += 1
+            self._unsteady.add(sig)
+            self.unsteady.append(record)
+            path = self._record("unsteady", sig, record)
+            self._say(f"unsteady, not a finding: {sig} in workers that had run nothing before it, {got} in fresh "
+                      f"ones (the case's outcome varies between fresh runs) -> {path}")
+            return
+        self.stats.contaminated += 1
         self.contaminated.append(record)
         path = self._record("contaminated", sig, record)
         self._say(f"fuzzshard internal error (contaminated, not a finding): {sig} in the warm workers, {got} in fresh "
@@ -294,10 +316,7 @@ class FindingBook:
 
     def _record(self, folder: str, name: str, record: dict) -> Path:
         """OUT/<folder>/<name>.json: what is kept beside the findings, never one of them."""
-        path = self.out / folder / f"{name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-        return path
+        return keep_apart(self.out, folder, name, record)
 
     # -- one finding per bug ---------------------------------------------------
     def _generalize(self, sig: str, case, verdict: Verdict) -> set[str]:
@@ -317,8 +336,8 @@ class FindingBook:
     def _carried_to(self, case) -> tuple:
         """The other targets a finding's case is run on (generalize.kin): on a simulated pool, only
         those --simulate runs."""
-        if self.pool.options.get("simulate"):
-            from ..session.simulate import SIMULATED_TARGETS
+        if self.pool.options.simulate:
+            from ..kernel.simulated import SIMULATED_TARGETS
 
             return tuple(t for t in kin(case.target) if t in SIMULATED_TARGETS)
         return kin(case.target)
@@ -496,7 +515,7 @@ class FindingBook:
 
     def _put(self, f: Finding, first: bool) -> bool:
         """Put ``f``'s files in place (``first``: its first sight); False: someone else's (see SoakBook)."""
-        write_finding(self.findings_dir, f, self._script(f), replace=True)
+        put_finding(self.findings_dir, f)
         return True
 
     @staticmethod
@@ -512,7 +531,7 @@ class FindingBook:
         stage = Stage.CONFIRMED if confirmed else Stage.UNCONFIRMED if unconfirmed else Stage.SHRINKING
         if verdict.timeout:  # a hang seen under a shorter limit than --case-timeout (its "timeout")
             confirmed, stage = False, Stage.PROVISIONAL
-        env = environment(self.pool.info, self.pool.options["backend"], self.pool.options["device"])
+        env = environment(self.pool.info, self.pool.options.backend, self.pool.options.device)
         if self.plugins:
             env["plugins"] = self.plugins
         faces = sorted(s for s, o in self._owner.items() if o == sig and s != sig)
@@ -538,8 +557,7 @@ class FindingBook:
         """Files written at first sight that are no finding of this session after all (a provisional hang
         that finished at the full timeout; a face of a known finding or of another finding): they go."""
         self.findings.pop(sig, None)
-        for suffix in (".json", ".py"):
-            (self.findings_dir / f"{sig}{suffix}").unlink(missing_ok=True)
+        drop_finding(self.findings_dir, sig)
 
 
 class SoakBook(FindingBook):
@@ -570,6 +588,56 @@ class SoakBook(FindingBook):
                     self.known[sig] = load_finding(p)
                 except Exception:
                     pass
+
+
+# -- the writer: every finding file in place ----------------------------------------------------------
+def put_finding(out, f: Finding, simulation: dict | None = None, replace: bool = True) -> tuple[Path, Path]:
+    """OUT/<sig>.json + .py of ``f`` (the script: FindingBook._script), whatever was there (unless not
+    ``replace``: then only over a larger case, record.write_finding); ``simulation``: what a simulated session
+    and the real-process check said of it (findings/simulated.py), in its file. Returns the two paths."""
+    out = Path(out)
+    paths = write_finding(out, f, FindingBook._script(f), replace=replace)
+    if simulation is not None:
+        amend_finding(out, f.signature, simulation=simulation)
+    return paths
+
+
+def amend_finding(out, sig: str, **fields) -> dict:
+    """OUT/<sig>.json with ``fields`` set at its top level (its stage, what a simulated session said of it,
+    its faces): the rest of the file as it is. Returns the file's record as written."""
+    path = Path(out) / f"{sig}.json"
+    data = json.loads(path.read_text())
+    data.update(fields)
+    atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return data
+
+
+def keep_apart(out, folder: str, name: str, record: dict) -> Path:
+    """OUT/<folder>/<name>.json: what is kept beside the findings, never one of them (known faces,
+    contaminated verdicts, internal errors, a simulated session's LocalTensor limitations)."""
+    path = Path(out) / folder / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+    return path
+
+
+def set_apart(out, folder: str, sig: str, record: dict) -> Path:
+    """A finding that is none after all, kept apart: ``record`` as OUT/<folder>/<sig>.json, its script
+    moved beside it, its files in OUT gone."""
+    import shutil
+
+    out = Path(out)
+    path = keep_apart(out, folder, sig, record)
+    if (out / f"{sig}.py").exists():
+        shutil.move(out / f"{sig}.py", path.parent / f"{sig}.py")
+    drop_finding(out, sig)
+    return path
+
+
+def drop_finding(out, sig: str) -> None:
+    """OUT/<sig>.json and .py gone (a finding folded into another, or none after all)."""
+    for suffix in (".json", ".py"):
+        (Path(out) / f"{sig}{suffix}").unlink(missing_ok=True)
 
 
 def _smaller(a, b) -> bool:

@@ -47,11 +47,13 @@ _OPEN_GATHER: list = []  # the open batch, if any (at most one)
 
 
 @contextlib.contextmanager
-def gather_batch():
+def gather_batch(allowed=None):
     """Full copies asked for inside are gathered together when the block
     ends; nobody may read them before. A collective: every rank of the job
-    opens and closes it at the same point."""
-    b = _GatherBatch()
+    opens and closes it at the same point. ``allowed(t)``: the world's say on
+    whether ``t`` may be batched (kernel/mesh.py, ``World.batchable``); by
+    default every tensor that is pure data movement is."""
+    b = _GatherBatch(allowed)
     _OPEN_GATHER.append(b)
     try:
         yield b
@@ -64,7 +66,7 @@ def full_batched(t: torch.Tensor, fallback) -> torch.Tensor:
     """A full plain copy of DTensor ``t``: an empty tensor filled when the
     open batch ends, where ``t`` can be batched; else ``fallback(t)`` now."""
     b = _OPEN_GATHER[-1] if _OPEN_GATHER else None
-    if b is None or not _gather_batchable(t):
+    if b is None or not (b.allowed(t) and _gather_batchable(t)):
         return fallback(t)
     return b.add(t, fallback)
 
@@ -86,7 +88,8 @@ def _gather_batchable(t) -> bool:
 
 
 class _GatherBatch:
-    def __init__(self):
+    def __init__(self, allowed=None):
+        self.allowed = allowed or (lambda t: True)
         self.items = []  # (dtensor, dest, fallback)
         self.dests = set()  # id() of every dest (items keeps them alive): what owned_copy() must not copy
         self.everywhere = set()  # id() of dests assembled from an all-gather over the whole job: the same bits everywhere

@@ -12,6 +12,12 @@ A pool that runs cases side by side (runner.Pool.run_many) places a case on
 ranks o..o+W-1 instead: ``placed(o, W)`` makes those ranks the world the case
 sees, ranks 0..W-1 by every name torch has for a rank, so the case runs as it
 would on ranks 0..W-1 and as its repro runs it under torchrun.
+
+``World`` is the seam between the kernel and where its ranks run: what
+kernel/run.py asks of the ``meshes`` it is handed. ``Meshes`` here is the
+world of real process groups (one rank a process); kernel/simulated.py's
+``SimulatedWorld`` runs every rank of a case in one process under
+LocalTensorMode (``fuzz --simulate``) behind the same interface.
 """
 from __future__ import annotations
 
@@ -43,7 +49,44 @@ def rank_sets(size: int, placed: bool = False) -> list[tuple[int, ...]]:
     return sorted(out, key=lambda s: (len(s), s))
 
 
-class Meshes:
+class World:
+    """What kernel/run.py asks of the world a case runs in. The mesh part:
+    ``placed(offset, n)`` (the case's world while it runs), ``group(w)``,
+    ``mesh(w, shape)`` and ``job(w)`` (ranks 0..w-1 as the default group
+    around what they run). The hooks below have the defaults of real process
+    groups, where each rank is a process of its own; a world that runs several
+    ranks in one process (kernel/simulated.py) says otherwise."""
+
+    def made_alike(self, make):
+        """What every rank makes alike (the model before sharding, a step's
+        batch), each from the same seed: ``make()`` on each rank, here."""
+        return make()
+
+    def observed(self, obs):
+        """What the reporting rank holds of the sharded run's observations ``obs`` (None: none kept)."""
+        return obs
+
+    def batchable(self, t) -> bool:
+        """Whether gather.py may fold ``t``'s full copy into its one batched all-gather
+        (``gather_batch(allowed=...)``); else it is gathered on its own (``full_tensor()``)."""
+        return True
+
+    @contextlib.contextmanager
+    def placed(self, offset: int, n: int):
+        yield
+
+    def group(self, w: int):
+        raise NotImplementedError
+
+    def mesh(self, w: int, shape: tuple[int, ...]):
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def job(self, w: int):
+        yield
+
+
+class Meshes(World):
     """Every subgroup a case can need, created collectively once."""
 
     def __init__(self, size: int, device_type: str, placed: bool = False):

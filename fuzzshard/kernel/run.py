@@ -14,6 +14,15 @@ and a fresh model + optimizer on the loading world (another size, mesh or
 wrapping) loads and runs the remaining steps; checkpoint.py says what the
 round trip must preserve, and the continued steps get the same parity check.
 A verdict is the dict verdict.py's builders make: status pass | invalid | finding.
+
+Where the ranks run is the ``meshes`` a case is handed, a kernel/mesh.py
+``World``: the seam. Besides its meshes, groups and jobs it says what every
+rank makes alike (``made_alike``: the model before sharding, each step's
+batch), what the reporting rank holds of the observations (``observed``) and
+which full copies gather.py may batch (``batchable``). Real process groups
+(mesh.Meshes) take the defaults; kernel/simulated.py's SimulatedWorld (every
+rank in one process, under LocalTensorMode: ``fuzz --simulate``) gives its own,
+and nothing here changes for it.
 """
 from __future__ import annotations
 
@@ -52,6 +61,7 @@ def run_case(case: Case, meshes, target_cls, device: str, reporter: bool, timing
     with clock("sharded"):
         obs, error = _run_sharded(case, meshes, target_cls, device, keep=reporter, localize=localize,
                                   ckpt_dir=ckpt_dir, clock=clock)
+    obs = meshes.observed(obs)  # what the reporting rank holds (the World seam)
     if error is not None:
         if _documented_refusal(case, error) or target_cls.documented_refusal(case, error):
             return invalid(f"documented: {error['text']}")
@@ -122,14 +132,15 @@ def run_bare(case: Case, meshes, target_cls, device: str, reporter: bool, timing
             if dist.get_rank() < case.world_size:
                 with meshes.job(case.world_size):
                     target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
-                    model, _ = _sharded_model(target, case, case.seed, device, flags=())
+                    model, _ = _sharded_model(meshes, target, case, case.seed, device, flags=())
                     opt = target.optimizer(model)
                     loop = target.loop(opt, model)
                     nothing = dict  # the same steps as a checked run, observing nothing
                     with target.uneven(model, opt, nothing, nothing, lambda rec: None) as runs:
-                        _steps(case, target, model, opt, loop, [k for k in range(len(case.schedule)) if runs(k)],
-                               device, keep=False, trace=None, phase=lambda kind, name: None, out=[],
-                               observe_grads=nothing, observe_step=nothing, observe_clipped=lambda norm: {})
+                        mine = [k for k in range(len(case.schedule)) if runs(k)]
+                        _steps(meshes, case, target, model, opt, loop, mine, device, keep=False, trace=None,
+                               phase=lambda kind, name: None, out=[], observe_grads=nothing, observe_step=nothing,
+                               observe_clipped=lambda norm: {})
     except Exception as e:
         return invalid(f"bare run raised: {error_record(e)['text']}")
     return passing() if reporter else None
@@ -216,7 +227,7 @@ def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, locali
             with meshes.job(case.world_size):
                 with clock("mesh"):
                     target = target_cls(case, meshes.mesh(case.world_size, case.mesh_shape))
-                model, obs["init"] = _sharded_model(target, case, case.seed, device, flags=())
+                model, obs["init"] = _sharded_model(meshes, target, case, case.seed, device, flags=())
                 phase("ctor", "optimizer constructor")
                 opt = target.optimizer(model)
                 loop = target.loop(opt, model)
@@ -224,8 +235,8 @@ def _run_sharded(case: Case, meshes, target_cls, device: str, keep: bool, locali
                 with clock("gathers"):
                     obs["init_state"] = target.optimizer_state(opt, model)  # some optimizers fill state in __init__
                 last = ck.after if ck else len(case.schedule) - 1
-                obs["steps"] += _train(case, target, model, opt, loop, range(last + 1), device, keep, localize, phase,
-                                       clock)
+                obs["steps"] += _train(meshes, case, target, model, opt, loop, range(last + 1), device, keep, localize,
+                                       phase, clock)
                 if ck:
                     phase("save", "checkpoint save")
                     with clock("checkpoint"):
@@ -261,7 +272,7 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
                                 optim=dataclasses.replace(case.optim, added_at=added_at))
     with clock("mesh"):
         target = target_cls(lcase, meshes.mesh(ck.world_size, ck.mesh_shape))
-    model, fresh = _sharded_model(target, case, case.seed + 1, device, flags=case.schedule[:ck.after + 1])
+    model, fresh = _sharded_model(meshes, target, case, case.seed + 1, device, flags=case.schedule[:ck.after + 1])
     opt = target.optimizer(model, lr_scale=RESUME_LR_SCALE)
     loop = target.loop(opt, model)  # built before the load, as torchtitan builds its schedulers
     phase("load", "checkpoint load")
@@ -269,7 +280,7 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
         target.load(model, opt, ckpt_dir, meshes.group(ck.world_size))
         loaded_loop = loop.load(ckpt_dir, ck.kind, meshes.group(ck.world_size))
     phase("load", "checkpoint load: gather")
-    with clock("gathers"), gather_batch() as batch:
+    with clock("gathers"), gather_batch(meshes.batchable) as batch:
         loaded = {"params": target.params(model), "fresh": {n: fresh[n] for n in ck.missing},
                   "state": target.optimizer_state(opt, model), "groups": target.group_hparams(opt)}
         # what a load gives every replica is a copy of one checkpoint: compared whatever the device
@@ -277,15 +288,15 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
     loaded["loop"] = loaded_loop
     if keep:
         obs["loaded"] = loaded
-    obs["steps"] += _train(lcase, target, model, opt, loop, range(ck.after + 1, len(case.schedule)), device, keep,
-                           localize, phase, clock)
+    obs["steps"] += _train(meshes, lcase, target, model, opt, loop, range(ck.after + 1, len(case.schedule)), device,
+                           keep, localize, phase, clock)
 
 
-def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
+def _sharded_model(meshes, target, case: Case, seed: int, device: str, flags) -> tuple:
     """(the sharded model, its initial params): requires_grad as ``case.frozen``
     and then the ``flags`` steps leave it, set after sharding, or before it
     for a target that registers the trainable params when it wraps (DDP)."""
-    model = build_model(case.model, seed, device, getattr(torch, target.build_dtype()))
+    model = meshes.made_alike(lambda: build_model(case.model, seed, device, getattr(torch, target.build_dtype())))
     init = {n: p.detach().to(torch_dtype(case)).clone() for n, p in model.named_parameters()}
 
     def set_flags(m):
@@ -301,7 +312,7 @@ def _sharded_model(target, case: Case, seed: int, device: str, flags) -> tuple:
     return model, init
 
 
-def _train(case: Case, target, model, opt, loop, steps, device: str, keep: bool, localize: bool, phase,
+def _train(meshes, case: Case, target, model, opt, loop, steps, device: str, keep: bool, localize: bool, phase,
            clock: Clock) -> list[dict]:
     """Run schedule steps ``steps``; the record of each when ``keep``."""
     trace = Trace(model, target.full_activation, target.full_activation_grad, target.trace_points(case),
@@ -311,7 +322,7 @@ def _train(case: Case, target, model, opt, loop, steps, device: str, keep: bool,
     compared = target.replica_quantities(device)
 
     def observe_grads() -> dict:  # collectives over the job, after backward
-        with clock("gathers"), gather_batch() as batch:
+        with clock("gathers"), gather_batch(meshes.batchable) as batch:
             # a fused kernel's divergence is told apart by the layout of the grads it read
             layout = {"noncontig": target.noncontiguous_grads(model)} if case.optim.implementation == "fused" else {}
             rec = {"grads": target.grads(model), "grad_spread": target.grad_spreads(model), **layout}
@@ -319,14 +330,14 @@ def _train(case: Case, target, model, opt, loop, steps, device: str, keep: bool,
         return rec
 
     def observe_clipped(norm) -> dict:  # collectives over the job, after clipping
-        with clock("gathers"), gather_batch() as batch:
+        with clock("gathers"), gather_batch(meshes.batchable) as batch:
             rec = {"clipped": target.grads(model), "clip_norm": norm}
             # every rank's copy of the total norm is the same number (a user logs and clips by it)
             rec["replica_clip"] = batch.watch({"clip_norm": {"": norm}} if norm is not None else {})
         return rec
 
     def observe_step() -> dict:  # collectives over the job, after the step
-        with clock("gathers"), gather_batch() as batch:
+        with clock("gathers"), gather_batch(meshes.batchable) as batch:
             rec = {"params": target.params(model), "state": target.optimizer_state(opt, model),
                    "groups": target.group_hparams(opt), "loop": loop.observe()}
             watched = [k for k in ("params", "state", "groups") if k in compared] + (["loop"] if rec["loop"] else [])
@@ -335,8 +346,8 @@ def _train(case: Case, target, model, opt, loop, steps, device: str, keep: bool,
 
     with target.uneven(model, opt, observe_grads, observe_step, out.append if keep else lambda rec: None) as runs:
         mine = [k for k in steps if runs(k)]
-        _steps(case, target, model, opt, loop, mine, device, keep, trace, phase, out, observe_grads, observe_step,
-               observe_clipped)
+        _steps(meshes, case, target, model, opt, loop, mine, device, keep, trace, phase, out, observe_grads,
+               observe_step, observe_clipped)
         if len(mine) < len(steps):  # the target's uneven inputs: the rest of the steps are shadowed on leaving
             phase("other", "joined: shadowing the other ranks' steps (uneven inputs)")
     if trace:
@@ -344,7 +355,7 @@ def _train(case: Case, target, model, opt, loop, steps, device: str, keep: bool,
     return out
 
 
-def _steps(case: Case, target, model, opt, loop, steps, device: str, keep: bool, trace, phase, out: list,
+def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, keep: bool, trace, phase, out: list,
            observe_grads, observe_step, observe_clipped) -> None:
     for k in steps:
         step = case.schedule[k]
@@ -355,7 +366,8 @@ def _steps(case: Case, target, model, opt, loop, steps, device: str, keep: bool,
         phase("other", f"step {k}: zero_grad")
         opt.zero_grad(set_to_none=step.set_to_none)
         phase("fwdbwd", f"step {k}: forward/backward")
-        x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, torch_dtype(case))
+        x, y = meshes.made_alike(lambda: make_batch(case.model, case.seed, k, case.batch, case.seq, device,
+                                                    torch_dtype(case)))
         target.scale_loss = loop.scale_loss(k)  # the grad scaler's, else None
         try:
             full_loss = target.forward_backward(model, x, y)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from ..case import Case
 from .message import RunCase
+from .options import PoolOptions
 from ..verdict import ErrorRecord, Verdict, failure, finding
 
 START_TIMEOUT = 300.0
@@ -74,31 +75,28 @@ class Pool:
         zygote: bool = True,
         placed: bool = False,
         simulate: bool = False,
+        options: PoolOptions | None = None,
     ):
+        """``options`` (options.py: what the command line said) or, each on its own, ``device``, ``backend``,
+        ``worker_setup``, ``case_timeout`` and ``simulate``; the rest is the pool's to decide."""
         if size < 1:
             raise ValueError("a pool needs at least one worker")
+        if options is None:
+            options = PoolOptions(device=device, backend=backend, case_timeout=case_timeout, simulate=simulate,
+                                  setup=[worker_setup] if isinstance(worker_setup, str) else worker_setup or ())
         self.size = size
-        self.case_timeout = case_timeout
+        self.case_timeout = options.case_timeout
         self._own_log_dir = log_dir is None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="fuzzshard-logs-")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.options = {
-            "device": device,
-            "backend": backend or ("nccl" if device == "cuda" else "gloo"),
-            "mesh_device": device,
-            "device_offset": device_offset,  # rank r uses accelerator (offset + r) % count
-            # files run in every worker before any case: --plugin ones, then --worker-setup
-            "setup": [os.path.abspath(p) for p in ([worker_setup] if isinstance(worker_setup, str) else worker_setup or [])],
-            "log_dir": self.log_dir,
+        simulated = options.simulate  # --simulate (kernel/simulated.py): each worker runs a whole case alone
+        self.options = replace(
+            options, device_offset=device_offset, log_dir=self.log_dir,
+            backend="fake" if simulated else options.backend or ("nccl" if options.device == "cuda" else "gloo"),
             # a collective stuck past this raises inside the worker; the driver gives up sooner
-            "collective_timeout": max(60.0, 2 * case_timeout),
-            # workers forked from a process that has imported torch (zygote.py), not each importing it
-            "zygote": zygote and os.environ.get("FUZZSHARD_ZYGOTE", "1") != "0",
-            # subgroups for cases placed at any offset, so run_many runs them side by side
-            "placed": placed and size > 1,
-        }
-        if simulate:  # --simulate (simulate.py): each worker runs a whole case alone, side by side with the others
-            self.options.update(simulate=True, placed=True, backend="fake")
+            collective_timeout=max(60.0, 2 * options.case_timeout),
+            zygote=zygote and os.environ.get("FUZZSHARD_ZYGOTE", "1") != "0",
+            placed=simulated or (placed and size > 1))  # simulated cases run side by side, one per worker
         # a cell spanning processes (span.Link): ranks from link.local on are
         # spawned elsewhere; it has no spare set, and its checkpoints go to a
         # scratch folder every node sees
@@ -284,11 +282,11 @@ class Pool:
 
     def _ranks(self, case: Case) -> int:
         """The workers a case takes: its ranks, or one that simulates them all (``simulate``)."""
-        return 1 if self.options.get("simulate") else case.ranks
+        return 1 if self.options.simulate else case.ranks
 
     def _free_block(self, w: int, busy: dict, placeable: bool = True) -> int | None:
         """The lowest offset o with ranks o..o+w-1 all free (0 only, without placed workers)."""
-        offsets = range(self.size - w + 1) if self.options["placed"] and placeable else [0]
+        offsets = range(self.size - w + 1) if self.options.placed and placeable else [0]
         return next((o for o in offsets if not any(r in busy for r in range(o, o + w))), None)
 
     def _start(self, job: _Job, offset: int, busy: dict) -> None:
@@ -429,7 +427,7 @@ class _Generation:
     """One set of worker processes forming one process group. They join their
     process group, then connect back over an authenticated socket."""
 
-    def __init__(self, index: int, size: int, options: dict, log_dir: str, link=None):
+    def __init__(self, index: int, size: int, options: PoolOptions, log_dir: str, link=None):
         self.index, self.size, self.log_dir, self.link = index, size, log_dir, link
         self.store_dir = tempfile.mkdtemp(prefix="fuzzshard-store-")
         authkey = secrets.token_bytes(16).hex()
@@ -439,7 +437,7 @@ class _Generation:
         host = link.host if link else "127.0.0.1"
         self.listener = mpc.Listener((host, 0), backlog=size, authkey=bytes.fromhex(authkey))
         store = link.worker_store(index) if link else os.path.join(self.store_dir, "store")
-        opts = {**options, "size": size, "address": self.listener.address, "store": store}
+        opts = {**options.to_worker(), "size": size, "address": self.listener.address, "store": store}
         local = link.local if link else size
         self.procs = [spawn_worker(opts, rank, authkey, self.log_path(rank)) for rank in range(local)]
         self.procs += [_Remote() for _ in range(local, size)]

@@ -67,8 +67,8 @@ def main() -> None:
         where = {"store": open_store(store, options["collective_timeout"])}
     else:  # a cell of this machine: a file store in the driver's temp folder
         where = {"init_method": f"file://{store}"}
-    if options.get("simulate"):  # --simulate: this process runs whole cases alone, every rank (simulate.py)
-        from ..session.simulate import SimulatedWorld
+    if options.get("simulate"):  # --simulate: this process runs whole cases alone, every rank (kernel/simulated.py)
+        from ..kernel.simulated import SimulatedWorld
 
         meshes = SimulatedWorld()
     else:
@@ -108,8 +108,45 @@ def main() -> None:
             timings = {}
         if "torch._dynamo" in sys.modules:  # a case compiled something (--compile, a plugin): its guards and
             torch._dynamo.reset()  # graphs would stay with the process and reach the next case (10 us)
+        _forget_sharding_decisions()  # torch <= 2.10 at least: DTensor's cache keyed without a shape argument
         print(f"case done in {time.perf_counter() - t0:.3f}s: {verdict and verdict.get('status')}", flush=True)
         conn.send(("verdict", CaseDone(verdict, timings)))
+
+
+_STALE_KEYS: bool | None = None  # whether this torch's sharding cache needs emptying (decided once)
+
+
+def _forget_sharding_decisions() -> None:
+    """DTensor's sharding propagation cache, emptied between cases where its key leaves out an argument that
+    decides an output's shape. embedding_dense_backward's strategy was registered without
+    ``RuntimeSchemaInfo(static_argnum=2)`` (torch 2.9.1 and 2.10.0; fixed by pytorch/pytorch#174727, in
+    2.13.0): its num_weights is not in the key, so a case whose embedding has another vocabulary size than an
+    earlier case's, with the same grad and index specs, gets that case's weight-grad shape ("EmbeddingBackward0
+    returned an invalid gradient ... got [1, 1] but expected shape compatible with [4, 1]"; a grad its weight
+    can be summed to passes, summed down). Two independent runs in one process meet it; a fresh worker does
+    not (fuzzshard/known/minimal/min_dtensor_embedding_backward_cache_num_weights.py). The releases that need
+    it are told by the registration itself; there, both caches: the Python one (a thread-local lru_cache with
+    no cache_clear of its own before 2.10) and the C++ fast path's (2.10). The reset takes 0.1 ms; the next
+    DTensor case then propagates its ops anew: +40 ms (2.9.1) to +80 ms (2.10.0) for an embedding and two
+    linears trained two steps, on those releases only."""
+    global _STALE_KEYS
+    if "torch.distributed.tensor" not in sys.modules or _STALE_KEYS is False:
+        return
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    if _STALE_KEYS is None:  # (a later torch that moved these has the fix: never a worker's error between cases)
+        op = torch.ops.aten.embedding_dense_backward.default
+        info = (getattr(prop, "op_to_schema_info", {}).get(op)
+                or getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}).get(op))
+        _STALE_KEYS = hasattr(prop, "op_to_schema_info") and (info is None or info.static_argnum > 2)
+        if not _STALE_KEYS:
+            return
+    prop.propagate_op_sharding.cache.cache_clear()  # LocalLRUCache: this (the main) thread's lru_cache
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
 
 
 def _die_with_parent() -> None:

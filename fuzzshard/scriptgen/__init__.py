@@ -26,19 +26,30 @@ The training loop a case draws (kernel/loop.py: grad scaler, clip, LR scheduler,
 state beside the checkpoint) is written in torch's words on both sides (loop.py;
 dtensor, tp, fsdp2 and zero for now).
 
-Per-target knowledge lives in one module per target here (dtensor.py,
-fsdp2.py, fsdp1.py, zero.py, sharded_optim.py, tp.py; dsd.py holds the state-dict
-checkpoint kinds they share), registered in ``WRITERS``. Not a hook in each
-target's Spec: the kernel's target modules are flattened into every fallback
-repro and imported in every worker, and this is driver-only text generation
-that would weigh on both; a new target adds a module here with the same
-functions (imports, unsupported, shard, optimizer, forward_backward, snapshot,
-grads, KINDS and FREEZE_BEFORE_SHARD; the checkpoint kinds of its own as save_<kind> /
-load_<kind>; REPLICAS where its snapshot lacks some replicated quantities) and one line in ``WRITERS``.
+Per-target knowledge lives in one module per target here, found as targets are
+(``writer``): scriptgen/NAME.py writes target NAME's cases, as kernel/targets/NAME.py
+is target NAME (fuzzshard/targets.py); the helpers they share (common.py, dsd.py: the
+state-dict checkpoint kinds, loop.py: the training loop) are ``_NOT_WRITERS``. Not a
+hook in each target's Spec: the kernel's target modules are flattened into every
+fallback repro and imported in every worker, and this is driver-only text generation
+that would weigh on both. A new target's writer is one module here, nothing else:
+``unsupported(case, options)`` (why a case is not written, or None) and ``KINDS``
+(the checkpoint kinds it writes) at the least, and for what it writes imports, shard,
+optimizer, forward_backward, snapshot, grads and FREEZE_BEFORE_SHARD; the checkpoint
+kinds of its own as save_<kind> / load_<kind>; REPLICAS where its snapshot lacks some
+replicated quantities; ``objective(case, net, x)`` where the plain replay's loss is not
+the loss on the whole batch (fsdp2's non-root term, pp's microbatches); LOOP (it
+writes the training loop around the step), DTENSOR_GRADS (its grads are DTensors: a
+total norm made full), SHARDED_SCALER (its grad scaler is ShardedGradScaler) and
+``global_loss(case, world)`` (ReduceLROnPlateau's loss where its ranks hold slices).
+A target with no module here falls back to the flattened kernel, saying so.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+import pkgutil
 import re
 import textwrap
 
@@ -49,12 +60,31 @@ from .. import targets
 from ..kernel.model import BUILTIN_MODELS, USER_MODELS, param_shapes
 from ..kernel.oracles import UNIT_ROUNDOFF, mixed_precision_tolerance, reduction_tolerance
 from ..kernel.reference import reduction_length, reduction_parts, step_tolerance_for  # the kernel's bounds
-from . import common, dsd, dtensor, fsdp1, fsdp2, loop, pp, sharded_optim, tp, zero
+from . import common, dsd, loop
+from .. import oracle as oracles  # what a finding of each oracle is
 from ..verdict import Verdict
 
-WRITERS = {"dtensor": dtensor, "fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "sharded_optim": sharded_optim, "tp": tp,
-           "pp": pp}
-ERROR_ORACLES = ("error_parity", "crash", "hang")
+# scriptgen/NAME.py is the writer of target NAME's scripts: adding one is adding its module (as
+# kernel/targets/NAME.py is target NAME). Not writers: the helpers the writers share.
+_NOT_WRITERS = {"common", "dsd", "loop"}
+_WRITTEN = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_WRITERS)
+
+
+@functools.lru_cache(maxsize=None)
+def writer(target: str):
+    """The module that writes ``target``'s scripts, or None (its repro is the flattened kernel)."""
+    if target not in _WRITTEN:
+        return None
+    module = importlib.import_module(f"{__name__}.{target}")
+    if not (callable(getattr(module, "unsupported", None)) and hasattr(module, "KINDS")):
+        raise TypeError(f"{module.__name__} must define unsupported(case, options) and KINDS, as every writer does")
+    return module
+
+
+def writers() -> dict:
+    """Every writer found: target name -> its module."""
+    return {name: writer(name) for name in _WRITTEN}
+
 
 
 def straight_script(case: Case, headline: str = "", environment: dict | None = None,
@@ -63,20 +93,20 @@ def straight_script(case: Case, headline: str = "", environment: dict | None = N
     where the case uses something no writer here writes (``fallback_reason``)."""
     if fallback_reason(case, environment, verdict):
         return None
-    return Writer(case, WRITERS[case.target], _plan(case, verdict), headline, environment or {}).text()
+    return Writer(case, writer(case.target), _plan(case, verdict), headline, environment or {}).text()
 
 
 def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdict | None = None) -> str | None:
     """Why the straight-line script cannot be written (the flattened kernel is then the repro); None: it can."""
-    w = WRITERS.get(case.target)
+    w = writer(case.target)
     if w is None:
         return f"no straight-line writer for the target {case.target}"
     why = _unsupported(case, w, environment or {})
     if why:
         return why
     plan = _plan(case, verdict)
-    if plan is None:  # (_plan writes errors, checkpoint round trips, replicas, and parity before a load)
-        return "a parity finding after a checkpoint load"
+    if isinstance(plan, str):  # (_plan writes errors, checkpoint round trips, replicas, and parity before a load)
+        return plan
     if plan["mode"] == "replica":
         q = plan["quantity"]
         if q.split(".")[0] not in getattr(w, "REPLICAS", ("grad", "param", "state", "param_groups", "clip_norm", "loop")):
@@ -128,8 +158,8 @@ def _step_tolerance(case: Case) -> dict:
     return step_tolerance_for(case, numel, targets.get(case.target))
 
 
-def _plan(case: Case, verdict: Verdict | None) -> dict | None:
-    """What the script runs and checks: mode (error, checkpoint, parity, all),
+def _plan(case: Case, verdict: Verdict | None) -> dict | str:
+    """What the script runs and checks (or why it cannot: a string): mode (error, checkpoint, parity, all),
     the last saving-side step, whether the loading side runs and its last step,
     whether each step observes the full state (where the kernel's gathers raised)."""
     ck, n = case.checkpoint, len(case.schedule)
@@ -137,10 +167,12 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
     save_last = ck.after if ck else n - 1
     plan = {"mode": "all", "last": save_last, "load": bool(ck), "load_last": n - 1, "observe": False, "check": "",
             "ckpt": bool(ck)}  # ckpt: whether the script saves (and loads)
-    if oracle in ERROR_ORACLES or (verdict and verdict.error and not first):
+    if verdict and (oracles.raised(verdict) or oracles.costly(verdict) or verdict.error and not first):
+        # an error, a crash or a hang: the run up to where it raised or stopped (where the ranks did not finish,
+        # observing the full state after each step as the kernel's gathers do)
         err = verdict.error_record
         phase = err.phase or ""
-        plan.update(mode="error", observe=oracle in ("crash", "hang") or "gather" in phase, check=err.type)
+        plan.update(mode="error", observe=oracles.costly(verdict) or "gather" in phase, check=err.type)
         m = re.match(r"step (\d+)", phase)
         if m:
             k = int(m.group(1))
@@ -155,6 +187,7 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
         elif phase.startswith("checkpoint load") or phase == "checkpoint barrier":
             plan["load_last"] = ck.after if ck else n - 1
         return plan
+    # the silent oracles by name: the script writes out that oracle's own comparison (docs/extending.md, An oracle)
     if oracle == "checkpoint" or (ck and not oracle):
         quantity = verdict.quantity if verdict else ""
         saved = quantity.startswith("saved") and ck.kind in ("full", "fsdp1_full", "fsdp1_legacy")
@@ -173,7 +206,7 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
     if oracle == "parity" or not oracle:
         k = first.step if first else n - 1
         if ck and k > ck.after:
-            return None  # (parity after a load: the flattened kernel)
+            return "a parity finding after a checkpoint load"
         q = first.quantity if first else ""  # what the replay compares: the grads (the forward) or what the step made
         what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
             "state" if q.startswith("state") else "group" if q.startswith("param_groups") else \
@@ -182,7 +215,7 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | None:
             first = None  # the scheduler and the scaler carry state from step to step: each step replayed
         plan.update(mode="parity", last=k, load=False, ckpt=False, steps=[k] if first else list(range(k + 1)), what=what)
         return plan
-    return None
+    return f"a finding of the {oracle} oracle, whose check the script does not write"
 
 
 class Writer:
@@ -477,11 +510,11 @@ class Writer:
         return out
 
     def plain_loss(self, net: str, x: str) -> str:
-        """The kernel's objective on the plain model: the loss, plus fsdp2's non-root forward term (``nonroot``)."""
-        nonroot = f" + {net}.layers[0]({x}).square().mean()" if self.case.target == "fsdp2" and \
-            self.case.target_options.get("nonroot") else ""
-        loss = common.loss(self.case, f"{net}({x})", "y")
-        return f"({loss}{nonroot})" if nonroot else loss
+        """The kernel's objective on the plain model: the loss, or a writer's own ``objective(case, net, x)``
+        where it has one (fsdp2: its non-root forward term; pp: the schedule's microbatches)."""
+        if hasattr(self.w, "objective"):
+            return self.w.objective(self.case, net, x)
+        return common.loss(self.case, f"{net}({x})", "y")
 
     def sensitive(self) -> bool:
         """Whether the grads' bound takes the one-ulp sensitivity too, as the kernel's does: in a low precision,
@@ -500,7 +533,7 @@ class Writer:
         reduce = mp.get("reduce_dtype") or compute
         world, m = c.world_size, o.get("microbatches", 1)
         tol, per = mixed_precision_tolerance(compute, reduce, world, m), c.batch // world
-        units = ", ".join(["low"] + [fsdp2.module(u, c).replace("model", "low", 1) for u in o.get("wrap", [])])
+        units = ", ".join(["low"] + [self.w.module(u, c).replace("model", "low", 1) for u in o.get("wrap", [])])
         hooks = []
         if mp.get("cast_forward_inputs", True) and mp.get("param_dtype"):
             hooks.append(f"        unit.register_forward_pre_hook(lambda m, a: tuple(t.to(torch.{compute}) "
@@ -540,10 +573,11 @@ class Writer:
     def parity_check(self) -> list[str]:
         c, p = self.case, self.plan
         red, step = reduction_tolerance(c.dtype, reduction_length(c)), _step_tolerance(c)  # the kernel's bounds
-        if c.model.factory:
+        per = reduction_tolerance(c.dtype, 1)["k_ulps"]  # the kernel's ulps per summed term
+        if c.model.factory or per * reduction_length(c) != red["k_ulps"]:
             red_k = str(red["k_ulps"])
-        else:  # as its factors: batch, seq, widest dim, conv kernel, depth + 1
-            red_k = "2 * " + " * ".join(map(str, reduction_parts(c)))
+        else:  # as its factors: ulps per term, batch, seq, widest dim, conv kernel, depth + 1
+            red_k = " * ".join(map(str, (per, *reduction_parts(c))))
         step_u = "U" if step["u"] == UNIT_ROUNDOFF[c.dtype] else f"2.0 ** {int(math.log2(step['u']))}"
         what = p.get("what", "")
         plain = [f"GRAD_ULPS = {red_k}  # the kernel's bound: {red['why']}"] * \
@@ -592,7 +626,7 @@ class Writer:
         elif what in ("", "grad"):
             body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
                      "x, y = batch(k)",
-                     f"{self.plain_loss('plain', 'x')}.backward()  # the whole batch"]
+                     f"{self.plain_loss('plain', 'x')}.backward()  # {getattr(self.w, 'BATCH', 'the whole batch')}"]
             sens = ", sens=sens.get(n, 0.0)" if self.sensitive() else ""
             body += ["sens = sensitivity(plain, x, y)"] * bool(sens)
             body += guard([f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, GRAD_ULPS{sens})"

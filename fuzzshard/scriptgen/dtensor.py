@@ -6,6 +6,8 @@ from ..case import Case
 from . import common, dsd
 
 KINDS = dsd.KINDS
+LOOP = True  # its scripts write the training loop around the step (loop.py)
+DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
 FREEZE_BEFORE_SHARD = False
 
 
@@ -42,6 +44,11 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
 
 def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:
     return common.optimizer(case, lr_scale)
+
+
+def global_loss(case: Case, world: int) -> list[str]:
+    """The step's global loss for ReduceLROnPlateau: the replicated loss DTensor, made full."""
+    return ["full_loss = float(loss.full_tensor())"]
 
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:

@@ -10,6 +10,9 @@ from . import common, dsd
 from .dtensor import SNAPSHOT
 
 KINDS = dsd.KINDS
+LOOP = True  # its scripts write the training loop around the step (loop.py)
+DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
+SHARDED_SCALER = True  # its grad scaler is ShardedGradScaler (amp's where the case draws it), as the kernel's
 FREEZE_BEFORE_SHARD = False
 _OPTIONS = {"wrap", "reshard_after_forward", "offload", "mp", "ac", "ac_wrapper", "tp", "microbatches", "nonroot",
             "built_as", "compile", "compile_step"}
@@ -86,6 +89,21 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
     if options.get("compile_step"):
         out += ["step = opt.step", "opt.step = torch.compile(lambda closure=None: step(), fullgraph=False)"]
     return out
+
+
+def objective(case: Case, net: str, x: str) -> str:
+    """The plain replay's loss as the kernel's objective says it (kernel/targets/fsdp2.py): plus the non-root
+    forward's term (layers.0 called on the input) under ``nonroot``."""
+    loss = common.loss(case, f"{net}({x})", "y")
+    return f"({loss} + {net}.layers[0]({x}).square().mean())" if case.target_options.get("nonroot") else loss
+
+
+def global_loss(case: Case, world: int) -> list[str]:
+    """The step's global loss for ReduceLROnPlateau: each rank's slice, the mean over the ranks, summed in
+    float64 (as the kernel's)."""
+    return ["full_loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double()",
+            "dist.all_reduce(full_loss)  # every rank of a data-parallel slice holds its loss: the mean over ranks",
+            f"full_loss = float((full_loss / {world}).to(torch.{case.dtype}))"]
 
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:

@@ -18,8 +18,19 @@ from .. import targets
 from . import common
 
 SCHED = "torch.optim.lr_scheduler."
-WRITTEN = ("dtensor", "tp", "fsdp2", "zero")  # the targets whose scripts write the loop (the rest: the flattened kernel)
-DTENSOR_PARAMS = ("dtensor", "tp", "fsdp2")  # a total norm over DTensor grads is a DTensor: made full
+
+
+def _writer(case: Case):
+    from . import writer
+
+    return writer(case.target)
+
+
+def _says(case: Case, what: str) -> bool:
+    """What the target's writer module declares (``LOOP``: its scripts write the loop, the rest fall back to the
+    flattened kernel; ``DTENSOR_GRADS``: its grads are DTensors, so a total norm over them is one, made full;
+    ``SHARDED_SCALER``: its grad scaler is FSDP's ShardedGradScaler, unless the case draws amp's)."""
+    return bool(getattr(_writer(case), what, False))
 
 
 def used(case: Case) -> bool:
@@ -38,12 +49,12 @@ def unsupported(case: Case) -> str | None:
     if case.clip and case.clip.how not in spec.clips or case.lr_scheduler and not spec.lr_scheduler or \
             case.scaler and not spec.scaler:
         return f"the training loop's {_names(case)} under {case.target}, which does not draw it"
-    if case.target not in WRITTEN:
+    if not _says(case, "LOOP"):
         return f"the training loop's {_names(case)} under {case.target} (no straight-line writer for it yet)"
     if case.clip and case.clip.how == "own":
         return "the target's own clip_grad_norm_"
     o = case.target_options
-    if plateau(case) and case.target == "fsdp2" and o.get("microbatches", 1) > 1:
+    if plateau(case) and o.get("microbatches", 1) > 1:  # (fsdp2's gradient accumulation)
         return "ReduceLROnPlateau fed a loss accumulated over microbatches"
     if case.scaler and o.get("mp"):
         return "a grad scaler under mixed precision (the replay of FSDP2's casts does not scale its loss)"
@@ -96,7 +107,7 @@ def _scheduler(spec: LRScheduler, opt: str) -> str:
 
 def _sharded_scaler(case: Case) -> bool:
     """Whether the sharded run's scaler is FSDP's ShardedGradScaler (fsdp2's own; amp's where ``Scaler.amp``)."""
-    return bool(case.scaler) and case.target == "fsdp2" and not getattr(case.scaler, "amp", False)
+    return bool(case.scaler) and _says(case, "SHARDED_SCALER") and not getattr(case.scaler, "amp", False)
 
 
 def imports(case: Case) -> list[str]:
@@ -163,7 +174,7 @@ def clip(case: Case, params: str = "model.parameters()", full: bool = True, norm
     if not c:
         return []
     fe = [f"foreach={c.foreach!r}"] * (c.foreach is not None)
-    full = full and case.target in DTENSOR_PARAMS
+    full = full and _says(case, "DTENSOR_GRADS")
     whole = f"{norm} = {norm}.full_tensor() if isinstance({norm}, DTensor) else {norm}  # the full norm, as torchtitan reads it"
     if c.how == "value":
         return [f"torch.nn.utils.clip_grad_value_({', '.join([params, repr(c.max_norm)] + fe)})"]
@@ -177,17 +188,10 @@ def clip(case: Case, params: str = "model.parameters()", full: bool = True, norm
 
 
 def global_loss(case: Case, world: int) -> list[str]:
-    """Lines leaving ``full_loss``: the step's global mean loss as a float, as the kernel feeds ReduceLROnPlateau."""
-    if case.target == "fsdp2":  # each rank's slice: the mean over the ranks, summed in float64 (as the kernel)
-        return ["full_loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double()",
-                "dist.all_reduce(full_loss)  # every rank of a data-parallel slice holds its loss: the mean over ranks",
-                f"full_loss = float((full_loss / {world}).to(torch.{case.dtype}))"]
-    if case.target == "dtensor":
-        return ["full_loss = float(loss.full_tensor())"]
-    if case.target == "zero":  # each rank's slice: all-reduced in its dtype, as the kernel's
-        return ["full_loss = loss.detach().clone()", "dist.all_reduce(full_loss, group=opt.process_group)",
-                f"full_loss = float(full_loss / {world})"] if world > 1 else ["full_loss = float(loss)"]
-    return ["full_loss = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)"]
+    """Lines leaving ``full_loss``: the step's global mean loss as a float, as the kernel feeds ReduceLROnPlateau
+    (a writer's own ``global_loss(case, world)`` where its ranks hold slices of the batch or a DTensor loss)."""
+    own = getattr(_writer(case), "global_loss", None)
+    return own(case, world) if own else ["full_loss = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)"]
 
 
 def step(case: Case, opt: str = "opt", sched: str = "sched", scaler: str = "scaler", loss: str = "full_loss") -> list[str]:
@@ -208,8 +212,9 @@ def record(case: Case, grads: str | None) -> list[str]:
         parts.append(f"\"clipped\": {grads}")
     if case.scaler:
         parts.append("\"scale\": scaler.get_scale()")
-    if case.lr_scheduler:
-        parts.append("\"lr\": [float(v) for v in sched.get_last_lr()]")
+    if case.lr_scheduler:  # (a writer's LAST_LR where a rank's scheduler steps only some of the case's groups: pp)
+        from . import writer
+        parts.append(f"\"lr\": {getattr(writer(case.target), 'LAST_LR', '[float(v) for v in sched.get_last_lr()]')}")
     if plateau(case):
         parts.append("\"loss\": full_loss")
     text = "ran.append({" + ", ".join(parts) + "})"
@@ -270,6 +275,26 @@ def check_loaded() -> list[str]:
 
 # ---- the parity replay: the plain model's own loop on the sharded grads ----------
 
+def clip_ulps(case: Case) -> str:
+    """``CLIP_ULPS``, the kernel's bound of the total norm and the clipped grads (reference.clip_tolerance),
+    written over what the script counts at run time: the grads' bound (GRAD_ULPS) plus a reduction over the
+    grad elements (those of the params that have a grad at that step). The kernel's bound is affine in both:
+    asked at two counts, it gives the script's slope and constant (and is checked to be so at a third)."""
+    from ..kernel.oracles import UNIT_ROUNDOFF
+    from ..kernel.reference import clip_tolerance
+
+    u = UNIT_ROUNDOFF[case.dtype]
+    at = lambda grad_ulps, numel: clip_tolerance(case, {"k_ulps": grad_ulps, "u": u, "why": ""}, numel)["k_ulps"]
+    base, per = at(0, 0), at(0, 1) - at(0, 0)
+    if at(1, 0) != base + 1 or at(0, 7) != base + 7 * per:
+        raise ValueError("reference.clip_tolerance is no longer affine in the grads' bound and the grad count: "
+                         "write its new form here")
+    why = "a max: exact, but for the grads it is read from" if not (base or per) else \
+        "a norm over the grad elements, reduced in another order"
+    count = f" + {per} * sum(q.numel() for q in plain.parameters() if q.grad is not None)" * bool(per)
+    return f"CLIP_ULPS = GRAD_ULPS{count}{f' + {base}' * bool(base)}  # the kernel's bound: {why}"
+
+
 def replay(case: Case, what: str) -> tuple[list[str], list[str]]:
     """(the lines that replace the plain step, the loop's own checks after it) for step k of a parity replay:
     the plain scaler scales and unscales the sharded grads (powers of two: exact; it finds the inf where the
@@ -284,11 +309,7 @@ def replay(case: Case, what: str) -> tuple[list[str], list[str]]:
     if case.clip and what in ("", "clip", "param", "state"):
         out += clip(case, "plain.parameters()", full=False, norm="norm_p")
         if what in ("", "clip"):
-            if case.clip.norm_type == "inf":
-                out.append("CLIP_ULPS = GRAD_ULPS  # a max: exact, but for the grads it is read from")
-            else:
-                out.append("CLIP_ULPS = GRAD_ULPS + 2 * (sum(q.numel() for q in plain.parameters() if q.grad is not None) "
-                           f"+ {2 * len(case.groups) + 2}) + 4  # the kernel's: a norm, summed in another order")
+            out.append(clip_ulps(case))
             if case.clip.how != "value":
                 out.append("fail.append(check(f\"step {k} total norm\", ran[k][\"norm\"], norm_p, CLIP_ULPS))")
             out += ["fail += [check(f\"step {k} clipped grad {n}\", ran[k][\"clipped\"][n], q.grad, CLIP_ULPS)",

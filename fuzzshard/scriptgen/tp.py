@@ -8,6 +8,8 @@ from ..case import Case
 from . import common, dsd, dtensor
 
 KINDS = dsd.KINDS
+LOOP = True  # its scripts write the training loop around the step (loop.py)
+DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
 FREEZE_BEFORE_SHARD = False
 grads = dtensor.grads  # every param a DTensor, every grad gathered with full_tensor(), as dtensor's
 

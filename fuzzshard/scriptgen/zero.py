@@ -8,6 +8,7 @@ from ..case import Case
 from . import common
 
 KINDS = ("consolidate",)
+LOOP = True  # its scripts write the training loop around the step (loop.py)
 FREEZE_BEFORE_SHARD = True  # DDP records the params that require grad when it wraps
 GROUP = True  # on fewer ranks than the script's: a process group of its own
 _OPTIONS = {"ddp", "bucket_view", "consolidate_to", "generator_groups"}
@@ -45,6 +46,13 @@ def check_GroupsLost(case: Case) -> list[str]:
             "lost = [n for n, q in model.named_parameters() if id(q) not in held and any(n in g for g in "
             f"{[list(g.params) for g in case.groups]!r})]",
             "assert not lost, f\"ZeroRedundancyOptimizer's param groups lack {lost}, which it was given\""]
+
+
+def global_loss(case: Case, world: int) -> list[str]:
+    """The step's global loss for ReduceLROnPlateau: each rank's slice, all-reduced over the optimizer's group in
+    its dtype, as the kernel's."""
+    return ["full_loss = loss.detach().clone()", "dist.all_reduce(full_loss, group=opt.process_group)",
+            f"full_loss = float(full_loss / {world})"] if world > 1 else ["full_loss = float(loss)"]
 
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:

@@ -4,13 +4,17 @@ loop (the floor: the same cases' sharded training alone, in the same pool),
 on the same cases, in one run; where a warm case's time goes; and what a
 checkpoint round trip adds to a case (the same cases again, each saved after
 its first step and resumed, per kind). The last line ends with the speed-up
-ratio against a fresh process group."""
+ratio against a fresh process group. ``bench --simulate``
+(``run_simulate_bench``): the same cases simulated in one process
+(kernel/simulated.py) against real processes, per world size."""
 from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import statistics
 import time
+from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
@@ -210,8 +214,6 @@ def run_soak_bench(seconds: float, workers: int, target: str, seed: int = 0, ech
     import subprocess
     import sys
     import tempfile
-    from pathlib import Path
-
     from ..report.page import load_cases
 
     base = [sys.executable, "-m", "fuzzshard"]
@@ -265,3 +267,57 @@ def run_session_bench(n: int, seed: int, target: str = "dtensor", worlds=(1, 2, 
     echo(f"session over world sizes {','.join(map(str, worlds))} on {max(worlds)} ranks, {target}, seed {seed}, "
          f"{n} examples: side by side {ratio:.2f}x one at a time")
     return ratio
+
+
+# -- bench --simulate: simulated cases (kernel/simulated.py) against real ones -------------------------------
+def run_simulate_bench(n: int, seed: int, target: str = "dtensor", echo=print, real_worlds=(2, 4, 8),
+                       sim_worlds=(2, 4, 8, 16, 64), workers: int | None = None) -> dict:
+    """Cases/s of the same cases simulated (one worker; and ``workers`` side
+    by side, as a simulated session runs them) and real (a warm gloo pool of
+    W processes, one case at a time), per world size. Each pool runs one
+    untimed case of the size first (imports, torch's per-shape caches).
+    Beside the wall clock, the CPU seconds its worker processes spent per
+    case: on a machine others load, W real processes get W shares of the
+    cores and one simulated worker one share, so the CPU ratio is what an
+    idle machine's wall clock would give (side by side, one case per core)."""
+    workers = workers or max(1, os.cpu_count() or 1)
+    out: dict = {}
+    echo(f"bench --simulate: {n} {target} cases per world size (seed {seed}); real: a warm pool of W gloo "
+         f"processes; simulated: LocalTensorMode in one worker, and in {workers} side by side")
+    for w in sorted(set(real_worlds) | set(sim_worlds)):
+        *cases, spare = fixed_cases(n + 1, w, seed, target)
+        row: dict = {}
+        sides = ([("real", dict(size=w), False)] if w in real_worlds else []) + \
+                ([("sim1", dict(size=1, simulate=True), False)] + ([("simN", dict(size=workers, simulate=True), True)]
+                                                                    if workers > 1 else []) if w in sim_worlds else [])
+        for name, kwargs, side_by_side in sides:
+            with Pool(case_timeout=600, spare=False, placed=side_by_side, **kwargs) as pool:
+                pool.run_many([spare] * (pool.size if kwargs.get("simulate") else 1))  # every worker warm
+                t0, cpu0 = time.perf_counter(), _cpu_seconds(pool)
+                results = pool.run_many(cases) if side_by_side else [pool.run(c) for c in cases]
+                seconds, cpu1 = time.perf_counter() - t0, _cpu_seconds(pool)
+            # a worker replaced after a crash took what it spent with it: then the CPU is a lower bound
+            cpu, lost = sum(t - cpu0.get(pid, 0.0) for pid, t in cpu1.items()), not cpu0.keys() <= cpu1.keys()
+            statuses = dict(collections.Counter(r.verdict.status for r in results))
+            row[name] = {"cases_per_s": len(cases) / seconds, "seconds": seconds, "statuses": statuses,
+                         "cpu_per_case": cpu / len(cases), "cpu_lower_bound": lost}
+            echo(f"  W={w:<3} {name:5} {len(cases) / seconds:7.2f} cases/s  ({seconds:.1f}s, CPU {'>=' if lost else ''}"
+                 f"{cpu / len(cases):.2f}s a case; {', '.join(f'{k} {v}' for k, v in sorted(statuses.items()))})")
+        if "real" in row and "sim1" in row:
+            best = max(row["sim1"]["cases_per_s"], row.get("simN", row["sim1"])["cases_per_s"])
+            echo(f"  W={w:<3} simulated / real: {best / row['real']['cases_per_s']:.2f}x wall clock, "
+                 f"{'>=' if row['real']['cpu_lower_bound'] else ''}"
+                 f"{row['real']['cpu_per_case'] / row['sim1']['cpu_per_case']:.2f}x CPU a case")
+        out[w] = row
+    return out
+
+
+def _cpu_seconds(pool) -> dict:
+    """pid -> user + system CPU seconds each worker process of the pool has spent so far (Linux's /proc)."""
+    out = {}
+    for proc in pool.procs:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()  # after "pid (name)"
+        out[proc.pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in ticks
+    return out
+
+

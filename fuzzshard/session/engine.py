@@ -42,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import strategies as st
@@ -101,7 +102,8 @@ class Stats:
     repeats: int = 0  # cases drawn again in the session: answered with their verdict, not run
     cut: int = 0  # cases the session's end cut short (not judged)
     internal_errors: int = 0
-    contaminated: int = 0  # new signatures a fresh run did not confirm
+    contaminated: int = 0  # new signatures a fresh run did not confirm, after other cases in the warm workers
+    unsteady: int = 0  # new signatures a fresh run did not confirm, with nothing run before them either
     slow: int = 0  # provisional hangs that finished at the full timeout
     derived_timeouts: int = 0  # cases run under a timeout derived while a hang shrank
     derived_timeout: float = 0.0  # the last such timeout
@@ -132,7 +134,16 @@ class _Round:
 
 
 class Session:
+    """A fuzz session (the module's docstring). What a kind of session changes, it says through these, a
+    subclass's class attributes or the constructor's arguments (soak.SoakSession, simulate.SimulatedSession):
+      - ``book_class``: what keeps the session's findings from first sight to their files: FindingBook, a
+        subclass (a simulated session's SimulatedBook), or any callable taking FindingBook's arguments (a
+        soak cell's SoakBook with its ``origin``); the constructor's ``book_class`` wins over the class's;
+      - ``fallback_db``: the directory database under OUT (that a redis database also writes);
+      - ``log`` and ``procs``: OUT/cells/NAME.jsonl, a line per case (``on_case``), and the processes the
+        session's ranks run in."""
     fallback_db = ".hypothesis"  # the directory database under OUT that a redis database also writes
+    book_class: Callable[..., FindingBook] = FindingBook
 
     def __init__(
         self,
@@ -145,15 +156,18 @@ class Session:
         seed: int = 0,
         device: str = "cpu",
         known: dict | None = None,
-        progress=sys.stderr,
+        progress=None,
         strategy_kwargs: dict | None = None,
         database=None,
         shrink_budget: float | None = None,
         findings_dir: str | Path | None = None,
         plugins=(),
         pack: int | None = None,
+        book_class: Callable[..., FindingBook] | None = None,
     ):
         self.pool = pool
+        # (read off the class, never bound: a plain function a subclass names is called as it is)
+        self.book_class = book_class if book_class is not None else type(self).book_class
         self.targets = targets
         self.out = Path(out_dir)
         self.findings_dir = Path(findings_dir) if findings_dir else self.out
@@ -163,7 +177,7 @@ class Session:
         self.shrink_budget = default_shrink_budget(duration) if shrink_budget is None else shrink_budget
         self.seed = seed
         self.device = device
-        self.progress = progress
+        self.progress = progress = progress or sys.stderr  # when called, not imported (pytest swaps stderr)
         self.strategy_kwargs = strategy_kwargs or {}
         self.database = database if database is not None else str(self.out / ".hypothesis")
         self.stats = Stats()
@@ -182,14 +196,10 @@ class Session:
         self.plugins = [str(Path(p).resolve()) for p in plugins]  # --plugin files: recorded, so replay loads them
         # cases drawn together and run side by side (at most): 1 draws and runs one at a time
         self.pack = pack_size(pool, self.world_sizes) if pack is None else pack
-        self.book = self._new_book(
+        self.book = self.book_class(
             pool, self.out, self.stats, findings_dir=self.findings_dir, known=load_known() if known is None else known,
             progress=progress, optimizer_names=self.strategy_kwargs.get("optimizer_names"), plugins=self.plugins,
             pack=self.pack, shrink_budget=self.shrink_budget, variant_timeout=self._derived_timeout)
-
-    def _new_book(self, *args, **kwargs) -> FindingBook:
-        """The session's findings from first sight to their files (a soak cell's publish into a shared folder)."""
-        return FindingBook(*args, **kwargs)
 
     # what the summary reads (cli/fuzz.py): the book's
     @property
@@ -199,6 +209,10 @@ class Session:
     @property
     def contaminated(self) -> list[dict]:
         return self.book.contaminated
+
+    @property
+    def unsteady(self) -> list[dict]:
+        return self.book.unsteady
 
     @property
     def known(self) -> dict:
@@ -465,6 +479,8 @@ class Session:
             line += f" of {_clock(self.duration)} (ends in ~{_clock(max(0.0, self.duration - elapsed))})"
         if st.contaminated:
             line += f" · contaminated {st.contaminated}"
+        if st.unsteady:
+            line += f" · unsteady {st.unsteady}"
         if self.pool.restarts:
             line += (f" · pool restarts {self.pool.restarts} ({self.pool.stuck_seconds:.0f}s waiting for stuck ranks, "
                      f"{self.pool.restart_seconds:.0f}s restarting)")
@@ -481,7 +497,7 @@ def pack_size(pool, world_sizes) -> int:
     """How many cases a session draws together: as many of the smallest world
     size as the pool holds side by side, on a pool built for it (``placed``);
     otherwise 1, and a session draws what it always drew."""
-    if pool is None or not pool.options.get("placed"):
+    if pool is None or not pool.options.placed:
         return 1
     return max(1, pool.size // min(world_sizes))
 

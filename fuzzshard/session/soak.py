@@ -24,6 +24,7 @@ nothing already found and never leaves a half-written file:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -35,6 +36,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..findings.life import SoakBook
+from ..pool.runner import LostRank, Pool, PoolError
+from .engine import Session
 
 STATUS_EVERY = 10.0
 
@@ -66,9 +70,10 @@ class Soak:
     """The supervisor on one machine (or one torchrun process): epochs of cells."""
 
     def __init__(self, options: dict, workers: int, duration: float, epoch: float, out: str, seed: int,
-                 cells: list[int] | None = None, progress=sys.stderr):
+                 cells: list[int] | None = None, progress=None):
         self.options, self.workers, self.duration, self.epoch = options, workers, duration, epoch
-        self.out, self.seed, self.progress = Path(out), seed, progress
+        # (sys.stderr when called, not when imported: pytest's capture swaps it, and closes the one it swapped out)
+        self.out, self.seed, self.progress = Path(out), seed, progress or sys.stderr
         self.fixed = cells
         self.slot = torchrun_slot()
         self.coord = None  # span.Coordinator under torchrun
@@ -234,20 +239,30 @@ class Soak:
 
 
 # -- one cell ------------------------------------------------------------------
+class SoakSession(Session):
+    """One cell's fuzz session: its findings published into OUT/findings/, shared by every cell
+    (life.SoakBook: the first cell wins, ``origin`` says which cell wrote it), its examples in OUT/db,
+    a line per case in OUT/cells/NAME.jsonl. ``spec``: the cell as the supervisor wrote it (Soak._spawn)."""
+
+    fallback_db = "db"
+
+    def __init__(self, spec: dict, pool, **kwargs):
+        out = Path(spec["out"])
+        origin = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"], "seed": spec["seed"]}
+        sizes = [w for w in spec["world_sizes"] if w <= spec["size"]] or [1]
+        super().__init__(pool, spec["targets"], out, world_sizes=sizes,
+                         duration=max(1.0, spec["deadline"] - time.time()), seed=spec["seed"], device=spec["device"],
+                         strategy_kwargs=spec["strategy_kwargs"], database=spec["database"] or str(out / "db"),
+                         plugins=spec.get("plugins") or (), findings_dir=out / "findings",
+                         book_class=functools.partial(SoakBook, origin=origin), **kwargs)
+        self.procs = spec.get("procs", 1)  # the processes its ranks run in (a cell spanning torchrun processes)
+        self.log = out / "cells" / f"{spec['name']}.jsonl"
+        self.log.touch()
+        self.book.catch_up()  # what other cells published before this one started: known here
+
+
 def run_cell(spec: dict) -> int:
-    from .engine import Session
-    from ..findings.life import SoakBook
-    from ..pool.runner import LostRank, Pool, PoolError
-
-    class SoakSession(Session):
-        fallback_db = "db"
-
-        procs = spec.get("procs", 1)
-
-        def _new_book(self, *args, **kwargs) -> SoakBook:
-            origin = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"], "seed": spec["seed"]}
-            return SoakBook(*args, origin=origin, **kwargs)
-
+    """One cell, in its own process (``python -m fuzzshard.session.soak SPEC``): its pool, its session."""
     out = Path(spec["out"])
     device = spec["device"]
     from ..pool.worker import run_setup_file
@@ -268,15 +283,7 @@ def run_cell(spec: dict) -> int:
         print(f"cell {spec['name']}: workers did not start: {e}", flush=True)
         pool.close()
         return 3
-    sizes = [w for w in spec["world_sizes"] if w <= spec["size"]] or [1]
-    session = SoakSession(pool, spec["targets"], out, world_sizes=sizes, duration=max(1.0, spec["deadline"] - time.time()),
-                          seed=spec["seed"], device=device, strategy_kwargs=spec["strategy_kwargs"],
-                          database=spec["database"] or str(out / "db"), progress=sys.stdout,
-                          plugins=spec.get("plugins") or (),
-                          findings_dir=out / "findings")
-    session.log = out / "cells" / f"{spec['name']}.jsonl"
-    session.log.touch()
-    session.book.catch_up()
+    session = SoakSession(spec, pool, progress=sys.stdout)
 
     def stop(signum, frame):
         session.request_stop(signal.Signals(signum).name)

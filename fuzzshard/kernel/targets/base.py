@@ -67,6 +67,9 @@ class Spec:
     lr_scheduler_checkpoint: bool = True  # an LR scheduler beside a checkpoint (pp: no, per-rank states do not reshard)
     scaler: bool = False
     amp_scaler: bool = False  # its grad scaler is its own (ShardedGradScaler), and amp's is drawn too
+    # the deepest built-in topology it draws (top-level layers), where more than the session's default: pp's
+    # multi-stage schedules put 2 or 3 stages of one layer or more on each of up to 4 ranks
+    max_depth: int = 0
 
 
 class Target:

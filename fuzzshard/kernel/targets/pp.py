@@ -3,7 +3,10 @@
 The built-in topology's top-level layers (``layers.0``, ``layers.1``, ...)
 are cut into stages at the drawn ``cuts`` (the index of each stage's first
 layer but the first's); the last stage also holds the output ``scale``
-buffer and the ``unused`` submodule. Each stage is a ``PipelineStage`` over a
+buffer and the ``unused`` submodule. The decoder (``--models decoder``) is
+cut between its blocks, as torchtitan splits a Llama: the token embedding on
+the first stage, the final norm and the output head on the last (untied
+only: a tie would span ranks). Each stage is a ``PipelineStage`` over a
 module that holds its layers under their plain names, on the rank the
 schedule puts it: stage s on rank s for the single-stage schedules
 (``GPipe``, ``1F1B``), on rank s mod W for the looped multi-stage ones
@@ -29,10 +32,30 @@ the observations give every rank full copies keyed by plain FQN, from one
 ``all_gather_object`` of every rank's own.
 ``target_options``: ``schedule``, ``stages`` (per rank), ``cuts``,
 ``scale_grads``, ``n_microbatches`` (drawn last, once the batch is known).
+
+With FSDP2 (torchtitan's composition): on a 2-D mesh ``[pp, dp]`` (``dp``, the
+mesh's second dim, in the options too: the reference reads it) the pipeline
+runs on each dp index's pp group, and each stage's module is ``fully_shard``ed
+on the dp sub-mesh (first the top-level layers named in ``wrap``, then the
+stage's root, all with ``reshard_after_forward``, torchtitan's default under PP
+False); the schedule drives FSDP2 (no sync but on the last backward, its
+``perform_reduce_grad``). Each dp rank runs the pipeline on its slice of the
+batch (``batch`` a multiple of ``dp``) and FSDP2's reduce-scatter averages the
+grads over dp: the reference's objective is the mean over the dp slices of each
+slice's. Gradient accumulation (``accum`` steps, torchtitan's
+gradient_accumulation_steps): ``schedule.step`` on each of ``accum`` equal
+parts of the slice before the optimizer step, the grads summed, but with
+``scale_grads`` the schedule divides the model's whole grad by
+``n_microbatches`` at the end of every step (``stage.scale_grads``: every
+``p.grad``, the earlier steps' contributions too, as torchtitan #1733 met it):
+the reference's objective is that recursion (``accumulate``), not a plain sum
+or mean. Params, grads and state are gathered to full plain tensors over dp
+(``full_tensor``), then over the stages as above.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -83,21 +106,26 @@ def is_multi(name: str) -> bool:
     return SCHEDULES[name][0] != "single"
 
 
+def pp_degree(options: dict, world: int) -> int:
+    """The pipeline's ranks: the world, over ``dp`` on a [pp, dp] mesh."""
+    return world // options.get("dp", 1)
+
+
 def n_stages(options: dict, world: int) -> int:
-    return world * options.get("stages", 1)
+    return pp_degree(options, world) * options.get("stages", 1)
 
 
 def stage_ranks(options: dict, world: int) -> list[int]:
-    """The rank of each stage (torch's generate_stage_to_rank_mapping, loop or V style)."""
-    n = n_stages(options, world)
+    """The pp rank of each stage (torch's generate_stage_to_rank_mapping, loop or V style)."""
+    n, pp = n_stages(options, world), pp_degree(options, world)
     if SCHEDULES[options["schedule"]][1] == "v":
         out, r = [], 0
         for s in range(n):
             out.append(r)
-            if (s + 1) % world:
-                r += 1 if (s // world) % 2 == 0 else -1
+            if (s + 1) % pp:
+                r += 1 if (s // pp) % 2 == 0 else -1
         return out
-    return [s % world for s in range(n)]
+    return [s % pp for s in range(n)]
 
 
 def stage_layers(options: dict, n_layers: int) -> list[list[int]]:
@@ -118,18 +146,40 @@ def stages_per_rank(name: str, world: int, n_layers: int) -> list[int]:
     return [c for c in choices if world * c <= n_layers]
 
 
+def n_units(model) -> int:
+    """What the stages are cut from: a topology's top-level layers, the decoder's blocks."""
+    return model.sizes["n_layers"] if model.factory == "decoder" else len(model.layers)
+
+
+def uncuttable(model) -> str | None:
+    """Why a model cannot be cut into stages, or None."""
+    if model.factory == "decoder":
+        if model.sizes.get("tied"):
+            return "pp: the decoder's tied output head and embedding would live in different stages (the tie spans ranks)"
+        return None
+    if model.factory:
+        return "pp cuts a topology's top-level layers or the decoder's blocks; a plugin's model has none to cut"
+    if model.tie_head:
+        return "pp: a tied head and embedding would live in different stages (the tie spans ranks)"
+    return None
+
+
 def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
     """A schedule the installed torch has that the model's top-level layers
-    can fill (one layer or more per stage), its stages per rank, the cut
-    points, scale_grads. A model with fewer top-level layers than ranks (or a
-    plugin's model, the decoder, a tied head) cannot be cut: rejected."""
+    (the decoder's blocks) can fill (one or more per stage), its stages per
+    rank, the cut points, scale_grads. A model with fewer of them than ranks
+    (or a plugin's model, a tied head) cannot be cut: rejected. On a
+    2-D mesh [pp, dp], FSDP2 on each stage: ``dp``, ``reshard_after_forward``,
+    the top-level layers with their own fully_shard (``wrap``); drawn after the
+    rest, and only there, so the 1-D draws stay as they were."""
     import hypothesis.strategies as st
     from hypothesis import assume
 
     model = context["model"]
+    assume(len(mesh_shape) <= 2)
     world = mesh_shape[0]
-    n = len(model.layers)
-    assume(not model.factory and not model.tie_head and n >= world)
+    n = n_units(model)
+    assume(uncuttable(model) is None and n >= world)
     names = [s for s in available() if stages_per_rank(s, world, n)]
     schedule = draw(st.sampled_from(names))
     stages = draw(st.sampled_from(stages_per_rank(schedule, world, n)))
@@ -139,6 +189,12 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     out = {"schedule": schedule, "cuts": cuts, "scale_grads": draw(st.booleans())}
     if stages > 1:
         out["stages"] = stages
+    if len(mesh_shape) == 2:
+        out["dp"] = mesh_shape[1]
+        out["reshard_after_forward"] = draw(st.booleans())  # torchtitan's default under PP: False
+        wrap = [f"layers.{i}" for i in range(n) if draw(st.booleans())]
+        if wrap:
+            out["wrap"] = wrap
     return out
 
 
@@ -153,20 +209,33 @@ def accepts(name: str, n_microbatches: int, world: int, stages: int) -> bool:
 
 def draw_late_options(draw, case: Case) -> dict:
     """``n_microbatches``, once the batch is known: three times in four a
-    divisor of the batch that the schedule takes (equal microbatches; any
+    divisor of the batch (each dp rank's slice of it on a [pp, dp] mesh, which
+    must divide it) that the schedule takes (equal microbatches; any
     divisor where none is taken), else any count up to one past the batch
     (unequal microbatches, which torch's split makes; fewer than 1F1B's
-    stages, or one past the batch: torch refuses them, an invalid case)."""
+    stages, or one past the batch: torch refuses them, an invalid case).
+    Then ``accum``, where the slice splits into that many equal parts of
+    ``n_microbatches`` samples or more (drawn last: the draws before stay)."""
     import hypothesis.strategies as st
+    from hypothesis import assume
 
     opts = dict(case.target_options)
     if "schedule" in opts:
-        divisors = [d for d in range(1, case.batch + 1) if case.batch % d == 0]
-        taken = [d for d in divisors if accepts(opts["schedule"], d, case.world_size, opts.get("stages", 1))]
+        dp = opts.get("dp", 1)
+        assume(case.batch % dp == 0)
+        batch = case.batch // dp
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        pp = pp_degree(opts, case.world_size)
+        taken = [d for d in divisors if accepts(opts["schedule"], d, pp, opts.get("stages", 1))]
         if draw(st.integers(0, 3)):
             opts["n_microbatches"] = draw(st.sampled_from(taken or divisors))
         else:
-            opts["n_microbatches"] = draw(st.integers(1, case.batch + 1))
+            opts["n_microbatches"] = draw(st.integers(1, batch + 1))
+        accums = [a for a in (1, 2, 3) if batch % a == 0 and batch // a >= opts["n_microbatches"]]
+        if len(accums) > 1:
+            accum = draw(st.sampled_from(accums))
+            if accum > 1:
+                opts["accum"] = accum
     return opts
 
 
@@ -174,12 +243,21 @@ def check(case: Case) -> str | None:
     """What makes a pp case impossible: a model the stages cannot hold, cuts that do not make one non-empty
     stage per stage index."""
     o = case.target_options
-    if case.model.factory:
-        return "pp cuts the built-in topologies' top-level layers; a plugin's model or the decoder has none to cut"
-    if case.model.tie_head:
-        return "pp: a tied head and embedding would live in different stages (the tie spans ranks)"
-    if len(case.mesh_shape) != 1:
-        return f"pp runs on a 1-D mesh of all the ranks, not {list(case.mesh_shape)}"
+    if uncuttable(case.model):
+        return uncuttable(case.model)
+    if len(case.mesh_shape) > 2:
+        return f"pp runs on a 1-D mesh [pp] or a 2-D one [pp, dp], not {list(case.mesh_shape)}"
+    dp = case.mesh_shape[1] if len(case.mesh_shape) == 2 else None
+    if o.get("dp") != dp:
+        return f"pp: dp {o.get('dp')} is not the mesh {list(case.mesh_shape)}'s second dim" if dp else \
+            "pp: dp (FSDP2 over the mesh's second dim) needs a 2-D mesh [pp, dp]"
+    if not dp and any(k in o for k in ("wrap", "reshard_after_forward")):
+        return "pp: wrap and reshard_after_forward are FSDP2's, on a 2-D mesh [pp, dp]"
+    if dp and case.batch % dp:
+        return f"pp: each of the {dp} dp ranks trains on an equal slice of the batch ({case.batch})"
+    accum = o.get("accum", 1)
+    if type(accum) is not int or accum < 1 or (case.batch // (dp or 1)) % accum:
+        return f"pp: accum {accum} must be a positive int dividing each dp rank's slice of the batch"
     if case.checkpoint:
         problem = check_checkpoint(case)
         if problem:
@@ -192,7 +270,9 @@ def check(case: Case) -> str | None:
     stages = o.get("stages", 1)
     if stages not in ({1} if not is_multi(name) else {2} if SCHEDULES[name][0] == "v" else {2, 3}):
         return f"pp: Schedule{name} takes {'1' if not is_multi(name) else '2'} stage(s) per rank, not {stages}"
-    n, total = len(case.model.layers), n_stages(o, case.world_size)
+    n, total = n_units(case.model), n_stages(o, case.world_size)
+    if not set(o.get("wrap", ())) <= {f"layers.{i}" for i in range(n)}:
+        return f"pp: wrap {o['wrap']} names modules that are not top-level layers"
     if n < total:
         return f"pp: {total} stages need {total} top-level layers or more, the model has {n}"
     cuts = o.get("cuts", [])
@@ -204,9 +284,16 @@ def check(case: Case) -> str | None:
 
 
 def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
-    """Another world size: the first cuts, as many as its stages need (the check refuses too few)."""
+    """Another world size: the first cuts, as many as its stages need (the check refuses too few); ``dp``
+    the mesh's second dim (FSDP2's options dropped on a 1-D mesh)."""
+    if len(mesh_shape) == 2:
+        options["dp"] = mesh_shape[1]
+        options.setdefault("reshard_after_forward", False)
+    else:
+        for key in ("dp", "wrap", "reshard_after_forward"):
+            options.pop(key, None)
     if "cuts" in options:
-        options["cuts"] = options["cuts"][:n_stages(options, mesh_shape[0]) - 1]
+        options["cuts"] = options["cuts"][:n_stages(options, math.prod(mesh_shape)) - 1]
     return options
 
 
@@ -247,15 +334,20 @@ def check_checkpoint(case: Case) -> str | None:
 
 
 def stateless_ranks(case: Case) -> list[int]:
-    """The ranks whose optimizer holds no param (their stages' layers have none in a param group, or none at
-    all): DSD refuses the empty optimizer state dict (and an empty model state dict) by design."""
+    """The pipeline ranks whose optimizer holds no param (their stages' layers, and the decoder's ends, have
+    none in a param group, or none at all): DSD refuses the empty optimizer state dict (and an empty model
+    state dict) by design."""
     o, names = case.target_options, {n for g in case.groups for n in g.params}
     rank_of = stage_ranks(o, case.world_size)
-    held = {rank_of[s] for s, layers in enumerate(stage_layers(o, len(case.model.layers)))
-            if any(n.startswith(f"layers.{i}.") for i in layers for n in names)}
-    if any(n.startswith("unused.") for n in names):  # on the last stage's rank
-        held.add(rank_of[-1])
-    return sorted(set(range(case.world_size)) - held)
+    last = len(rank_of) - 1
+
+    def holds(s: int, layers: list[int]) -> bool:
+        prefixes = [f"layers.{i}." for i in layers] + ["tok_embeddings."] * (s == 0) \
+            + ["norm.", "output.", "unused."] * (s == last)
+        return any(n.startswith(p) for p in prefixes for n in names)
+
+    held = {rank_of[s] for s, layers in enumerate(stage_layers(o, n_units(case.model))) if holds(s, layers)}
+    return sorted(set(range(pp_degree(o, case.world_size))) - held)
 
 
 def draw_late_options_both_sides(draw, case: Case) -> dict:
@@ -275,9 +367,12 @@ def draw_late_options_both_sides(draw, case: Case) -> dict:
                                       target_options=ck.target_options, checkpoint=None)
         assume(not stateless_ranks(case) and not stateless_ranks(loading))
         lo = ck.target_options
-        counts = range(1, case.batch + 1)
-        takes = [n for n in counts if accepts(lo["schedule"], n, ck.world_size, lo.get("stages", 1))]
-        divisors = [n for n in counts if case.batch % n == 0]
+        assume(case.batch % lo.get("dp", 1) == 0)  # each dp rank's slice of the batch, as the saving side's
+        batch = case.batch // lo.get("dp", 1)
+        pp = pp_degree(lo, ck.world_size)
+        counts = range(1, batch + 1)
+        takes = [n for n in counts if accepts(lo["schedule"], n, pp, lo.get("stages", 1))]
+        divisors = [n for n in counts if batch % n == 0]
         lo["n_microbatches"] = draw(st.sampled_from([n for n in takes if n in divisors] or takes or divisors))
     return out
 
@@ -288,28 +383,37 @@ SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 def facts(case: Case) -> dict:
     """What a pp case is beyond its fields, for a known finding's ``only_when``: whether its microbatches are
-    unequal, and whether a split-backward schedule meets a stage whose input needs no grad (no trainable param
-    before it)."""
+    unequal, whether a split-backward schedule meets a stage whose input needs no grad (no trainable param
+    before it), or FSDP2 stages resharded after forward."""
     o = case.target_options
     n_mb = o.get("n_microbatches") or 0
-    return {"schedule": o.get("schedule"), "n_stages": n_stages(o, case.world_size),
-            "n_microbatches": n_mb, "scale_grads": o.get("scale_grads"),
-            "uneven_microbatches": bool(n_mb) and case.batch % n_mb != 0,
-            "split_backward_input_without_grad": o.get("schedule") in SPLIT_BACKWARD and _input_without_grad(case)}
+    out = {"schedule": o.get("schedule"), "n_stages": n_stages(o, case.world_size),
+           "n_microbatches": n_mb, "scale_grads": o.get("scale_grads"),
+           "uneven_microbatches": bool(n_mb) and (case.batch // o.get("dp", 1) // o.get("accum", 1)) % n_mb != 0,
+           "dp": o.get("dp", 1), "accum": o.get("accum", 1),
+           "split_backward_input_without_grad": o.get("schedule") in SPLIT_BACKWARD and _input_without_grad(case),
+           # FSDP2 resharding a stage after its forward: its input backward sees the sharded params (known/)
+           "split_backward_fsdp_resharded": o.get("schedule") in SPLIT_BACKWARD and bool(o.get("dp"))
+           and bool(o.get("reshard_after_forward"))}
+    # either way stage_backward_input finds no path to the weights: a stage's grads may all vanish
+    out["split_backward_no_weight_path"] = out["split_backward_input_without_grad"] or out["split_backward_fsdp_resharded"]
+    return out
 
 
 def _input_without_grad(case: Case) -> bool:
     """At some step, some stage after the first has no trainable param before it (every layer before it frozen
     or parameter-free): the case's frozen params, then each step's freezes and unfreezes, as they are applied
     before that step."""
-    if not case.target_options.get("cuts") or case.model.factory:
+    if not case.target_options.get("cuts") or uncuttable(case.model):
         return False
-    names = [n for n in param_shapes(case.model) if n.startswith("layers.")]
+    # the unit of each param before the last stage's end: layers.<i> -> i, the decoder's embedding -> -1
+    unit = {n: int(n.split(".")[1]) if n.startswith("layers.") else -1 for n in param_shapes(case.model)
+            if n.startswith(("layers.", "tok_embeddings."))}
     frozen = set(case.frozen)
     for step in case.schedule or (None,):
         if step is not None:
             frozen = (frozen | set(step.freeze)) - set(step.unfreeze)
-        trainable = {int(n.split(".")[1]) for n in names if n not in frozen}
+        trainable = {i for n, i in unit.items() if n not in frozen}
         if any(not any(i < start for i in trainable) for start in case.target_options["cuts"]):
             return True
     return False
@@ -317,7 +421,9 @@ def _input_without_grad(case: Case) -> bool:
 
 def coverage(case: Case) -> dict:
     o = case.target_options
-    return {"schedule x world": [f"{o.get('schedule')} W{case.world_size}"]}
+    fsdp = f" FSDP2 [{pp_degree(o, case.world_size)},{o['dp']}]" if o.get("dp") else ""
+    return {"schedule x world": [f"{o.get('schedule')} W{case.world_size}{fsdp}"],
+            "accum x scale_grads": [f"accum {o.get('accum', 1)} scale_grads {bool(o.get('scale_grads'))}"]}
 
 
 def coverage_with_checkpoint(case: Case) -> dict:
@@ -345,7 +451,8 @@ def facts_with_checkpoint(case: Case) -> dict:
                                       target_options=ck.target_options, checkpoint=None,
                                       frozen=tuple(sorted(frozen)), schedule=case.schedule[ck.after + 1:])
         theirs = facts(loading)
-        for key in ("uneven_microbatches", "split_backward_input_without_grad"):
+        for key in ("uneven_microbatches", "split_backward_input_without_grad", "split_backward_fsdp_resharded",
+                    "split_backward_no_weight_path"):
             out[key] = out[key] or theirs[key]
     return out
 
@@ -361,19 +468,57 @@ def combine(losses, options: dict) -> torch.Tensor:
     return total / len(losses) if options.get("scale_grads") else total
 
 
-class _StageModule(nn.Module):
-    """One stage: its layers under their plain names (``layers.<i>``), and on
-    the last stage the output scale (a buffer)."""
+def accumulate(steps, options: dict) -> torch.Tensor:
+    """The objective of several schedule steps' microbatch losses (``accum``), whose grads add up in
+    ``p.grad``: their sum, but with scale_grads each step ends by dividing the whole grad (the earlier steps'
+    too: stage.scale_grads) by n_microbatches, so step a of A counts 1 / n_microbatches^(A - a)."""
+    total = None
+    for losses in steps:
+        total = combine(losses, options) if total is None else combine([total + losses[0], *losses[1:]], options)
+    return total
 
-    def __init__(self, layers: dict, scale: torch.Tensor | None):
+
+def pp_objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
+    """The unsplit model on what the pipeline trains: each dp rank's equal slice of the batch, in ``accum``
+    equal parts, each split into ``n_microbatches`` microbatches (``accumulate``); the mean over the dp
+    slices (FSDP2's reduce-scatter averages)."""
+    dp, n = options.get("dp", 1), options["n_microbatches"]
+    per = []
+    for xd, yd in zip(torch.tensor_split(x, dp, 0), torch.tensor_split(y, dp, 0)):
+        parts = zip(torch.tensor_split(xd, options.get("accum", 1), 0), torch.tensor_split(yd, options.get("accum", 1), 0))
+        per.append(accumulate([microbatch_losses(model, xa, ya, n) for xa, ya in parts], options))
+    return per[0] if dp == 1 else sum(per[1:], per[0]) / dp
+
+
+def stage_ends(model: nn.Module, s: int, last: int) -> dict:
+    """The decoder's modules around its blocks, as torchtitan splits it: the token embedding on the first
+    stage, the final norm and the output head on the last."""
+    if not hasattr(model, "tok_embeddings"):
+        return {}
+    return {**({"tok_embeddings": model.tok_embeddings} if s == 0 else {}),
+            **({"norm": model.norm, "output": model.output} if s == last else {})}
+
+
+class _StageModule(nn.Module):
+    """One stage: its layers under their plain names (``layers.<i>``), on
+    the last stage the output scale (a buffer); a decoder's stage has its
+    ``stage_ends`` too."""
+
+    def __init__(self, layers: dict, scale: torch.Tensor | None, ends: dict):
         super().__init__()
+        for name, module in ends.items():
+            setattr(self, name, module)
         self.layers = nn.ModuleDict(layers)
         if scale is not None:
             self.register_buffer("scale", scale)
 
     def forward(self, x):
+        if hasattr(self, "tok_embeddings"):
+            x = self.tok_embeddings(x)
         for layer in self.layers.values():
             x = layer(x)
+        if hasattr(self, "output"):
+            x = self.output(self.norm(x))
         if hasattr(self, "scale"):
             x = x * self.scale
         return x
@@ -384,8 +529,10 @@ class _Local(nn.Module):
     plain name (and ``unused``, on the last stage's rank); what the optimizer
     and the observations see."""
 
-    def __init__(self, layers: dict, unused: nn.Module | None):
+    def __init__(self, layers: dict, unused: nn.Module | None, ends: dict):
         super().__init__()
+        for name, module in ends.items():
+            setattr(self, name, module)
         self.layers = nn.ModuleDict(layers)
         if unused is not None:
             self.unused = unused
@@ -393,19 +540,18 @@ class _Local(nn.Module):
 
 class PPTarget(Target):
     name = "pp"
-    spec = Spec(options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True, flat_mesh=True,
+    spec = Spec(options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True,
                 late_options=draw_late_options_both_sides, check=check, fit_options=fit_options,
-                facts=facts_with_checkpoint,
-                coverage=coverage_with_checkpoint, component="pipelining", lr_scheduler=True,
-                lr_scheduler_checkpoint=False)
+                facts=facts_with_checkpoint, coverage=coverage_with_checkpoint, component="pipelining",
+                lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
     def objective(cls, model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
         """The unsplit model on the schedule's microbatches: the mean of their
         losses with scale_grads (the schedule divides the summed grads by
-        their number), else their sum."""
-        return combine(microbatch_losses(model, x, y, options["n_microbatches"]), options)
+        their number), else their sum; with ``dp`` and ``accum``, pp_objective."""
+        return pp_objective(model, x, y, options)
 
     @classmethod
     def documented_refusal(cls, case: Case, error: dict) -> bool:
@@ -415,12 +561,14 @@ class PPTarget(Target):
 
     def __init__(self, case, mesh):
         super().__init__(case, mesh)
-        self.group = mesh.get_group()
+        # the pipeline's group: the mesh's, or on a [pp, dp] mesh this dp index's pp group
+        self.group = mesh.get_group(0) if mesh.ndim == 2 else mesh.get_group()
+        self.dp_group = mesh.get_group(1) if mesh.ndim == 2 else None
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         o = case.target_options
-        self.layers_of = stage_layers(o, len(case.model.layers))
-        self.rank_of = stage_ranks(o, self.world)
+        self.layers_of = stage_layers(o, n_units(case.model))
+        self.rank_of = stage_ranks(o, case.world_size)
         self.mine = [s for s, r in enumerate(self.rank_of) if r == self.rank]
         self.last_rank = self.rank_of[-1]
 
@@ -432,31 +580,62 @@ class PPTarget(Target):
         last = len(self.rank_of) - 1
         scale = getattr(model, "scale", None)
         self.stages = []
-        local = {}
+        local, ends = {}, {}
         for s in self.mine:
-            layers = {str(i): model.layers[i] for i in self.layers_of[s]}
+            layers = {str(i): model.layers[str(i) if isinstance(model.layers, nn.ModuleDict) else i]
+                      for i in self.layers_of[s]}
             local.update(layers)
-            module = _StageModule(layers, scale if s == last else None)
+            ends.update(stage_ends(model, s, last))
+            module = _StageModule(layers, scale if s == last else None, stage_ends(model, s, last))
+            if o.get("dp"):
+                self._fully_shard(module)
             self.stages.append(PipelineStage(module, s, len(self.rank_of), device, group=self.group))
         cls = schedule_class(o["schedule"])
         kw = {"n_microbatches": o["n_microbatches"], "loss_fn": loss_fn, "scale_grads": bool(o.get("scale_grads"))}
         self.schedule = cls(self.stages, **kw) if is_multi(o["schedule"]) else cls(self.stages[0], **kw)
         unused = getattr(model, "unused", None) if self.rank == self.last_rank else None
-        return _Local(local, unused)
+        return _Local(local, unused, ends)
+
+    def _fully_shard(self, module: nn.Module) -> None:
+        """FSDP2 on the dp sub-mesh, as torchtitan's parallelize does to each model part: the ``wrap`` layers
+        of this stage first, then the stage's module (the FSDPModule the schedule drives)."""
+        from torch.distributed.fsdp import fully_shard
+
+        o = self.case.target_options
+        kw = {"mesh": self.mesh["d1"], "reshard_after_forward": bool(o.get("reshard_after_forward"))}
+        for fqn in o.get("wrap", ()):
+            if fqn.split(".")[1] in module.layers:
+                fully_shard(module.get_submodule(fqn), **kw)
+        fully_shard(module, **kw)
+
+    @property
+    def dp_dims(self) -> list[int]:
+        """The batch is split over the mesh's dp dim (the second), not over the pipeline's."""
+        return [1] if self.mesh.ndim == 2 else []
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One schedule step on the whole batch (the inputs on the first stage's
-        rank, the targets everywhere, as torchtitan passes them); the last
-        stage's microbatch losses combined as ``objective`` does, sent to every rank."""
-        losses = []
-        if 0 in self.mine:
-            self.schedule.step(x, target=y, losses=losses)
-        else:
-            self.schedule.step(target=y, losses=losses)
+        """One schedule step (``accum`` steps, on equal parts of it) on this dp rank's slice of the batch
+        (the whole batch without dp; the inputs on the first stage's rank, the targets everywhere, as
+        torchtitan passes them); the last stage's microbatch losses combined as ``objective`` does,
+        sent to every rank of the pipeline, averaged over dp."""
+        o = self.case.target_options
+        dp, accum = o.get("dp", 1), o.get("accum", 1)
+        xd, yd = torch.tensor_split(x, dp, 0)[self.dp_rank()], torch.tensor_split(y, dp, 0)[self.dp_rank()]
+        steps = []
+        for xa, ya in zip(torch.tensor_split(xd, accum, 0), torch.tensor_split(yd, accum, 0)):
+            losses = []
+            if 0 in self.mine:
+                self.schedule.step(xa, target=ya, losses=losses)
+            else:
+                self.schedule.step(target=ya, losses=losses)
+            steps.append([loss.detach().double() for loss in losses])
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         if self.rank == self.last_rank:
-            total = combine([loss.detach().double() for loss in losses], self.case.target_options)
+            total = accumulate(steps, o)
         dist.broadcast(total, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+            total = total / dp
         return total.to(getattr(torch, self.case.dtype))
 
     def set_requires_grad(self, model: nn.Module, fqns, flag: bool) -> None:
@@ -476,21 +655,34 @@ class PPTarget(Target):
     def _order(self) -> dict:
         return {n: i for i, n in enumerate(param_shapes(self.case.model))}
 
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """FSDP2's sharded DTensor, whole (a collective over dp); a plain tensor as it is."""
+        from torch.distributed.tensor import DTensor
+
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
     def params(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return self._everywhere({n: p.detach() for n, p in named_params(model).items()})
+        return self._everywhere({n: self.full(p.detach()) for n, p in named_params(model).items()})
 
     def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
-        return self._everywhere({n: None if p.grad is None else p.grad.detach()
+        return self._everywhere({n: None if p.grad is None else self.full(p.grad.detach())
                                  for n, p in named_params(model).items()})
 
     def optimizer_state(self, opt, model: nn.Module) -> dict:
-        return self._everywhere(state_by_fqn(opt, model, lambda t: t))
+        return self._everywhere(state_by_fqn(opt, model, self.full))
 
     def noncontiguous_grads(self, model: nn.Module) -> list[str]:
-        mine = [n for n, p in named_params(model).items() if p.grad is not None and not p.grad.is_contiguous()]
-        parts = [None] * self.world
-        dist.all_gather_object(parts, mine, group=self.group)
-        return sorted({n for part in parts for n in part})
+        """The grads some rank's step reads non-contiguous (FSDP2's: its local shard), over the pipeline, then dp."""
+        from torch.distributed.tensor import DTensor
+
+        local = {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in named_params(model).items()}
+        mine = sorted(n for n, g in local.items() if g is not None and not g.is_contiguous())
+        for group in (self.group, self.dp_group):
+            if group is not None:
+                parts = [None] * dist.get_world_size(group)
+                dist.all_gather_object(parts, mine, group=group)
+                mine = sorted({n for part in parts for n in part})
+        return mine
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
         """The case's groups over this rank's params only. A group with none of
@@ -549,10 +741,12 @@ class PPTarget(Target):
     # -- checkpoints (CHECKPOINT_KINDS): torchtitan's, each rank its own model part and optimizer by plain FQN --
 
     def _part(self, model: nn.Module) -> nn.Module:
-        """This rank's model part as it is saved and loaded: its stages' layers and ``unused`` (the module the
-        optimizer is over) and, on the last stage's rank, the output ``scale`` buffer (a stage module's, the same
-        tensor: a load fills it in place), all under their plain FQNs."""
-        part = _Local(dict(model.layers.items()), getattr(model, "unused", None))
+        """This rank's model part as it is saved and loaded: what the optimizer is over (its stages' layers, the
+        decoder's ends, ``unused``) and, on the last stage's rank, the output ``scale`` buffer (a stage module's,
+        the same tensor: a load fills it in place), all under their plain FQNs."""
+        part = nn.Module()
+        for name, child in model.named_children():
+            part.add_module(name, child)
         for stage in self.stages:
             if hasattr(stage.submod, "scale"):
                 part.register_buffer("scale", stage.submod.scale)

@@ -37,7 +37,7 @@ import os
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.distributed._local_tensor as ltm  # a simulated worker's import only: torch >= 2.10 (simulate.available)
+import torch.distributed._local_tensor as ltm  # a simulated worker's import only: torch >= 2.10 (simulated.available)
 from torch._ops import OpOverload
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode, maybe_disable_local_tensor_mode
