@@ -808,7 +808,8 @@ class PPTarget(Target):
     def _together(self, fn, group) -> None:
         """``fn()`` on every rank of ``group``; where it raised on some, every rank raises a CheckpointException
         holding each failed rank's error (as DCP's own collectives raise: the lowest failed rank's error is the
-        one a verdict reads), so no rank waits in a collective for one whose load failed."""
+        one a verdict reads, with that rank's traceback), so no rank waits in a collective for one whose load
+        failed."""
         import traceback
 
         from torch.distributed.checkpoint.api import CheckpointException
@@ -822,7 +823,8 @@ class PPTarget(Target):
             error = e
         failed = [None] * dist.get_world_size(group)
         said = None if error is None else error_record(error)  # (a CheckpointException's: its first failure's)
-        dist.all_gather_object(failed, None if said is None else (said["type"], said["message"]), group=group)
+        dist.all_gather_object(failed, None if said is None else (said["type"], said["message"], said["traceback"]),
+                               group=group)
         if all(f is None for f in failed):
             return
         me = dist.get_rank(group)
@@ -830,8 +832,9 @@ class PPTarget(Target):
         for r, f in enumerate(failed):
             if r == me and error is not None:
                 failures[r] = (error, traceback.extract_tb(error.__traceback__))
-            elif f is not None:  # another rank's error, as its type and message
-                failures[r] = (type(f[0], (Exception,), {})(f[1]), traceback.StackSummary())
+            elif f is not None:  # another rank's error: its type, its message's first line (the signature's), and
+                # below it that rank's traceback (where in torch it raised: the address a known root cause is met by)
+                failures[r] = (type(f[0], (Exception,), {})(f"{f[1]}\n{f[2]}"), traceback.StackSummary())
         raise CheckpointException(f"pp checkpoint load failed on ranks {sorted(failures)}", failures) from error
 
 def _cpu(v):
