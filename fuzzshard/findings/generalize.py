@@ -100,17 +100,12 @@ def kin(target: str) -> tuple[str, ...]:
 
 
 def _layout(target: str, mesh, options: dict, names) -> dict | None:
-    """How ``target`` places each param on ``mesh`` under ``options``, as the dtensor target's
-    placements say it ({fqn: ["R" | "S<d>"] per mesh dim}); None: not a plain layout (a TP plan).
-    (What each target does with a param, said here until its Spec says it.)"""
-    if target == "dtensor":
-        given = options.get("placements", {})
-        return {n: list(given.get(n, ["R"] * len(mesh))) for n in names}
-    if target == "fsdp2" and not options.get("tp"):  # fully_shard: dim 0 over the last mesh dim (HSDP replicates)
-        return {n: ["R"] * (len(mesh) - 1) + ["S0"] for n in names}
-    if target == "tp" and not options.get("tp"):  # no plan: every param a replicated DTensor
-        return {n: ["R"] * len(mesh) for n in names}
-    return None
+    """How ``target`` places each param on ``mesh`` under ``options`` (its Spec's ``layout``), as the dtensor
+    target's placements say it ({fqn: ["R" | "S<d>"] per mesh dim}); None: not a plain layout."""
+    from .. import targets
+
+    layout = targets.get(target).spec.layout
+    return None if layout is None else layout(mesh, options, names)
 
 
 def _carried_options(target: str, mesh, options: dict, to: str, names) -> dict | None:
@@ -119,8 +114,11 @@ def _carried_options(target: str, mesh, options: dict, to: str, names) -> dict |
     layout = _layout(target, mesh, options, names)
     if layout is None:
         return None
-    if to == "dtensor":
-        return {"placements": layout}
+    from .. import targets
+
+    place_as = targets.get(to).spec.place_as
+    if place_as is not None:  # a target whose options are a layout (dtensor)
+        return place_as(layout)
     return {} if _layout(to, mesh, {}, names) == layout else None
 
 

@@ -70,6 +70,12 @@ class Spec:
     # the deepest built-in topology it draws (top-level layers), where more than the session's default: pp's
     # multi-stage schedules put 2 or 3 stages of one layer or more on each of up to 4 ranks
     max_depth: int = 0
+    # how it places each param, as the dtensor target's placements say it: (mesh_shape, options, names) ->
+    # {fqn: ["R" | "S<d>"] per mesh dim}, or None where it is no plain layout (a TP plan); and, for a target that
+    # takes a layout as its options (dtensor), layout -> those options. findings/generalize.py carries a finding
+    # to its kin targets through them: a case that places every param the same way there
+    layout: Callable | None = None
+    place_as: Callable | None = None
 
 
 class Target:

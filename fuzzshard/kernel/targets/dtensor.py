@@ -64,10 +64,21 @@ def distribute_params(model: nn.Module, mesh, placements: dict) -> list[nn.Modul
     return held
 
 
+def layout(mesh_shape, options: dict, names) -> dict:
+    """Each param's placements: the drawn ones, Replicate where none is drawn (Spec.layout)."""
+    return {n: list(options.get("placements", {}).get(n, ["R"] * len(mesh_shape))) for n in names}
+
+
+def place_as(layout: dict) -> dict:
+    """The options that place every param as ``layout`` says (Spec.place_as)."""
+    return {"placements": layout}
+
+
 class DTensorTarget(Target):
     name = "dtensor"
     spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
-                component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
+                component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
+                layout=layout, place_as=place_as)
     local_replicas = True  # a Replicate param's grad: each rank's own backward on replicated activations
 
     def shard(self, model: nn.Module) -> nn.Module:

@@ -401,12 +401,18 @@ def _cast(tree, dtype):
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
+def layout(mesh_shape, options: dict, names) -> dict | None:
+    """fully_shard: dim 0 over the last mesh dim (HSDP replicates over the first); a TP plan: no plain layout."""
+    return None if options.get("tp") else {n: ["R"] * (len(mesh_shape) - 1) + ["S0"] for n in names}
+
+
 class FSDP2Target(Target):
     name = "fsdp2"
     spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
-                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True)
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True,
+                layout=layout)
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:

@@ -67,6 +67,11 @@ def _local(mod, outputs, mesh):
     return tree_map_only(DTensor, lambda t: t.to_local(), outputs)
 
 
+def layout(mesh_shape, options: dict, names) -> dict | None:
+    """No plan: every param a replicated DTensor; a plan: no plain layout."""
+    return None if options.get("tp") else {n: ["R"] * len(mesh_shape) for n in names}
+
+
 class TPTarget(DTensorTarget):
     name = "tp"
     # DTensor's and fsdp2's TP known torch bugs are this target's too (findings.is_known), DTensor's first: its
@@ -76,7 +81,8 @@ class TPTarget(DTensorTarget):
     known_as = ("dtensor", "fsdp2")
     spec = Spec(options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
                 coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP",
-                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
+                layout=layout)
 
     @property
     def localizable(self) -> bool:
