@@ -92,7 +92,7 @@ def loop_features(draw, spec, case, features, steer: dict | None = None) -> dict
     out = {}
     if "clip" in features and spec.clips:
         out["clip"] = draw(clips(spec.clips, steer.get("clip")))
-    if "lr_scheduler" in features and spec.lr_scheduler:
+    if "lr_scheduler" in features and spec.lr_scheduler and (spec.lr_scheduler_checkpoint or not case.checkpoint):
         out["lr_scheduler"] = draw(lr_schedulers(len(case.schedule), steer.get("lr_scheduler")))
     if "scaler" in features and spec.scaler and not case.optim.added_at:  # (Case.check_world says why)
         out["scaler"] = draw(scalers(len(case.schedule), spec.amp_scaler))

@@ -27,7 +27,7 @@ def test_pp_draws_a_schedule_the_layers_can_fill(case):
     assert len(o["cuts"]) == pp.n_stages(o, case.world_size) - 1
     assert 1 <= o["n_microbatches"] <= case.batch // o.get("dp", 1) + 1
     assert pp.check(case) is None, pp.check(case)
-    assert case.checkpoint is None
+    assert case.checkpoint is None or "n_microbatches" in case.checkpoint.target_options  # (test_pp_checkpoint.py)
 
 
 def test_pp_stage_ranks_follow_torchs_mapping():

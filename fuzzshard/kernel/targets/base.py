@@ -64,6 +64,7 @@ class Spec:
     # clip forms ("norm", "two_part", "value", "own": its own clip_grad_norm_), an LR scheduler, a grad scaler
     clips: tuple = ()
     lr_scheduler: bool = False
+    lr_scheduler_checkpoint: bool = True  # an LR scheduler beside a checkpoint (pp: no, per-rank states do not reshard)
     scaler: bool = False
     amp_scaler: bool = False  # its grad scaler is its own (ShardedGradScaler), and amp's is drawn too
     # the deepest built-in topology it draws (top-level layers), where more than the session's default: pp's

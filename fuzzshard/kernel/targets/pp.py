@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,8 @@ import torch.nn as nn
 from ...case import Case
 from ..model import loss_fn, named_params, param_shapes
 from ..optim import build_optimizer, group_hparams, state_by_fqn
+from ..state_io import UNEXPECTED_KEY, dcp_save, keys_of, without
+from ...verdict import error_record
 from .base import Spec, Target
 
 # the schedules, simplest first (shrinking goes there): name -> (stages per rank, style)
@@ -256,7 +259,9 @@ def check(case: Case) -> str | None:
     if type(accum) is not int or accum < 1 or (case.batch // (dp or 1)) % accum:
         return f"pp: accum {accum} must be a positive int dividing each dp rank's slice of the batch"
     if case.checkpoint:
-        return "pp has no checkpoint kinds yet"
+        problem = check_checkpoint(case)
+        if problem:
+            return problem
     name = o.get("schedule")
     if name not in SCHEDULES:
         return f"pp: unknown schedule {name!r} (one of {list(SCHEDULES)})"
@@ -290,6 +295,86 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     if "cuts" in options:
         options["cuts"] = options["cuts"][:n_stages(options, math.prod(mesh_shape)) - 1]
     return options
+
+
+# ---- checkpoints: each stage's rank saves its own part through DCP, the loading side at another pp degree ----
+
+# how each kind saves and loads (Spec.checkpoint_kinds; kernel/state_io.py's STATE_DICT_KINDS name the same "dcp")
+CHECKPOINT_KINDS = {
+    "dcp": "torchtitan's pipeline checkpoint: each rank's model part (its stages' layers, the output scale on the last "
+           "stage's rank) by get_model_state_dict and its optimizer by get_optimizer_state_dict("
+           "flatten_optimizer_state_dict=True), plain FQN keys, dcp.save to one directory; dcp.load into the loading "
+           "side's parts at another pp degree (world size, schedule, cuts), set_state_dict or the split setters",
+}
+
+
+def check_checkpoint(case: Case) -> str | None:
+    """What makes a pp checkpoint impossible: a kind pp has not, an LR scheduler (each rank's scheduler holds
+    its own groups' lrs under the same DCP keys: the scheduler state does not reshard across stages), or a
+    loading side that is no pp case of its own (its world size, mesh and target options, checked as the saving
+    side's)."""
+    ck = case.checkpoint
+    if ck.kind not in CHECKPOINT_KINDS:
+        return f"pp checkpoints are of kind {list(CHECKPOINT_KINDS)}, not {ck.kind!r}"
+    if case.lr_scheduler:
+        return ("pp: a checkpoint with an LR scheduler (each rank's scheduler holds its own groups' lrs under the "
+                "same keys: its state does not reshard across stages)")
+    saving = dataclasses.replace(case, checkpoint=None)
+    loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=tuple(ck.mesh_shape),
+                                  target_options=ck.target_options, checkpoint=None)
+    for side, what in ((saving, "the saving side"), (loading, "the loading side")):
+        problem = check(side)
+        if problem:
+            return f"{what}: {problem}"
+        empty = stateless_ranks(side)
+        if empty:
+            return (f"pp: {what}'s rank(s) {empty} optimize no param (their stages' layers have none in a group): "
+                    "get_optimizer_state_dict refuses an empty optimizer state dict by design")
+    return None
+
+
+def stateless_ranks(case: Case) -> list[int]:
+    """The pipeline ranks whose optimizer holds no param (their stages' layers, and the decoder's ends, have
+    none in a param group, or none at all): DSD refuses the empty optimizer state dict (and an empty model
+    state dict) by design."""
+    o, names = case.target_options, {n for g in case.groups for n in g.params}
+    rank_of = stage_ranks(o, case.world_size)
+    last = len(rank_of) - 1
+
+    def holds(s: int, layers: list[int]) -> bool:
+        prefixes = [f"layers.{i}." for i in layers] + ["tok_embeddings."] * (s == 0) \
+            + ["norm.", "output.", "unused."] * (s == last)
+        return any(n.startswith(p) for p in prefixes for n in names)
+
+    held = {rank_of[s] for s, layers in enumerate(stage_layers(o, n_units(case.model))) if holds(s, layers)}
+    return sorted(set(range(pp_degree(o, case.world_size))) - held)
+
+
+def draw_late_options_both_sides(draw, case: Case) -> dict:
+    """``draw_late_options`` for the case, and for a checkpoint's loading side its own microbatch count (its own
+    schedule at its own world size): one the schedule takes, a divisor of the batch where one is taken, else
+    any count up to the batch it takes (unequal microbatches), else a divisor (refused: an invalid case). The
+    saving side's draw explores torch's refusals; the loading side's would only double them. The count is
+    written into the checkpoint's target options (a dict drawn for this case alone; the late draw returns the
+    saving side's). A checkpoint where a side's rank would hold no state (``stateless_ranks``) is rejected."""
+    import hypothesis.strategies as st
+    from hypothesis import assume
+
+    out = draw_late_options(draw, case)
+    ck = case.checkpoint
+    if ck is not None and "schedule" in ck.target_options:
+        loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=tuple(ck.mesh_shape),
+                                      target_options=ck.target_options, checkpoint=None)
+        assume(not stateless_ranks(case) and not stateless_ranks(loading))
+        lo = ck.target_options
+        assume(case.batch % lo.get("dp", 1) == 0)  # each dp rank's slice of the batch, as the saving side's
+        batch = case.batch // lo.get("dp", 1)
+        pp = pp_degree(lo, ck.world_size)
+        counts = range(1, batch + 1)
+        takes = [n for n in counts if accepts(lo["schedule"], n, pp, lo.get("stages", 1))]
+        divisors = [n for n in counts if batch % n == 0]
+        lo["n_microbatches"] = draw(st.sampled_from([n for n in takes if n in divisors] or takes or divisors))
+    return out
 
 
 # the schedules that split a stage's backward into input and weight parts (stage_backward_input / _weight)
@@ -339,6 +424,37 @@ def coverage(case: Case) -> dict:
     fsdp = f" FSDP2 [{pp_degree(o, case.world_size)},{o['dp']}]" if o.get("dp") else ""
     return {"schedule x world": [f"{o.get('schedule')} W{case.world_size}{fsdp}"],
             "accum x scale_grads": [f"accum {o.get('accum', 1)} scale_grads {bool(o.get('scale_grads'))}"]}
+
+
+def coverage_with_checkpoint(case: Case) -> dict:
+    """``coverage``, and for a checkpoint the pp degree it resharded across: the stages saved -> loaded (the
+    loading side's own schedule, stages per rank and cuts)."""
+    out = coverage(case)
+    ck = case.checkpoint
+    if ck is not None:
+        out["checkpoint stages saved -> loaded"] = [
+            f"{n_stages(case.target_options, case.world_size)} -> {n_stages(ck.target_options, ck.world_size)}"]
+    return out
+
+
+def facts_with_checkpoint(case: Case) -> dict:
+    """``facts``, where the steps after a checkpoint's load count too: they run the loading side's schedule,
+    stages and microbatches (unequal ones there, or a split-backward schedule there meeting a stage whose input
+    needs no grad, from the flags the steps before the load left)."""
+    out = facts(case)
+    ck = case.checkpoint
+    if ck is not None and "schedule" in ck.target_options and ck.after + 1 < len(case.schedule):
+        frozen = set(case.frozen)
+        for step in case.schedule[:ck.after + 1]:
+            frozen = (frozen | set(step.freeze)) - set(step.unfreeze)
+        loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=tuple(ck.mesh_shape),
+                                      target_options=ck.target_options, checkpoint=None,
+                                      frozen=tuple(sorted(frozen)), schedule=case.schedule[ck.after + 1:])
+        theirs = facts(loading)
+        for key in ("uneven_microbatches", "split_backward_input_without_grad", "split_backward_fsdp_resharded",
+                    "split_backward_no_weight_path"):
+            out[key] = out[key] or theirs[key]
+    return out
 
 
 def microbatch_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -424,9 +540,10 @@ class _Local(nn.Module):
 
 class PPTarget(Target):
     name = "pp"
-    spec = Spec(options=draw_options, named_params=True, late_options=draw_late_options,
-                check=check, fit_options=fit_options, facts=facts, coverage=coverage, component="pipelining",
-                lr_scheduler=True, max_depth=8)
+    spec = Spec(options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True,
+                late_options=draw_late_options_both_sides, check=check, fit_options=fit_options,
+                facts=facts_with_checkpoint, coverage=coverage_with_checkpoint, component="pipelining",
+                lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
@@ -620,6 +737,105 @@ class PPTarget(Target):
 
         loop.observe = observe_in_case_order
         return loop
+
+    # -- checkpoints (CHECKPOINT_KINDS): torchtitan's, each rank its own model part and optimizer by plain FQN --
+
+    def _part(self, model: nn.Module) -> nn.Module:
+        """This rank's model part as it is saved and loaded: what the optimizer is over (its stages' layers, the
+        decoder's ends, ``unused``) and, on the last stage's rank, the output ``scale`` buffer (a stage module's,
+        the same tensor: a load fills it in place), all under their plain FQNs."""
+        part = nn.Module()
+        for name, child in model.named_children():
+            part.add_module(name, child)
+        for stage in self.stages:
+            if hasattr(stage.submod, "scale"):
+                part.register_buffer("scale", stage.submod.scale)
+        return part
+
+    def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
+        """Collective over the saving job: every rank's part and its flattened optimizer state dict (one key per
+        param and state or hyperparameter, so each stage's keys are its own) in one DCP checkpoint."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        part = self._part(model)
+        sd = {}
+
+        def state_dicts():
+            sd["model"] = get_model_state_dict(part)
+            flat = StateDictOptions(flatten_optimizer_state_dict=True)
+            sd["optim"] = get_optimizer_state_dict(part, opt, options=flat)
+
+        self._together(state_dicts, group)  # (before dcp.save's collectives: no rank enters them alone)
+        dcp_save(self.case, sd, os.path.join(path, "dcp"), group)
+        return None
+
+    def load(self, model: nn.Module, opt, path: str, group) -> None:
+        """Collective over the loading job: the fresh part's and optimizer's own state dicts (the keys this rank
+        holds at the loading side's pp degree) filled by ``dcp.load``, then set back, split or not, strict or
+        not; a missing param is one this rank does not ask for. A rank whose own part of the load raises makes
+        every rank raise (``_together``), as a job whose rank fails stops whole."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict, set_state_dict)
+
+        ck = self.case.checkpoint
+        part = self._part(model)
+        sd = {}
+
+        def state_dicts():  # the layout to load into
+            sd["model"] = without(get_model_state_dict(part), keys_of(part, ck.missing))
+            flat = StateDictOptions(flatten_optimizer_state_dict=True)
+            sd["optim"] = get_optimizer_state_dict(part, opt, options=flat)
+
+        def set_back():
+            msd = dict(sd["model"])
+            if ck.unexpected:
+                msd[UNEXPECTED_KEY] = torch.zeros(2)
+            options = StateDictOptions(strict=ck.strict, flatten_optimizer_state_dict=True)
+            if ck.split:
+                set_model_state_dict(part, msd, options=options)
+                set_optimizer_state_dict(part, opt, sd["optim"], options=options)
+            else:
+                set_state_dict(part, opt, model_state_dict=msd, optim_state_dict=sd["optim"], options=options)
+
+        self._together(state_dicts, group)  # (before dcp.load's collectives: no rank enters them alone)
+        # DCP's collectives raise on every rank where one fails
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(path, "dcp")), process_group=group)
+        self._together(set_back, group)
+
+    def _together(self, fn, group) -> None:
+        """``fn()`` on every rank of ``group``; where it raised on some, every rank raises a CheckpointException
+        holding each failed rank's error (as DCP's own collectives raise: the lowest failed rank's error is the
+        one a verdict reads, with that rank's traceback), so no rank waits in a collective for one whose load
+        failed."""
+        import traceback
+
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        error = None
+        try:
+            fn()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException (it raises it on every rank)
+            error = e
+        failed = [None] * dist.get_world_size(group)
+        said = None if error is None else error_record(error)  # (a CheckpointException's: its first failure's)
+        dist.all_gather_object(failed, None if said is None else (said["type"], said["message"], said["traceback"]),
+                               group=group)
+        if all(f is None for f in failed):
+            return
+        me = dist.get_rank(group)
+        failures = {}
+        for r, f in enumerate(failed):
+            if r == me and error is not None:
+                failures[r] = (error, traceback.extract_tb(error.__traceback__))
+            elif f is not None:  # another rank's error: its type, its message's first line (the signature's), and
+                # below it that rank's traceback (where in torch it raised: the address a known root cause is met by)
+                failures[r] = (type(f[0], (Exception,), {})(f"{f[1]}\n{f[2]}"), traceback.StackSummary())
+        raise CheckpointException(f"pp checkpoint load failed on ranks {sorted(failures)}", failures) from error
 
 def _cpu(v):
     if isinstance(v, dict):
