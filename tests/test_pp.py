@@ -113,11 +113,11 @@ def test_planted_1f1b_bug_is_found_shrunk_and_replays(tmp_path):
     assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
 
 
-def _hunt_shrink_replay(tmp_path, bug, seed, max_examples, shrink_budget="30s"):
+def hunt_shrink_replay(tmp_path, bug, seed, max_examples, shrink_budget="30s", world_sizes="2") -> dict:
     """A short pp session with ``bug`` planted: its one new finding (a grad parity finding), confirmed and
-    deterministic, replaying as itself with the bug and passing on unmodified torch; returns its case."""
+    deterministic, replaying as itself with the bug and passing on unmodified torch; returns the finding."""
     out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", "pp", "--max-examples", max_examples, "--seed", seed, "--world-sizes", "2",
+    r = run_cli("fuzz", "--target", "pp", "--max-examples", max_examples, "--seed", seed, "--world-sizes", world_sizes,
                 "--optimizers", "SGD", "--checkpoints", "none", "--case-timeout", 60, "--shrink-budget", shrink_budget,
                 "--out", out, setup=bug)
     assert r.returncode == 1, r.stderr[-3000:]
@@ -129,14 +129,14 @@ def _hunt_shrink_replay(tmp_path, bug, seed, max_examples, shrink_budget="30s"):
     assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
     clean = run_cli("replay", found[0])
     assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
-    return finding["case"]
+    return finding
 
 
 def test_planted_zero_bubble_dw_twice_is_found_shrunk_and_replays(tmp_path):
     """The zero-bubble split backward counts the first microbatch's weight grads (backward_weight_one_chunk)
     twice: found as a grad parity finding (new: pp.parity.grad, not the known vanished grads), shrunk to a
     split-backward schedule on one rank, its two virtual stages (the fewest), one microbatch, one step."""
-    case = _hunt_shrink_replay(tmp_path, "pp_zero_bubble_dw_twice.py", 6, 25)
+    case = hunt_shrink_replay(tmp_path, "pp_zero_bubble_dw_twice.py", 6, 25)["case"]
     o = case["target_options"]
     assert o["schedule"] in pp.SPLIT_BACKWARD and pp.n_stages(o, case["world_size"]) == 2, case
     assert o["n_microbatches"] == 1 and len(case["schedule"]) == 1, case
@@ -146,7 +146,7 @@ def test_planted_looped_stage_scale_is_found_shrunk_and_replays(tmp_path):
     """Interleaved1F1B / LoopedBFS divide a rank's later virtual stage's summed grads by n_microbatches x its
     stages: found as a grad parity finding, shrunk to a looped schedule on one rank, two virtual stages,
     two microbatches (one would not be scaled), scale_grads on, one step."""
-    case = _hunt_shrink_replay(tmp_path, "pp_looped_stage_scale.py", 0, 20, "20s")
+    case = hunt_shrink_replay(tmp_path, "pp_looped_stage_scale.py", 0, 20, "20s")["case"]
     o = case["target_options"]
     assert o["schedule"] in ("Interleaved1F1B", "LoopedBFS") and pp.n_stages(o, case["world_size"]) == 2, case
     assert o["n_microbatches"] == 2 and o["scale_grads"] is True and len(case["schedule"]) == 1, case

@@ -3,9 +3,9 @@ mesh, and gradient accumulation (several schedule steps before the optimizer ste
 draws both, the reference's accumulation with scale_grads (torch's stage.scale_grads divides the whole grad at
 every step), and a planted FSDP2-under-PP bug found by a seeded session."""
 import dataclasses
-import json
 
 from conftest import run_cli
+from test_pp import hunt_shrink_replay
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 from fuzzshard.kernel.model import param_shapes
 from fuzzshard.kernel.targets import pp
@@ -72,23 +72,10 @@ def test_planted_fsdp_reduce_sum_under_pp_is_found_and_replays(tmp_path):
     """Under PP, the last stage's FSDP2 reduce over dp sums the dp ranks' grads instead of averaging them: a
     short session at world size 4 finds it as a grad parity finding on a [2, 2] mesh (dp 2), in the last
     stage's params only; it replays as itself with the bug and passes on unmodified torch."""
-    bug = "pp_fsdp_last_stage_reduce_sum.py"
-    out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", "pp", "--max-examples", 8, "--seed", 0, "--world-sizes", "4",
-                "--optimizers", "SGD", "--checkpoints", "none", "--case-timeout", 60, "--shrink-budget", "15s",
-                "--out", out, setup=bug)
-    assert r.returncode == 1, r.stderr[-3000:]
-    found = sorted(out.glob("pp.*.json"))
-    assert [p.name for p in found] == ["pp.parity.grad.json"], f"{[p.name for p in found]}; stderr:\n{r.stderr[-3000:]}"
-    finding = json.loads(found[0].read_text())
-    case, sig = finding["case"], finding["signature"]
-    assert finding["stage"] == "confirmed" and finding["deterministic"] is True
+    finding = hunt_shrink_replay(tmp_path, "pp_fsdp_last_stage_reduce_sum.py", 0, 8, "15s", world_sizes="4")
+    case = finding["case"]
     o = case["target_options"]
     assert case["mesh_shape"] == [2, 2] and o["dp"] == 2, case
     last = o["cuts"][-1]  # the last stage's first top-level layer (pp degree 2, one stage a rank)
     fqns = {m["fqn"] for m in finding["verdict"]["mismatches"] if m.get("quantity") == "grad"}
     assert fqns and all(int(n.split(".")[1]) >= last for n in fqns), (fqns, o)
-    buggy = run_cli("replay", found[0], setup=bug)
-    assert buggy.returncode == 1 and f"FAIL: {sig}" in buggy.stdout, buggy.stdout
-    clean = run_cli("replay", found[0])
-    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
