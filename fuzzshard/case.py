@@ -168,8 +168,16 @@ class Case:
         """Processes the case needs: the larger of the saving and loading world."""
         return max(self.world_size, self.checkpoint.world_size if self.checkpoint else 0)
 
-    def check_world(self) -> None:
-        """CaseError unless every world size and mesh in the case is possible."""
+    def check(self) -> None:
+        """The validity rule: CaseError (saying why) unless fuzzshard can run the case as a test. Said here
+        once, and asked by everything that makes or takes a case: the strategies' draws (they draw within it
+        by construction where cheap, and ``assume`` it at the end), the reducer's and the generalizer's edits,
+        ``show``/``replay``/``script``/``bisect`` (cli/common.py's load_file), the pytest plugin's
+        ``fuzzshard.testing.check`` and every worker before it runs a case (a refused case is an
+        ``invalid`` verdict, never a finding). It covers every world size and mesh of the case, the added
+        param groups, the loop's features against the schedule, where an async save can run
+        (kernel/state_io.py) and the target's own refusals (its Spec's ``check``, e.g. ZeRO's uneven
+        inputs under Join with a clip, scaler or LR scheduler)."""
         sides = [("", self.world_size, self.mesh_shape, self.target_options)]
         if self.checkpoint:
             sides.append(("checkpoint ", self.checkpoint.world_size, self.checkpoint.mesh_shape,
@@ -207,6 +215,16 @@ class Case:
         problem = check(self) if check else None
         if problem:
             raise CaseError(problem)
+
+    check_world = check  # its old name (the world sizes and meshes were all it checked once)
+
+    def refusal(self) -> str | None:
+        """Why the validity rule (``check``) refuses the case, None where it takes it."""
+        try:
+            self.check()
+        except CaseError as e:
+            return str(e)
+        return None
 
     def to_dict(self) -> dict:
         return {"format": FORMAT_VERSION, **_to_jsonable(self)}

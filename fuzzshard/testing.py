@@ -36,6 +36,8 @@ def check(pool, case, known: dict | None = None) -> Verdict:
     if case.ranks > pool.size:
         pytest.fail(f"this case needs {case.ranks} ranks and the pool has {pool.size}: draw world sizes up to "
                     f"{pool.size}, or pass --fuzzshard-world-size {case.ranks}", pytrace=False)
+    if case.refusal():  # the validity rule (Case.check) refuses it: no test, not run (a worker says so too)
+        reject()
     j = judge(pool, case, known)
     if j.verdict.status == "invalid":
         reject()

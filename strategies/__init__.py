@@ -18,7 +18,7 @@ import math
 import hypothesis.strategies as st
 from hypothesis import assume
 
-from fuzzshard.case import Case, Checkpoint, Group, Optim, Step, mesh_shapes
+from fuzzshard.case import Case, Checkpoint, Clip, Group, LRScheduler, Optim, Scaler, Step, mesh_shapes
 from fuzzshard.kernel.state_io import ASYNC_SAVES, STATE_DICT_KINDS
 from fuzzshard.kernel.model import param_shapes, tied_modules
 
@@ -26,7 +26,8 @@ from .loop import loop_features
 from .models import models
 from .optimizers import NOT_ELEMENTWISE, ONLY_2D, default_optimizers, group_overrides, optimizer_kwargs
 
-__all__ = ["cases", "checkpoints", "models", "optimizers", "param_groups", "schedules", "target_options", "spec_of"]
+__all__ = ["cases", "checkpoints", "models", "optimizers", "param_groups", "schedules", "target_options", "spec_of",
+           "valid"]
 
 DTYPES = ["float32", "float64"]
 
@@ -274,5 +275,25 @@ def cases(
     if spec.late_options:  # the target's options that depend on the whole case: drawn last of all
         case = dataclasses.replace(case, target_options=spec.late_options(draw, case))
     if loop:  # the training loop around the step (strategies/loop.py): after everything, so the draws before stay
+        loop = _loop_taken(case, loop)
         case = dataclasses.replace(case, **draw(loop_features(spec, case, loop, steer.get("loop"))))
+    assume(valid(case))  # by construction above, but the rule has the last word (never a refused case)
     return case
+
+
+def valid(case: Case) -> bool:
+    """Whether ``case`` passes the validity rule (Case.check), the one every draw, edit and run asks."""
+    return case.refusal() is None
+
+
+# each loop feature in its plainest form: what the rule is asked of before the feature is drawn
+_PLAIN_LOOP = {"clip": Clip(how="norm", max_norm=1.0), "lr_scheduler": LRScheduler("ConstantLR"), "scaler": Scaler()}
+
+
+def _loop_taken(case: Case, features) -> tuple:
+    """The loop features the rule lets ``case`` take (each tried in its plainest form), so a drawn case is
+    valid by construction: ZeRO's uneven inputs under Join, drawn before the loop, take no clip, LR scheduler
+    or scaler (its join hook steps a joined rank without them). Where the rule takes every feature (every
+    other case) the features, and so the draws, are what they were."""
+    return tuple(f for f in features
+                 if f not in _PLAIN_LOOP or dataclasses.replace(case, **{f: _PLAIN_LOOP[f]}).refusal() is None)

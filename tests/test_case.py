@@ -198,3 +198,45 @@ def _decoder_case(seq: int, tied: bool) -> dict:
     data["frozen"] = []
     data["schedule"] = [{"set_to_none": True, "freeze": [], "unfreeze": []}]
     return data
+
+
+def _refused_zero_case() -> Case:
+    """ZeRO with uneven inputs under Join and an LR scheduler: a case the validity rule (Case.check) refuses
+    (a joined rank's ZeroJoinHook steps without the loop), which a session once drew, ran and reported."""
+    import dataclasses
+
+    from cases import simple_case
+    from fuzzshard.case import LRScheduler
+
+    ddp = {"broadcast_buffers": True, "find_unused_parameters": False, "gradient_as_bucket_view": False,
+           "static_graph": False}
+    return dataclasses.replace(simple_case(2), target="zero", target_options={"ddp": ddp, "uneven": [1, 2]},
+                               lr_scheduler=LRScheduler("StepLR", {"step_size": 1, "gamma": 0.5}))
+
+
+def test_the_validity_rule_is_one_method_its_old_name_the_same():
+    case = _refused_zero_case()
+    assert "uneven inputs under Join" in case.refusal()
+    with pytest.raises(CaseError, match="uneven inputs under Join"):
+        case.check()
+    assert Case.check_world is Case.check
+    import dataclasses
+
+    assert dataclasses.replace(case, lr_scheduler=None).refusal() is None
+
+
+def test_a_case_the_rule_refuses_is_invalid_on_the_workers_and_rejected_by_testing_check(fuzz_pool):
+    """Whoever sends a refused case to the pool (a session, replay, the reducer) gets an invalid verdict that
+    says why, never a finding: every worker asks the rule before it runs a case. The pytest plugin's check()
+    rejects it (Hypothesis draws another) without running it."""
+    from hypothesis.errors import UnsatisfiedAssumption
+
+    from fuzzshard import testing
+
+    case = _refused_zero_case()
+    runs = len(fuzz_pool.history)
+    v = fuzz_pool.run(case).verdict
+    assert v.status == "invalid" and v.extra["reason"].startswith("refused: uneven inputs under Join"), v
+    with pytest.raises(UnsatisfiedAssumption):
+        testing.check(fuzz_pool, case)
+    assert len(fuzz_pool.history) == runs + 1  # testing.check ran nothing

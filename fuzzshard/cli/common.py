@@ -286,7 +286,7 @@ def load_file(path):
     if finding.case.target not in targets.names():
         raise UsageError(f"{path}: unknown target {finding.case.target!r} (known: {', '.join(targets.names())})")
     try:
-        finding.case.check_world()
+        finding.case.check()
     except CaseError as e:
         raise UsageError(f"{path}: {e}") from None
     return finding

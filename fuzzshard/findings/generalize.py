@@ -70,7 +70,7 @@ def variants(case: Case, optimizer_names=None, other_targets=()) -> list[tuple[s
     kept = []
     for dim, value, v in out:
         try:
-            v.check_world()
+            v.check()
         except CaseError:
             continue
         kept.append((dim, value, v))

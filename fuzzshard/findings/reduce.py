@@ -133,14 +133,14 @@ def _count(value) -> int:
 
 
 def _well_formed(data: dict | None) -> Case | None:
-    """The Case, or None where the runner could not take it: the Case's and
-    the target's checks fail, or groups, flips or the checkpoint name a param
-    the model does not have."""
+    """The Case, or None where the runner could not take it: the validity
+    rule refuses it (Case.check: the Case's and the target's checks), or
+    groups, flips or the checkpoint name a param the model does not have."""
     if data is None:
         return None
     try:
         case = Case.from_dict(data)
-        case.check_world()
+        case.check()
         shapes = param_shapes(case.model)
     except Exception:  # CaseError, or a model that cannot be built (a plugin's: anything)
         return None

@@ -46,7 +46,7 @@ def main() -> None:
     from ..case import Case
     from ..kernel.mesh import Meshes
     from ..kernel.run import report_phases, run_bare, run_case
-    from ..verdict import failure
+    from ..verdict import failure, invalid
     from .message import CaseDone
     from ..kernel.state_io import close_stagers
 
@@ -96,13 +96,17 @@ def main() -> None:
         try:
             case = Case.from_json(order.case_json)
             timings: dict = {}
-            with meshes.placed(offset, case.ranks):
-                if order.bare:  # bench's floor: the sharded training alone
-                    verdict = run_bare(case, meshes, targets.get(case.target), device, reporter=rank == offset,
-                                       timings=timings)
-                else:
-                    verdict = run_case(case, meshes, targets.get(case.target), device, reporter=rank == offset,
-                                       timings=timings, localize=order.localize, ckpt_dir=order.ckpt_dir)
+            refusal = case.refusal()
+            if refusal:  # a case the rule refuses is no test, whoever sent it: every rank says so, none runs it
+                verdict = invalid(f"refused: {refusal}")
+            else:
+                with meshes.placed(offset, case.ranks):
+                    if order.bare:  # bench's floor: the sharded training alone
+                        verdict = run_bare(case, meshes, targets.get(case.target), device, reporter=rank == offset,
+                                           timings=timings)
+                    else:
+                        verdict = run_case(case, meshes, targets.get(case.target), device, reporter=rank == offset,
+                                           timings=timings, localize=order.localize, ckpt_dir=order.ckpt_dir)
         except Exception as e:  # a bug in fuzzshard or the setup file, not in the case
             verdict = failure(f"{type(e).__name__}: {e}", traceback.format_exc())
             timings = {}
