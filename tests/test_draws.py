@@ -1,4 +1,5 @@
-"""The built-in targets' draws stay what they were (see tests/draws.py), and every drawn case, the loop on, is one the validity rule (Case.check) takes by construction.
+"""The built-in targets' draws stay what they were (see tests/draws.py), and every case
+drawn with the loop on is one the validity rule (Case.check) takes, by construction.
 
 In a fresh interpreter: Hypothesis mixes literals of the imported modules into
 what it generates, so a draw depends on what else the process has imported."""
