@@ -78,7 +78,9 @@ def draw_late_options(draw, case) -> dict:
     """Once the groups added later are drawn: rarely (and never when shrunk)
     each group's params as a one-shot iterator (``generator_groups``, a known
     trap); else, where ``joinable``, now and then uneven inputs under Join:
-    rank r runs the first counts[r] steps, one rank all of them."""
+    rank r runs the first counts[r] steps, one rank all of them. The loop,
+    drawn after, then takes no clip, scheduler or scaler (``check`` refuses
+    them: strategies' draws ask the rule before each loop feature)."""
     import hypothesis.strategies as st
 
     out = dict(case.target_options)
