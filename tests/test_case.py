@@ -229,7 +229,9 @@ def test_a_case_the_rule_refuses_is_invalid_on_the_workers_and_rejected_by_testi
     """Whoever sends a refused case to the pool (a session, replay, the reducer) gets an invalid verdict that
     says why, never a finding: every worker asks the rule before it runs a case. The pytest plugin's check()
     rejects it (Hypothesis draws another) without running it."""
-    from hypothesis.errors import UnsatisfiedAssumption
+    import hypothesis.strategies as st
+    from hypothesis import Phase
+    from hypothesis.errors import Unsatisfiable
 
     from fuzzshard import testing
 
@@ -237,6 +239,12 @@ def test_a_case_the_rule_refuses_is_invalid_on_the_workers_and_rejected_by_testi
     runs = len(fuzz_pool.history)
     v = fuzz_pool.run(case).verdict
     assert v.status == "invalid" and v.extra["reason"].startswith("refused: uneven inputs under Join"), v
-    with pytest.raises(UnsatisfiedAssumption):
-        testing.check(fuzz_pool, case)
+
+    @settings(max_examples=2, database=None, phases=[Phase.generate], deadline=None)
+    @given(st.just(case))
+    def a_users_property(drawn):
+        testing.check(fuzz_pool, drawn)
+
+    with pytest.raises(Unsatisfiable):  # every example rejected: none was a test
+        a_users_property()
     assert len(fuzz_pool.history) == runs + 1  # testing.check ran nothing
