@@ -1,8 +1,9 @@
-"""One finding per bug (generalize.py) and errors that are fuzzshard's own
-(judge.internal_error): pure functions over cases and verdicts, no pool; and
-one real session, where a user's optimizer with one planted bug fuzzed on two
-targets gives one finding."""
+"""One finding per bug (generalize.py; simulated.py's onsets across modules) and errors that are
+fuzzshard's own (judge.internal_error): pure functions over cases and verdicts, no pool; and two real
+sessions, one planted bug each, that give one finding: a user's optimizer fuzzed on two targets, and a
+replica drift met as the checkpoint face it leaves too."""
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -293,3 +294,26 @@ def test_a_collective_bug_over_uneven_shards_from_6_ranks_met_in_two_modules_is_
                                                                    Layer("linear", 10, 15))))
     j = shapes([tens])[0]
     assert _onset(Finding(j.label, tens, j.verdict, environment={}, stage="confirmed"), shapes)[0] is None
+
+
+def test_a_replica_drift_met_as_the_checkpoint_face_it_leaves_too_is_one_finding(tmp_path):
+    """tests/planted/dtensor_replica_step_twice.py with every case saved and loaded: a case saved after the
+    step that made replicas drift is named by the checkpoint's oracle (DCP took rank 1's copy: loaded.param),
+    the others by the replica oracle. Seed 2 meets the checkpoint face first; its case without the checkpoint
+    fails earlier as dtensor.replica.param, so that signature is its face, and the cases met with it later
+    are counted there: one file."""
+    out = tmp_path / "out"
+    r = run_cli("fuzz", "--target", "dtensor", "--checkpoints", "all", "--max-examples", 40, "--seed", 2,
+                "--world-sizes", "2", "--optimizers", "SGD", "--case-timeout", 60, "--out", out,
+                setup="dtensor_replica_step_twice.py")
+    found = sorted(p.name for p in out.glob("*.json"))
+    assert r.returncode == 1 and found == ["dtensor.checkpoint.dcp.loaded.param.json"], f"{found}\n{r.stderr[-3000:]}"
+    finding = json.loads((out / found[0]).read_text())
+    assert finding["verdict"]["oracle"] == "checkpoint" and finding["verdict"]["first"]["quantity"] == "loaded.param"
+    assert "dtensor.replica.param" in finding["faces"] and finding["stage"] == "confirmed"
+    assert {"dimension": "checkpoint", "value": "none", "outcome": "fails earlier",
+            "signature": "dtensor.replica.param"} in finding["generalization"]
+    assert "        checkpoint: fails earlier, where it began, with none (dtensor.replica.param)" in r.stderr
+    assert re.search(r"one bug, also seen as dtensor\.replica\.param.* \([1-9]\d* case\(s\) met it so\)", r.stderr), \
+        r.stderr[-3000:]  # the replica face met on its own cases, counted here
+    assert "1 new finding(s), one per bug" in r.stderr

@@ -223,7 +223,7 @@ def test_a_file_put_back_to_its_confirmed_case_lists_no_edit_that_case_lacks(tmp
 
 # -- one bug across oracles: a replica that drifted before a save, met as the save's face too --------------
 class DriftPool(ScriptedPool):
-    """Every param replicated and stepped twice on rank 1 by SGD (tests/planted/dtensor_replica_step_twice.py):
+    """Every param replicated and stepped twice on rank 1 by SGD (the planted replica bug of test_generalize.py):
     the replica oracle's drift at step 0; a case saved after step 0 (DCP took rank 1's copy of three params)
     names the checkpoint's oracle instead (kernel/run.py's _replica_first, at the save's step)."""
 
