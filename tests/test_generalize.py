@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from cases import simple_case
 from conftest import run_cli
 
-from fuzzshard.findings.generalize import (Face, carry, earlier, faces_of, generalize, kin, same_way, table_text,
-                                          variants)
+from fuzzshard.findings.generalize import (UP_TO_THE_SAVE, Face, carry, earlier, faces_of, generalize, kin, same_way,
+                                          table_text, variants)
 from fuzzshard.findings.judge import internal_error
 from fuzzshard.verdict import Verdict, finding, passing
 
@@ -192,7 +192,7 @@ def _drift(fqns=REPLICATED, step=0):
 
 
 def _without_checkpoint_gives(verdict, label):
-    """A judge: the case without its checkpoint gives ``verdict`` (``label``), every other variant passes."""
+    """A judge: the case up to its save (no checkpoint) gives ``verdict`` (``label``), every other variant passes."""
     def judge_many(cases):
         return [SimpleNamespace(verdict=verdict, label=label) if c.checkpoint is None
                 else SimpleNamespace(verdict=Verdict.from_dict(passing()), label="pass") for c in cases]
@@ -204,17 +204,29 @@ def test_a_checkpoint_face_whose_case_without_the_checkpoint_drifts_before_the_s
     save after step 0 took rank 1's copy of three params: the kernel names the checkpoint at the save's step):
     the case without its checkpoint fails earlier, as the replica oracle, on those params: one bug."""
     case = _ckpt_case()
-    assert ("checkpoint", "none") in {(d, v) for d, v, _ in variants(case, ["SGD"])}
-    assert [v for d, _, v in variants(case, ["SGD"]) if d == "checkpoint"][0].checkpoint is None
+    (before,) = [v for d, _, v in variants(case, ["SGD"]) if d == "checkpoint"]
+    # what ran before the save, no more: no checkpoint, and no step after it (an error there would come first)
+    assert before.checkpoint is None and before.schedule == case.schedule[:1] and len(case.schedule) == 2
     table, sigs = generalize(_without_checkpoint_gives(_drift(), "dtensor.replica.param"), case, _loaded(), ["SGD"])
     assert "dtensor.replica.param" in sigs and "dtensor.checkpoint.dcp.loaded.param" in sigs
-    assert Face("checkpoint", "none", "fails earlier", "dtensor.replica.param") in table
-    assert "checkpoint: fails earlier, where it began, with none (dtensor.replica.param)" in table_text(table)
+    assert Face("checkpoint", UP_TO_THE_SAVE, "fails earlier", "dtensor.replica.param") in table
+    assert "checkpoint: fails earlier, where it began, with none (its steps up to the save) (dtensor.replica.param)" \
+        in table_text(table)
+    # the run raised after the load (a known error of a later step): the kernel named the load's divergence, and
+    # the whole schedule without the checkpoint raises there first; up to the save, the replicas drift
+    def known_error_later(cases):
+        return [SimpleNamespace(verdict=_error("RuntimeError", ["x.py"]), label="dtensor.error.fwdbwd.RuntimeError.0")
+                if len(c.schedule) > 1 else SimpleNamespace(verdict=_drift(), label="dtensor.replica.param")
+                for c in cases]
+
+    then = _loaded(then={"phase": "fwdbwd", "type": "RuntimeError", "message": "m"})
+    assert "dtensor.replica.param" in generalize(known_error_later, case, then, ["SGD"])[1]
 
 
 def test_a_checkpoint_bug_of_its_own_stays_apart_from_what_fails_without_its_checkpoint():
-    """No false merge: the case without its checkpoint passes (a bug of the round trip), or fails after the
-    save, or on other params, or with an error (no params named): each leaves the finding as it is."""
+    """No false merge: the case up to its save passes (a bug of the round trip), or fails on other params, or
+    with an error (no params named), or (a verdict of another run) after the save: each leaves the finding as
+    it is."""
     case, ckpt = _ckpt_case(), _loaded()
     for other, label in ((Verdict.from_dict(passing()), "pass"),
                          (_drift(step=1), "dtensor.replica.param"),  # after the save: not what the save took
@@ -299,9 +311,9 @@ def test_a_collective_bug_over_uneven_shards_from_6_ranks_met_in_two_modules_is_
 def test_a_replica_drift_met_as_the_checkpoint_face_it_leaves_too_is_one_finding(tmp_path):
     """tests/planted/dtensor_replica_step_twice.py with every case saved and loaded: a case saved after the
     step that made replicas drift is named by the checkpoint's oracle (DCP took rank 1's copy: loaded.param),
-    the others by the replica oracle. Seed 2 meets the checkpoint face first; its case without the checkpoint
-    fails earlier as dtensor.replica.param, so that signature is its face, and the cases met with it later
-    are counted there: one file."""
+    the others by the replica oracle. Seed 2 meets the checkpoint face first; its case run up to its save fails
+    earlier as dtensor.replica.param, so that signature is its face, and the cases met with it later are counted
+    there: one file."""
     out = tmp_path / "out"
     r = run_cli("fuzz", "--target", "dtensor", "--checkpoints", "all", "--max-examples", 40, "--seed", 2,
                 "--world-sizes", "2", "--optimizers", "SGD", "--case-timeout", 60, "--out", out,
@@ -311,9 +323,10 @@ def test_a_replica_drift_met_as_the_checkpoint_face_it_leaves_too_is_one_finding
     finding = json.loads((out / found[0]).read_text())
     assert finding["verdict"]["oracle"] == "checkpoint" and finding["verdict"]["first"]["quantity"] == "loaded.param"
     assert "dtensor.replica.param" in finding["faces"] and finding["stage"] == "confirmed"
-    assert {"dimension": "checkpoint", "value": "none", "outcome": "fails earlier",
+    assert {"dimension": "checkpoint", "value": UP_TO_THE_SAVE, "outcome": "fails earlier",
             "signature": "dtensor.replica.param"} in finding["generalization"]
-    assert "        checkpoint: fails earlier, where it began, with none (dtensor.replica.param)" in r.stderr
+    assert "        checkpoint: fails earlier, where it began, with none (its steps up to the save) " \
+           "(dtensor.replica.param)" in r.stderr
     assert re.search(r"one bug, also seen as dtensor\.replica\.param.* \([1-9]\d* case\(s\) met it so\)", r.stderr), \
         r.stderr[-3000:]  # the replica face met on its own cases, counted here
     assert "1 new finding(s), one per bug" in r.stderr

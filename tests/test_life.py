@@ -252,7 +252,7 @@ def test_a_replica_drift_and_the_checkpoint_face_it_leaves_are_one_finding_which
         book, said = _book(out, DriftPool())
         (first, first_case), (second, second_case) = order
         assert book.accept(first, first_case, book.pool.run_many([first_case], [None])[0].verdict)
-        if second == saved:  # met second, its case without the checkpoint fails earlier as the finding made
+        if second == saved:  # met second, its case up to the save fails earlier as the finding made
             assert not book.accept(second, second_case, book.pool.run_many([second_case], [None])[0].verdict)
             assert f"new signature {saved}: another face of finding {drift}" in said.getvalue()
         else:  # the first one's variant named it already: a face, counted there, never a file of its own
@@ -263,4 +263,4 @@ def test_a_replica_drift_and_the_checkpoint_face_it_leaves_are_one_finding_which
         data = json.loads((out / f"{first}.json").read_text())
         assert second in data["faces"] and list(book.findings) == [first]
     rows = [Face(**r) for r in data["generalization"] if r["dimension"] == "checkpoint"]
-    assert table_text(rows) == f"checkpoint: fails earlier, where it began, with none ({drift})"
+    assert table_text(rows) == f"checkpoint: fails earlier, where it began, with none (its steps up to the save) ({drift})"

@@ -13,13 +13,14 @@ and a table of what it fails and passes with. A variant that fails
 otherwise (other params, another step, another error) is another bug and
 is left to be found on its own: two bugs stay two.
 
-One face shows under another oracle: a case's checkpoint is left out
-(dimension "checkpoint", the reducer's "no checkpoint" edit), and a variant
-that fails *earlier* (``earlier``: by the save, on the params the finding
-names) is where the finding's bug began: the checkpoint only carried it
-(a replica that drifted before the save, whose copy the save took), and the
-kernel named the checkpoint's oracle because both showed at the save's step
-(run.py's _replica_first) or the run then raised. Its signature is a face.
+One face shows under another oracle: a case with a checkpoint is also run
+up to the save alone (dimension "checkpoint": its steps after the save and
+the checkpoint left out, ``up_to_the_save``), and a variant that fails
+*earlier* (``earlier``: on the params the finding names) is where the
+finding's bug began: the checkpoint only carried it (a replica that drifted
+before the save, whose copy the save took), and the kernel named the
+checkpoint's oracle because both showed at the save's step (run.py's
+_replica_first) or the run raised after the load. Its signature is a face.
 """
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def variants(case: Case, optimizer_names=None, other_targets=()) -> list[tuple[s
     if case.model.factory == "" and case.dtype in ("float32", "float64"):
         other = "float64" if case.dtype == "float32" else "float32"
         out.append(("dtype", other, replace(case, dtype=other)))
-    if case.checkpoint:  # what the case does up to the save, without it (the reducer's "no checkpoint" edit)
-        out.append(("checkpoint", "none", replace(case, checkpoint=None)))
+    if case.checkpoint:  # what the case runs before the save, no more (see earlier)
+        out.append(("checkpoint", UP_TO_THE_SAVE, up_to_the_save(case)))
     if case.checkpoint and spec:
         for kind in spec.checkpoint_kinds:
             if kind != case.checkpoint.kind:
@@ -85,6 +86,23 @@ def variants(case: Case, optimizer_names=None, other_targets=()) -> list[tuple[s
             continue
         kept.append((dim, value, v))
     return kept
+
+
+UP_TO_THE_SAVE = "none (its steps up to the save)"  # the checkpoint row's value
+
+
+def up_to_the_save(case: Case) -> Case:
+    """``case`` without its checkpoint (the reducer's "no checkpoint" edit) and without the steps after the
+    save (its "drop step" edits, the last first): what the case runs before the save, and nothing after
+    it that could fail first (an error in a later step would hide where the bug began)."""
+    from .reduce import _step_edits
+
+    data = case.to_dict()
+    while len(data["schedule"]) > max(0, data["checkpoint"]["after"]) + 1:
+        last = f"drop step {len(data['schedule']) - 1}"
+        data = next(new for what, new in _step_edits(data) if what == last)
+    data["checkpoint"] = None
+    return Case.from_dict(data)
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,14 +232,14 @@ def _began(verdict: Verdict) -> tuple[int, frozenset, bool] | None:
 
 
 def earlier(a: Verdict, b: Verdict, saved_after: int) -> bool:
-    """Whether ``b``, the verdict of ``a``'s case without its checkpoint (saved after step
-    ``saved_after``), is ``a``'s bug where it began: another finding, at a step no later than the save
+    """Whether ``b``, the verdict of ``a``'s case up to its save (after step ``saved_after``:
+    ``up_to_the_save``), is ``a``'s bug where it began: another finding, at a step no later than the save
     and than ``a``'s, on the params ``a`` names there (all of them; one of them where either verdict kept
     only its first few). The steps up to the save are the same run with or without the checkpoint, so
     ``b`` happened first in ``a``'s own run too: the kernel names one oracle per run, the checkpoint's
     where both show at the save's step (run.py: _replica_first) or the run raised after the load; a
     replica that drifted before the save is what the save took. A checkpoint bug of its own leaves the
-    case without its checkpoint passing (or failing on other params, or after the save: not folded)."""
+    case up to its save passing (or failing on other params: not folded)."""
     if same_way(a, b):
         return False
     began_a, began_b = _began(a), _began(b)
