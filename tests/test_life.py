@@ -219,3 +219,48 @@ def test_a_file_put_back_to_its_confirmed_case_lists_no_edit_that_case_lacks(tmp
     data = json.loads((tmp_path / f"{SIG}.json").read_text())
     assert data["case"]["world_size"] == 2 and book.findings[SIG].case.world_size == 2
     assert data.get("removed", []) == [] and book.findings[SIG].removed == [], book.findings[SIG].removed
+
+
+# -- one bug across oracles: a replica that drifted before a save, met as the save's face too --------------
+class DriftPool(ScriptedPool):
+    """Every param replicated and stepped twice on rank 1 by SGD (the planted replica bug of test_generalize.py):
+    the replica oracle's drift at step 0; a case saved after step 0 (DCP took rank 1's copy of three params)
+    names the checkpoint's oracle instead (kernel/run.py's _replica_first, at the save's step)."""
+
+    def run_many(self, cases, timeouts):
+        out = []
+        for c in cases:
+            names = ("layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias")
+            ck = c.checkpoint is not None and c.checkpoint.after == 0
+            v = Verdict.from_dict(passing() if c.optim.name != "SGD" else finding(
+                "checkpoint" if ck else "replica",
+                [{"quantity": "loaded.param" if ck else "param", "fqn": n, "step": 0, "detail": "d"}
+                 for n in (names[1:] if ck else names)]))
+            self.history.append((c, v))
+            out.append(SimpleNamespace(verdict=v, seconds=0.0, timings={}))
+        return out
+
+
+def test_a_replica_drift_and_the_checkpoint_face_it_leaves_are_one_finding_whichever_is_met_first(tmp_path):
+    from fuzzshard.case import Checkpoint
+
+    drift_case = dataclasses.replace(simple_case(2, optim="SGD", foreach=False), target_options={})
+    saved_case = dataclasses.replace(drift_case, checkpoint=Checkpoint(0, "dcp", 2, (2,)))
+    drift, saved = "dtensor.replica.param", "dtensor.checkpoint.dcp.loaded.param"
+    for order in ((drift, drift_case), (saved, saved_case)), ((saved, saved_case), (drift, drift_case)):
+        out = tmp_path / order[0][0]
+        book, said = _book(out, DriftPool())
+        (first, first_case), (second, second_case) = order
+        assert book.accept(first, first_case, book.pool.run_many([first_case], [None])[0].verdict)
+        if second == saved:  # met second, its case up to the save fails earlier as the finding made
+            assert not book.accept(second, second_case, book.pool.run_many([second_case], [None])[0].verdict)
+            assert f"new signature {saved}: another face of finding {drift}" in said.getvalue()
+        else:  # the first one's variant named it already: a face, counted there, never a file of its own
+            assert book.new_signature(SimpleNamespace(known=False, signature=drift)) is None
+            assert book.stats.folded[saved] == 1
+        book.finish()
+        assert sorted(p.name for p in out.glob("*.json")) == [f"{first}.json"], said.getvalue()
+        data = json.loads((out / f"{first}.json").read_text())
+        assert second in data["faces"] and list(book.findings) == [first]
+    rows = [Face(**r) for r in data["generalization"] if r["dimension"] == "checkpoint"]
+    assert table_text(rows) == f"checkpoint: fails earlier, where it began, with none (its steps up to the save) ({drift})"

@@ -12,6 +12,15 @@ signature, and the signatures of every quantity the same run got wrong
 and a table of what it fails and passes with. A variant that fails
 otherwise (other params, another step, another error) is another bug and
 is left to be found on its own: two bugs stay two.
+
+One face shows under another oracle: a case with a checkpoint is also run
+up to the save alone (dimension "checkpoint": its steps after the save and
+the checkpoint left out, ``up_to_the_save``), and a variant that fails
+*earlier* (``earlier``: on the params the finding names) is where the
+finding's bug began: the checkpoint only carried it (a replica that drifted
+before the save, whose copy the save took), and the kernel named the
+checkpoint's oracle because both showed at the save's step (run.py's
+_replica_first) or the run raised after the load. Its signature is a face.
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ class Face:
     """One variant of a finding's case and what it came to."""
     dimension: str  # "implementation", "optimizer", "dtype", "checkpoint kind", "target"
     value: str  # what the variant has there ("foreach", "Adam", "float64", "dcp", "fsdp2")
-    outcome: str  # "fails" (the same way), "passes", "invalid", "fails otherwise", "error"
+    outcome: str  # "fails" (the same way), "fails earlier" (see earlier), "passes", "invalid", "fails otherwise", "error"
     signature: str = ""  # a failing variant's
 
     def to_dict(self) -> dict:
@@ -59,6 +68,8 @@ def variants(case: Case, optimizer_names=None, other_targets=()) -> list[tuple[s
     if case.model.factory == "" and case.dtype in ("float32", "float64"):
         other = "float64" if case.dtype == "float32" else "float32"
         out.append(("dtype", other, replace(case, dtype=other)))
+    if case.checkpoint:  # what the case runs before the save, no more (see earlier)
+        out.append(("checkpoint", UP_TO_THE_SAVE, up_to_the_save(case)))
     if case.checkpoint and spec:
         for kind in spec.checkpoint_kinds:
             if kind != case.checkpoint.kind:
@@ -75,6 +86,23 @@ def variants(case: Case, optimizer_names=None, other_targets=()) -> list[tuple[s
             continue
         kept.append((dim, value, v))
     return kept
+
+
+UP_TO_THE_SAVE = "none (its steps up to the save)"  # the checkpoint row's value
+
+
+def up_to_the_save(case: Case) -> Case:
+    """``case`` without its checkpoint (the reducer's "no checkpoint" edit) and without the steps after the
+    save (its "drop step" edits, the last first): what the case runs before the save, and nothing after
+    it that could fail first (an error in a later step would hide where the bug began)."""
+    from .reduce import _step_edits
+
+    data = case.to_dict()
+    while len(data["schedule"]) > max(0, data["checkpoint"]["after"]) + 1:
+        last = f"drop step {len(data['schedule']) - 1}"
+        data = next(new for what, new in _step_edits(data) if what == last)
+    data["checkpoint"] = None
+    return Case.from_dict(data)
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,6 +221,36 @@ def same_way(a: Verdict, b: Verdict) -> bool:
     return sa[-1] == sb[-1] or (cut and (sa[-1] <= sb[-1] or sb[-1] <= sa[-1]))
 
 
+def _began(verdict: Verdict) -> tuple[int, frozenset, bool] | None:
+    """(step, the params that diverged there, whether the verdict kept only its first few) of a verdict
+    that names what diverged; None: one that names no param (an error, a hyperparameter of no param)."""
+    first = verdict.first
+    if not verdict.is_finding or not first or first.step is None:
+        return None
+    at = frozenset(m.fqn for m in verdict.mismatches or [first] if m.step == first.step and m.fqn)
+    return (first.step, at, verdict.extra.get("count", 0) > len(verdict.mismatches or [])) if at else None
+
+
+def earlier(a: Verdict, b: Verdict, saved_after: int) -> bool:
+    """Whether ``b``, the verdict of ``a``'s case up to its save (after step ``saved_after``:
+    ``up_to_the_save``), is ``a``'s bug where it began: another finding, at a step no later than the save
+    and than ``a``'s, on the params ``a`` names there (all of them; one of them where either verdict kept
+    only its first few). The steps up to the save are the same run with or without the checkpoint, so
+    ``b`` happened first in ``a``'s own run too: the kernel names one oracle per run, the checkpoint's
+    where both show at the save's step (run.py: _replica_first) or the run raised after the load; a
+    replica that drifted before the save is what the save took. A checkpoint bug of its own leaves the
+    case up to its save passing (or failing on other params: not folded)."""
+    if same_way(a, b):
+        return False
+    began_a, began_b = _began(a), _began(b)
+    if began_a is None or began_b is None:
+        return False
+    (step_a, fqns_a, cut_a), (step_b, fqns_b, cut_b) = began_a, began_b
+    if step_b > min(step_a, saved_after):
+        return False
+    return fqns_a <= fqns_b or ((cut_a or cut_b) and bool(fqns_a & fqns_b))
+
+
 def faces_of(case: Case, verdict: Verdict) -> set[str]:
     """The signatures of every quantity this one run got wrong where it first
     diverged (an optimizer-step bug shows in the param and in each state)."""
@@ -220,6 +278,9 @@ def generalize(judge_many, case: Case, verdict: Verdict, optimizer_names=None,
         elif same_way(verdict, j.verdict):
             table.append(Face(dim, value, "fails", j.label))
             sigs |= faces_of(v, j.verdict) | {j.label}
+        elif dim == "checkpoint" and earlier(verdict, j.verdict, case.checkpoint.after):
+            table.append(Face(dim, value, "fails earlier", j.label))
+            sigs |= faces_of(v, j.verdict) | {j.label}
         else:
             table.append(Face(dim, value, "fails otherwise", j.label))
     return table, sigs
@@ -231,9 +292,10 @@ def table_text(table: list[Face]) -> str:
     for dim in dict.fromkeys(f.dimension for f in table):
         rows = [f for f in table if f.dimension == dim]
         parts = []
-        for outcome, word in (("fails", "fails with"), ("passes", "passes with"), ("fails otherwise", "fails otherwise with"),
+        for outcome, word in (("fails", "fails with"), ("fails earlier", "fails earlier, where it began, with"),
+                              ("passes", "passes with"), ("fails otherwise", "fails otherwise with"),
                               ("invalid", "refused by the reference with"), ("error", "could not run with")):
-            values = [f.value + (f" ({f.signature})" if outcome == "fails otherwise" else "")
+            values = [f.value + (f" ({f.signature})" if outcome in ("fails otherwise", "fails earlier") else "")
                       for f in rows if f.outcome == outcome]
             if values:
                 parts.append(f"{word} {', '.join(values)}")

@@ -299,9 +299,12 @@ def _onset(f, judged) -> tuple:
     """(T, rows): ``f``'s case on 1-D meshes of T .. its own ranks fails (the same oracle, a new bug: the
     signature may change with the world size, where another module is the first wrong) and passes on T - 1,
     T > ONSET_ABOVE; and the same case with every width scaled so that each shard is even at T - 1 and at T
-    ranks (``_widened``) does not say otherwise (it fails so at T - 1, or passes at T: then the shapes made
-    the onset, an uneven or empty shard, not the group size; a known bug there says nothing). A bug that
-    begins at a group size. Else (None, rows). rows: generalize.Face rows of the world sizes tried."""
+    ranks (``_widened``) does not say otherwise (it fails so at T - 1: then the shapes made the onset, not
+    the group size; a known bug there says nothing). Where it passes at T with even shards, the bug needs an
+    uneven one (a collective below the modules over uneven shards): then the case with every width made
+    uneven at T - 1 and at T alike (``_skewed``, no shard empty) must pass at T - 1 and fail so at T, else
+    an uneven or empty shard made the onset. A bug that begins at a group size. Else (None, rows). rows:
+    generalize.Face rows of the world sizes tried."""
     import math
 
     from .generalize import Face
@@ -336,8 +339,18 @@ def _onset(f, judged) -> tuple:
         return t, rows
     under, at = judged(pair)
     rows += [_row(dim, t - 1, under, f.signature), _row(dim, t, at, f.signature)]
-    shapes_say = fails_so(under) or at.verdict.status == "pass"
-    return (None if shapes_say else t), rows
+    if fails_so(under) or at.verdict.status != "pass":
+        return (None if fails_so(under) else t), rows
+    # it needs an uneven shard at T (a collective over uneven shards): the onset is still the group size's
+    # where, every shard uneven at T - 1 and at T alike (``_skewed``), it passes at T - 1 and fails at T
+    skew = _skewed(f.case, t - 1, t)
+    pair = [c for c in (_resized(skew[0], t - 1), _resized(skew[0], t)) if c is not None] if skew else []
+    if len(pair) < 2:
+        return None, rows
+    under, at = judged(pair)
+    dim = f"world size, widths x{skew[1]} + 1 (every shard uneven)"
+    rows += [_row(dim, t - 1, under, f.signature), _row(dim, t, at, f.signature)]
+    return (t if under.verdict.status == "pass" and fails_so(at) else None), rows
 
 
 def _row(dimension: str, w: int, j, sig: str):
@@ -385,6 +398,43 @@ def _widened(case, even: int):
         wide = Case.from_dict(data)
         wide.check_world()
         return wide, k
+    except Exception:
+        return None
+
+
+def _skewed(case, a: int, b: int):
+    """(``case`` with every width w of its model made k * w + 1, k) where k = lcm(a, b): every width then
+    splits unevenly over ``a`` and over ``b`` ranks, and (``a``, ``b`` consecutive) no rank's shard is empty;
+    None where it cannot be (a plugin's model, wider than WIDE_MAX, or a case the new widths break)."""
+    import math
+
+    from ..case import Case
+
+    data = case.to_dict()
+    model = data["model"]
+    if model.get("factory"):
+        return None
+    k = math.lcm(a, b)
+    widths, stack = [model["d_in"]], list(model["layers"])
+    while stack:
+        layer = stack.pop()
+        widths += [w for w in (layer["d_in"], layer["d_out"]) if w]
+        stack += layer["children"]
+    if max(widths) * k + 1 > WIDE_MAX:
+        return None
+
+    def skew(layer):
+        layer.update(d_in=layer["d_in"] and layer["d_in"] * k + 1, d_out=layer["d_out"] and layer["d_out"] * k + 1)
+        for child in layer["children"]:
+            skew(child)
+
+    model["d_in"] = model["d_in"] * k + 1
+    for layer in model["layers"]:
+        skew(layer)
+    try:
+        skewed = Case.from_dict(data)
+        skewed.check_world()
+        return skewed, k
     except Exception:
         return None
 
