@@ -1,5 +1,6 @@
 """Bad input gets one clear line and exit code 2; show and --help teach."""
 import json
+import re
 
 from conftest import run_cli
 from cases import simple_case
@@ -8,7 +9,7 @@ from cases import simple_case
 def _one_line_error(r, *words):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("fuzzshard: error:"), r.stderr
+    assert lines and re.match(r"fuzzshard( [a-z]+)?: error: ", lines[-1]), r.stderr
     assert all(w in lines[-1] for w in words), lines[-1]
 
 
