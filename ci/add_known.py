@@ -59,17 +59,25 @@ def _replace(finding) -> None:
     print(f"known: {finding.signature}")
 
 
+def _usage(code: int) -> None:
+    """The docstring: on stdout and exit 0 when asked for (--help), else on stderr and exit 2 (bad usage)."""
+    print(__doc__, file=sys.stdout if code == 0 else sys.stderr)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     args, trigger, as_recorded, devices = sys.argv[1:], None, False, ()
+    if {"-h", "--help"} & set(args):
+        _usage(0)
     while args[:1] and args[0].startswith("--"):
-        if args[0] == "--trigger":
+        if args[0] == "--trigger" and len(args) > 1:
             trigger, args = json.loads(args[1]), args[2:]
-        elif args[0] == "--devices":
+        elif args[0] == "--devices" and len(args) > 1:
             devices, args = args[1].split(","), args[2:]
         elif args[0] == "--as-recorded":
             as_recorded, args = True, args[1:]
         else:
-            sys.exit(__doc__)
+            _usage(2)
     if len(args) < 2 or len(args) % 2:
-        sys.exit(__doc__)
+        _usage(2)
     main(args, trigger, as_recorded, devices)

@@ -10,8 +10,10 @@ on one line (an inline value) or over several (a block). NAME is one of the
 keys of GENERATORS below (lowercase: an upper-case NAME, as here, is no
 region); the same NAME may appear in several places.
 
-    python ci/gen_docs.py           # rewrite every region in place
-    python ci/gen_docs.py --check   # exit 1 and name each stale region (tests/test_docs.py runs this)
+    python ci/gen_docs.py           # rewrite every region in place, and the files generated whole
+    python ci/gen_docs.py --check   # exit 1 and name each stale region or file (tests/test_docs.py runs this)
+
+Files generated whole (WHOLE): fuzzshard/known/README.md, `fuzzshard known --markdown`'s page.
 
 Reads files and imports only torch-free modules (fuzzshard.cli, .oracle,
 .targets): it runs in well under a second.
@@ -19,18 +21,16 @@ Reads files and imports only torch-free modules (fuzzshard.cli, .oracle,
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
-import json
 import os
 import re
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOWN = ROOT / "fuzzshard" / "known"
-ROOT_CAUSES = "root_causes.json"
 _DOCSTRING = re.compile(r'\s*(?:#[^\n]*\n\s*)*((?:[rRuU])?(?:"""(?:[^\\]|\\.)*?"""|\'\'\'(?:[^\\]|\\.)*?\'\'\'))', re.S)
 REGION = re.compile(r"<!-- generated: ([a-z0-9-]+) -->(.*?)<!-- /generated -->", re.S)
 
@@ -94,30 +94,36 @@ def module_doc(path: Path) -> str:
         return m.group(2) if m else ""
 
 
-# ---- the known list ---------------------------------------------------------------------------------
+# ---- the known list: its numbers said where fuzzshard/cli/known.py says them (one place), and its README, which
+# `fuzzshard known --markdown` writes whole
 
+@functools.lru_cache(maxsize=None)
 def _known():
-    findings = [json.loads(p.read_text()) for p in sorted(KNOWN.glob("*.json")) if p.name != ROOT_CAUSES]
-    causes = json.loads((KNOWN / ROOT_CAUSES).read_text())
-    return findings, causes
+    from fuzzshard.cli import known
+    from fuzzshard.findings.record import load_known
+    from fuzzshard.findings.rootcause import load_root_causes
+
+    findings = load_known(KNOWN)
+    return known, findings, load_root_causes(findings, known_dir=KNOWN)
 
 
 def known_counts() -> str:
-    findings, causes = _known()
-    kinds = Counter(c.get("kind", "?") for c in causes.values())
-    up = Counter(c.get("upstream", {}).get("state", "not-reported") for c in causes.values())
-    cuda = sum(1 for f in findings if f.get("devices") == ["cuda"])
-    words = {"silent": "silent", "raises": "raise", "crash": "crash", "hang": "hang"}
-    kind_text = ", ".join(f"{kinds[k]} {w}" for k, w in words.items() if kinds[k])
-    return (f"{len(findings)} known findings (signatures) behind {len(causes)} root causes in torch: {kind_text}; "
-            f"{cuda} of the findings seen only on CUDA. Upstream: {up['open']} open issues, {up['closed']} closed, "
-            f"{up['by-design']} by design, {up['not-reported']} not reported.")
+    known, findings, causes = _known()
+    return known.counts_text(findings, causes)
 
 
 def known_short() -> str:
-    findings, causes = _known()
-    silent = sum(1 for c in causes.values() if c.get("kind") == "silent")
-    return f"{len(findings)} findings behind {len(causes)} torch root causes, {silent} of them silent"
+    known, findings, causes = _known()
+    return known.short_text(findings, causes)
+
+
+def known_readme() -> str:
+    """fuzzshard/known/README.md, whole (a generated file, not a file with generated regions)."""
+    known, findings, _ = _known()
+    return known.known_markdown(findings) + "\n"
+
+
+WHOLE = {KNOWN / "README.md": known_readme}  # files generated whole: --check compares, a run rewrites them
 
 
 # ---- targets, oracles, commands ---------------------------------------------------------------------
@@ -329,7 +335,8 @@ def render(text: str, cache: dict) -> str:
 
 
 def stale() -> list[str]:
-    """'FILE: NAME' for each region whose text is not what the code gives now."""
+    """'FILE: NAME' for each region whose text is not what the code gives now, and 'FILE' for each file
+    generated whole that is not."""
     cache: dict = {}
     out = []
     for p in doc_files():
@@ -337,13 +344,22 @@ def stale() -> list[str]:
         for old, new in zip(REGION.finditer(text), REGION.finditer(render(text, cache))):
             if old.group(0) != new.group(0):
                 out.append(f"{_rel(p)}: {old.group(1)}")
+    for p, make in WHOLE.items():
+        if not p.exists() or p.read_text() != make():
+            out.append(f"{_rel(p)} (generated whole)")
     return out
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="ci/gen_docs.py", description=__doc__.split("\n\n")[0],
+                                 epilog="Without --check it rewrites every stale region in place, and the files "
+                                        "generated whole: " + ", ".join(_rel(p) for p in WHOLE) + ".")
+    ap.add_argument("--check", action="store_true", help="change nothing: exit 1 and name each stale region or file")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, str(ROOT))
-    if "--check" in argv:
+    if args.check:
         bad = stale()
         for b in bad:
             print(f"stale generated region {b}")
@@ -355,6 +371,11 @@ def main(argv=None) -> int:
         text = p.read_text()
         new = render(text, cache)
         if new != text:
+            p.write_text(new)
+            print(f"rewrote {_rel(p)}")
+    for p, make in WHOLE.items():
+        new = make()
+        if not p.exists() or p.read_text() != new:
             p.write_text(new)
             print(f"rewrote {_rel(p)}")
     return 0

@@ -10,6 +10,7 @@
 #   ci/gpu_check.sh                      # 5 minutes of fuzzing, seed 1
 #   DURATION=30m SEED=7 OUT=/scratch/gpu ci/gpu_check.sh
 #   DEVICE=cpu ci/gpu_check.sh           # the same check on the CPU (gloo)
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#SBATCH/d;/^#/s/^# \{0,1\}//p;}' "$0"; exit 0 ;; esac  # the comment above
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -22,9 +22,6 @@ import time
 from pathlib import Path
 
 from fuzzshard.findings.record import KNOWN_DIR, load_finding, summary
-from fuzzshard.findings.judge import judge, judge_many
-from fuzzshard.findings.reduce import reduce
-from fuzzshard.pool.runner import Pool
 
 
 def layers(case) -> int:
@@ -43,8 +40,12 @@ def main() -> int:
     ap.add_argument("--known", default=str(KNOWN_DIR), help="the known-findings folder (default: fuzzshard's)")
     ap.add_argument("--budget", type=float, default=120.0, help="seconds of reducing per finding")
     ap.add_argument("--only", nargs="*", help="these signatures only")
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=4, help="ranks of the warm pool (default 4)")
     args = ap.parse_args()
+    from fuzzshard.findings.judge import judge, judge_many  # (torch: after --help)
+    from fuzzshard.findings.reduce import reduce
+    from fuzzshard.pool.runner import Pool
+
     paths = sorted(p for p in Path(args.known).glob("*.json") if p.name != "root_causes.json")
     before, after, rows = [], [], []
     with Pool(args.workers, placed=True, case_timeout=60).start() as pool:

@@ -18,7 +18,7 @@ from fuzzshard.findings.record import KNOWN_DIR, ROOT_CAUSES, load_finding
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--known", default=str(KNOWN_DIR))
+    ap.add_argument("--known", default=str(KNOWN_DIR), help="the known-findings folder (default: fuzzshard's)")
     args = ap.parse_args()
     changed = 0
     for path in sorted(Path(args.known).glob("*.json")):

@@ -54,6 +54,10 @@ def main(out: str, extra: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # the usage, on stdout; nothing run
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) < 2:
-        sys.exit(__doc__)
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
     sys.exit(main(sys.argv[1], sys.argv[2:]))

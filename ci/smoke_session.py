@@ -11,20 +11,29 @@ import sys
 
 from fuzzshard import targets
 from fuzzshard.cli import main
-from fuzzshard.session.engine import Session
 
 seen: dict = collections.defaultdict(collections.Counter)  # target -> verdict status -> cases
-_on_case = Session.on_case
 
 
-def _count(self, case, verdict, sig):
-    seen[case.target][verdict.status] += 1
-    return _on_case(self, case, verdict, sig)
+def _counting() -> None:
+    """Count each case's verdict per target: Session.on_case, the hook a soak logs its cases through, called once
+    per case run, known hits too (imported here, not above: --help imports no torch)."""
+    from fuzzshard.session.engine import Session
 
+    on_case = Session.on_case
 
-Session.on_case = _count  # the hook a soak logs its cases through; called once per case run, known hits too
+    def _count(self, case, verdict, sig):
+        seen[case.target][verdict.status] += 1
+        return on_case(self, case, verdict, sig)
+
+    Session.on_case = _count
+
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):  # this script's usage, then fuzz's flags (argparse exits 0)
+        print(__doc__)
+        main(["fuzz", "--help"])
+    _counting()
     code = main(["fuzz", *sys.argv[1:]])
     for name in targets.builtin():
         n = seen[name]

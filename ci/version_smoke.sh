@@ -25,6 +25,7 @@
 #        SMOKE_PLANTED (default the sharded_optim_skip_dense node),
 #        SMOKE_STEP_TIMEOUT (seconds per check, default 450: 2.5x the slowest seen under load)
 # Timings: docs/versions.md ("CI over versions").
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#SBATCH/d;/^#/s/^# \{0,1\}//p;}' "$0"; exit 0 ;; esac  # the comment above
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

@@ -6,6 +6,7 @@
 #   nothing (so the suite's own closing line stays the last). A release written V:cached runs only when its venv
 #   is already in the cache (VENVS, default ~/.cache/fuzzshard/venvs), else one "skip" line says so: building it
 #   from nothing downloads GBs (docs/versions.md, "CI over versions"); `ci/version_smoke.sh V` once caches it.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#SBATCH/d;/^#/s/^# \{0,1\}//p;}' "$0"; exit 0 ;; esac  # the comment above
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS=${FUZZSHARD_CI_VERSIONS-2.14.1 2.9.1}

@@ -187,3 +187,15 @@ def test_a_root_cause_fixed_later_says_so_for_an_older_release_and_show_and_upst
             "was made on 2.13.0)") in render(f)
     text, _ = report(f, known, run=False)
     assert "(Already fixed in torch 2.15.0: this was found on torch 2.13.0" in text
+
+
+def test_no_venv_and_no_torch_is_refused_not_a_bisection_of_one_release(tmp_path):
+    """Without --torch and with no venv cached, only this python's torch is there: one release bisects nothing,
+    which is said (exit 2, one line) instead of a table of one row."""
+    from fuzzshard.versions import installed_torch
+
+    got = _bisect(str(KNOWN / "dtensor.parity.forward.Conv1d.json"), "--venvs", str(tmp_path / "none"))
+    here = releases.release_of(installed_torch())
+    assert got.returncode == 2 and len(got.stderr.strip().splitlines()) == 1, got
+    assert "no torch venv in" in got.stderr and "no --torch" in got.stderr and f"--torch {here}" in got.stderr
+    assert got.stdout == ""

@@ -51,3 +51,16 @@ def test_the_readme_links_every_docs_page():
     readme = (ROOT / "README.md").read_text()
     unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{p.name})" not in readme]
     assert not unlinked, f"docs pages the README's map does not link: {unlinked}"
+
+
+def test_the_known_lists_readme_is_generated_whole_and_a_stale_one_is_caught():
+    gen = _gen_docs()
+    readme = ROOT / "fuzzshard" / "known" / "README.md"
+    assert readme in gen.WHOLE and readme.read_text() == gen.WHOLE[readme]()
+    page = gen.WHOLE[readme]()
+    # the numbers the docs' regions say are the page's, said in one place (fuzzshard/cli/known.py)
+    assert gen.known_counts() in page and gen.known_counts().startswith(gen.known_short().split(",")[0].replace(
+        " findings and", " known findings (signatures) and").replace(" torch root causes", " root causes in torch"))
+    stale_page = ROOT / "tests" / "no-such-file.md"  # a generated file that is missing or differs is stale
+    gen.WHOLE[stale_page] = lambda: "new\n"
+    assert "tests/no-such-file.md (generated whole)" in gen.stale()

@@ -248,3 +248,84 @@ def test_a_bug_not_filed_is_a_new_issue_with_a_short_title_and_the_bug_in_full_b
     for f in known.values():  # every issue title is short: a root cause's, and a new finding's as its oracle says it
         for rc in (causes.get(f.root_cause), None):
             assert len(title(f, rc).split("] ", 1)[1]) <= 120, title(f, rc)
+
+
+# ---- issue 45: what the script runs on, references in full, no internal ids, the root cause's source
+
+def test_references_to_other_repositories_are_written_in_full():
+    from fuzzshard.report.upstream import full_refs
+
+    assert full_refs("downstream, meta-pytorch/torchrec#3809 and #3891 filter empty grads") == \
+        "downstream, meta-pytorch/torchrec#3809 and meta-pytorch/torchrec#3891 filter empty grads"
+    assert full_refs("a/b#1, #2 / #3 or #4; #5") == "a/b#1, a/b#2 / a/b#3 or a/b#4; #5"
+    same = "pytorch/pytorch#1 and #2; PR #3, the fix of #4 (closed); downstream X-Y/z.w#5 works around it"
+    assert full_refs(same) == same  # pytorch's own (bare #N links there) and a lone full reference stay
+
+
+def test_no_report_note_names_a_root_cause_by_its_id_or_another_repositorys_issue_bare():
+    """Every root cause's words a report may quote (its related-upstream note, its description)."""
+    from fuzzshard.findings.record import load_known
+    from fuzzshard.findings.rootcause import load_root_causes
+    from fuzzshard.report.upstream import _no_ids, _plain, _related
+
+    causes = load_root_causes(load_known())
+    named = 0
+    for rc in causes.values():
+        for said in (_related(rc), _plain(rc.what)):
+            text = _no_ids(said, causes)
+            named += text != said
+            assert not [rid for rid in causes if rid in text], (rc.id, text)
+            other = re.findall(r"(?<![\w/])([\w.-]+/[\w.-]+)#\d+((?:\s*(?:,|/|and|or)\s*#\d+)+)", text)
+            assert not [o for o in other if o[0] != "pytorch/pytorch"], (rc.id, text)
+    assert named >= 2  # (two notes name another root cause by its id today: said in their titles' words)
+
+
+def _report_of(sig, run=False):
+    from fuzzshard.findings.record import load_known
+    from fuzzshard.report.upstream import report
+
+    known = load_known()
+    return report(known[sig], known, run=run)[0]
+
+
+def test_to_reproduce_says_the_device_and_backend_the_script_needs():
+    said = {sig: re.search(r"To reproduce[^:]*\(torch only; ([^)]*)\)|torch only; ([^;]*);", _report_of(sig))
+            for sig in ["zero.error.step.AssertionError.21873372",  # hand-reduced: one GPU, NCCL
+                        "fsdp1.checkpoint.full.loaded.param",  # hand-reduced: one GPU, no process group
+                        "fsdp2.error.load.ValueError.6e555fc1",  # generated from a CUDA case
+                        "fsdp2.compiled_ckpt.parity.grad",  # hand-reduced: one process on the CPU
+                        "dtensor.parity.forward.Conv1d"]}  # hand-reduced: 2 ranks on gloo
+    got = {sig: (m.group(1) or m.group(2)) for sig, m in said.items()}
+    assert got == {"zero.error.step.AssertionError.21873372": "one GPU, NCCL",
+                   "fsdp1.checkpoint.full.loaded.param": "one GPU, no process group",
+                   "fsdp2.error.load.ValueError.6e555fc1": "one GPU, NCCL",
+                   "fsdp2.compiled_ckpt.parity.grad": "CPU, no process group",
+                   "dtensor.parity.forward.Conv1d": "CPU, gloo"}, got
+
+
+def test_a_script_that_needs_gpus_this_machine_lacks_is_not_run_and_the_report_says_why(monkeypatch):
+    import pytest
+    import torch
+
+    from fuzzshard.report import upstream
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run")
+
+    def refuse(*a, **kw):
+        raise AssertionError("a CUDA script was run on a machine without CUDA")
+
+    monkeypatch.setattr(upstream, "_run", refuse)
+    monkeypatch.setattr(upstream, "_versions", lambda finding, collect: "versions")
+    text = _report_of("zero.error.step.AssertionError.21873372", run=True)
+    assert "The script was not run for this report (it needs one GPU, and this machine has none): what follows " \
+           "is from the run in which the bug was found" in text and "Output (torch" not in text
+
+
+def test_the_suspected_source_is_the_root_causes_own_even_where_the_finding_fails_elsewhere():
+    # pp-unequal-microbatches-first-shape: the receive buffers keep the first microbatch's shape; its loss face
+    # has no traceback, its error face raises in stage_backward: both name where the buffers are made
+    for sig in ("pp.parity.loss", "pp.error.fwdbwd.RuntimeError.8b343f1a"):
+        src = next(ln for ln in _report_of(sig).splitlines() if ln.startswith("**Suspected source**"))
+        assert "`torch/distributed/pipelining/stage.py:" in src and "_setup_forward_recv_info" in src, (sig, src)
+        assert "_backward.py" not in src, (sig, src)

@@ -14,6 +14,7 @@
 #   RESTARTS    torchrun --max-restarts: a lost process comes back and resumes (default 3)
 #   EXTRA       more fuzzshard soak flags, e.g. "--epoch 20m --world-sizes 1,2,4"
 # The same command after an interruption resumes from OUT; `fuzzshard report $OUT` reads it.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#SBATCH/d;/^#/s/^# \{0,1\}//p;}' "$0"; exit 0 ;; esac  # the comment above
 set -euo pipefail
 NNODES=${NNODES:-1}
 NPROC=${NPROC:-1}

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from . import bench, bisect, fuzz, known, replay, report, script, show, soak, upstream
-from .common import UsageError, parse_duration, parse_world_sizes  # noqa: F401 (the package's API)
+from .common import Parser, UsageError, parse_duration, parse_world_sizes  # noqa: F401 (the package's API)
 from .known import known_markdown  # noqa: F401 (ci/add_known.py)
 
 EXAMPLES = """
@@ -55,7 +55,7 @@ class _Version(argparse.Action):
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fuzzshard",
         description="Property-based fuzzing of PyTorch's sharded training stacks: random training setups run "
         "sharded and unsharded on real process groups; divergences shrink to standalone repro scripts.",
@@ -70,7 +70,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, whose flags they are not
+        sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     from ..versions import too_old
 
     if why := too_old():  # below the supported range (fuzzshard/versions.py, docs/versions.md): one line, exit 2
@@ -78,8 +82,8 @@ def main(argv=None) -> int:
         return 2
     try:
         return COMMANDS[args.command].run(args)
-    except UsageError as e:
-        print(f"fuzzshard: error: {e}", file=sys.stderr)
+    except UsageError as e:  # one line, named as argparse names its own errors: "fuzzshard fuzz: error: ..."
+        print(f"fuzzshard {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `fuzzshard known | head` (an OSError too, so before that one)
         sys.stderr.close()
@@ -87,7 +91,7 @@ def main(argv=None) -> int:
     except OSError as e:  # a path given on the command line that cannot be read or written: one line
         if not e.filename:
             raise
-        print(f"fuzzshard: error: {e.filename}: {e.strerror}", file=sys.stderr)
+        print(f"fuzzshard {args.command}: error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fuzzshard: interrupted", file=sys.stderr)

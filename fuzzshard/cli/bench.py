@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from .common import Renamed, UsageError, check_gpus, model_families, parse_duration, parse_world_sizes, resolve_targets
+from .common import (
+    Renamed, UsageError, check_gpus, count, model_families, parse_duration, parse_world_sizes, resolve_targets, whole,
+)
 
 
 def add(sub) -> None:
@@ -13,13 +15,13 @@ def add(sub) -> None:
                        "uses, a fresh process group per case, and the bare training loop with no checking. The last "
                        "line ends with the ratio (e.g. '41.4x'). A benchmark, never a test: compare numbers from one "
                        "machine and one run.")
-    b.add_argument("--max-examples", dest="cases", type=int, default=30, metavar="N",
+    b.add_argument("--max-examples", dest="cases", type=count, default=30, metavar="N",
                    help="cases drawn per mode, as fuzz's --max-examples (default 30)")
-    b.add_argument("--cases", dest="cases", type=int, action=Renamed, new="--max-examples", help=argparse.SUPPRESS)
+    b.add_argument("--cases", dest="cases", type=count, action=Renamed, new="--max-examples", help=argparse.SUPPRESS)
     b.add_argument("--world-sizes", default="2",
                    help="comma-separated world sizes, as fuzz takes them: the comparison runs at each (default 2)")
     b.add_argument("--world-size", dest="world_sizes", action=Renamed, new="--world-sizes", help=argparse.SUPPRESS)
-    b.add_argument("--seed", type=int, default=0, metavar="N", help="the seed of the cases drawn (default 0)")
+    b.add_argument("--seed", type=whole, default=0, metavar="N", help="the seed of the cases drawn (default 0)")
     b.add_argument("--target", default="dtensor", metavar="TARGET",
                    help="which target's cases to run: one name (default dtensor)")
     b.add_argument("--models", default=None, metavar="FAMILIES",
@@ -32,7 +34,7 @@ def add(sub) -> None:
     b.add_argument("--session", action="store_true",
                    help="instead: one fuzz session over world sizes 1..--workers (--max-examples, --seed), one "
                         "case at a time vs side by side on disjoint ranks, each on its own pool")
-    b.add_argument("--workers", type=int, default=4, help="ranks for --soak and --session (default 4)")
+    b.add_argument("--workers", type=count, default=4, help="ranks for --soak and --session (default 4)")
     b.add_argument("--simulate", action="store_true",
                    help="instead: cases/s of the same cases simulated under LocalTensorMode (one worker, and one "
                         "per core side by side) and real (a warm pool of W gloo processes) at W=2, 4, 8, and "
@@ -50,7 +52,7 @@ def run(args) -> int:
         from ..session.hunt import run_from_args
 
         try:
-            return run_from_args(args, parse_duration)
+            return run_from_args(args, lambda text: parse_duration(text, "--cap"))
         except (ValueError, OSError) as e:
             raise UsageError(f"--hunt: {e}") from None
 
@@ -69,7 +71,7 @@ def run(args) -> int:
     if args.soak:
         from ..session.bench import run_soak_bench
 
-        run_soak_bench(parse_duration(args.soak), args.workers, names[0], args.seed)
+        run_soak_bench(parse_duration(args.soak, "--soak"), args.workers, names[0], args.seed)
         return 0
     if args.session:
         from ..session.bench import run_session_bench

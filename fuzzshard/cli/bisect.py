@@ -28,7 +28,8 @@ examples:
   fuzzshard bisect --known --torch 2.13.0,2.14.1 --record          # the known list; writes its table
 
 Exit 0: the table was made (whatever it says); 2: bad input (an unreadable finding, a release that is not
-a torch version, a venv that cannot be made), one line."""
+a torch version, a venv that cannot be made, no venv cached and no --torch: this python's torch alone), one
+line."""
 
 
 def add(sub) -> None:
@@ -92,6 +93,10 @@ def run(args) -> int:
     signatures = {p: load_file(p).signature for p in paths}  # an unreadable file: one line, exit 2, before any run
     venvs = Path(args.venvs) if args.venvs else releases.VENVS
     pythons, missing = releases_asked(args.torch, venvs)
+    if not args.torch and len(pythons) < 2:  # this python's torch alone: one release is no bisection
+        raise UsageError(f"no torch venv in {venvs} (--venvs) and no --torch: only this python's torch "
+                         f"{', '.join(pythons)} to replay on, which bisects nothing; give --torch V,V,... (a missing "
+                         f"venv is made: minutes and GBs each), or --torch {', '.join(pythons)} for this torch alone")
     work = Path(args.keep) if args.keep else releases.scratch()
     work.mkdir(parents=True, exist_ok=True)
     for v in missing:

@@ -8,9 +8,36 @@ import re
 import sys
 
 
-
 class UsageError(Exception):
     pass
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a bad argument is one line and exit 2, as every other usage error is
+    ("fuzzshard fuzz: error: --max-examples: 'x' is not a whole number"), not the whole usage block;
+    --help still prints it all. The subcommands' parsers are made of this class too."""
+
+    def error(self, message: str):
+        message = re.sub(r"^argument ([^:]+): ", lambda m: m.group(1).split("/")[-1] + ": ", message)
+        if message.startswith(("the following arguments are required", "unrecognized arguments")):
+            message += f" (`{self.prog} --help` lists them)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def whole(text: str) -> int:
+    """A flag's whole-number value (argparse's type=): one line naming the flag where it is not one."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def count(text: str) -> int:
+    """A flag's count: a whole number >= 1."""
+    n = whole(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return n
 
 
 class Renamed(argparse.Action):
@@ -29,10 +56,11 @@ class Renamed(argparse.Action):
 FILE_HELP = "a finding file (OUT/<signature>.json) or a bare case JSON"
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, flag: str = "") -> float:
+    """A duration (90s, 10m, 8h, 1d; a bare number is seconds) in seconds; ``flag`` names it in the error."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
     if not m:
-        raise UsageError(f"cannot read duration {text!r}: use e.g. 90s, 10m, 8h")
+        raise UsageError(f"{flag + ': ' if flag else ''}cannot read duration {text!r}: use e.g. 90s, 10m, 8h")
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
@@ -120,7 +148,7 @@ def warn_cores(ranks: int) -> None:
 
 def case_timeout(args) -> float:
     """``--case-timeout`` read as a duration like every other (90s, 5m; a bare number is seconds), in seconds."""
-    seconds = parse_duration(str(CASE_TIMEOUT if args.case_timeout is None else args.case_timeout))
+    seconds = parse_duration(str(CASE_TIMEOUT if args.case_timeout is None else args.case_timeout), "--case-timeout")
     if seconds <= 0:
         raise UsageError("--case-timeout must be positive")
     args.case_timeout = seconds
@@ -147,10 +175,16 @@ def check_pool_args(args, device: str | None = None) -> None:
         run_setup(path)
 
 
+_RUN: set = set()  # the setup files run in this process already (a finding's plugin is also a --plugin of replay)
+
+
 def run_setup(path: str) -> None:
-    """A --plugin or --worker-setup file, run in this process."""
+    """A --plugin or --worker-setup file, run in this process (once)."""
     from ..pool.worker import run_setup_file
 
+    if os.path.abspath(path) in _RUN:
+        return
+    _RUN.add(os.path.abspath(path))
     try:
         run_setup_file(path)
     except Exception as e:
@@ -270,25 +304,137 @@ def raw_finding(path) -> dict:
         return {}
 
 
+# a finding file's fields besides its case, and what each must be (findings/record.py Finding.from_dict reads them)
+_FIELDS = {"signature": str, "verdict": (dict, type(None)), "deterministic": bool, "stage": str, "environment": dict,
+           "diagnosis": str, "trigger": dict, "only_when": dict, "devices": list, "root_cause": str, "faces": list,
+           "generalization": list, "removed": list, "seen_on": dict, "summary": str}
+_JSON = {str: "a string", dict: "an object", list: "a list", bool: "true or false", (dict, type(None)): "an object"}
+# the model tree's node kinds (case.py Layer; kernel/model.py builds each) and the checkpoint kinds every
+# target's spec lists (Spec.checkpoint_kinds); the clip forms kernel/loop.py runs
+LAYER_KINDS = ("linear", "embedding", "layernorm", "conv1d", "act", "seq", "residual", "twice")
+CLIP_FORMS = ("norm", "two_part", "value", "own")
+CLIP_NORMS = ("1", "2", "3", "inf")
+
+
+def file_problem(data) -> str | None:
+    """What makes a finding file's JSON no finding, in one phrase, before it is read as one; None: nothing.
+    (A bare case, a JSON object with "target" and no "case", is a case file: Case.from_dict checks it.)"""
+    if not isinstance(data, dict):
+        return f"not a fuzzshard finding: a JSON {type(data).__name__}, not an object"
+    if "case" not in data:
+        return None if "target" in data else "not a fuzzshard finding: no 'case' field"
+    if not isinstance(data["case"], dict):
+        return "not a fuzzshard finding: its 'case' is not an object"
+    for name, kind in _FIELDS.items():
+        if name in data and not isinstance(data[name], kind):
+            return f"not a fuzzshard finding: its '{name}' is not {_JSON[kind]}"
+    if data.get("verdict") and not data.get("signature"):
+        return "not a fuzzshard finding: it has a verdict but no 'signature'"
+    return None
+
+
+def case_problem(case) -> str | None:
+    """What in a case this fuzzshard cannot run, named (an optimizer, a model kind, a dtype, ... that it does
+    not know), or None; after the plugins the finding names are loaded (theirs count as known)."""
+    import torch
+
+    from ..kernel.model import BUILTIN_MODELS, USER_MODELS, ACTIVATIONS
+    from ..kernel.optim import USER_OPTIMIZERS
+    from ..kernel.oracles import UNIT_ROUNDOFF
+    from .. import targets
+
+    opt = case.optim.name
+    cls = getattr(torch.optim, opt, None)
+    if opt not in USER_OPTIMIZERS and not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        from fuzzshard.strategies.optimizers import available
+
+        return f"unknown optimizer {opt!r}: not a torch.optim class nor a plugin's (known: {', '.join(available())})"
+    if case.device not in ("cpu", "cuda"):
+        return f"unknown device {case.device!r} (known: cpu, cuda)"
+    if case.dtype not in UNIT_ROUNDOFF:
+        return f"unknown dtype {case.dtype!r} (known: {', '.join(UNIT_ROUNDOFF)})"
+    model = case.model
+    if model.input not in ("features", "tokens"):
+        return f"unknown model input {model.input!r} (known: features, tokens)"
+    if model.factory and model.factory not in BUILTIN_MODELS and model.factory not in USER_MODELS:
+        return (f"unknown model {model.factory!r}: not a built-in one ({', '.join(BUILTIN_MODELS)}) nor a plugin's "
+                f"(--plugin FILE.py loads it)")
+
+    def walk(layers, where):
+        for i, layer in enumerate(layers):
+            at = f"{where}.{i}"
+            if layer.kind not in LAYER_KINDS:
+                return f"unknown model kind {layer.kind!r} at {at} (known: {', '.join(LAYER_KINDS)})"
+            if layer.kind == "act" and layer.act not in ACTIVATIONS:
+                return f"unknown activation {layer.act!r} at {at} (known: {', '.join(ACTIVATIONS)})"
+            bad = walk(layer.children, at)
+            if bad:
+                return bad
+        return None
+
+    bad = walk(model.layers, "layers")
+    if bad:
+        return bad
+    schedulers = [case.lr_scheduler] if case.lr_scheduler else []
+    while schedulers:
+        sched = schedulers.pop()
+        cls = getattr(torch.optim.lr_scheduler, sched.name, None)
+        if not (isinstance(cls, type) and sched.name[0].isupper()):
+            return f"unknown LR scheduler {sched.name!r}: torch.optim.lr_scheduler has no such class"
+        schedulers += sched.children
+    if case.clip and case.clip.how not in CLIP_FORMS:
+        return f"unknown clip {case.clip.how!r} (known: {', '.join(CLIP_FORMS)})"
+    if case.clip and case.clip.norm_type not in CLIP_NORMS:
+        return f"unknown clip norm type {case.clip.norm_type!r} (known: {', '.join(CLIP_NORMS)})"
+    kinds = targets.get(case.target).spec.checkpoint_kinds
+    if case.checkpoint and case.checkpoint.kind not in kinds:
+        return (f"unknown checkpoint kind {case.checkpoint.kind!r} for {case.target} (known: "
+                f"{', '.join(kinds) or 'none: it takes no checkpoint'})")
+    return None
+
+
 def load_file(path):
+    """A finding or case file, checked: one clear line (UsageError) where it cannot be read, is no finding, or
+    names what this fuzzshard does not know (an optimizer, a target, a model kind, ...), never a traceback or
+    a quiet fallback script."""
     from ..case import CaseError
     from ..findings.record import load_finding
 
+    def said(e) -> str:  # the path once: a message that names it already is not prefixed again
+        text = str(e)
+        return text if str(path) in text else f"{path}: {text}"
+
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        raw = None  # load_finding says what is wrong with it
+    problem = file_problem(raw) if raw is not None else None
+    if problem:
+        raise UsageError(f"{path}: {problem}")
     try:
         finding = load_finding(path)
     except CaseError as e:
-        raise UsageError(f"{path}: {e}") from None
+        raise UsageError(said(e)) from None
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field of a type it cannot hold, deeper down
+        raise UsageError(f"{path}: not a fuzzshard finding: {type(e).__name__}: {e}") from None
     from .. import targets
 
-    if finding.case.target not in targets.names():  # a plugin's parallelism: the finding names its file
-        for plugin in recorded_plugins(finding.environment):
-            run_setup(plugin)
+    for plugin in recorded_plugins(finding.environment):  # its parallelism, optimizer or model may be a plugin's
+        run_setup(plugin)
+    env = finding.environment if isinstance(finding.environment, dict) else {}
+    gone = [p for p in env.get("plugins") or [] if isinstance(p, str) and not os.path.isfile(p)]
+    hint = f" (it was found with plugin file(s) not here: {', '.join(gone)})" if gone else ""
     if finding.case.target not in targets.names():
-        raise UsageError(f"{path}: unknown target {finding.case.target!r} (known: {', '.join(targets.names())})")
+        raise UsageError(f"{path}: unknown target {finding.case.target!r} (known: {', '.join(targets.names())})"
+                         + hint)
+    problem = case_problem(finding.case)
+    if problem:
+        raise UsageError(f"{path}: {problem}{hint}")
     try:
         finding.case.check()
     except CaseError as e:
-        raise UsageError(f"{path}: {e}") from None
+        raise UsageError(said(e)) from None
     return finding
 
 

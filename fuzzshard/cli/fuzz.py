@@ -8,8 +8,9 @@ import random
 import sys
 
 from .common import (
-    WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
-    pool_args, redis_url, resolve_targets, start_pool, strategy_kwargs, torch_version, warn_cores,
+    WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, count, draw_args, out_dir, parse_duration,
+    parse_world_sizes, pool_args, redis_url, resolve_targets, start_pool, strategy_kwargs, torch_version, warn_cores,
+    whole,
 )
 
 
@@ -23,9 +24,9 @@ def add(sub) -> None:
                    help=f"target name(s), comma-separated, or 'all': {', '.join(target_names())} (default: dtensor)")
     f.add_argument("--targets", dest="target", action=Renamed, new="--target", help=argparse.SUPPRESS)
     g = f.add_mutually_exclusive_group()
-    g.add_argument("--max-examples", type=int, default=None, metavar="N", help="cases to draw per target (default 100)")
+    g.add_argument("--max-examples", type=count, default=None, metavar="N", help="cases to draw per target (default 100)")
     g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
-    f.add_argument("--seed", type=int, default=None, metavar="N",
+    f.add_argument("--seed", type=whole, default=None, metavar="N",
                    help="the seed of the cases drawn (default: a random one, printed, so that repeated sessions explore)")
     f.add_argument("--out", default="fuzzshard-out", metavar="DIR",
                    help="findings and the example database go here (default: fuzzshard-out)")
@@ -61,8 +62,8 @@ def run(args) -> int:
 
         simulate_args(args)
     sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
-    duration = parse_duration(args.duration) if args.duration else None
-    shrink_budget = parse_duration(args.shrink_budget) if args.shrink_budget else None
+    duration = parse_duration(args.duration, "--duration") if args.duration else None
+    shrink_budget = parse_duration(args.shrink_budget, "--shrink-budget") if args.shrink_budget else None
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError("--max-examples must be >= 1")
     check_pool_args(args)

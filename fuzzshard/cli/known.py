@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .common import UsageError, check_pool_args, pool_args, start_pool, torch_version
+from .common import UsageError, check_pool_args, count, pool_args, start_pool, torch_version
 
 
 def add(sub) -> None:
@@ -18,7 +18,7 @@ def add(sub) -> None:
                    "when every one is as recorded (reproduces, or cannot run here), 1 when one is fixed or fails "
                    "differently")
     k.add_argument("--markdown", action="store_true", help="print the list as a Markdown table (known/README.md)")
-    k.add_argument("--sample", type=int, metavar="N", help="with --check: only N root causes, one finding each "
+    k.add_argument("--sample", type=count, metavar="N", help="with --check: only N root causes, one finding each "
                    "(the smallest cases on at most 2 ranks): a quick check of another torch (ci/version_smoke.sh)")
     k.add_argument("--json", metavar="FILE", help="with --check: also write each signature's outcome on this torch "
                    "to FILE (ci/known_table.py joins several releases' files into the known README's table)")
@@ -59,20 +59,22 @@ def run(args) -> int:
 
                 ranks = min(ranks, torch.cuda.device_count())
             pool = start_pool(args, ranks)
-    listed = sum(1 for rc in causes.values() if rc.signatures)  # the header counts what the list below shows
-    print(f"{listed} root causes behind {len(known)} known findings in torch (--markdown: the table with "
-          f"upstream states; `fuzzshard show fuzzshard/known/SIG.json`: one finding)", flush=True)
+    print(f"{headline(known, causes)} (--markdown: the table with upstream states; `fuzzshard show "
+          f"fuzzshard/known/SIG.json`: one finding)", flush=True)
     outcome: dict[str, list] = {}
     each: dict[str, str] = {}  # signature -> reproduces / fixed / differs (SIG) / skipped, for --json
     try:
         order = [(rc.id, rc.signatures) for rc in sorted(causes.values(), key=lambda rc: rc.id)]
         order += [("", [sig for sig, f in sorted(known.items()) if not f.root_cause])]
         for rid, sigs in order:
-            if not sigs:
+            if not sigs and not rid:
                 continue
             rc = causes.get(rid)
             print(f"\n{rid} · {rc.kind} · {rc.upstream_text}\n    {rc.title}" if rc else "\n(no root cause recorded)",
                   flush=True)
+            if rc and not sigs:  # counted in the headline: listed too
+                print("    (no finding of its own" + (f": `fuzzshard known --minimal {rid}` runs its hand-reduced "
+                                                          "script)" if rc.minimal else ")"), flush=True)
             for sig in sigs:
                 f, status = known[sig], ""
                 if pool is not None:
@@ -139,6 +141,36 @@ def _check_minimal(causes: dict, only: list) -> int:
     return 0
 
 
+# ---- the known list's numbers, said in one place: this command's first line, known/README.md, and the docs'
+# generated regions (ci/gen_docs.py's known-counts and known-short) all take them from here
+
+def headline(known: dict, causes: dict) -> str:
+    """"N known findings (signatures) and M root causes in torch", the root causes without a finding of their own
+    (root_causes.json records a torch bug fuzzshard met outside a finding: a hand-reduced script shows it) named."""
+    alone = sorted(rc.id for rc in causes.values() if not rc.signatures)
+    return (f"{len(known)} known findings (signatures) and {len(causes)} root causes in torch"
+            + (f" ({len(alone)} of them with no finding of their own: {', '.join(alone)})" if alone else ""))
+
+
+def counts_text(known: dict, causes: dict) -> str:
+    """The headline, then the root causes by kind and upstream state, and the findings seen only on CUDA."""
+    from collections import Counter
+
+    kinds = Counter(rc.kind for rc in causes.values())
+    up = Counter((rc.upstream or {}).get("state", "not-reported") for rc in causes.values())
+    cuda = sum(1 for f in known.values() if f.devices == ["cuda"])
+    words = {"silent": "silent", "raises": "raise", "crash": "crash", "hang": "hang"}
+    kind_text = ", ".join(f"{kinds[k]} {w}" for k, w in words.items() if kinds[k])
+    return (f"{headline(known, causes)}. The root causes: {kind_text}; upstream {up['open']} open issues, "
+            f"{up['closed']} closed, {up['by-design']} by design, {up['not-reported']} not reported. "
+            f"{cuda} of the findings seen only on CUDA.")
+
+
+def short_text(known: dict, causes: dict) -> str:
+    silent = sum(1 for rc in causes.values() if rc.kind == "silent")
+    return f"{len(known)} findings and {len(causes)} torch root causes, {silent} of those silent"
+
+
 def known_markdown(known: dict) -> str:
     from ..findings.record import ORACLES
     from ..findings.rootcause import load_root_causes
@@ -149,7 +181,9 @@ def known_markdown(known: dict) -> str:
             "shows, where it stands upstream, and the findings it is behind), then one row per finding: the "
             "signature, a one-line diagnosis, the shrunk repro (`fuzzshard replay X.json`; `fuzzshard script "
             "X.json -o x.py` writes a standalone script for `torchrun --nproc-per-node W x.py`, torch alone). "
-            "Regenerate this page with `fuzzshard known --markdown`; check them with `fuzzshard known --check`.", "",
+            "Regenerate this page with `python ci/gen_docs.py` (or `fuzzshard known --markdown`; `ci/gen_docs.py "
+            "--check` says when it is stale); check the findings with `fuzzshard known --check`.", "",
+            counts_text(known, causes), "",
             "## Root causes", "",
             "| root cause | kind | upstream | findings | what |", "|---|---|---|---|---|"]
     for rc in sorted(causes.values(), key=lambda rc: rc.id):

@@ -15,7 +15,20 @@ def add(sub) -> None:
     sc.add_argument("file", help=FILE_HELP)
     sc.add_argument("-o", "--output", metavar="FILE", help="write here instead of standard output")
     sc.add_argument("--flat", action="store_true", help="fuzzshard's whole kernel flattened around the case, not the "
-                    "straight-line script of what the case uses (which dtensor and plain fsdp2 cases get)")
+                    f"straight-line script of what the case uses (written for {', '.join(written())} cases; one "
+                    "that uses what its target's writer does not write gets the flattened one anyway, its header "
+                    "says why)")
+
+
+def written() -> list[str]:
+    """The targets the straight-line script is written for: each with a writer, scriptgen/NAME.py (found by its
+    file, so that --help imports no torch)."""
+    from pathlib import Path
+
+    from ..targets import names
+
+    here = Path(__file__).resolve().parent.parent / "scriptgen"
+    return [n for n in names() if (here / f"{n}.py").exists()]
 
 
 def run(args) -> int:

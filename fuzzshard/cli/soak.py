@@ -5,8 +5,8 @@ import argparse
 import os
 
 from .common import (
-    WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, draw_args, out_dir, parse_duration, parse_world_sizes,
-    pool_args, redis_url, resolve_targets, strategy_kwargs, warn_cores,
+    WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, count, draw_args, out_dir, parse_duration,
+    parse_world_sizes, pool_args, redis_url, resolve_targets, strategy_kwargs, warn_cores, whole,
 )
 
 
@@ -24,13 +24,13 @@ def add(sub) -> None:
     so.add_argument("--target", dest="targets", default="all", metavar="TARGET",
                     help="target name(s), comma-separated, or 'all' (default: all)")
     so.add_argument("--targets", dest="targets", action=Renamed, new="--target", help=argparse.SUPPRESS)
-    so.add_argument("--workers", type=int, default=4, help="ranks on this machine, or per torchrun process (default 4)")
+    so.add_argument("--workers", type=count, default=4, help="ranks on this machine, or per torchrun process (default 4)")
     so.add_argument("--cells", default=None, metavar="SIZES",
                     help="fixed cell sizes, e.g. 2,1,1 (default: a new random split of --workers every epoch); "
                          "under torchrun they split all processes' ranks in rank order, so 1,2,1 over two "
                          "processes of 2 makes a middle cell that spans both")
     so.add_argument("--epoch", default="10m", help="how long one layout of cells lasts (default 10m)")
-    so.add_argument("--seed", type=int, default=0, metavar="N",
+    so.add_argument("--seed", type=whole, default=0, metavar="N",
                     help="the run's seed; cells, epochs and torchrun ranks derive theirs (default 0)")
     so.add_argument("--redis", default=None, metavar="URL",
                     help="share the example database through redis (redis://host:port/db) instead of OUT/db")
@@ -41,7 +41,7 @@ def add(sub) -> None:
 def run(args) -> int:
     from ..session.soak import Soak
 
-    duration, epoch = parse_duration(args.duration), parse_duration(args.epoch)
+    duration, epoch = parse_duration(args.duration, "--duration"), parse_duration(args.epoch, "--epoch")
     sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
     if args.workers < 1:
         raise UsageError("--workers must be >= 1")

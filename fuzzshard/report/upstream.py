@@ -6,13 +6,17 @@ script, what it prints, expected against actual and the torch source
 suspected, then "### Versions". The script is the root cause's hand-reduced
 one where it has one, else the straight-line script generated from the case
 (scriptgen.py), else the flattened kernel, attached by file name (as is a
-generated script too long for an issue body, past INLINE_LIMIT). With
-``run``, that script runs here under torchrun on the ranks it needs and its
-own printed lines are the evidence ("Output (torch X, N ranks):") and the
-expected/actual; without, the recorded run's numbers are shown, and said to
-be that run's (its world size). The bug is said once (the title), in torch's
-words: the fuzzer's own terms and this repository's paths stay out of the
-body, but for one line at the end that credits the tool.
+generated script too long for an issue body, past INLINE_LIMIT); "To
+reproduce" says what it runs on (CPU and gloo, N GPUs and NCCL, no process
+group: ``runs_on``). With ``run``, that script runs here under torchrun on
+the ranks it needs and its own printed lines are the evidence ("Output
+(torch X, N ranks):") and the expected/actual; without (or where it needs
+GPUs this machine lacks, said), the recorded run's numbers are shown, and
+said to be that run's (its world size). The bug is said once (the title), in
+torch's words: the fuzzer's own terms, this repository's paths and its
+root-cause ids stay out of the body, but for one line at the end that
+credits the tool; an issue of another repository than pytorch/pytorch is
+written in full (owner/repo#N: a bare #N would link to pytorch/pytorch's).
 """
 from __future__ import annotations
 
@@ -51,23 +55,68 @@ class Script:
         return f"torchrun --nproc-per-node {self.ranks} {self.name}" if self.ranks else f"python {self.name}"
 
 
+@dataclass
+class Needs:
+    """What the script runs on: ``gpus`` (0: the CPU) and the process group's ``backend`` ("" for none)."""
+    gpus: int
+    backend: str
+
+    @property
+    def words(self) -> str:
+        """"CPU, gloo", "2 GPUs, NCCL", "one GPU, no process group", ..."""
+        where = "CPU" if not self.gpus else "one GPU" if self.gpus == 1 else f"{self.gpus} GPUs"
+        group = {"nccl": "NCCL", "gloo": "gloo", "": "no process group", "fake": "the fake process group"}.get(
+            self.backend, self.backend)
+        return f"{where}, {group}"
+
+    def missing_here(self) -> str:
+        """What this machine lacks of it ("2 GPUs"), or ""."""
+        if not self.gpus:
+            return ""
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        need = "one GPU" if self.gpus == 1 else f"{self.gpus} GPUs"
+        return "" if have >= self.gpus else f"{need}, and this machine has {have or 'none'}"
+
+
+_CUDA = re.compile(r"""["']cuda\b|\.cuda\(|torch\.device\(\s*["']cuda|device_count\(\)""")
+_GROUP = re.compile(r"""init_process_group\(\s*(?:backend\s*=\s*)?(?:["'](\w+)["'])?""")
+
+
+def runs_on(finding: Finding, script: Script) -> Needs:
+    """The device and process group the report's script needs: a hand-reduced script's own (what it calls), a
+    generated one's from the case (cuda: one GPU a rank, NCCL)."""
+    if script.kind == "minimal":
+        code = "\n".join(ln.split("#", 1)[0] for ln in script.text.splitlines())  # its code, not its comments
+        group = _GROUP.search(code)
+        cuda = bool(_CUDA.search(code))
+        backend = (group.group(1) or ("nccl" if cuda else "gloo")) if group else ""
+        return Needs(max(script.ranks, 1) if cuda and (backend == "nccl" or not group) else 0, backend)
+    cuda = finding.case.device == "cuda"
+    backend = str((finding.environment or {}).get("backend") or ("nccl" if cuda else "gloo"))
+    return Needs(script.ranks if cuda else 0, backend)
+
+
 def report(finding: Finding, known: dict, run: bool = True, attachment: Path | None = None) -> tuple[str, dict]:
     """(markdown, {file name: text} to attach): a new issue, or, where its root cause is already filed
     upstream, a comment for that issue (said first, with the link)."""
+    causes = Matcher(known).causes
     rc = _root_cause(finding, known)
     # the script's own headline: what it runs (the issue's title has said the bug; once is enough)
     script = choose_script(finding, rc, attachment, headline="A sharded run against the same model without sharding")
     body, attach = _evidence(finding, rc, script, run)
     filed = filed_upstream(rc)
     if filed:
-        return "\n".join(_comment_head(finding, rc, filed) + [_what(finding, rc, script), ""] + body), attach
+        text = "\n".join(_comment_head(finding, rc, filed) + [_what(finding, rc, script), ""] + body)
+        return _no_ids(text, causes), attach
     described = [_plain(rc.what), ""] if rc and _plain(rc.what) else []  # the bug in full, where the title is short of it
     fixed = rc.fixed_after(str((finding.environment or {}).get("torch", ""))) if rc else ""
     if fixed:  # a bug of an older release: the user's answer is an upgrade, the report only where that fails
         described = [f"(Already {fixed}: this was found on torch {finding.environment['torch']}. File it only if "
                      f"it still reproduces on {rc.fixed_in} or later.)", ""] + described
     out = [f"Title: {title(finding, rc)}", "", "### 🐛 Describe the bug", "", *described, _what(finding, rc, script), ""]
-    return "\n".join(out + body), attach
+    return _no_ids("\n".join(out + body), causes), attach
 
 
 def _evidence(finding: Finding, rc: RootCause | None, script: Script, run: bool) -> tuple[list[str], dict]:
@@ -77,25 +126,29 @@ def _evidence(finding: Finding, rc: RootCause | None, script: Script, run: bool)
     out: list[str] = []
     attach: dict[str, str] = {}
     lines = script.text.count("\n")
+    needs = runs_on(finding, script)
     if script.kind == "minimal":
-        out += [f"To reproduce (torch only, CPU, gloo): `{script.command}`", "", "```python", script.text.rstrip(),
+        out += [f"To reproduce (torch only; {needs.words}): `{script.command}`", "", "```python", script.text.rstrip(),
                 "```", ""]
     elif script.kind == "straight":
-        out += [f"To reproduce (torch only, CPU, gloo): `{script.command}`. The script trains the model sharded and a "
-                "plain copy side by side and compares them after every step.", "",
+        out += [f"To reproduce (torch only; {needs.words}): `{script.command}`. The script trains the model sharded "
+                "and a plain copy side by side and compares them after every step.", "",
                 f"<details><summary>{script.name} ({lines} lines)</summary>", "", "```python", script.text.rstrip(),
                 "```", "</details>", ""]
     else:
         attach[script.name] = script.text
-        out += [f"To reproduce, run the attached `{script.name}` ({lines} lines, torch only; it builds the model, "
-                f"trains it sharded and unsharded and compares them after every step): `{script.command}`", ""]
-    if run:
+        out += [f"To reproduce, run the attached `{script.name}` ({lines} lines, torch only; {needs.words}; it builds "
+                f"the model, trains it sharded and unsharded and compares them after every step): `{script.command}`",
+                ""]
+    missing = needs.missing_here() if run else ""  # a GPU script on a machine without them: not run, said why
+    if run and not missing:
         code, printed = _run(script.text, script.name, script.ranks)
         out += [f"Output (torch {_torch()}, {_ranks_words(script.ranks)}):", "", "```",
                 printed.rstrip() or f"(nothing printed; exit code {code})", "```", ""]
         out += _expected_actual_run(finding, _expected(finding, rc, script), code, printed)
     else:
-        out += [_recorded(finding, script), ""] + oracle.of(verdict).expected_actual(verdict)
+        out += [_recorded(finding, script, f"it needs {missing}" if missing else ""), ""] + \
+            oracle.of(verdict).expected_actual(verdict)
     suspect = suspected_source(finding, rc)
     if suspect:
         out += ["**Suspected source**: " + suspect, ""]
@@ -185,14 +238,15 @@ def _ranks_words(ranks: int) -> str:
     return f"{ranks} rank{'s' if ranks != 1 else ''}" if ranks else "one process"
 
 
-def _recorded(finding: Finding, script: Script) -> str:
-    """Where the numbers of a report without a run come from, said plainly."""
+def _recorded(finding: Finding, script: Script, why: str = "") -> str:
+    """Where the numbers of a report without a run come from, said plainly (and ``why`` it was not run)."""
     case = finding.case
     mesh = f", mesh {tuple(case.mesh_shape)}" if len(case.mesh_shape) > 1 else ""
     ranks = max(case.ranks, (case.checkpoint.world_size if case.checkpoint else 0) or 0)
     whose = ("not from the script above, which is a smaller hand-reduced reproduction" if script.kind == "minimal"
              else "the run the script above repeats" if script.kind == "straight" else "the run the attached script repeats")
-    return (f"The script was not run for this report: what follows is from the run in which the bug was found "
+    return (f"The script was not run for this report{f' ({why})' if why else ''}: what follows is from the run in "
+            f"which the bug was found "
             f"({_ranks_words(ranks)}{mesh}, torch {(finding.environment or {}).get('torch', '?')}), {whose}.")
 
 
@@ -234,7 +288,35 @@ def _related(rc: RootCause | None) -> str:
     """The root cause's upstream note, without what only this repository knows (its scripts' paths)."""
     note = (rc.upstream or {}).get("note", "") if rc else ""
     kept = "; ".join(p for p in note.split("; ") if p and not _REPO_PATH.search(p) and not _OWN_NOTE.search(p))
-    return re.sub(r"\bface(s?)\b", r"form\1", kept)  # (a "face" of a bug: the fuzzer's word)
+    return full_refs(re.sub(r"\bface(s?)\b", r"form\1", kept))  # (a "face" of a bug: the fuzzer's word)
+
+
+# "owner/repo#N" followed by more numbers of the same list ("and #M", ", #M", "/#M", "or #M")
+_LISTED = re.compile(r"(?<![\w/])([\w.-]+/[\w.-]+)#(\d+)((?:\s*(?:,|/|and|or)\s*#\d+)+)")
+
+
+def full_refs(text: str) -> str:
+    """Every issue or PR of another repository than pytorch/pytorch written in full: in a pytorch/pytorch issue a
+    bare "#N" links to pytorch/pytorch#N, so "meta-pytorch/torchrec#3809 and #3891" must say
+    "meta-pytorch/torchrec#3809 and meta-pytorch/torchrec#3891"."""
+    def each(m):
+        repo = m.group(1)
+        return f"{repo}#{m.group(2)}" + re.sub(r"(?<![\w/])#(\d+)", lambda n: f"{repo}#{n.group(1)}", m.group(3))
+
+    return _LISTED.sub(lambda m: m.group(0) if m.group(1) == "pytorch/pytorch" else each(m), text)
+
+
+def _no_ids(text: str, causes: dict) -> str:
+    """The report without this repository's root-cause ids (a note that names another root cause by its id): each
+    said as the bug it is, in its title's words. Code blocks (the script, its output) are left as they are."""
+    ids = sorted((rid for rid in causes if rid), key=len, reverse=True)
+    if not ids:
+        return text
+    named = re.compile(r"`?\b(" + "|".join(map(re.escape, ids)) + r")\b`?")
+    parts = text.split("```")
+    for i in range(0, len(parts), 2):  # outside the fences
+        parts[i] = named.sub(lambda m: f'the bug "{causes[m.group(1)].title}"', parts[i])
+    return "```".join(parts)
 
 
 TITLE_LIMIT = 120  # a root cause's title is at most this (tests/test_known_files.py); a new finding's is cut to it
