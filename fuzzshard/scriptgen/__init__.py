@@ -240,6 +240,8 @@ class Writer:
         parts = [self.header(), self.imports(), self.prologue(), "\n".join(common.model(c, 2)), "\n".join(common.batch(c))]
         if p["mode"] in ("parity", "checkpoint", "replica") or p["observe"]:
             parts.append("\n".join(self.w.snapshot(c, c.target_options)))
+        if self.reads_grads() and hasattr(self.w, "grads_def"):  # (what a writer's grads expression calls)
+            parts.append("\n".join(self.w.grads_def(c, c.target_options)))
         if p["mode"] == "replica":
             parts.append(_REPLICAS)
         if self.keep_loop():
@@ -251,6 +253,11 @@ class Writer:
                 parts.append(_SENSITIVITY.replace("LOSS", self.plain_loss("net", "xin")))
         parts += ["\n".join(body), _END]
         return "\n\n".join(x.strip("\n") for x in parts if x) + "\n"
+
+    def reads_grads(self) -> bool:
+        """Whether the script reads the sharded run's grads (the parity replay's, a replica's, an observed step's)."""
+        p = self.plan
+        return p["mode"] == "parity" or p["observe"] or p["mode"] == "replica" and p["quantity"] == "grad"
 
     def header(self) -> str:
         c, p = self.case, self.plan

@@ -11,6 +11,10 @@ from . import common, dsd
 from .fsdp2 import module
 
 KINDS = dsd.KINDS + ("fsdp1_full", "fsdp1_sharded", "fsdp1_legacy")
+LOOP = True  # its scripts write the training loop around the step (loop.py), as kernel/targets/fsdp1.py runs it:
+OWN_CLIP = True  # the clip "own": FSDP1's own model.clip_grad_norm_ (torch.nn.utils' would norm each rank's shard)
+SHARDED_SCALER = True  # ShardedGradScaler (found_inf all-reduced: each rank holds only its shard's grads) ...
+SCALER_GROUP = "dist.group.WORLD"  # ... over the job's ranks (the kernel's _job_group)
 FREEZE_BEFORE_SHARD = True  # FSDP records requires_grad when it flattens
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 _OPTIONS = {"strategy", "orig_params", "wrap", "ignored", "osd", "legacy_load", "legacy", "flatten"}
@@ -77,11 +81,19 @@ def snapshot(case: Case, options: dict) -> list[str] | None:
     return ["def snapshot(model, opt):  # full copies through FSDP's own APIs: params, optimizer state, param groups",
             "    with FSDP.summon_full_params(model, writeback=False):",
             f"        params = {{n.replace('_fsdp_wrapped_module.', ''): q.detach().clone() for n, q in model.named_parameters()}}",
-            "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(offload_to_cpu=False)):",
-            "        osd = FSDP.optim_state_dict(model, opt)",
-            "    return (params, {(n, k): torch.as_tensor(v).detach().clone() for n, s in osd[\"state\"].items() for k, v in s.items()},",
+            "    if isinstance(model, FSDP):",
+            "        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(offload_to_cpu=False)):",
+            "            osd = FSDP.optim_state_dict(model, opt)[\"state\"]",
+            "    else:  # the plain replay's model",
+            "        osd = {n: opt.state[q] for n, q in model.named_parameters() if q in opt.state}",
+            "    return (params, {(n, k): torch.as_tensor(v).detach().clone() for n, s in osd.items() for k, v in s.items()},",
             "            [{k: v.tolist() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v for k, v in g.items()",
             "              if k not in (\"params\", \"param_names\")} for g in opt.param_groups])"]
+
+
+def grads_def(case: Case, options: dict) -> list[str]:
+    """What ``grads`` calls, where a script reads the grads."""
+    return _GRADS
 
 
 def snapshot_imports() -> list[str]:
@@ -89,7 +101,17 @@ def snapshot_imports() -> list[str]:
 
 
 def grads(case: Case, options: dict) -> str | None:
-    return None  # (a flat param's grad has no API: parity goes to the flattened kernel)
+    if not options.get("orig_params", True):
+        return None  # (a flat param's grad has no API: parity goes to the flattened kernel)
+    return "full_grads(model)"
+
+
+# the grads as the optimizer reads them (with orig params), whole: summon shows a frozen param's grad as zeros,
+# the optimizer sees None (kernel/targets/fsdp1.py grads)
+_GRADS = ["def full_grads(model):  # each param's grad as the optimizer reads it, whole (FSDP's summon_full_params)",
+          "    with FSDP.summon_full_params(model, writeback=False, with_grads=True):",
+          "        return {n.replace('_fsdp_wrapped_module.', ''): None if q.grad is None or not q.requires_grad",
+          "                else q.grad.detach().clone() for n, q in model.named_parameters()}"]
 
 
 def _full(osd: dict) -> str:
