@@ -254,6 +254,11 @@ class Writer:
         parts += ["\n".join(body), _END]
         return "\n\n".join(x.strip("\n") for x in parts if x) + "\n"
 
+    def own_kind(self) -> bool:
+        """Whether the writer saves and loads the case's checkpoint kind itself (save_<kind> / load_<kind>: its
+        own kinds, and pp's "dcp", torchtitan's per-stage checkpoint), else DSD's (dsd.py)."""
+        return hasattr(self.w, "load_" + self.case.checkpoint.kind)
+
     def reads_grads(self) -> bool:
         """Whether the script reads the sharded run's grads (the parity replay's, a replica's, an observed step's)."""
         p = self.plan
@@ -287,8 +292,8 @@ class Writer:
         own = list(self.w.imports(c, c.target_options)) + loop.imports(c)
         if self.plan["ckpt"]:
             own += self.w.imports(c, c.checkpoint.target_options)
-            own += ["import tempfile"] + (dsd.imports(c) if c.checkpoint.kind in dsd.KINDS else
-                                          getattr(self.w, "imports_" + c.checkpoint.kind, lambda c: [])(c))
+            own += ["import tempfile"] + (getattr(self.w, "imports_" + c.checkpoint.kind)(c) if self.own_kind() else
+                                          dsd.imports(c) if c.checkpoint.kind in dsd.KINDS else [])
         if self.plan["mode"] in ("parity", "checkpoint", "replica") or self.plan["observe"]:
             own += getattr(self.w, "snapshot_imports", lambda: [])()
         if self.submesh(c.world_size) or (c.checkpoint and self.submesh(c.checkpoint.world_size)):
@@ -361,7 +366,7 @@ class Writer:
             inner += ["got, after = [], [snapshot(model, opt)]  # per step: the grads, and the state after it"]
             inner += ["ran = []  # per step: what the loop around it gave"] * loop.used(c)
         if not save:
-            load = dsd.load(c, group) if ck.kind in dsd.KINDS else getattr(w, "load_" + ck.kind)(c, group)
+            load = getattr(w, "load_" + ck.kind)(c, group) if self.own_kind() else dsd.load(c, group)
             if ck.strict and (ck.missing or ck.unexpected):  # a strict load must refuse it
                 load = ["try:", *common.indent(load), "    accepted = True", "except Exception as e:",
                         "    accepted = False", "    print(f\"rank {rank}: the strict load refused it: {e!r}\"[:300])"]
@@ -376,7 +381,7 @@ class Writer:
         if save and p["ckpt"] and last >= ck.after:
             inner += ["saved = snapshot(model, opt)"] * (p["mode"] == "checkpoint")
             inner += [f"# save after step {ck.after}"]
-            inner += dsd.save(c, group) if ck.kind in dsd.KINDS else getattr(w, "save_" + ck.kind)(c, group)
+            inner += getattr(w, "save_" + ck.kind)(c, group) if self.own_kind() else dsd.save(c, group)
             inner += loop.save(c, group, keep=self.keep_loop())
         if sub:  # as torchrun with this side's ranks: torch code that takes the default group (DCP, DSD, FSDP) sees them
             return out + [f"group = dist.new_group(list(range({world})))", f"if rank < {world}:",
