@@ -416,24 +416,29 @@ class Writer:
         body.append("x, y = batch(k)")
         body += loop.backward(c, self.w.forward_backward(c, options, world, shape), first, last)
         body += loop.unscale(c)
+        seen_grads, mid, seen_step = [], [], []  # what each step observes after its backward, and after its step
         if p["mode"] == "parity":
-            body.append(f"got.append({self.w.grads(c, options)})")
+            seen_grads.append(f"got.append({self.w.grads(c, options)})")
         elif p["observe"] and self.w.grads(c, options):
-            body.append(f"seen = {self.w.grads(c, options)}  # the grads, gathered")
+            seen_grads.append(f"seen = {self.w.grads(c, options)}  # the grads, gathered")
         if p["mode"] == "replica" and p["quantity"] == "grad":
-            body += self.replicas(options, "f\"step {k}")
-        body += loop.clip(c)
+            seen_grads += self.replicas(options, "f\"step {k}")
+        mid += loop.clip(c)
         if p["observe"] and c.clip and self.w.grads(c, options):
-            body.append(f"seen = {self.w.grads(c, options)}  # the clipped grads, gathered")
-        body += loop.global_loss(c, world) if loop.plateau(c) else []
-        body += loop.step(c)
+            mid.append(f"seen = {self.w.grads(c, options)}  # the clipped grads, gathered")
+        mid += loop.global_loss(c, world) if loop.plateau(c) else []
+        mid += loop.step(c)
         if p["mode"] == "replica" and p["quantity"] != "grad":
-            body += self.replicas(options, "f\"step {k}")
+            seen_step += self.replicas(options, "f\"step {k}")
         if p["mode"] == "parity":
-            body += loop.record(c, self.w.grads(c, options)) if loop.used(c) else []
-            body.append("after.append(snapshot(model, opt))")
+            seen_step += loop.record(c, self.w.grads(c, options)) if loop.used(c) else []
+            seen_step.append("after.append(snapshot(model, opt))")
         elif p["observe"]:
-            body.append("seen = snapshot(model, opt)  # params and optimizer state, gathered")
+            seen_step.append("seen = snapshot(model, opt)  # params and optimizer state, gathered")
+        joined = getattr(self.w, "joined_steps", None)  # a writer's uneven inputs (zero's: under Join)
+        if joined and joined(c, options) is not None:
+            return joined(c, options)(body, seen_grads, mid, seen_step, first, last)
+        body += seen_grads + mid + seen_step
         if last == first:
             return [f"k = {first}"] + body
         return [f"for k in range({first}, {last + 1}):" if first else f"for k in range({last + 1}):"] + common.indent(body)
