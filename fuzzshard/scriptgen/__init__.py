@@ -24,7 +24,7 @@ transformer is written out; a plugin's optimizer or model comes from the user's
 plugin file, imported by the path the finding recorded (``environment["plugins"]``).
 The training loop a case draws (kernel/loop.py: grad scaler, clip, LR scheduler, their
 state beside the checkpoint) is written in torch's words on both sides (loop.py;
-dtensor, tp, fsdp2 and zero for now).
+dtensor, tp, fsdp2, zero, pp and fsdp1: FSDP's own clip_grad_norm_).
 
 Per-target knowledge lives in one module per target here, found as targets are
 (``writer``): scriptgen/NAME.py writes target NAME's cases, as kernel/targets/NAME.py
@@ -40,8 +40,11 @@ kinds of its own as save_<kind> / load_<kind>; REPLICAS where its snapshot lacks
 replicated quantities; ``objective(case, net, x)`` where the plain replay's loss is not
 the loss on the whole batch (fsdp2's non-root term, pp's microbatches); LOOP (it
 writes the training loop around the step), DTENSOR_GRADS (its grads are DTensors: a
-total norm made full), SHARDED_SCALER (its grad scaler is ShardedGradScaler) and
-``global_loss(case, world)`` (ReduceLROnPlateau's loss where its ranks hold slices).
+total norm made full), SHARDED_SCALER (its grad scaler is ShardedGradScaler; SCALER_GROUP
+the group it names), OWN_CLIP (the clip "own" is the model's clip_grad_norm_),
+``global_loss(case, world)`` (ReduceLROnPlateau's loss where its ranks hold slices),
+``grads_def(case, options)`` (the lines its grads expression calls) and
+``joined_steps(case, options)`` (steps under Join: zero's uneven inputs).
 A target with no module here falls back to the flattened kernel, saying so.
 """
 from __future__ import annotations
