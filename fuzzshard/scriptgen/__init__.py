@@ -116,11 +116,12 @@ def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdic
             return f"{case.target}'s replicas of {q} are not observable"
         if q == "grad" and w.grads(case, case.target_options) is None:
             return f"{case.target}'s grads are not observable under these options"
-    if plan["mode"] in ("parity", "checkpoint", "replica") and w.snapshot(case, case.target_options) is None:
+    checked = case.checkpoint.target_options if plan.get("resumed") else case.target_options  # (the side checked)
+    if plan["mode"] in ("parity", "checkpoint", "replica") and w.snapshot(case, checked) is None:
         return f"{case.target}'s full state is not observable under these options"
     if plan["mode"] != "parity":
         return None
-    if w.grads(case, case.target_options) is None:
+    if w.grads(case, checked) is None:
         return f"{case.target}'s grads are not observable under these options"
     if case.target_options.get("mp") and (case.target_options.get("tp") or case.target_options.get("nonroot")):
         return "parity under mixed precision with TP or a non-root forward"
@@ -208,8 +209,11 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | str:
         return plan
     if oracle == "parity" or not oracle:
         k = first.step if first else n - 1
-        if ck and k > ck.after:
-            return "a parity finding after a checkpoint load"
+        resumed = bool(ck and k > ck.after)  # the steps checked run on the loading side, after the load
+        if resumed and (ck.world_size < case.ranks or loop.stateful(case) or not first):
+            return "a parity finding after a checkpoint load" + \
+                (" on fewer ranks than the script's" if ck.world_size < case.ranks else
+                 " with the loop's state (the scheduler's, the scaler's)" if loop.stateful(case) else "")
         q = first.quantity if first else ""  # what the replay compares: the grads (the forward) or what the step made
         what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
             "state" if q.startswith("state") else "group" if q.startswith("param_groups") else \
@@ -217,6 +221,8 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | str:
         if first and loop.stateful(case) and what not in ("grad", "clip"):
             first = None  # the scheduler and the scaler carry state from step to step: each step replayed
         plan.update(mode="parity", last=k, load=False, ckpt=False, steps=[k] if first else list(range(k + 1)), what=what)
+        if resumed:  # the saving side up to its save, the loading side from the load to step k, checked there
+            plan.update(last=ck.after, load=True, load_last=k, ckpt=True, resumed=True)
         return plan
     return f"a finding of the {oracle} oracle, whose check the script does not write"
 
@@ -365,7 +371,7 @@ class Writer:
         inner += make_opt + loop.build(c, shape=tuple(shape))
         if save and p["check"] and hasattr(w, "check_" + p["check"]):
             inner += getattr(w, "check_" + p["check"])(c)  # the target's own check that failed
-        if p["mode"] == "parity":
+        if p["mode"] == "parity" and not p.get("resumed"):
             inner += ["got, after = [], [snapshot(model, opt)]  # per step: the grads, and the state after it"]
             inner += ["ran = []  # per step: what the loop around it gave"] * loop.used(c)
         if not save:
@@ -376,6 +382,10 @@ class Writer:
             inner += load + loop.load(c, group, keep=self.keep_loop())
             if p["mode"] == "checkpoint":
                 inner += ["loaded = snapshot(model, opt)"]
+            elif p["mode"] == "parity":  # the steps after the load, by their step: the loaded state before the first
+                inner += [f"after = [None] * {ck.after + 1} + [snapshot(model, opt)]  # the loaded state: before step "
+                          f"{ck.after + 1}", f"got = [dict.fromkeys(after[-1][0])] * {ck.after + 1}  # (no grads held)"]
+                inner += [f"ran = [None] * {ck.after + 1}"] * loop.used(c)
             elif p["mode"] == "replica" and p["quantity"] != "grad":
                 inner += self.replicas(options, "\"after the load")
             elif p["observe"]:
@@ -396,6 +406,8 @@ class Writer:
         c, p = self.case, self.plan
         if last < first:
             return []
+        # the steps recorded for the parity replay (after a load: the loading side's only)
+        parity = p["mode"] == "parity" and (not p.get("resumed") or first > c.checkpoint.after)
         body = []
         for k in range(first, last + 1):  # a step's freezes and unfreezes, and groups added before it
             s = c.schedule[k]
@@ -420,7 +432,7 @@ class Writer:
         body += loop.backward(c, self.w.forward_backward(c, options, world, shape), first, last)
         body += loop.unscale(c)
         seen_grads, mid, seen_step = [], [], []  # what each step observes after its backward, and after its step
-        if p["mode"] == "parity":
+        if parity:
             seen_grads.append(f"got.append({self.w.grads(c, options)})")
         elif p["observe"] and self.w.grads(c, options):
             seen_grads.append(f"seen = {self.w.grads(c, options)}  # the grads, gathered")
@@ -433,7 +445,7 @@ class Writer:
         mid += loop.step(c)
         if p["mode"] == "replica" and p["quantity"] != "grad":
             seen_step += self.replicas(options, "f\"step {k}")
-        if p["mode"] == "parity":
+        if parity:
             seen_step += loop.record(c, self.w.grads(c, options)) if loop.used(c) else []
             seen_step.append("after.append(snapshot(model, opt))")
         elif p["observe"]:
