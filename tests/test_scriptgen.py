@@ -267,13 +267,13 @@ def test_a_decoder_case_gets_a_short_script_that_builds_the_kernels_decoder():
     """The decoder transformer written out (torchtitan's module names): the kernel's init and batches, bit for bit."""
     known = [f for f in load_known().values() if f.case.model.factory == "decoder" and f.case.device == "cpu"]
     assert len(known) >= 10
-    for f in known:
+    for f in known:  # (under torchtitan's TP plan too: the known ones are errors, whose run is written)
         src = straight_script(f.case, "known", f.environment, f.verdict)
-        if src is None:  # (torchtitan's TP plan: the flattened kernel, and it says so)
-            assert fallback_reason(f.case, f.environment, f.verdict) == "TP of the decoder transformer (torchtitan's plan)"
-            continue
         assert "class Decoder(nn.Module)" in src and src.count("\n") <= 150
         _check_drawn(f.case, src)
+    # the plan in a comparison falls back, saying so (a clean case's grads under it differ from the plain replay's)
+    tp = next(f.case for f in known if f.case.target_options.get("tp"))
+    assert fallback_reason(tp) == "TP of the decoder transformer (torchtitan's plan) outside an error's run"
 
 
 def test_a_plugin_optimizer_case_imports_the_plugin_file_and_shows_its_planted_bug(tmp_path, monkeypatch):
@@ -501,14 +501,18 @@ NEWLY_STRAIGHT = {
     "zero.hang.other.all_reduce": "with Join([ddp, Shadow(seen_grads), opt, Shadow(seen_step)]):",
     # parity after a load: the loading side's steps (here FSDP1's local resume) replayed from the loaded state
     "fsdp1.parity.AdamW.forloop.param": "after = [None] * 2 + [snapshot(model, opt)]  # the loaded state",
+    # torchtitan's TP plan of the decoder (kernel/decoder.py parallelize_decoder), an error's run
+    "fsdp2.error.fwdbwd.RuntimeError.48c46939": "parallelize_module(model.layers['0'], mesh[\"d1\"], "
+                                                "{'feed_forward.w1': ColwiseParallel(), 'feed_forward.w2': RowwiseParallel(",
+    "fsdp2.error.load.RuntimeError.56cd5e7e": "'feed_forward.w3': ColwiseParallel()",
 }
 LONGER = {"pp.error.load.RuntimeError.7ff5b0d6": 190, "fsdp1.parity.AdamW.forloop.param": 170}  # 7 and 5 layers
 
 
 def test_fsdp1s_loop_pipeline_checkpoints_and_zeros_join_get_straight_scripts_for_their_known_findings():
     """Each known finding of these writers: a script (no fallback marker) that compiles, builds the kernel's model
-    and data, and holds the finding's own torch calls; every known finding left on the flattened kernel has its
-    root cause's hand-reduced script (known/minimal/) for its report."""
+    and data, and holds the finding's own torch calls (each reproduces under torchrun: ci/script_table.py); every
+    known finding left on the flattened kernel has its root cause's hand-reduced script (known/minimal/)."""
     from fuzzshard.findings.rootcause import load_root_causes
 
     known = load_known()
@@ -523,7 +527,7 @@ def test_fsdp1s_loop_pipeline_checkpoints_and_zeros_join_get_straight_scripts_fo
     causes, root = load_root_causes(known), Path(__file__).resolve().parents[1]
     for sig, f in known.items():
         why = fallback_reason(f.case, f.environment, f.verdict)
-        if why:  # (TP of the decoder: torchtitan's plan)
+        if why:  # (none left on the known list: any new one must come with its root cause's hand-reduced script)
             minimal = causes[f.root_cause].minimal
             assert minimal and (root / minimal).exists(), (sig, why)
     assert causes["ddp-join-static-graph-unused-params-hang"].minimal.endswith("min_ddp_join_static_graph_unused_hang.py")
