@@ -12,8 +12,11 @@ non-zero; a hang times out or fails its collective's timeout. CPU findings
 only run (a CUDA one counts as not run: /work/notes/gpu_scripts.sh runs them
 on a GPU node). ``--files``: finding files besides the known list (a GPU
 session's, say), named by their path. A finding without a straight script
-shows why it falls back to the flattened kernel. One table row per finding,
-then the totals; exit 0 always (a measurement, not a gate).
+shows why it falls back to the flattened kernel, and whether its root cause
+has a hand-reduced script (known/minimal/, named by root_causes.json: what an
+upstream report attaches in its place). One table row per finding, then the
+totals (the fallbacks, and those without a hand-reduced script, by name);
+exit 0 always (a measurement, not a gate).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fuzzshard.findings.record import load_finding, load_known, summary  # noqa: E402
+from fuzzshard.findings.rootcause import load_root_causes  # noqa: E402
 from fuzzshard.scriptgen import fallback_reason, straight_script  # noqa: E402
 
 
@@ -108,6 +112,10 @@ def main() -> int:
 
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(one, todo))
+    causes = load_root_causes(found)
+    root = Path(__file__).resolve().parents[1]
+    minimal = {sig: causes[f.root_cause].minimal for sig, f in known.items()  # a root cause's hand-reduced script
+               if f.root_cause in causes and causes[f.root_cause].minimal and (root / causes[f.root_cause].minimal).exists()}
     rows = []
     for sig in sorted(known):
         t = texts[sig]
@@ -115,7 +123,8 @@ def main() -> int:
             "reproduces" if results[sig] else "does not"
         if t is None:
             f = known[sig]
-            run = f"flattened ({fallback_reason(f.case, f.environment, f.verdict)})"
+            run = f"flattened ({fallback_reason(f.case, f.environment, f.verdict)}); " + \
+                (f"hand-reduced: {Path(minimal[sig]).name}" if minimal.get(sig) else "no hand-reduced script")
         elif known[sig].case.device != "cpu":
             run = f"not run ({known[sig].case.device})"
         rows.append((sig, "-" if t is None else t.count("\n"), run))
@@ -124,7 +133,12 @@ def main() -> int:
         print(" | ".join(str(x).ljust(w) for x, w in zip(row, widths)))
     print(f"straight-line scripts: {len(lines)} of {len(known)} findings ({100 * len(lines) / max(len(known), 1):.1f}%)")
     if lines:
-        print(f"lines: median {statistics.median(lines):g}, max {max(lines)}, under 100: {sum(n < 100 for n in lines)}")
+        print(f"lines: median {statistics.median(lines):g}, max {max(lines)}, under 100: {sum(n < 100 for n in lines)}, "
+              f"over 150: {sum(n > 150 for n in lines)}")
+    flat = [sig for sig, t in texts.items() if t is None]
+    bare = sorted(sig for sig in flat if not minimal.get(sig))
+    print(f"fallbacks (the flattened kernel): {len(flat)}; of them without a hand-reduced script: {len(bare)}"
+          + (f" ({', '.join(bare)})" if bare else ""))
     if not args.no_run:
         print(f"run: {len(results)}, reproduce their finding: {sum(results.values())}")
     return 0

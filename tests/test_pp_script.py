@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import PLANTED, run_cli, torchrun
-from fuzzshard.case import Case, Group, Layer, LRScheduler, Model, Optim, Step
+from fuzzshard.case import Case, Checkpoint, Group, Layer, LRScheduler, Model, Optim, Step
 from fuzzshard.kernel.model import build_model, make_batch, param_shapes
 from fuzzshard.scriptgen import fallback_reason, straight_script
 from fuzzshard.verdict import Mismatch, Verdict
@@ -57,6 +57,53 @@ def test_pp_planted_bugs_get_a_short_straight_script_with_the_kernels_model_and_
         x, y = ns["batch"](0)
         x0, y0 = make_batch(case.model, case.seed, 0, case.batch, case.seq, "cpu", torch.float32)
         assert torch.equal(x, x0) and torch.equal(y, y0)
+
+
+def _ckpt_case(split=False) -> Case:
+    """Saved on 2 ranks (GPipe, a stage each), loaded on 1 (both stages): two same-shaped weights in one group."""
+    model = Model("features", 3, tuple(Layer("linear", 3, 3, bias=False) for _ in range(2)))
+    loading = {"schedule": "GPipe", "cuts": [], "scale_grads": False, "n_microbatches": 2}
+    return Case(target="pp", world_size=2, mesh_shape=(2,), model=model, optim=Optim("Adam", {"lr": 0.01}),
+                groups=(Group(tuple(param_shapes(model))),), schedule=(Step(), Step()), batch=2, seq=2,
+                target_options={"schedule": "GPipe", "cuts": [1], "scale_grads": False, "n_microbatches": 2},
+                checkpoint=Checkpoint(0, "dcp", 1, (1,), split=split, target_options=loading))
+
+
+CKPT = Verdict("finding", "checkpoint", first=Mismatch("loaded.state.exp_avg", "layers.0.weight", 0, ""))
+
+
+def test_a_pp_checkpoint_is_written_as_torchtitans_at_each_sides_pp_degree():
+    """pp's dcp kind (kernel/targets/pp.py save / load): each rank's model part and its flattened optimizer state
+    dict, by plain FQN, in one DCP checkpoint; the loading side's pipeline at its own world size (one rank: both
+    stages), its part filled by dcp.load and set back (split or not)."""
+    case = _ckpt_case()
+    assert fallback_reason(case, None, CKPT) is None
+    src = straight_script(case, "", None, CKPT)
+    saving, loading = src.split("# the loading side")
+    assert "on = [0, 1]" in saving and "on = [0]" in loading and "if rank < 1:" in loading  # each side's own layout
+    assert "part.layers = nn.ModuleDict({str(i): model.layers[i] for s, at in enumerate(on) if at == rank" in src
+    assert "sd = {\"model\": get_model_state_dict(part), \"optim\": get_optimizer_state_dict(part, opt, options=FLAT)}" in saving
+    assert "dcp.save(sd, storage_writer=dcp.FileSystemWriter(ckpt), process_group=group)" not in saving  # all ranks save
+    assert "dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt), process_group=group)" in loading
+    assert "set_state_dict(part, opt, model_state_dict=sd[\"model\"], optim_state_dict=sd[\"optim\"]" in loading
+    assert "saved = snapshot(model, opt)" in saving and "loaded = snapshot(model, opt)" in loading
+    split = straight_script(_ckpt_case(split=True), "", None, CKPT)
+    assert "set_optimizer_state_dict(part, opt, sd[\"optim\"], options=StateDictOptions(flatten_optimizer_state_dict=True))" in split
+    assert src.count("\n") < 150 and "CASE_JSON" not in src and fallback_reason(_ckpt_case()) is None
+
+
+def test_a_pp_checkpoints_script_shows_its_planted_bug_and_passes_without(tmp_path):
+    """DSD's unflatten of the flattened optimizer state dict loads two same-shaped params' state under each other's
+    FQN (tests/planted/pp_ckpt_state_wrong_fqn.py): the round trip's script names the swapped state with the bug
+    (exit 1) and passes without (exit 0)."""
+    case = _ckpt_case()
+    script = tmp_path / "repro.py"
+    script.write_text(straight_script(case, "planted", None, CKPT))
+    buggy = torchrun(script, 2, "--setup", PLANTED / "pp_ckpt_state_wrong_fqn.py", cwd=tmp_path)
+    assert buggy.returncode == 1 and "FINDING: the load changed what was saved" in buggy.stdout and \
+        "state layers.0.weight.exp_avg: saved " in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(script, 2, cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS: the loaded state equals the saved one" in ok.stdout, ok.stdout + ok.stderr[-2000:]
 
 
 def test_pp_options_the_script_does_not_write_fall_back_with_the_reason():

@@ -106,10 +106,12 @@ def test_drawn_fsdp2_cases_give_a_script_or_none(case):
 
 @settings(DRAWN, max_examples=20)
 @given(cases(target="zero", world_sizes=[1, 2, 3]))
-def test_drawn_zero_cases_give_a_script_unless_uneven(case):
-    assert (straight_script(case) is None) == ("uneven" in case.target_options or "local" in
-                                               (case.checkpoint.target_options if case.checkpoint else {}))
-    _check_drawn(case)
+def test_drawn_zero_cases_give_a_script_uneven_and_local_too(case):
+    """Every drawn ZeRO case: uneven inputs under Join and a loading side resumed with the local optimizer too."""
+    src = straight_script(case)
+    assert src is not None, fallback_reason(case)
+    assert ("with Join([ddp" in src) == bool(case.target_options.get("uneven"))
+    _check_drawn(case, src)
 
 
 def test_what_the_generator_does_not_write_falls_back_to_the_flattened_kernel():
@@ -265,13 +267,13 @@ def test_a_decoder_case_gets_a_short_script_that_builds_the_kernels_decoder():
     """The decoder transformer written out (torchtitan's module names): the kernel's init and batches, bit for bit."""
     known = [f for f in load_known().values() if f.case.model.factory == "decoder" and f.case.device == "cpu"]
     assert len(known) >= 10
-    for f in known:
+    for f in known:  # (under torchtitan's TP plan too: the known ones are errors, whose run is written)
         src = straight_script(f.case, "known", f.environment, f.verdict)
-        if src is None:  # (torchtitan's TP plan: the flattened kernel, and it says so)
-            assert fallback_reason(f.case, f.environment, f.verdict) == "TP of the decoder transformer (torchtitan's plan)"
-            continue
         assert "class Decoder(nn.Module)" in src and src.count("\n") <= 150
         _check_drawn(f.case, src)
+    # the plan in a comparison falls back, saying so (a clean case's grads under it differ from the plain replay's)
+    tp = next(f.case for f in known if f.case.target_options.get("tp"))
+    assert fallback_reason(tp) == "TP of the decoder transformer (torchtitan's plan) outside an error's run"
 
 
 def test_a_plugin_optimizer_case_imports_the_plugin_file_and_shows_its_planted_bug(tmp_path, monkeypatch):
@@ -442,21 +444,23 @@ def test_the_loop_is_written_in_torchs_words_and_only_where_a_finding_needs_it()
         fn = eval(src.split("LambdaLR(opt, ")[1].split(")\n")[0])
         assert [fn(k) for k in range(5)] == [lr_lambda(kw)(k) for k in range(5)]
     own = dataclasses.replace(simple_case(2), target="fsdp1", target_options={}, clip=Clip("own", 1.0))
-    assert fallback_reason(own) == "the training loop's clip under fsdp1 (no straight-line writer for it yet)"
+    src = straight_script(own)  # FSDP1's own clip_grad_norm_ on the sharded side, torch.nn.utils' on the plain one
+    assert "norm = model.clip_grad_norm_(1.0, norm_type=2.0)" in src and "norm_p = torch.nn.utils.clip_grad_norm_(" in src
     zero = straight_script(dataclasses.replace(_zero_case(), clip=Clip("norm", 1.0), lr_scheduler=plateau.lr_scheduler))
     assert "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=2.0)\n" in zero  # plain grads
     assert "dist.all_reduce(full_loss, group=opt.process_group)" in zero and "full_tensor" not in zero
 
 
 @settings(DRAWN, max_examples=25)
-@given(st.sampled_from(["dtensor", "fsdp2", "tp", "zero"]).flatmap(
+@given(st.sampled_from(["dtensor", "fsdp2", "tp", "zero", "fsdp1"]).flatmap(
     lambda t: cases(target=t, world_sizes=[1, 2, 4] if t == "fsdp2" else [1, 2],
                     loop=("clip", "lr_scheduler", "scaler"))))
 def test_drawn_loop_cases_give_a_script_that_builds_the_kernels_model_and_data(case):
     why = fallback_reason(case)
     assert (straight_script(case) is None) == bool(why)
     assert not why or why.startswith(("parity under mixed precision", "parity of a compiled", "a grad scaler under",
-                                      "ReduceLROnPlateau fed", "zero options")), why
+                                      "ReduceLROnPlateau fed", "fsdp1's grads are not observable",  # (flat params)
+                                      "fsdp1 resumed without FSDP (local) with its own clip")), why
     src = straight_script(case, "drawn")
     if src is not None:
         compile(src, "repro.py", "exec")
@@ -479,3 +483,125 @@ def test_fsdp2s_grad_scaler_is_the_kernels_sharded_one_or_amps():
     assert "scaler_p = torch.amp.GradScaler(device.type, init_scale=16.0)" in src  # the plain model's: amp's
     amp = straight_script(dataclasses.replace(case, scaler=Scaler(init_scale=16.0, amp=True)), "fsdp2")
     assert "ShardedGradScaler" not in amp and "scaler = torch.amp.GradScaler(device.type, init_scale=16.0)" in amp
+
+
+# ---- issue 45: FSDP1's loop, ZeRO's uneven inputs and local resume, pipeline checkpoints (test_pp_script.py) ----
+
+# the known findings that fell back to the flattened kernel before these writers, each now a straight-line script
+# (the pipeline's async save on [pp, dp] with 7 layers and 3 groups: the one over 150 lines)
+NEWLY_STRAIGHT = {
+    "fsdp1.error.clip.RuntimeError.1d32b259": "model.clip_grad_norm_(0.1, norm_type=2.0)",
+    "fsdp1.parity.SGD.fused.param": "ShardedGradScaler(device.type, process_group=dist.group.WORLD, init_scale=65536.0)",
+    "fsdp1.parity.SGD.fused.state.momentum_buffer": "scaler_p.step(opt_p)",
+    "fsdp1.parity.grad.appeared": "FSDP.summon_full_params(model, writeback=False, with_grads=True)",
+    "pp.checkpoint.dcp.loaded.state.extra": "get_optimizer_state_dict(part, opt, options=FLAT)",
+    "pp.checkpoint.dcp.loaded.state.missing": "set_state_dict(part, opt, model_state_dict=sd[\"model\"]",
+    "pp.error.load.IndexError.f71717f9": "dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt))",
+    "pp.error.load.RuntimeError.7ff5b0d6": "dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(ckpt), async_stager=stager",
+    "zero.hang.other.all_reduce": "with Join([ddp, Shadow(seen_grads), opt, Shadow(seen_step)]):",
+    # parity after a load: the loading side's steps (here FSDP1's local resume) replayed from the loaded state
+    "fsdp1.parity.AdamW.forloop.param": "after = [None] * 2 + [snapshot(model, opt)]  # the loaded state",
+    # torchtitan's TP plan of the decoder (kernel/decoder.py parallelize_decoder), an error's run
+    "fsdp2.error.fwdbwd.RuntimeError.48c46939": "parallelize_module(model.layers['0'], mesh[\"d1\"], "
+                                                "{'feed_forward.w1': ColwiseParallel(), 'feed_forward.w2': RowwiseParallel(",
+    "fsdp2.error.load.RuntimeError.56cd5e7e": "'feed_forward.w3': ColwiseParallel()",
+}
+LONGER = {"pp.error.load.RuntimeError.7ff5b0d6": 190, "fsdp1.parity.AdamW.forloop.param": 170}  # 7 and 5 layers
+
+
+def test_fsdp1s_loop_pipeline_checkpoints_and_zeros_join_get_straight_scripts_for_their_known_findings():
+    """Each known finding of these writers: a script (no fallback marker) that compiles, builds the kernel's model
+    and data, and holds the finding's own torch calls (each reproduces under torchrun: ci/script_table.py); every
+    known finding left on the flattened kernel has its root cause's hand-reduced script (known/minimal/)."""
+    from fuzzshard.findings.rootcause import load_root_causes
+
+    known = load_known()
+    for sig, call in NEWLY_STRAIGHT.items():
+        f = known[sig]
+        src = straight_script(f.case, "known", f.environment, f.verdict)
+        assert src is not None and fallback_reason(f.case, f.environment, f.verdict) is None, sig
+        assert call in src and "flattened" not in src.lower() and "CASE_JSON" not in src, sig
+        assert src.count("\n") <= LONGER.get(sig, 150), (sig, src.count("\n"))
+        compile(src, sig, "exec")
+        _check_drawn(f.case, src, extra=30)
+    causes, root = load_root_causes(known), Path(__file__).resolve().parents[1]
+    for sig, f in known.items():
+        why = fallback_reason(f.case, f.environment, f.verdict)
+        if why:  # (none left on the known list: any new one must come with its root cause's hand-reduced script)
+            minimal = causes[f.root_cause].minimal
+            assert minimal and (root / minimal).exists(), (sig, why)
+    assert causes["ddp-join-static-graph-unused-params-hang"].minimal.endswith("min_ddp_join_static_graph_unused_hang.py")
+
+
+def _fsdp1_loop_case():
+    """FSDP1's own clip, a scheduler and ShardedGradScaler with an overflow at step 1 (test_loop_targets.py's)."""
+    return dataclasses.replace(_zero_case(), target="fsdp1", target_options={}, schedule=(Step(),) * 3,
+                               optim=Optim("Adam", {"lr": 0.01, "weight_decay": 0.1}), clip=Clip("own", 0.1),
+                               lr_scheduler=LRScheduler("StepLR", {"step_size": 1, "gamma": 0.5}),
+                               scaler=Scaler(init_scale=256.0, growth_interval=1, overflow=(1,)))
+
+
+def _zero_uneven_case():
+    """Uneven inputs under Join: rank 1 runs out after one step (test_planted.py's)."""
+    return dataclasses.replace(_zero_case(), schedule=(Step(),) * 3, target_options={"ddp": {}, "uneven": [3, 1]})
+
+
+# (the planted bug, its case, the finding's verdict, what the failing run must name); each run clean too
+NEW_WRITERS = [
+    # ShardedGradScaler steps on the overflow: the params go non-finite where the plain scaler skips
+    ("loop_sharded_scaler_steps_on_inf.py", _fsdp1_loop_case, _verdict("parity", "param", 1, "layers.0.weight"),
+     "step 1 param layers.0.weight: NaN or inf in one run only"),
+    # ZeRO's join hook steps the joined rank's partition without its grads: the params rank 1 owns stop training
+    ("zero_join_stale_grads.py", _zero_uneven_case, _verdict("parity", "param", 1, "layers.2.weight"),
+     "step 1 param layers.2.weight: sharded "),
+]
+
+
+@pytest.mark.parametrize("bug, make, verdict, shown", NEW_WRITERS, ids=["fsdp1_sharded_scaler", "zero_join"])
+def test_fsdp1s_loop_and_zeros_join_scripts_show_their_planted_bug_and_pass_without(tmp_path, bug, make, verdict,
+                                                                                   shown):
+    case = make()
+    assert fallback_reason(case, {}, verdict) is None
+    src = straight_script(case, "planted", {}, verdict)
+    assert src.count("\n") < 150 and ("with Join([ddp" in src) == (case.target == "zero")
+    (tmp_path / "repro.py").write_text(src)
+    buggy = torchrun(tmp_path / "repro.py", 2, "--setup", PLANTED / bug, cwd=tmp_path)
+    assert buggy.returncode == 1 and "FINDING: the sharded run differs" in buggy.stdout and shown in buggy.stdout, \
+        buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(tmp_path / "repro.py", 2, cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS: the sharded run matches the plain one" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+
+
+def test_zeros_and_fsdp1s_local_resume_are_written_with_the_plain_optimizer():
+    """A loading side resumed without the wrapper (``local``): ZeRO's consolidated state and FSDP1's full one
+    (re-keyed by rekey_optim_state_dict) loaded into the plain torch.optim optimizer; the kernel's full-state-dict
+    config said whole (the optimizer's offloads by default). (Both PASS under torchrun: measured by hand.)"""
+    ck = Checkpoint(0, "consolidate", 2, (2,), target_options={"local": True})
+    zero = straight_script(dataclasses.replace(_zero_case(), checkpoint=ck))
+    local = zero.split("# the loading side")[1]
+    assert "ZeroRedundancyOptimizer(" not in local and "opt = torch.optim.Adam(" in local
+    assert "opt.load_state_dict(sd[\"optim\"])" in local
+    ck = Checkpoint(0, "fsdp1_full", 2, (2,), target_options={"local": True})
+    fsdp1 = straight_script(dataclasses.replace(_zero_case(), target="fsdp1", target_options={}, checkpoint=ck))
+    saving, local = fsdp1.split("# the loading side")
+    assert "FullOptimStateDictConfig(offload_to_cpu=False)" in saving and "model = FSDP(" in saving
+    assert "FSDP(" not in local and "FSDP.rekey_optim_state_dict(sd[\"optim\"], OptimStateKeyType.PARAM_ID" in local
+    own = dataclasses.replace(_fsdp1_loop_case(), checkpoint=ck)
+    assert fallback_reason(own) == "fsdp1 resumed without FSDP (local) with its own clip (torch.nn.utils' on the local model)"
+
+
+def test_a_parity_finding_after_a_load_is_replayed_on_the_loading_sides_steps():
+    """The saving side trains up to its save without recording; the loading side records from the load (the
+    loaded state is the anchor of the first step after it) and the plain model replays the finding's step. (Under
+    torchrun: PASS on torch as it is, FINDING with skip_weight_decay.py; fsdp1.parity.AdamW.forloop.param's shows
+    its recorded numbers; measured by hand.) Where the loading side has fewer ranks, or the loop carries state
+    over the load, it falls back, saying so."""
+    found = _verdict("parity", "param", 1, "layers.0.weight")
+    case = dataclasses.replace(simple_case(2, optim="Adam"), checkpoint=Checkpoint(0, "dcp", 2, (2,)))
+    saving, loading = straight_script(case, "", {}, found).split("# the loading side")
+    assert "got.append(" not in saving and "after.append(" not in saving and "dcp.save(" in saving
+    assert "after = [None] * 1 + [snapshot(model, opt)]" in loading and "k = 1\n" in loading and "got.append(" in loading
+    fewer = dataclasses.replace(case, checkpoint=Checkpoint(0, "dcp", 1, (1,)))
+    assert fallback_reason(fewer, {}, found) == "a parity finding after a checkpoint load on fewer ranks than the script's"
+    sched = dataclasses.replace(case, lr_scheduler=LRScheduler("StepLR", {"step_size": 1}))
+    assert fallback_reason(sched, {}, found).endswith("with the loop's state (the scheduler's, the scaler's)")

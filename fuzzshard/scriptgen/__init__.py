@@ -24,7 +24,7 @@ transformer is written out; a plugin's optimizer or model comes from the user's
 plugin file, imported by the path the finding recorded (``environment["plugins"]``).
 The training loop a case draws (kernel/loop.py: grad scaler, clip, LR scheduler, their
 state beside the checkpoint) is written in torch's words on both sides (loop.py;
-dtensor, tp, fsdp2 and zero for now).
+dtensor, tp, fsdp2, zero, pp and fsdp1: FSDP's own clip_grad_norm_).
 
 Per-target knowledge lives in one module per target here, found as targets are
 (``writer``): scriptgen/NAME.py writes target NAME's cases, as kernel/targets/NAME.py
@@ -40,8 +40,11 @@ kinds of its own as save_<kind> / load_<kind>; REPLICAS where its snapshot lacks
 replicated quantities; ``objective(case, net, x)`` where the plain replay's loss is not
 the loss on the whole batch (fsdp2's non-root term, pp's microbatches); LOOP (it
 writes the training loop around the step), DTENSOR_GRADS (its grads are DTensors: a
-total norm made full), SHARDED_SCALER (its grad scaler is ShardedGradScaler) and
-``global_loss(case, world)`` (ReduceLROnPlateau's loss where its ranks hold slices).
+total norm made full), SHARDED_SCALER (its grad scaler is ShardedGradScaler; SCALER_GROUP
+the group it names), OWN_CLIP (the clip "own" is the model's clip_grad_norm_),
+``global_loss(case, world)`` (ReduceLROnPlateau's loss where its ranks hold slices),
+``grads_def(case, options)`` (the lines its grads expression calls) and
+``joined_steps(case, options)`` (steps under Join: zero's uneven inputs).
 A target with no module here falls back to the flattened kernel, saying so.
 """
 from __future__ import annotations
@@ -105,19 +108,25 @@ def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdic
     if why:
         return why
     plan = _plan(case, verdict)
-    if isinstance(plan, str):  # (_plan writes errors, checkpoint round trips, replicas, and parity before a load)
+    if isinstance(plan, str):  # (_plan writes errors, checkpoint round trips, replicas, and parity after a load)
         return plan
+    sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
+    if plan["mode"] != "error" and case.model.factory == "decoder" and any(o.get("tp") for o in sides):
+        # (written for an error's run: a clean case's grads under it differ from the plain replay's by ~0.2%
+        # where the kernel's run passes, not yet understood)
+        return "TP of the decoder transformer (torchtitan's plan) outside an error's run"
     if plan["mode"] == "replica":
         q = plan["quantity"]
         if q.split(".")[0] not in getattr(w, "REPLICAS", ("grad", "param", "state", "param_groups", "clip_norm", "loop")):
             return f"{case.target}'s replicas of {q} are not observable"
         if q == "grad" and w.grads(case, case.target_options) is None:
             return f"{case.target}'s grads are not observable under these options"
-    if plan["mode"] in ("parity", "checkpoint", "replica") and w.snapshot(case, case.target_options) is None:
+    checked = case.checkpoint.target_options if plan.get("resumed") else case.target_options  # (the side checked)
+    if plan["mode"] in ("parity", "checkpoint", "replica") and w.snapshot(case, checked) is None:
         return f"{case.target}'s full state is not observable under these options"
     if plan["mode"] != "parity":
         return None
-    if w.grads(case, case.target_options) is None:
+    if w.grads(case, checked) is None:
         return f"{case.target}'s grads are not observable under these options"
     if case.target_options.get("mp") and (case.target_options.get("tp") or case.target_options.get("nonroot")):
         return "parity under mixed precision with TP or a non-root forward"
@@ -145,8 +154,9 @@ def _unsupported(case: Case, w, env: dict) -> str | None:
         why = w.unsupported(case, o)
         if why:
             return f"{case.target} {why}"
-        if o.get("tp") and case.model.factory:
-            return "TP of the decoder transformer (torchtitan's plan)"
+        if o.get("tp") and case.model.factory and not (case.model.factory == "decoder" and getattr(w, "DECODER_TP", False)):
+            return "TP of the decoder transformer (torchtitan's plan)" if case.model.factory == "decoder" else \
+                f"TP of the plugin model {case.model.factory!r}"
     if case.checkpoint and case.checkpoint.kind not in w.KINDS:
         return f"the checkpoint kind {case.checkpoint.kind}"
     return loop.unsupported(case)  # the training loop around the step (scaler, clip, LR scheduler)
@@ -205,8 +215,11 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | str:
         return plan
     if oracle == "parity" or not oracle:
         k = first.step if first else n - 1
-        if ck and k > ck.after:
-            return "a parity finding after a checkpoint load"
+        resumed = bool(ck and k > ck.after)  # the steps checked run on the loading side, after the load
+        if resumed and (ck.world_size < case.ranks or loop.stateful(case) or not first):
+            return "a parity finding after a checkpoint load" + \
+                (" on fewer ranks than the script's" if ck.world_size < case.ranks else
+                 " with the loop's state (the scheduler's, the scaler's)" if loop.stateful(case) else "")
         q = first.quantity if first else ""  # what the replay compares: the grads (the forward) or what the step made
         what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
             "state" if q.startswith("state") else "group" if q.startswith("param_groups") else \
@@ -214,6 +227,8 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | str:
         if first and loop.stateful(case) and what not in ("grad", "clip"):
             first = None  # the scheduler and the scaler carry state from step to step: each step replayed
         plan.update(mode="parity", last=k, load=False, ckpt=False, steps=[k] if first else list(range(k + 1)), what=what)
+        if resumed:  # the saving side up to its save, the loading side from the load to step k, checked there
+            plan.update(last=ck.after, load=True, load_last=k, ckpt=True, resumed=True)
         return plan
     return f"a finding of the {oracle} oracle, whose check the script does not write"
 
@@ -240,6 +255,8 @@ class Writer:
         parts = [self.header(), self.imports(), self.prologue(), "\n".join(common.model(c, 2)), "\n".join(common.batch(c))]
         if p["mode"] in ("parity", "checkpoint", "replica") or p["observe"]:
             parts.append("\n".join(self.w.snapshot(c, c.target_options)))
+        if self.reads_grads() and hasattr(self.w, "grads_def"):  # (what a writer's grads expression calls)
+            parts.append("\n".join(self.w.grads_def(c, c.target_options)))
         if p["mode"] == "replica":
             parts.append(_REPLICAS)
         if self.keep_loop():
@@ -251,6 +268,16 @@ class Writer:
                 parts.append(_SENSITIVITY.replace("LOSS", self.plain_loss("net", "xin")))
         parts += ["\n".join(body), _END]
         return "\n\n".join(x.strip("\n") for x in parts if x) + "\n"
+
+    def own_kind(self) -> bool:
+        """Whether the writer saves and loads the case's checkpoint kind itself (save_<kind> / load_<kind>: its
+        own kinds, and pp's "dcp", torchtitan's per-stage checkpoint), else DSD's (dsd.py)."""
+        return hasattr(self.w, "load_" + self.case.checkpoint.kind)
+
+    def reads_grads(self) -> bool:
+        """Whether the script reads the sharded run's grads (the parity replay's, a replica's, an observed step's)."""
+        p = self.plan
+        return p["mode"] == "parity" or p["observe"] or p["mode"] == "replica" and p["quantity"] == "grad"
 
     def header(self) -> str:
         c, p = self.case, self.plan
@@ -280,8 +307,8 @@ class Writer:
         own = list(self.w.imports(c, c.target_options)) + loop.imports(c)
         if self.plan["ckpt"]:
             own += self.w.imports(c, c.checkpoint.target_options)
-            own += ["import tempfile"] + (dsd.imports(c) if c.checkpoint.kind in dsd.KINDS else
-                                          getattr(self.w, "imports_" + c.checkpoint.kind, lambda c: [])(c))
+            own += ["import tempfile"] + (getattr(self.w, "imports_" + c.checkpoint.kind)(c) if self.own_kind() else
+                                          dsd.imports(c) if c.checkpoint.kind in dsd.KINDS else [])
         if self.plan["mode"] in ("parity", "checkpoint", "replica") or self.plan["observe"]:
             own += getattr(self.w, "snapshot_imports", lambda: [])()
         if self.submesh(c.world_size) or (c.checkpoint and self.submesh(c.checkpoint.world_size)):
@@ -350,17 +377,21 @@ class Writer:
         inner += make_opt + loop.build(c, shape=tuple(shape))
         if save and p["check"] and hasattr(w, "check_" + p["check"]):
             inner += getattr(w, "check_" + p["check"])(c)  # the target's own check that failed
-        if p["mode"] == "parity":
+        if p["mode"] == "parity" and not p.get("resumed"):
             inner += ["got, after = [], [snapshot(model, opt)]  # per step: the grads, and the state after it"]
             inner += ["ran = []  # per step: what the loop around it gave"] * loop.used(c)
         if not save:
-            load = dsd.load(c, group) if ck.kind in dsd.KINDS else getattr(w, "load_" + ck.kind)(c, group)
+            load = getattr(w, "load_" + ck.kind)(c, group) if self.own_kind() else dsd.load(c, group)
             if ck.strict and (ck.missing or ck.unexpected):  # a strict load must refuse it
                 load = ["try:", *common.indent(load), "    accepted = True", "except Exception as e:",
                         "    accepted = False", "    print(f\"rank {rank}: the strict load refused it: {e!r}\"[:300])"]
             inner += load + loop.load(c, group, keep=self.keep_loop())
             if p["mode"] == "checkpoint":
                 inner += ["loaded = snapshot(model, opt)"]
+            elif p["mode"] == "parity":  # the steps after the load, by their step: the loaded state before the first
+                inner += [f"after = [None] * {ck.after + 1} + [snapshot(model, opt)]  # the loaded state: before step "
+                          f"{ck.after + 1}", f"got = [dict.fromkeys(after[-1][0])] * {ck.after + 1}  # (no grads held)"]
+                inner += [f"ran = [None] * {ck.after + 1}"] * loop.used(c)
             elif p["mode"] == "replica" and p["quantity"] != "grad":
                 inner += self.replicas(options, "\"after the load")
             elif p["observe"]:
@@ -369,7 +400,7 @@ class Writer:
         if save and p["ckpt"] and last >= ck.after:
             inner += ["saved = snapshot(model, opt)"] * (p["mode"] == "checkpoint")
             inner += [f"# save after step {ck.after}"]
-            inner += dsd.save(c, group) if ck.kind in dsd.KINDS else getattr(w, "save_" + ck.kind)(c, group)
+            inner += getattr(w, "save_" + ck.kind)(c, group) if self.own_kind() else dsd.save(c, group)
             inner += loop.save(c, group, keep=self.keep_loop())
         if sub:  # as torchrun with this side's ranks: torch code that takes the default group (DCP, DSD, FSDP) sees them
             return out + [f"group = dist.new_group(list(range({world})))", f"if rank < {world}:",
@@ -381,6 +412,8 @@ class Writer:
         c, p = self.case, self.plan
         if last < first:
             return []
+        # the steps recorded for the parity replay (after a load: the loading side's only)
+        parity = p["mode"] == "parity" and (not p.get("resumed") or first > c.checkpoint.after)
         body = []
         for k in range(first, last + 1):  # a step's freezes and unfreezes, and groups added before it
             s = c.schedule[k]
@@ -404,24 +437,29 @@ class Writer:
         body.append("x, y = batch(k)")
         body += loop.backward(c, self.w.forward_backward(c, options, world, shape), first, last)
         body += loop.unscale(c)
-        if p["mode"] == "parity":
-            body.append(f"got.append({self.w.grads(c, options)})")
+        seen_grads, mid, seen_step = [], [], []  # what each step observes after its backward, and after its step
+        if parity:
+            seen_grads.append(f"got.append({self.w.grads(c, options)})")
         elif p["observe"] and self.w.grads(c, options):
-            body.append(f"seen = {self.w.grads(c, options)}  # the grads, gathered")
+            seen_grads.append(f"seen = {self.w.grads(c, options)}  # the grads, gathered")
         if p["mode"] == "replica" and p["quantity"] == "grad":
-            body += self.replicas(options, "f\"step {k}")
-        body += loop.clip(c)
+            seen_grads += self.replicas(options, "f\"step {k}")
+        mid += loop.clip(c)
         if p["observe"] and c.clip and self.w.grads(c, options):
-            body.append(f"seen = {self.w.grads(c, options)}  # the clipped grads, gathered")
-        body += loop.global_loss(c, world) if loop.plateau(c) else []
-        body += loop.step(c)
+            mid.append(f"seen = {self.w.grads(c, options)}  # the clipped grads, gathered")
+        mid += loop.global_loss(c, world) if loop.plateau(c) else []
+        mid += loop.step(c)
         if p["mode"] == "replica" and p["quantity"] != "grad":
-            body += self.replicas(options, "f\"step {k}")
-        if p["mode"] == "parity":
-            body += loop.record(c, self.w.grads(c, options)) if loop.used(c) else []
-            body.append("after.append(snapshot(model, opt))")
+            seen_step += self.replicas(options, "f\"step {k}")
+        if parity:
+            seen_step += loop.record(c, self.w.grads(c, options)) if loop.used(c) else []
+            seen_step.append("after.append(snapshot(model, opt))")
         elif p["observe"]:
-            body.append("seen = snapshot(model, opt)  # params and optimizer state, gathered")
+            seen_step.append("seen = snapshot(model, opt)  # params and optimizer state, gathered")
+        joined = getattr(self.w, "joined_steps", None)  # a writer's uneven inputs (zero's: under Join)
+        if joined and joined(c, options) is not None:
+            return joined(c, options)(body, seen_grads, mid, seen_step, first, last)
+        body += seen_grads + mid + seen_step
         if last == first:
             return [f"k = {first}"] + body
         return [f"for k in range({first}, {last + 1}):" if first else f"for k in range({last + 1}):"] + common.indent(body)

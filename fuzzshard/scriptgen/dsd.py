@@ -90,10 +90,11 @@ def training_goes_on(sd):  # a step changes the saved tensors in place; returns 
     return torch.no_grad()(lambda: [t.copy_(b) for t, b in zip(live, before)])"""
 
 
-def async_save(case: Case, pg: str) -> list[str]:
-    """``dcp.async_save`` as kernel/state_io.py's dcp_save calls it, training going on until the upload is done."""
+def async_save(case: Case, pg: str, make: list[str] | None = None) -> list[str]:
+    """``dcp.async_save`` as kernel/state_io.py's dcp_save calls it, training going on until the upload is done
+    (``make``: the lines that leave the state dict ``sd``, a writer's own; else DSD's of the model)."""
     how = case.checkpoint.async_save
-    out = _GOES_ON.split("\n") + ["", "msd, osd = get_state_dict(model, opt)", "sd = {\"model\": msd, \"optim\": osd}"]
+    out = _GOES_ON.split("\n") + [""] + (make or ["msd, osd = get_state_dict(model, opt)", "sd = {\"model\": msd, \"optim\": osd}"])
     if how == "thread":
         return out + [f"response = dcp.async_save(sd, checkpoint_id=ckpt{pg})  # staged on CPU in the call, "
                       "uploaded on a thread",

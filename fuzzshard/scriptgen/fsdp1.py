@@ -11,14 +11,22 @@ from . import common, dsd
 from .fsdp2 import module
 
 KINDS = dsd.KINDS + ("fsdp1_full", "fsdp1_sharded", "fsdp1_legacy")
+LOOP = True  # its scripts write the training loop around the step (loop.py), as kernel/targets/fsdp1.py runs it:
+OWN_CLIP = True  # the clip "own": FSDP1's own model.clip_grad_norm_ (torch.nn.utils' would norm each rank's shard)
+SHARDED_SCALER = True  # ShardedGradScaler (found_inf all-reduced: each rank holds only its shard's grads) ...
+SCALER_GROUP = "dist.group.WORLD"  # ... over the job's ranks (the kernel's _job_group)
 FREEZE_BEFORE_SHARD = True  # FSDP records requires_grad when it flattens
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-_OPTIONS = {"strategy", "orig_params", "wrap", "ignored", "osd", "legacy_load", "legacy", "flatten"}
+_OPTIONS = {"strategy", "orig_params", "wrap", "ignored", "osd", "legacy_load", "legacy", "flatten", "local"}
 
 
 def unsupported(case: Case, options: dict) -> str | None:
     extra = set(options) - _OPTIONS
-    return f"options {sorted(extra)}" if extra else None
+    if extra:
+        return f"options {sorted(extra)}"
+    if options.get("local") and case.clip and case.clip.how == "own":
+        return "resumed without FSDP (local) with its own clip (torch.nn.utils' on the local model)"
+    return None
 
 
 def imports(case: Case, options: dict) -> list[str]:
@@ -31,6 +39,8 @@ def imports(case: Case, options: dict) -> list[str]:
 
 
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
+    if options.get("local"):  # (a loading side) resume without FSDP: the plain model on every rank
+        return []
     strategy = options.get("strategy", "FULL_SHARD")
     out, kw = [], []
     if strategy != "FULL_SHARD":
@@ -53,7 +63,7 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
 
 
 def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:
-    if options.get("orig_params", True):
+    if options.get("orig_params", True) or options.get("local"):
         return common.optimizer(case, lr_scale, names=common.plain_names())
     o = case.optim  # the flat params, in the one group the case has
     over = common.kwargs(case, case.groups[0].overrides, lr_scale, all_keys=True)
@@ -63,6 +73,8 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
 
 
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
+    if options.get("local"):  # the plain model on the whole batch, on every rank (the kernel's local resume)
+        return [f"loss = {common.loss(case, 'model(x)', 'y')}", "loss.backward()"]
     per = case.batch // world
     out = [f"x, y = x[{per} * rank:{per} * rank + {per}], y[{per} * rank:{per} * rank + {per}]  # this rank's slice"] \
         if world > 1 else []
@@ -77,11 +89,19 @@ def snapshot(case: Case, options: dict) -> list[str] | None:
     return ["def snapshot(model, opt):  # full copies through FSDP's own APIs: params, optimizer state, param groups",
             "    with FSDP.summon_full_params(model, writeback=False):",
             f"        params = {{n.replace('_fsdp_wrapped_module.', ''): q.detach().clone() for n, q in model.named_parameters()}}",
-            "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(offload_to_cpu=False)):",
-            "        osd = FSDP.optim_state_dict(model, opt)",
-            "    return (params, {(n, k): torch.as_tensor(v).detach().clone() for n, s in osd[\"state\"].items() for k, v in s.items()},",
+            "    if isinstance(model, FSDP):",
+            "        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(offload_to_cpu=False)):",
+            "            osd = FSDP.optim_state_dict(model, opt)[\"state\"]",
+            "    else:  # the plain replay's model",
+            "        osd = {n: opt.state[q] for n, q in model.named_parameters() if q in opt.state}",
+            "    return (params, {(n, k): torch.as_tensor(v).detach().clone() for n, s in osd.items() for k, v in s.items()},",
             "            [{k: v.tolist() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v for k, v in g.items()",
             "              if k not in (\"params\", \"param_names\")} for g in opt.param_groups])"]
+
+
+def grads_def(case: Case, options: dict) -> list[str]:
+    """What ``grads`` calls, where a script reads the grads."""
+    return _GRADS
 
 
 def snapshot_imports() -> list[str]:
@@ -89,17 +109,30 @@ def snapshot_imports() -> list[str]:
 
 
 def grads(case: Case, options: dict) -> str | None:
-    return None  # (a flat param's grad has no API: parity goes to the flattened kernel)
+    if not options.get("orig_params", True):
+        return None  # (a flat param's grad has no API: parity goes to the flattened kernel)
+    return "full_grads(model)"
+
+
+# the grads as the optimizer reads them (with orig params), whole: summon shows a frozen param's grad as zeros,
+# the optimizer sees None (kernel/targets/fsdp1.py grads)
+_GRADS = ["def full_grads(model):  # each param's grad as the optimizer reads it, whole (FSDP's summon_full_params)",
+          "    with FSDP.summon_full_params(model, writeback=False, with_grads=True):",
+          "        return {n.replace('_fsdp_wrapped_module.', ''): None if q.grad is None or not q.requires_grad",
+          "                else q.grad.detach().clone() for n, q in model.named_parameters()}"]
 
 
 def _full(osd: dict) -> str:
     args = ", ".join(f"{k}={v!r}" for k, v in sorted(osd.items()) if v)
+    # (the optimizer's config offloads by default, the model's does not: the kernel's _full says both)
+    optim = ", ".join([f"offload_to_cpu={bool(osd.get('offload_to_cpu'))!r}"] + ["rank0_only=True"] * bool(osd.get("rank0_only")))
     return f"FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig({args}), " \
-           f"FullOptimStateDictConfig({args}))"
+           f"FullOptimStateDictConfig({optim}))"
 
 
 def imports_fsdp1_full(case: Case) -> list[str]:
-    return ["from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType"]
+    return ["from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType"] + \
+        ["from torch.distributed.fsdp import OptimStateKeyType"] * bool(case.checkpoint.target_options.get("local"))
 
 
 imports_fsdp1_legacy = imports_fsdp1_full
@@ -126,6 +159,9 @@ def save_fsdp1_legacy(case: Case, group: str) -> list[str]:
 
 def load_fsdp1_full(case: Case, group: str) -> list[str]:
     how = case.checkpoint.target_options.get("legacy_load", "shard")
+    if case.checkpoint.target_options.get("local"):  # into the plain model: the state re-keyed to the param IDs
+        return ["sd = torch.load(f\"{ckpt}/full.pt\", map_location=\"cpu\")", "model.load_state_dict(sd[\"model\"])",
+                "opt.load_state_dict(FSDP.rekey_optim_state_dict(sd[\"optim\"], OptimStateKeyType.PARAM_ID, model, optim=opt))"]
     if case.checkpoint.kind == "fsdp1_full":
         osd = "FSDP.optim_state_dict_to_load(model, opt, sd[\"optim\"])"
     elif how == "scatter":

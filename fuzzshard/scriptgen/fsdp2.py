@@ -18,6 +18,34 @@ _OPTIONS = {"wrap", "reshard_after_forward", "offload", "mp", "ac", "ac_wrapper"
             "built_as", "compile", "compile_step"}
 
 
+DECODER_TP = True  # the decoder's TP plan written as torchtitan's apply_tp (without sequence or loss parallelism)
+
+
+def _decoder_tp(case: Case, plan: dict) -> list[str]:
+    """kernel/decoder.py parallelize_decoder (no sp, no loss_parallel: the activations replicated between the plan's
+    elements): the embedding row-wise, the head column-wise, a block's attention (wq, wk, wv column-wise, wo
+    row-wise) and MLP (w1, w3 column-wise, w2 row-wise), on the inner mesh dim."""
+    top = {"tok_embeddings": "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())",
+           "output": "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)"}
+    out = []
+    chosen = {f: top[f] for f in top if f in plan}
+    if chosen:
+        out.append(f"parallelize_module(model, mesh[\"d1\"], {{{', '.join(f'{f!r}: {v}' for f, v in chosen.items())}}})"
+                   "  # torchtitan's TP plan, on the inner dim")
+    swiglu = case.model.sizes.get("mlp") == "swiglu"
+    for name in sorted({f.split(".")[1] for f in plan if f.startswith("layers.")}, key=int):
+        inner = []
+        for part, style, col, row in (("attention", "heads", ("wq", "wk", "wv"), "wo"),
+                                      ("feed_forward", "mlp", ("w1", "w3") if swiglu else ("w1",), "w2")):
+            if plan.get(f"layers.{name}.{part}") == style:
+                inner += [f"{part + '.' + w!r}: ColwiseParallel()" for w in col] + \
+                    [f"{part + '.' + row!r}: RowwiseParallel(output_layouts=Replicate())"]
+        if inner:
+            out.append(f"parallelize_module(model.layers[{name!r}], mesh[\"d1\"], {{{', '.join(inner)}}})"
+                       f"  # block {name}'s part of the plan")
+    return out
+
+
 def unsupported(case: Case, options: dict) -> str | None:
     extra = set(options) - _OPTIONS
     return f"options {sorted(extra)}" if extra else None
@@ -34,7 +62,10 @@ def imports(case: Case, options: dict) -> list[str]:
         ["MixedPrecisionPolicy"] * bool(options.get("mp"))
     out = ["from torch.distributed.device_mesh import init_device_mesh",
            f"from torch.distributed.fsdp import {', '.join(fsdp)}", "from torch.distributed.tensor import DTensor"]
-    if options.get("tp"):
+    if options.get("tp") and case.model.factory == "decoder":  # torchtitan's plan (kernel/decoder.py)
+        out += ["from torch.distributed.tensor import Replicate",
+                "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module"]
+    elif options.get("tp"):
         styles = sorted({"ColwiseParallel" if s == "colwise" else "RowwiseParallel" for s in options["tp"].values()})
         out += ["from torch.distributed.tensor import Replicate",
                 f"from torch.distributed.tensor.parallel import {', '.join(styles)}, parallelize_module"]
@@ -49,7 +80,10 @@ def imports(case: Case, options: dict) -> list[str]:
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
     out = [f"mesh = {mesh}"]
     dp = "mesh"
-    if options.get("tp"):
+    if options.get("tp") and case.model.factory == "decoder":
+        out += _decoder_tp(case, options["tp"])
+        dp = "mesh[\"d0\"]"
+    elif options.get("tp"):
         style = {"colwise": "ColwiseParallel(output_layouts=Replicate())",
                  "rowwise": "RowwiseParallel(input_layouts=Replicate())"}
         plan = ", ".join(f"{fqn!r}: {style[s]}" for fqn, s in options["tp"].items())

@@ -51,7 +51,7 @@ def unsupported(case: Case) -> str | None:
         return f"the training loop's {_names(case)} under {case.target}, which does not draw it"
     if not _says(case, "LOOP"):
         return f"the training loop's {_names(case)} under {case.target} (no straight-line writer for it yet)"
-    if case.clip and case.clip.how == "own":
+    if case.clip and case.clip.how == "own" and not _says(case, "OWN_CLIP"):
         return "the target's own clip_grad_norm_"
     o = case.target_options
     if plateau(case) and o.get("microbatches", 1) > 1:  # (fsdp2's gradient accumulation)
@@ -77,6 +77,7 @@ def about(case: Case) -> str:
         parts.append("a ShardedGradScaler" if _sharded_scaler(case) else "a GradScaler")
     if case.clip:
         parts.append({"norm": "clip_grad_norm_", "two_part": "get_total_norm + clip_grads_with_norm_",
+                      "own": "the model's own clip_grad_norm_",
                       "value": "clip_grad_value_"}.get(case.clip.how, case.clip.how))
     if case.lr_scheduler:
         parts.append(case.lr_scheduler.name)
@@ -125,8 +126,8 @@ def build(case: Case, opt: str = "opt", sched: str = "sched", scaler: str = "sca
         s = case.scaler
         kw = [f"init_scale={s.init_scale!r}"] + [f"{k}={getattr(s, k)!r}" for k, d in (
             ("growth_factor", 2.0), ("backoff_factor", 0.5), ("growth_interval", 2000)) if getattr(s, k) != d]
-        if sharded and _sharded_scaler(case):
-            group = "mesh.get_group()" if len(shape) == 1 else "dist.group.WORLD"
+        if sharded and _sharded_scaler(case):  # (a writer's SCALER_GROUP: the group it names, as the kernel's)
+            group = getattr(_writer(case), "SCALER_GROUP", "") or ("mesh.get_group()" if len(shape) == 1 else "dist.group.WORLD")
             out.append(f"{scaler} = ShardedGradScaler(device.type, process_group={group}, {', '.join(kw)})")
         else:
             out.append(f"{scaler} = torch.amp.GradScaler(device.type, {', '.join(kw)})")
@@ -168,11 +169,16 @@ def _norm_type(case: Case) -> str:
     return "float(\"inf\")" if case.clip.norm_type == "inf" else f"{float(case.clip.norm_type)!r}"
 
 
-def clip(case: Case, params: str = "model.parameters()", full: bool = True, norm: str = "norm") -> list[str]:
-    """The clip (``norm``: the total norm, as a full tensor where ``full``, as torchtitan reads it)."""
+def clip(case: Case, params: str = "model.parameters()", full: bool = True, norm: str = "norm",
+         own: bool = True) -> list[str]:
+    """The clip (``norm``: the total norm, as a full tensor where ``full``, as torchtitan reads it). The clip "own"
+    is the sharded model's own ``clip_grad_norm_`` (FSDP1's, as kernel/loop.py's clip_grads calls it: max_norm and
+    norm_type only) where ``own``, else (the plain replay) torch.nn.utils' on the whole grads, as the reference."""
     c = case.clip
     if not c:
         return []
+    if c.how == "own" and own:
+        return [f"{norm} = model.clip_grad_norm_({c.max_norm!r}, norm_type={_norm_type(case)})  # the model's own"]
     fe = [f"foreach={c.foreach!r}"] * (c.foreach is not None)
     full = full and _says(case, "DTENSOR_GRADS")
     whole = f"{norm} = {norm}.full_tensor() if isinstance({norm}, DTensor) else {norm}  # the full norm, as torchtitan reads it"
@@ -307,7 +313,7 @@ def replay(case: Case, what: str) -> tuple[list[str], list[str]]:
                 "        q.grad = None if got[k][n] is None else got[k][n] * scale",
                 "scaler_p.unscale_(opt_p)  # finds an inf where the sharded run's found one"]
     if case.clip and what in ("", "clip", "param", "state"):
-        out += clip(case, "plain.parameters()", full=False, norm="norm_p")
+        out += clip(case, "plain.parameters()", full=False, norm="norm_p", own=False)
         if what in ("", "clip"):
             out.append(clip_ulps(case))
             if case.clip.how != "value":

@@ -18,7 +18,7 @@ model's replay (scriptgen/__init__.py) trains on the same microbatches:
 ``objective`` is the kernel's (the sum of the microbatch losses, their mean
 with ``scale_grads``), with the kernel's bounds.
 
-Written on the CPU, without a checkpoint: the topologies and the decoder (a
+Written on the CPU: the topologies and the decoder (a
 ``Stage`` module per stage: its blocks, the embedding on the first, the norm
 and head on the last); FSDP2 on a [pp, dp] mesh (torchtitan's composition: the
 ``wrap`` layers, then each stage, ``fully_shard``-ed over dp; the pipeline over
@@ -27,9 +27,12 @@ dp rank on its slice of the batch; params, grads and state made ``full`` before
 they are gathered; the plain objective the mean over the dp slices); gradient
 accumulation (``accum`` schedule steps on equal parts of the batch, whose
 objective counts step a of A 1 / n_microbatches^(A - a) with scale_grads); the
-LR scheduler (ReduceLROnPlateau fed the last stage's loss). Anything else
-(cuda, a checkpoint, groups added later) falls back to the flattened kernel
-and ``unsupported`` says what."""
+LR scheduler (ReduceLROnPlateau fed the last stage's loss); the checkpoint
+(``dcp``, torchtitan's: each rank's model ``part`` and its optimizer state
+dict flattened by plain FQN, in one DCP checkpoint, or dcp.async_save; loaded
+into the loading side's parts at its own pp degree, world size and mesh, as
+kernel/targets/pp.py's save / load). Anything else (cuda, groups added later)
+falls back to the flattened kernel and ``unsupported`` says what."""
 from __future__ import annotations
 
 from ..case import Case
@@ -37,7 +40,7 @@ from ..kernel.model import param_shapes
 from ..kernel.targets import pp as target
 from . import common
 
-KINDS: dict = {}  # no checkpoint kind written yet (a case with one falls back)
+KINDS = ("dcp",)  # torchtitan's pipeline checkpoint (kernel/targets/pp.py save / load): save_dcp, load_dcp
 FREEZE_BEFORE_SHARD = False  # the kernel sets requires_grad after cutting the stages
 REPLICAS = ()  # each param lives on one rank: nothing replicated to compare
 BATCH = "the whole batch, in the schedule's microbatches"  # what the plain model's replay trains on
@@ -75,16 +78,22 @@ def _rank(options: dict) -> str:
     return "pp_rank" if options.get("dp") else "rank"
 
 
+def _world(case: Case, options: dict) -> int:
+    """The world size of the side whose options these are (a checkpoint's loading side: its own)."""
+    return case.checkpoint.world_size if case.checkpoint and options is case.checkpoint.target_options \
+        else case.world_size
+
+
 def _layout(case: Case, options: dict) -> tuple[list[list[int]], list[int]]:
     """(each stage's top-level layers, each stage's rank): the kernel's own split."""
-    return target.stage_layers(options, target.n_units(case.model)), target.stage_ranks(options, case.world_size)
+    return target.stage_layers(options, target.n_units(case.model)), target.stage_ranks(options, _world(case, options))
 
 
 def owned(case: Case, options: dict) -> list[list[str]]:
     """Each rank's params, by plain FQN, in the model's order (what its optimizer may hold)."""
     layers, ranks = _layout(case, options)
     layer_rank = {i: r for s, ls in enumerate(layers) for i in ls for r in [ranks[s]]}
-    out = [[] for _ in range(target.pp_degree(options, case.world_size))]
+    out = [[] for _ in range(target.pp_degree(options, _world(case, options)))]
     for n in param_shapes(case.model):
         head, _, rest = n.partition(".")
         # (the decoder's embedding on the first stage's rank; its norm and head, unused, on the last stage's)
@@ -295,3 +304,65 @@ def grads(case: Case, options: dict) -> str | None:
     if options.get("dp"):
         return "gather({n: None if q.grad is None else full(q.grad) for n, q in own.items()})"
     return "gather({n: q.grad for n, q in own.items()})"
+
+
+# ---- the checkpoint (kernel/targets/pp.py save / load): torchtitan's, each rank its own model part and optimizer,
+# by plain FQN (the optimizer state dict flattened: one key per param and state), in one DCP checkpoint ----
+
+def imports_dcp(case: Case) -> list[str]:
+    ck = case.checkpoint
+    names = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict"] + \
+        (["set_model_state_dict", "set_optimizer_state_dict"] if ck.split else ["set_state_dict"])
+    return ["import torch.distributed.checkpoint as dcp",
+            f"from torch.distributed.checkpoint.state_dict import {', '.join(names)}"] + \
+        ["from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions"] * \
+        (ck.async_save in ("stager", "pinned"))
+
+
+def _part(case: Case, options: dict) -> list[str]:
+    """``part``: this rank's model part as the kernel saves and loads it (its stages' layers, the decoder's ends,
+    ``unused`` and the output scale on the last stage's rank), under the plain FQNs."""
+    r, last = _rank(options), _layout(case, options)[1][-1]
+    layer = "model.layers[str(i)]" if case.model.factory == "decoder" else "model.layers[i]"
+    out = ["part = nn.Module()  # this rank's model part, as torchtitan saves it: its stages' layers, plain FQNs",
+           f"part.layers = nn.ModuleDict({{str(i): {layer} for s, at in enumerate(on) if at == {r} "
+           "for i in range(cuts[s], cuts[s + 1])})"]
+    ends = (["part.unused = model.unused"] * case.model.unused + ["part.register_buffer(\"scale\", model.scale)"]
+            * case.model.buffer + ["part.norm, part.output = model.norm, model.output"] * (case.model.factory == "decoder"))
+    out += [f"if {r} == {last}:  # the last stage's", *common.indent(ends)] if ends else []
+    if case.model.factory == "decoder":
+        out += [f"if {r} == on[0]:", "    part.tok_embeddings = model.tok_embeddings"]
+    return out + ["FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per param and state: each stage's own"]
+
+
+def save_dcp(case: Case, group: str) -> list[str]:
+    from . import dsd
+
+    pg = f", process_group={group}" if group else ""
+    make = ["sd = {\"model\": get_model_state_dict(part), \"optim\": get_optimizer_state_dict(part, opt, options=FLAT)}"]
+    if case.checkpoint.async_save:
+        return _part(case, case.target_options) + dsd.async_save(case, pg, make)
+    return _part(case, case.target_options) + make + [f"dcp.save(sd, storage_writer=dcp.FileSystemWriter(ckpt){pg})"]
+
+
+def load_dcp(case: Case, group: str) -> list[str]:
+    from . import dsd
+
+    ck = case.checkpoint
+    pg = f", process_group={group}" if group else ""
+    out = _part(case, ck.target_options) + [
+        "sd = {\"model\": get_model_state_dict(part), \"optim\": get_optimizer_state_dict(part, opt, options=FLAT)}"
+        "  # the layout to load into"]
+    missing = dsd.missing_keys(case)
+    if missing:
+        out.append(f"sd[\"model\"] = {{k: v for k, v in sd[\"model\"].items() if k not in {missing!r}}}  # the model "
+                   "state dict lacks these")
+    out.append(f"dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt){pg})")
+    if ck.unexpected:
+        out.append("sd[\"model\"][\"fuzzshard_unexpected.weight\"] = torch.zeros(2)  # a key the model has not")
+    opts = "StateDictOptions(flatten_optimizer_state_dict=True" + ", strict=False" * (not ck.strict) + ")"
+    if ck.split:
+        return out + [f"set_model_state_dict(part, sd[\"model\"], options={opts})",
+                      f"set_optimizer_state_dict(part, opt, sd[\"optim\"], options={opts})"]
+    return out + [f"set_state_dict(part, opt, model_state_dict=sd[\"model\"], optim_state_dict=sd[\"optim\"], "
+                  f"options={opts})"]

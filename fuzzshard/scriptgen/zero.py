@@ -11,7 +11,7 @@ KINDS = ("consolidate",)
 LOOP = True  # its scripts write the training loop around the step (loop.py)
 FREEZE_BEFORE_SHARD = True  # DDP records the params that require grad when it wraps
 GROUP = True  # on fewer ranks than the script's: a process group of its own
-_OPTIONS = {"ddp", "bucket_view", "consolidate_to", "generator_groups"}
+_OPTIONS = {"ddp", "bucket_view", "consolidate_to", "generator_groups", "uneven", "local"}
 _DDP_DEFAULTS = {"broadcast_buffers": True, "find_unused_parameters": False, "gradient_as_bucket_view": False,
                  "static_graph": False}
 
@@ -22,8 +22,10 @@ def unsupported(case: Case, options: dict) -> str | None:
 
 
 def imports(case: Case, options: dict) -> list[str]:
-    return ["from torch.distributed.optim import ZeroRedundancyOptimizer"] + \
-        ["from torch.nn.parallel import DistributedDataParallel as DDP"] * ("ddp" in options)
+    return ["from torch.distributed.optim import ZeroRedundancyOptimizer"] * (not options.get("local")) + \
+        ["from torch.nn.parallel import DistributedDataParallel as DDP"] * ("ddp" in options) + \
+        ["from torch.distributed.algorithms.join import Join, Joinable, JoinHook",
+         "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook"] * bool(options.get("uneven"))
 
 
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
@@ -31,14 +33,75 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
         return []
     kw = [f"{k}={v!r}" for k, v in options["ddp"].items() if _DDP_DEFAULTS.get(k) != v]
     kw += [f"process_group={group}"] if group else []
-    return [f"ddp = DDP({', '.join(['model', *kw])})  # averages the grads"]
+    out = [f"ddp = DDP({', '.join(['model', *kw])})  # averages the grads"]
+    counts = options.get("uneven")
+    if counts:  # kernel/targets/zero.py uneven: the loop under Join, DDP's averaging as a comm hook
+        per, world = case.batch // len(counts), len(counts)
+        out += [f"counts = {list(counts)!r}  # uneven inputs: rank r runs the first counts[r] steps, then joins",
+                "joined = False",
+                "def averaged(state, bucket):  # DDP's averaging; on a joined rank its result (the others' grads) is made",
+                "    fut = allreduce_hook(None, bucket)  # this rank's grads, which ZeRO's join hook steps from",
+                "    if not joined:", "        return fut",
+                "    def set_grads(done):", "        for q, g in zip(bucket.parameters(), bucket.gradients()):",
+                "            q.grad = g.detach().clone()", "        return done.value()", "    return fut.then(set_grads)",
+                "ddp.register_comm_hook(None, averaged)",
+                f"def active(k):  # the batch rows of the ranks that run step k (the plain replay's batch)",
+                f"    return torch.cat([torch.arange({per} * r, {per} * (r + 1)) for r in range({world}) if counts[r] > k])"]
+    return out
+
+
+def objective(case: Case, net: str, x: str) -> str:
+    """The plain replay's loss (kernel/targets/zero.py reference_batch): with uneven inputs only the slices of the
+    ranks that run step k, and DDP averages over the whole world: their mean loss times their share of it."""
+    if not case.target_options.get("uneven"):
+        return common.loss(case, f"{net}({x})", "y")
+    return f"({common.loss(case, f'{net}({x}[active(k)])', 'y[active(k)]')} * len(active(k)) / {case.batch})"
+
+
+def joined_steps(case: Case, options: dict):
+    """With uneven inputs, the steps as the kernel runs them: inside ``Join([ddp, ..., opt, ...])``, a rank out of
+    steps joined (DDP's join hook shadows the all-reduce, ZeRO's steps its partition and broadcasts it), the
+    script's own observations after the backward and after the step shadowed on a joined rank by a Joinable
+    of their own, in the same order. A function of the step's parts (see Writer.steps), or None."""
+    if not options.get("uneven"):
+        return None
+
+    def write(body, seen_grads, mid, seen_step, first, last):
+        n = len(case.schedule)
+        mine = "counts[rank]" if last + 1 >= n else f"min(counts[rank], {last + 1})"
+        shadows, out = [], []
+        for name, lines, when in (("seen_grads", seen_grads, "backward"), ("seen_step", seen_step, "step")):
+            if lines:
+                out += [f"def {name}():  # what each step observes after its {when} (a joined rank: in Join's shadow)",
+                        "    global seen, fail", *common.indent([ln.replace("fail += ", "fail = fail + ")
+                                                                for ln in lines])]
+                shadows.append(name)
+        if shadows:
+            out += ["class Shadow(Joinable):  # a joined rank's part in the script's own collectives, each step",
+                    "    def __init__(self, fn):", "        super().__init__()", "        self.fn = fn",
+                    "    def join_hook(self, **kwargs):", "        hook = JoinHook()", "        hook.main_hook = self.fn",
+                    "        return hook", "    join_device, join_process_group = device, dist.group.WORLD"]
+        hooks = ["ddp"] + [f"Shadow({shadows[0]})"] * ("seen_grads" in shadows) + ["opt"] + \
+            [f"Shadow({shadows[-1]})"] * ("seen_step" in shadows)
+        steps = body + ["seen_grads()"] * ("seen_grads" in shadows) + mid + ["seen_step()"] * ("seen_step" in shadows)
+        return out + [f"with Join([{', '.join(hooks)}]):  # a rank out of steps joins: the hooks shadow the others' steps",
+                      f"    for k in range({first}, {mine}):" if first else f"    for k in range({mine}):",
+                      *common.indent(steps, 8), "    joined = True  # (averaged: the grads a joined rank steps from)"]
+    return write
 
 
 def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:
+    if options.get("local"):  # (a loading side): resume with the plain torch.optim optimizer
+        return common.optimizer(case, lr_scale)
     extra = ", ".join([f"optimizer_class={common.optim_class(case)}"] + [f"process_group={group}"] * bool(group)
                       + ["parameters_as_bucket_view=True"] * bool(options.get("bucket_view")))
     return common.optimizer(case, lr_scale, cls="ZeroRedundancyOptimizer", extra=extra,
                             iterator=bool(options.get("generator_groups")))
+
+
+def _local(case: Case) -> bool:
+    """Whether the steps running now are a loading side's that resumed with the plain optimizer (``local``)."""
+    return bool(case.checkpoint and case.checkpoint.target_options.get("local"))
 
 
 def check_GroupsLost(case: Case) -> list[str]:
@@ -51,7 +114,8 @@ def check_GroupsLost(case: Case) -> list[str]:
 def global_loss(case: Case, world: int) -> list[str]:
     """The step's global loss for ReduceLROnPlateau: each rank's slice, all-reduced over the optimizer's group in
     its dtype, as the kernel's."""
-    return ["full_loss = loss.detach().clone()", "dist.all_reduce(full_loss, group=opt.process_group)",
+    over = "" if _local(case) else ", group=opt.process_group"
+    return ["full_loss = loss.detach().clone()", f"dist.all_reduce(full_loss{over})",
             f"full_loss = float(full_loss / {world})"] if world > 1 else ["full_loss = float(loss)"]
 
 
@@ -62,7 +126,8 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
     out += [f"loss = {common.loss(case, ('ddp' if 'ddp' in options else 'model') + '(x)', 'y')}", "loss.backward()"]
     if "ddp" not in options and world > 1:
         out += ["for q in model.parameters():  # grads averaged by hand", "    if q.grad is not None:",
-                "        dist.all_reduce(q.grad, group=opt.process_group)", f"        q.grad.div_({world})"]
+                f"        dist.all_reduce(q.grad{'' if options.get('local') else ', group=opt.process_group'})",
+                f"        q.grad.div_({world})"]
     return out
 
 
