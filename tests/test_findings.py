@@ -243,3 +243,33 @@ def test_an_async_saves_face_of_a_known_blocking_save_bug_is_known():
     c = dataclasses.replace(f.case, checkpoint=dataclasses.replace(f.case.checkpoint, async_save="thread"))
     assert known_signature("fsdp2.checkpoint.dcp_async.loaded.group.empty_group", c, known) == f.signature
     assert known_signature("fsdp2.checkpoint.dcp_async.loaded.param", c, known) is None
+
+
+def test_a_zero_group_lacking_any_hyperparameter_is_the_known_add_param_group_bug():
+    """ZeRO's add_param_group leaves the group without the inner optimizer's defaults until a step that is not
+    skipped: which key the parity oracle names first is only the optimizer's first in sorted order (Adam's amsgrad,
+    SGD's dampening, Adagrad's differentiable), so each is that known root cause; on another target, or a key
+    with another value (not missing), it is not."""
+    from fuzzshard.findings.rootcause import LACKS_HPARAM, address
+
+    known = load_known()
+    matcher = Matcher(known)
+    f = known["zero.parity.Adam.forloop.group.amsgrad"]
+    assert address(f.case, f.verdict) == LACKS_HPARAM
+
+    def face(name, impl, key, detail, target="zero"):
+        first = dataclasses.replace(f.verdict.first, quantity=f"param_groups.{key}", detail=detail)
+        kwargs = {"lr": 0.01, "foreach": impl == "foreach", **({"fused": True} if impl == "fused" else {})}
+        case = dataclasses.replace(f.case, target=target, optim=dataclasses.replace(f.case.optim, name=name, kwargs=kwargs))
+        return case, dataclasses.replace(f.verdict, first=first, mismatches=[first])
+
+    for name, impl, key, detail in [("Adagrad", "foreach", "differentiable", "None vs reference False"),
+                                    ("SGD", "forloop", "dampening", "None vs reference 0"),
+                                    ("RMSprop", "fused", "alpha", "None vs reference 0.99")]:
+        case, verdict = face(name, impl, key, detail)
+        assert signature(case, verdict) == f"zero.parity.{name}.{impl}.group.{key}"
+        assert not is_known(signature(case, verdict), case, known)
+        assert matcher.known_hit(case, verdict).root_cause == "zero-add-param-group-lacks-defaults"
+    assert matcher.known_hit(*face("Adagrad", "foreach", "differentiable", "None vs reference False", "fsdp2")) is None
+    assert matcher.known_hit(*face("Adam", "forloop", "lr", "0.1 vs reference 0.01")) is None
+    assert matcher.known_hit(*face("Adam", "forloop", "foreach", "None vs reference None")) is None

@@ -93,10 +93,26 @@ def _known_as(target: str) -> tuple[str, ...]:
     return (target, *(getattr(targets.get(target), "known_as", ()) if target in targets.names() else ()))
 
 
+# a step's param group that lacks a hyperparameter the reference's has ("None vs reference False"): whatever owns
+# the groups dropped it (ZeRO's add_param_group), not the step's code; which key shows first is only the optimizer's
+# first key in sorted order (Adam's amsgrad, SGD's dampening, Adagrad's differentiable), so the key is no address
+LACKS_HPARAM = "param group: a hyperparameter the sharded run's group lacks"
+
+
+def lacks_hyperparameter(verdict: Verdict) -> bool:
+    """Whether a step divergence is a param group hyperparameter the sharded run's group has not (None there, a
+    value in the reference's)."""
+    first = verdict.first
+    return bool(first is not None and first.quantity.startswith("param_groups.") and first.detail.startswith("None vs reference ")
+                and first.detail != "None vs reference None")
+
+
 def address(case, verdict: Verdict) -> str:
     """What identifies the bug behind a finding, whatever surfaced it (a
     compiled run's, with what ran compiled: compile's bugs are its own)."""
     where = oracle.of(verdict).address(case, verdict)  # each oracle's module says what identifies its bugs
+    if lacks_hyperparameter(verdict):
+        where = LACKS_HPARAM
     tag = compiled_tag(case)
     return f"{tag}: {where}" if tag else where
 
@@ -185,15 +201,16 @@ class Matcher:
         finding, "probably" at most). Only an error's address (its exception
         type and the torch code that made it) and a localized divergence's (the
         module whose forward or backward made it: kernel/localize.py names the
-        first whose output differs from the reference's or between ranks) say
-        what made it; another divergence's says where it showed (a step's
-        optimizer, a checkpoint's API), so it stays new. One root cause must be left, one
+        first whose output differs from the reference's or between ranks) and a
+        param group's missing hyperparameter's (what owns the groups dropped it;
+        ``LACKS_HPARAM``) say what made it; another divergence's says where it
+        showed (a step's optimizer, a checkpoint's API), so it stays new. One root cause must be left, one
         that runs on this target and was seen on this device; where the address
         names no torch code, with the same message template; a missing strategy
         for an op it does not name, only where torch called that op from the
         same package as in its known findings (the optimizers', whatever op)."""
         localized = oracle.of(verdict).localized
-        if not oracle.raised(verdict) and not (localized and localized(verdict)):
+        if not oracle.raised(verdict) and not (localized and localized(verdict)) and not lacks_hyperparameter(verdict):
             return None
         where = address(case, verdict)
         ids = self.suspects(case, verdict)
