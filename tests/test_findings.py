@@ -273,3 +273,25 @@ def test_a_zero_group_lacking_any_hyperparameter_is_the_known_add_param_group_bu
     assert matcher.known_hit(*face("Adagrad", "foreach", "differentiable", "None vs reference False", "fsdp2")) is None
     assert matcher.known_hit(*face("Adam", "forloop", "lr", "0.1 vs reference 0.01")) is None
     assert matcher.known_hit(*face("Adam", "forloop", "foreach", "None vs reference None")) is None
+
+
+def test_a_sequentiallr_tensor_lr_checkpoint_face_is_known_only_for_that_scheduler_and_lr():
+    """SequentialLR's _last_lr aliases its child's list: over a tensor lr, DCP's in-place load reports a stale lr.
+    The signature is any scheduler's (only_when): a float lr or another scheduler there is new; tp meets it as
+    dtensor's, and an async save's load as the blocking one's."""
+    known = load_known()
+    sig = "fsdp2.checkpoint.dcp.loaded.lr_scheduler._last_lr"
+    f = known[sig]
+    assert f.root_cause == "sequentiallr-last-lr-aliased-dcp-load"
+    assert known_signature(sig, f.case, known) == sig
+    one_d = dataclasses.replace(f.case, optim=dataclasses.replace(f.case.optim, tensor_lr="1d"))
+    assert known_signature(sig, one_d, known) == sig
+    floats = dataclasses.replace(f.case, optim=dataclasses.replace(f.case.optim, tensor_lr=""))
+    assert known_signature(sig, floats, known) is None
+    step_lr = dataclasses.replace(f.case, lr_scheduler=f.case.lr_scheduler.children[1])
+    assert known_signature(sig, step_lr, known) is None
+    d = known["dtensor.checkpoint.dcp.loaded.lr_scheduler._last_lr"]
+    tp = dataclasses.replace(d.case, target="tp", target_options={})
+    assert known_signature("tp.checkpoint.dcp.loaded.lr_scheduler._last_lr", tp, known) is not None
+    async_ = dataclasses.replace(f.case, checkpoint=dataclasses.replace(f.case.checkpoint, async_save="pinned"))
+    assert known_signature("fsdp2.checkpoint.dcp_async.loaded.lr_scheduler._last_lr", async_, known) == sig
