@@ -295,3 +295,14 @@ def test_a_sequentiallr_tensor_lr_checkpoint_face_is_known_only_for_that_schedul
     assert known_signature("tp.checkpoint.dcp.loaded.lr_scheduler._last_lr", tp, known) is not None
     async_ = dataclasses.replace(f.case, checkpoint=dataclasses.replace(f.case.checkpoint, async_save="pinned"))
     assert known_signature("fsdp2.checkpoint.dcp_async.loaded.lr_scheduler._last_lr", async_, known) == sig
+
+
+def test_a_known_finding_known_only_under_its_conditions_makes_no_suspect_elsewhere():
+    """pp.parity.grad is known only for a split backward without a weight path (only_when): a zero case's grad
+    divergence has its address ("grad") and was labelled "probably" that pipelining bug; it is no suspect now."""
+    known = load_known()
+    matcher = Matcher(known)
+    pp = known["pp.parity.grad"]
+    assert matcher.suspects(pp.case, pp.verdict) == ["pp-zero-bubble-fsdp-reshard-after-forward"]
+    zero = known["zero.parity.Adam.forloop.group.amsgrad"].case
+    assert matcher.suspects(zero, pp.verdict) == [] and matcher.label(zero, pp.verdict) == ""

@@ -177,6 +177,16 @@ class Matcher:
         component = self.causes[rid].component if rid in self.causes else ""
         return target in _WRAPPER_TARGETS.get(component, (target,))
 
+    def _found(self, case, verdict: Verdict) -> dict[str, list]:
+        """Root cause -> its known findings at this case's address that may be this case's: a known finding
+        known only where its conditions hold (``only_when``: pp.parity.grad's split backward without a weight
+        path, a tensor lr under ReduceLROnPlateau) is none of a case they do not hold for."""
+        from .record import _holds
+
+        found = self.by_address.get(address(case, verdict), {})
+        mine = {rid: [f for f in fs if not f.only_when or _holds(case, f.only_when)] for rid, fs in found.items()}
+        return {rid: fs for rid, fs in mine.items() if fs}
+
     def suspects(self, case, verdict: Verdict) -> list[str]:
         """Where several root causes share the address, one that is a bug of
         another target's own wrapper (an FSDP1 FlatParameter bug for a dtensor
@@ -186,7 +196,7 @@ class Matcher:
         RuntimeError is DTensor's two-mesh foreach bug by its message, not the
         Conv one; a missing strategy met in torch/optim is the optimizer-ops
         family, not CPU SDPA's."""
-        found = self.by_address.get(address(case, verdict), {})
+        found = self._found(case, verdict)
         ids = sorted(found)
         if len(ids) > 1:
             ids = [rid for rid in ids if self._runs_on(rid, case.target)] or ids
@@ -216,7 +226,7 @@ class Matcher:
         ids = self.suspects(case, verdict)
         if len(ids) != 1 or not self._runs_on(ids[0], case.target):
             return None
-        theirs = [f for f in self.by_address[where][ids[0]] if not f.devices or case.device in f.devices]
+        theirs = [f for f in self._found(case, verdict)[ids[0]] if not f.devices or case.device in f.devices]
         if localized:  # one module runs other code under another target (fsdp2's plain activations): that target's own
             theirs = [f for f in theirs if f.case.target in _known_as(case.target)]
         if not theirs:
