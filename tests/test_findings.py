@@ -306,3 +306,17 @@ def test_a_known_finding_known_only_under_its_conditions_makes_no_suspect_elsewh
     assert matcher.suspects(pp.case, pp.verdict) == ["pp-zero-bubble-fsdp-reshard-after-forward"]
     zero = known["zero.parity.Adam.forloop.group.amsgrad"].case
     assert matcher.suspects(zero, pp.verdict) == [] and matcher.label(zero, pp.verdict) == ""
+
+
+def test_a_loaded_scheduler_value_is_named_without_its_param_groups_index():
+    """Which param group's lr shows first is incidental: a 1-d tensor lr's _last_lr (lists of one) and a float's
+    name one quantity, the entry said in the detail; a child scheduler's place (a dict's) still names it."""
+    from fuzzshard.kernel.checkpoint import check_loaded_loop
+
+    case = load_known()["fsdp2.checkpoint.dcp.loaded.lr_scheduler._last_lr"].case
+    saved = {"lr_scheduler": {"_last_lr": [[0.5], [0.25]], "_schedulers": [{"last_epoch": 2}]}}
+    loaded = {"lr_scheduler": {"_last_lr": [[0.5], [0.5]], "_schedulers": [{"last_epoch": 1}]}}
+    got = check_loaded_loop(case, saved, loaded)
+    assert [(m["quantity"], m["detail"]) for m in got] == [
+        ("loaded.lr_scheduler._last_lr", "0.5 loaded, 0.25 saved at [1][0]"),
+        ("loaded.lr_scheduler._schedulers.0.last_epoch", "1 loaded, 2 saved")]
