@@ -243,3 +243,80 @@ def test_an_async_saves_face_of_a_known_blocking_save_bug_is_known():
     c = dataclasses.replace(f.case, checkpoint=dataclasses.replace(f.case.checkpoint, async_save="thread"))
     assert known_signature("fsdp2.checkpoint.dcp_async.loaded.group.empty_group", c, known) == f.signature
     assert known_signature("fsdp2.checkpoint.dcp_async.loaded.param", c, known) is None
+
+
+def test_a_zero_group_lacking_any_hyperparameter_is_the_known_add_param_group_bug():
+    """ZeRO's add_param_group leaves the group without the inner optimizer's defaults until a step that is not
+    skipped: which key the parity oracle names first is only the optimizer's first in sorted order (Adam's amsgrad,
+    SGD's dampening, Adagrad's differentiable), so each is that known root cause; on another target, or a key
+    with another value (not missing), it is not."""
+    from fuzzshard.findings.rootcause import LACKS_HPARAM, address
+
+    known = load_known()
+    matcher = Matcher(known)
+    f = known["zero.parity.Adam.forloop.group.amsgrad"]
+    assert address(f.case, f.verdict) == LACKS_HPARAM
+
+    def face(name, impl, key, detail, target="zero"):
+        first = dataclasses.replace(f.verdict.first, quantity=f"param_groups.{key}", detail=detail)
+        kwargs = {"lr": 0.01, "foreach": impl == "foreach", **({"fused": True} if impl == "fused" else {})}
+        case = dataclasses.replace(f.case, target=target, optim=dataclasses.replace(f.case.optim, name=name, kwargs=kwargs))
+        return case, dataclasses.replace(f.verdict, first=first, mismatches=[first])
+
+    for name, impl, key, detail in [("Adagrad", "foreach", "differentiable", "None vs reference False"),
+                                    ("SGD", "forloop", "dampening", "None vs reference 0"),
+                                    ("RMSprop", "fused", "alpha", "None vs reference 0.99")]:
+        case, verdict = face(name, impl, key, detail)
+        assert signature(case, verdict) == f"zero.parity.{name}.{impl}.group.{key}"
+        assert not is_known(signature(case, verdict), case, known)
+        assert matcher.known_hit(case, verdict).root_cause == "zero-add-param-group-lacks-defaults"
+    assert matcher.known_hit(*face("Adagrad", "foreach", "differentiable", "None vs reference False", "fsdp2")) is None
+    assert matcher.known_hit(*face("Adam", "forloop", "lr", "0.1 vs reference 0.01")) is None
+    assert matcher.known_hit(*face("Adam", "forloop", "foreach", "None vs reference None")) is None
+
+
+def test_a_sequentiallr_tensor_lr_checkpoint_face_is_known_only_for_that_scheduler_and_lr():
+    """SequentialLR's _last_lr aliases its child's list: over a tensor lr, DCP's in-place load reports a stale lr.
+    The signature is any scheduler's (only_when): a float lr or another scheduler there is new; tp meets it as
+    dtensor's, and an async save's load as the blocking one's."""
+    known = load_known()
+    sig = "fsdp2.checkpoint.dcp.loaded.lr_scheduler._last_lr"
+    f = known[sig]
+    assert f.root_cause == "sequentiallr-last-lr-aliased-dcp-load"
+    assert known_signature(sig, f.case, known) == sig
+    one_d = dataclasses.replace(f.case, optim=dataclasses.replace(f.case.optim, tensor_lr="1d"))
+    assert known_signature(sig, one_d, known) == sig
+    floats = dataclasses.replace(f.case, optim=dataclasses.replace(f.case.optim, tensor_lr=""))
+    assert known_signature(sig, floats, known) is None
+    step_lr = dataclasses.replace(f.case, lr_scheduler=f.case.lr_scheduler.children[1])
+    assert known_signature(sig, step_lr, known) is None
+    d = known["dtensor.checkpoint.dcp.loaded.lr_scheduler._last_lr"]
+    tp = dataclasses.replace(d.case, target="tp", target_options={})
+    assert known_signature("tp.checkpoint.dcp.loaded.lr_scheduler._last_lr", tp, known) is not None
+    async_ = dataclasses.replace(f.case, checkpoint=dataclasses.replace(f.case.checkpoint, async_save="pinned"))
+    assert known_signature("fsdp2.checkpoint.dcp_async.loaded.lr_scheduler._last_lr", async_, known) == sig
+
+
+def test_a_known_finding_known_only_under_its_conditions_makes_no_suspect_elsewhere():
+    """pp.parity.grad is known only for a split backward without a weight path (only_when): a zero case's grad
+    divergence has its address ("grad") and was labelled "probably" that pipelining bug; it is no suspect now."""
+    known = load_known()
+    matcher = Matcher(known)
+    pp = known["pp.parity.grad"]
+    assert matcher.suspects(pp.case, pp.verdict) == ["pp-zero-bubble-fsdp-reshard-after-forward"]
+    zero = known["zero.parity.Adam.forloop.group.amsgrad"].case
+    assert matcher.suspects(zero, pp.verdict) == [] and matcher.label(zero, pp.verdict) == ""
+
+
+def test_a_loaded_scheduler_value_is_named_without_its_param_groups_index():
+    """Which param group's lr shows first is incidental: a 1-d tensor lr's _last_lr (lists of one) and a float's
+    name one quantity, the entry said in the detail; a child scheduler's place (a dict's) still names it."""
+    from fuzzshard.kernel.checkpoint import check_loaded_loop
+
+    case = load_known()["fsdp2.checkpoint.dcp.loaded.lr_scheduler._last_lr"].case
+    saved = {"lr_scheduler": {"_last_lr": [[0.5], [0.25]], "_schedulers": [{"last_epoch": 2}]}}
+    loaded = {"lr_scheduler": {"_last_lr": [[0.5], [0.5]], "_schedulers": [{"last_epoch": 1}]}}
+    got = check_loaded_loop(case, saved, loaded)
+    assert [(m["quantity"], m["detail"]) for m in got] == [
+        ("loaded.lr_scheduler._last_lr", "0.5 loaded, 0.25 saved at [1][0]"),
+        ("loaded.lr_scheduler._schedulers.0.last_epoch", "1 loaded, 2 saved")]

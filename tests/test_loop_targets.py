@@ -56,6 +56,11 @@ CASES = {
     "zero_hand_value": _case("zero", {}, clip=Clip("value", 1e-3),
                              lr_scheduler=LRScheduler("ReduceLROnPlateau", {"mode": "min", "factor": 0.5,
                                                                             "patience": 0})),
+    # a group added before step 2: its params are in no group at steps 0 and 1, so zero_grad leaves their clipped
+    # grads in place and the next backward adds to them (the reference must start each step from the clipped grads)
+    "zero_late_group_clip": dataclasses.replace(
+        _case("zero", {}, clip=Clip("norm", 0.1, "2")),
+        optim=Optim("Adam", {"lr": 0.01, "weight_decay": 0.1}, added_groups=1, added_at=2)),
     "sharded_optim": _case("sharded_optim", {"shard": {"layers.0.weight": {"dim": 0, "ranks": [1, 0]}}},
                            groups=(Group(NAMES),), lr_scheduler=LRScheduler("CosineAnnealingLR", {"T_max": 2}),
                            scaler=SCALER),

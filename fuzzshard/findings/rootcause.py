@@ -93,10 +93,26 @@ def _known_as(target: str) -> tuple[str, ...]:
     return (target, *(getattr(targets.get(target), "known_as", ()) if target in targets.names() else ()))
 
 
+# a step's param group that lacks a hyperparameter the reference's has ("None vs reference False"): whatever owns
+# the groups dropped it (ZeRO's add_param_group), not the step's code; which key shows first is only the optimizer's
+# first key in sorted order (Adam's amsgrad, SGD's dampening, Adagrad's differentiable), so the key is no address
+LACKS_HPARAM = "param group: a hyperparameter the sharded run's group lacks"
+
+
+def lacks_hyperparameter(verdict: Verdict) -> bool:
+    """Whether a step divergence is a param group hyperparameter the sharded run's group has not (None there, a
+    value in the reference's)."""
+    first = verdict.first
+    return bool(first is not None and first.quantity.startswith("param_groups.") and first.detail.startswith("None vs reference ")
+                and first.detail != "None vs reference None")
+
+
 def address(case, verdict: Verdict) -> str:
     """What identifies the bug behind a finding, whatever surfaced it (a
     compiled run's, with what ran compiled: compile's bugs are its own)."""
     where = oracle.of(verdict).address(case, verdict)  # each oracle's module says what identifies its bugs
+    if lacks_hyperparameter(verdict):
+        where = LACKS_HPARAM
     tag = compiled_tag(case)
     return f"{tag}: {where}" if tag else where
 
@@ -161,6 +177,16 @@ class Matcher:
         component = self.causes[rid].component if rid in self.causes else ""
         return target in _WRAPPER_TARGETS.get(component, (target,))
 
+    def _found(self, case, verdict: Verdict) -> dict[str, list]:
+        """Root cause -> its known findings at this case's address that may be this case's: a known finding
+        known only where its conditions hold (``only_when``: pp.parity.grad's split backward without a weight
+        path, a tensor lr under ReduceLROnPlateau) is none of a case they do not hold for."""
+        from .record import _holds
+
+        found = self.by_address.get(address(case, verdict), {})
+        mine = {rid: [f for f in fs if not f.only_when or _holds(case, f.only_when)] for rid, fs in found.items()}
+        return {rid: fs for rid, fs in mine.items() if fs}
+
     def suspects(self, case, verdict: Verdict) -> list[str]:
         """Where several root causes share the address, one that is a bug of
         another target's own wrapper (an FSDP1 FlatParameter bug for a dtensor
@@ -170,7 +196,7 @@ class Matcher:
         RuntimeError is DTensor's two-mesh foreach bug by its message, not the
         Conv one; a missing strategy met in torch/optim is the optimizer-ops
         family, not CPU SDPA's."""
-        found = self.by_address.get(address(case, verdict), {})
+        found = self._found(case, verdict)
         ids = sorted(found)
         if len(ids) > 1:
             ids = [rid for rid in ids if self._runs_on(rid, case.target)] or ids
@@ -185,21 +211,22 @@ class Matcher:
         finding, "probably" at most). Only an error's address (its exception
         type and the torch code that made it) and a localized divergence's (the
         module whose forward or backward made it: kernel/localize.py names the
-        first whose output differs from the reference's or between ranks) say
-        what made it; another divergence's says where it showed (a step's
-        optimizer, a checkpoint's API), so it stays new. One root cause must be left, one
+        first whose output differs from the reference's or between ranks) and a
+        param group's missing hyperparameter's (what owns the groups dropped it;
+        ``LACKS_HPARAM``) say what made it; another divergence's says where it
+        showed (a step's optimizer, a checkpoint's API), so it stays new. One root cause must be left, one
         that runs on this target and was seen on this device; where the address
         names no torch code, with the same message template; a missing strategy
         for an op it does not name, only where torch called that op from the
         same package as in its known findings (the optimizers', whatever op)."""
         localized = oracle.of(verdict).localized
-        if not oracle.raised(verdict) and not (localized and localized(verdict)):
+        if not oracle.raised(verdict) and not (localized and localized(verdict)) and not lacks_hyperparameter(verdict):
             return None
         where = address(case, verdict)
         ids = self.suspects(case, verdict)
         if len(ids) != 1 or not self._runs_on(ids[0], case.target):
             return None
-        theirs = [f for f in self.by_address[where][ids[0]] if not f.devices or case.device in f.devices]
+        theirs = [f for f in self._found(case, verdict)[ids[0]] if not f.devices or case.device in f.devices]
         if localized:  # one module runs other code under another target (fsdp2's plain activations): that target's own
             theirs = [f for f in theirs if f.case.target in _known_as(case.target)]
         if not theirs:

@@ -108,10 +108,14 @@ def check_loaded_loop(case: Case, saved: dict | None, loaded: dict | None) -> li
                 walk(f"{path}.{key}", got.get(key), want.get(key))
         elif isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
             for i, (g, w) in enumerate(zip(got, want)):
-                walk(f"{path}[{i}]" if not isinstance(g, (dict, list)) else f"{path}.{i}", g, w)
+                # a dict's place names it (SequentialLR's _schedulers.1); a value's does not, a 1-d tensor's
+                # (a list: a tensor lr's _last_lr[2][0]) no more than a float's: which param group shows first
+                # is incidental, as the hyperparameter is for the optimizer's (oracle/checkpoint.py)
+                walk(f"{path}.{i}" if isinstance(g, dict) else f"{path}[{i}]", g, w)
         elif got != want and not (got != got and want != want):  # NaN equals NaN
+            at = f" at {path[path.index('['):]}" if "[" in path else ""  # the entry: [group] of a tensor lr's list
             out.append(Mismatch(f"loaded.{path.split('[')[0]}", "", case.checkpoint.after,
-                                f"{got!r} loaded, {want!r} saved").to_dict())
+                                f"{got!r} loaded, {want!r} saved{at}").to_dict())
 
     walk("", loaded or {}, saved or {})
     for m in out:

@@ -250,7 +250,9 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                 if m and m["fqn"] in rec.get("noncontig", ()):
                     m["grad"] = "non-contiguous"
             mismatches += stepped
-        prev = rec
+        # the grads the next step starts from are the clipped ones (a clip works in place): a param in no group
+        # yet (added mid-run) keeps its clipped grad past zero_grad and accumulates the next backward onto it
+        prev = {**rec, "grads": rec["clipped"]} if case.clip and "clipped" in rec else rec
     mismatches = [m for m in mismatches if m]
     return finding("parity", mismatches) if mismatches else passing()
 
