@@ -108,7 +108,9 @@ def check_loaded_loop(case: Case, saved: dict | None, loaded: dict | None) -> li
                 walk(f"{path}.{key}", got.get(key), want.get(key))
         elif isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
             for i, (g, w) in enumerate(zip(got, want)):
-                walk(f"{path}[{i}]" if not isinstance(g, (dict, list)) else f"{path}.{i}", g, w)
+                # a list's index is no part of the quantity (a group's lr as a float, a 0-d or a 1-d tensor:
+                # one name, whichever group), except for a list of state dicts (SequentialLR's _schedulers.1)
+                walk(f"{path}.{i}" if isinstance(g, dict) else f"{path}[{i}]", g, w)
         elif got != want and not (got != got and want != want):  # NaN equals NaN
             out.append(Mismatch(f"loaded.{path.split('[')[0]}", "", case.checkpoint.after,
                                 f"{got!r} loaded, {want!r} saved").to_dict())
