@@ -243,3 +243,36 @@ def test_an_async_saves_face_of_a_known_blocking_save_bug_is_known():
     c = dataclasses.replace(f.case, checkpoint=dataclasses.replace(f.case.checkpoint, async_save="thread"))
     assert known_signature("fsdp2.checkpoint.dcp_async.loaded.group.empty_group", c, known) == f.signature
     assert known_signature("fsdp2.checkpoint.dcp_async.loaded.param", c, known) is None
+
+
+def test_a_loop_checkpoint_quantity_names_no_group_index():
+    """A scheduler's per-group values are one quantity whatever the group and whether the lr is a float, a 0-d
+    or a 1-d tensor (SequentialLR's aliased _last_lr gave _last_lr and _last_lr.0, one bug); a list of child
+    schedulers' state dicts keeps its index."""
+    from types import SimpleNamespace
+
+    from fuzzshard.kernel.checkpoint import check_loaded_loop
+
+    case = SimpleNamespace(checkpoint=SimpleNamespace(after=1))
+    for saved, loaded in (([0.0009], [0.0005]), ([[0.001], [0.0009]], [[0.001], [0.0005]])):
+        got = check_loaded_loop(case, {"lr_scheduler": {"_last_lr": saved}}, {"lr_scheduler": {"_last_lr": loaded}})
+        assert [m["quantity"] for m in got] == ["loaded.lr_scheduler._last_lr"]
+    kids = check_loaded_loop(case, {"lr_scheduler": {"_schedulers": [{"last_epoch": 1}, {"last_epoch": 2}]}},
+                             {"lr_scheduler": {"_schedulers": [{"last_epoch": 1}, {"last_epoch": 0}]}})
+    assert [m["quantity"] for m in kids] == ["loaded.lr_scheduler._schedulers.1.last_epoch"]
+
+
+def test_fsdp1_scatter_placeholder_replica_faces_are_known_for_a_1d_tensor_lr_scattered_only():
+    """The replica oracle's face of FSDP1's rank-0-only tensor lr placeholder (loaded.group.lr / initial_lr) is that
+    known bug where its conditions hold (a 1-d tensor lr, a scatter load), a new finding elsewhere."""
+    known = load_known()
+    for sig in ("fsdp1.replica.loaded.group.lr", "fsdp1.replica.loaded.group.initial_lr"):
+        f = known[sig]
+        assert f.root_cause == "fsdp1-rank0-only-optim-load-tensor-lr-placeholder"
+        assert known_signature(sig, f.case, known) == sig
+        floats = dataclasses.replace(f.case, optim=dataclasses.replace(f.case.optim, tensor_lr=""))
+        assert known_signature(sig, floats, known) is None
+        ck = f.case.checkpoint
+        shard = dataclasses.replace(f.case, checkpoint=dataclasses.replace(
+            ck, target_options={**ck.target_options, "legacy_load": "shard"}))
+        assert known_signature(sig, shard, known) is None
