@@ -320,3 +320,19 @@ def test_a_loaded_scheduler_value_is_named_without_its_param_groups_index():
     assert [(m["quantity"], m["detail"]) for m in got] == [
         ("loaded.lr_scheduler._last_lr", "0.5 loaded, 0.25 saved at [1][0]"),
         ("loaded.lr_scheduler._schedulers.0.last_epoch", "1 loaded, 2 saved")]
+
+
+def test_fsdp1_scatter_placeholder_replica_faces_are_known_for_a_1d_tensor_lr_scattered_only():
+    """The replica oracle's face of FSDP1's rank-0-only tensor lr placeholder (loaded.group.lr / initial_lr) is that
+    known bug where its conditions hold (a 1-d tensor lr, a scatter load), a new finding elsewhere."""
+    known = load_known()
+    for sig in ("fsdp1.replica.loaded.group.lr", "fsdp1.replica.loaded.group.initial_lr"):
+        f = known[sig]
+        assert f.root_cause == "fsdp1-rank0-only-optim-load-tensor-lr-placeholder"
+        assert known_signature(sig, f.case, known) == sig
+        floats = dataclasses.replace(f.case, optim=dataclasses.replace(f.case.optim, tensor_lr=""))
+        assert known_signature(sig, floats, known) is None
+        ck = f.case.checkpoint
+        shard = dataclasses.replace(f.case, checkpoint=dataclasses.replace(
+            ck, target_options={**ck.target_options, "legacy_load": "shard"}))
+        assert known_signature(sig, shard, known) is None
