@@ -1,15 +1,21 @@
 """Make a failing case 1-minimal: no single structural edit of it keeps the bug.
 
 Hypothesis shrinks along its draws; this reducer edits the Case itself, in
-ways the draws cannot: drop a layer in the middle (re-fitting the widths and
-renaming every FQN that names a later layer), merge param groups, lower the
-world size on one side of a checkpoint, drop one target option.
+ways the draws cannot, the biggest steps first: drop a whole feature (the
+checkpoint, its async save, the grad scaler, an overflow step, the LR
+scheduler, the clipping), fewer ranks, the plainest lr, then drop a layer in
+the middle (re-fitting the widths and renaming every FQN that names a later
+layer), merge param groups, lower the world size on one side of a
+checkpoint, drop one target option, ...
 
-    smallest, kept = reduce(case, lambda c: judge(pool, c).label == sig)
+    r = minimize(case, lambda c: judge(pool, c).label == sig, budget_s=60)
+    r.case, r.kept, r.minimal           # reduce(...) gives (r.case, r.kept)
 
 ``edits(case)`` lists every single edit that is still a well-formed case and
-smaller by ``size()``; ``reduce`` keeps the first edit that keeps the bug and
-starts over, to a fixed point. The edits work on ``case.to_dict()``.
+smaller by ``size()``; ``minimize`` keeps an edit that keeps the bug and goes
+on from it, to a fixed point, and says whether it got there (``Reduction``:
+1-minimal, or how many edits were left untried when its budget ran out). The
+edits work on ``case.to_dict()``.
 """
 from __future__ import annotations
 
