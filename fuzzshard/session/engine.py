@@ -18,8 +18,9 @@ Nothing found is lost, every finding is 1-minimal, and the search ends in time:
   - *shrinking*: each case Hypothesis shrinks a new finding to goes to the
     book (``accept``; its final replay: ``shrunk_to``), which rewrites the
     file; a round that found something searches and shrinks for
-    ``hypothesis_shrink`` seconds at most (a third of ``shrink_budget``),
-    then ends with its smallest cases;
+    ``hypothesis_shrink`` seconds at most (a third of ``shrink_budget``; a
+    hang, which is not reduced, the whole of it), then ends with its
+    smallest cases;
   - *reducing*: right after that round (not at the session's end), the book
     makes the round's findings 1-minimal (reduce.py: ``reduce_round``)
     within ``shrink_budget``, then confirms them fresh (``settle``); a later
@@ -304,9 +305,10 @@ class Session:
         return self.stop_reason is not None or (self._deadline is not None and time.monotonic() >= self._deadline)
 
     def _round_over(self, rnd: _Round) -> bool:
-        """Stopped, out of time, or Hypothesis has shrunk the round's findings for ``hypothesis_shrink``."""
-        return self._stopped() or (rnd.found_at is not None and
-                                   time.monotonic() >= rnd.found_at + self.hypothesis_shrink)
+        """Stopped, out of time, or Hypothesis has shrunk the round's findings for ``hypothesis_shrink``; a
+        hang, which the reducer leaves as it is (each edit could cost a timeout), for the whole shrink budget."""
+        bound = self.shrink_budget if rnd.hang else self.hypothesis_shrink
+        return self._stopped() or (rnd.found_at is not None and time.monotonic() >= rnd.found_at + bound)
 
     def _steer(self, target: str) -> dict:
         """What the next round of a timed session draws (schedule.py): every cell of optimizer x implementation,
