@@ -4,6 +4,8 @@ cells do, publishes into a shared folder where the first writer wins."""
 import dataclasses
 import io
 import json
+import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -264,3 +266,82 @@ def test_a_replica_drift_and_the_checkpoint_face_it_leaves_are_one_finding_which
         assert second in data["faces"] and list(book.findings) == [first]
     rows = [Face(**r) for r in data["generalization"] if r["dimension"] == "checkpoint"]
     assert table_text(rows) == f"checkpoint: fails earlier, where it began, with none (its steps up to the save) ({drift})"
+
+
+# -- 1-minimal whenever found: reduced right after its round, within its budget, past --duration if need be -----
+def _reduced_book(tmp_path, budget: float):
+    book, said = _book(tmp_path, ScriptedPool())
+    case = simple_case(3, optim="SGD", foreach=False)
+    assert book.accept(SIG, case, book.pool.run_many([case], [None])[0].verdict)
+    book.reduce_round([SIG], time.monotonic() + budget)
+    book.settle([SIG])
+    return book, said, case
+
+
+def test_a_rounds_finding_is_reduced_settled_and_not_shrunk_again(tmp_path, capsys):
+    """Right after its round: 1-minimal, confirmed, its file saying so; a later case no smaller is met again,
+    not shrunk all over again (accept says no); the summary prints its 1-minimal line."""
+    from fuzzshard.cli.fuzz import _print_finding
+
+    book, said, case = _reduced_book(tmp_path, 60.0)
+    data = json.loads((tmp_path / f"{SIG}.json").read_text())
+    assert data["stage"] == "confirmed" and data["case"]["world_size"] == 1, data["case"]
+    assert data["reduction"]["minimal"] is True and data["reduction"]["runs"] >= len(data["removed"]) > 0
+    assert book.states() == {"1-minimal": 1} and book.shrinking() == 0
+    assert not book.accept(SIG, case, book.pool.run_many([case], [None])[0].verdict)
+    assert book.met_again == {SIG: 1}
+    _print_finding(book.findings[SIG], tmp_path, "", 0, book.met_again[SIG])
+    text = capsys.readouterr().err
+    assert f"1-minimal ({data['reduction']['runs']} edited run(s) in " in text and "world size 3 -> 1" in text
+    assert "1 later case(s) met it again, none smaller" in text
+
+
+def test_a_reduction_out_of_budget_says_so_in_the_file_and_the_summary(tmp_path, capsys):
+    from fuzzshard.cli.fuzz import _print_finding
+
+    book, said, _ = _reduced_book(tmp_path, 0.0)
+    data = json.loads((tmp_path / f"{SIG}.json").read_text())
+    r = data["reduction"]
+    assert r["minimal"] is False and r["untried"] > 0 and r["runs"] == 0 and data["case"]["world_size"] == 3
+    assert book.states() == {"not 1-minimal": 1}
+    assert re.search(rf"finding {re.escape(SIG)}: not 1-minimal: reduction stopped after \d+s \(0 edited run\(s\)\), "
+                     rf"{r['untried']} edit\(s\) untried", said.getvalue()), said.getvalue()
+    _print_finding(book.findings[SIG], tmp_path, "", 0)
+    assert re.search(rf"not 1-minimal: reduction stopped after \d+s, {r['untried']} edit\(s\) untried",
+                     capsys.readouterr().err)
+
+
+class SlowPool(ScriptedPool):
+    """A pool whose every case takes a while, as on a busy machine (Hypothesis's shrink, a run per candidate,
+    would take the whole round), with a session's pool attributes; ``on_failure`` is called at each failing
+    case it runs."""
+    size, case_timeout, restarts, stuck_seconds, restart_seconds = 3, 60.0, 0, 0.0, 0.0
+    on_failure = staticmethod(lambda: None)
+
+    def run_many(self, cases, timeouts):
+        time.sleep(0.02 * len(cases))
+        out = super().run_many(cases, timeouts)
+        if any(r.verdict.is_finding for r in out):
+            self.on_failure()
+        return out
+
+
+def test_a_finding_met_as_the_duration_ends_is_made_1_minimal_past_it(tmp_path):
+    """A bug every SGD case shows, met as the session's duration ends (its last second: the pool ends it at
+    the first failing case), with Hypothesis's shrink bounded at 0.1 s: the duration does not cut the
+    reduction, which runs right after the round, past the duration (the progress line says so), and the
+    file's reduction record says 1-minimal."""
+    from fuzzshard.session.engine import Session
+
+    progress, pool = io.StringIO(), SlowPool()
+    session = Session(pool, ["dtensor"], tmp_path, world_sizes=[1, 2, 3], duration=600.0, seed=0, known={},
+                      progress=progress, strategy_kwargs={"optimizer_names": ["SGD"]}, database=None,
+                      shrink_budget=120.0, hypothesis_shrink=0.1, pack=1)
+    pool.on_failure = lambda: setattr(session, "_deadline", min(session._deadline, time.monotonic()))
+    (finding,) = session.run()
+    data = json.loads((tmp_path / f"{finding.signature}.json").read_text())
+    assert data["stage"] == "confirmed" and data["reduction"]["minimal"] is True, data.get("reduction")
+    assert data["case"]["world_size"] == 1 and len(data["case"]["schedule"]) == 1, data["case"]
+    assert data["removed"] and finding.reduction == data["reduction"]
+    text = progress.getvalue()
+    assert "reducing past it" in text and "(1 1-minimal)" in text, text[-2000:]

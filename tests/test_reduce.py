@@ -12,7 +12,7 @@ from cases import simple_case
 from fuzzshard import targets
 from fuzzshard.case import Case
 from fuzzshard.kernel.model import build_model, make_batch, param_shapes
-from fuzzshard.findings.reduce import edits, reduce, size
+from fuzzshard.findings.reduce import edits, minimize, reduce, size
 
 TARGETS = targets.builtin()
 FEW = settings(deadline=None, database=None, phases=[Phase.generate],
@@ -115,3 +115,139 @@ def test_reduce_ends_one_minimal_with_only_what_the_bug_needs(case):
 def test_a_spent_budget_returns_the_case_as_it_is():
     case = simple_case(2)
     assert reduce(case, lambda c: True, budget_s=0.0) == (case, [])
+
+
+# -- a deliberately bloated case per family, reduced with a pure fake bug (issue 45) ------------------------------
+# Each case carries every feature its target takes (a checkpoint with an async save, a grad scaler with an
+# overflow step, a SequentialLR, a clip in a plain form's stead, a 1-element tensor lr, 3 ranks, layers,
+# groups and steps); the fake bug needs only what a real bug of its family needed. The reduction must reach
+# the minimal case: every feature the bug does not need gone, the fewest ranks, the plainest lr.
+SCALER = {"init_scale": 256.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1, "overflow": [1]}
+SEQUENTIAL = {"name": "SequentialLR", "kwargs": {"milestones": [1]}, "children": [
+    {"name": "LinearLR", "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2}},
+    {"name": "ExponentialLR", "kwargs": {"gamma": 0.9}}]}
+TWO_PART = {"how": "two_part", "max_norm": 0.1, "norm_type": "inf", "foreach": True, "error_if_nonfinite": False}
+
+
+def _linears(n: int, width: int = 3) -> dict:
+    """A model of ``n`` Linear layers ``width`` wide, as a Case's dict holds it."""
+    layer = {"kind": "linear", "d_in": width, "d_out": width, "bias": True, "act": "", "kernel": 1, "children": []}
+    return {"input": "features", "d_in": width, "layers": [dict(layer) for _ in range(n)], "tie_head": False,
+            "unused": False, "buffer": False}
+
+
+def _bloated(target, world, *, model=None, groups=3, steps=3, checkpoint=None, options=None, optim="Adam",
+             scheduler=SEQUENTIAL, clip=TWO_PART, scaler=SCALER) -> Case:
+    model = model or _linears(5)
+    params = [f"layers.{i}.{p}" for i in range(len(model["layers"])) for p in ("weight", "bias")]
+    data = {"target": target, "world_size": world, "mesh_shape": [world], "model": model,
+            "optim": {"name": optim, "kwargs": {"lr": 0.01, "weight_decay": 0.1, "foreach": False},
+                      "tensor_lr": "1d", "named": True},
+            "groups": [{"params": params[g::groups], "overrides": {"lr": 0.02} if g else {}} for g in range(groups)],
+            "schedule": [{"set_to_none": bool(k % 2)} for k in range(steps)], "batch": 6, "seq": 2,
+            "target_options": options or {}, "checkpoint": checkpoint, "lr_scheduler": scheduler, "clip": clip,
+            "scaler": scaler}
+    case = Case.from_dict(data)
+    assert_well_formed(case)
+    return case
+
+
+def _reduced(case, bug):
+    """The reduction of ``case`` under the fake ``bug``: it ends, and 1-minimal."""
+    assert bug(case)
+    r = minimize(case, bug)
+    assert r.minimal and r.untried == 0 and bug(r.case), r.kept
+    assert not any(bug(e) for _, e in edits(r.case))  # 1-minimal: no single edit keeps the bug
+    assert_well_formed(r.case)
+    return r.case
+
+
+def _plain(case, *, but=()) -> None:
+    """No loop feature the bug does not need, and the plainest lr."""
+    have = {"checkpoint": case.checkpoint, "scaler": case.scaler, "lr_scheduler": case.lr_scheduler,
+            "clip": case.clip, "tensor lr": case.optim.tensor_lr}
+    assert [k for k, v in have.items() if v] == list(but), have
+
+
+def test_a_clip_bug_loses_the_checkpoint_scaler_scheduler_and_tensor_lr_and_goes_to_one_rank():
+    """The issue's clip-norm bug over DTensor grads: a norm clip of any form is all it needs."""
+    ck = {"after": 0, "kind": "dcp", "world_size": 2, "mesh_shape": [2], "async_save": "pinned",
+          "target_options": {"placements": {"layers.0.weight": ["S0"]}}}
+    case = _bloated("dtensor", 3, checkpoint=ck, options={"placements": {"layers.0.weight": ["S0"]}}, optim="NAdam")
+    small = _reduced(case, lambda c: c.clip is not None and c.clip.how in ("norm", "two_part"))
+    _plain(small, but=["clip"])
+    assert (small.clip.how, small.clip.norm_type, small.clip.foreach) == ("norm", "2", None)
+    assert small.world_size == 1 and len(small.model.layers) == 1 and len(small.groups) == 1
+    assert len(small.schedule) == 1 and small.target_options == {} and not small.optim.named
+
+
+@pytest.mark.parametrize("bug, keeps", [
+    # DCP saved at one world size and loaded at another (ckpt_reshard_swap): 2 ranks, the save blocking
+    (lambda c: c.checkpoint is not None and c.checkpoint.world_size != c.world_size, ["checkpoint"]),
+    # a scheduler's load drops last_epoch (loop_sched_load_drops_epoch): the 1-d tensor lr plays no part
+    (lambda c: c.checkpoint is not None and c.lr_scheduler is not None, ["checkpoint", "lr_scheduler"]),
+    # a bug of tensor lrs, any: a 0-d one is plainer than a 1-element one
+    (lambda c: c.checkpoint is not None and c.optim.tensor_lr != "", ["checkpoint", "tensor lr"]),
+], ids=["reshard", "scheduler-load", "tensor-lr"])
+def test_a_checkpoint_bug_keeps_only_the_checkpoint_and_what_it_needs(bug, keeps):
+    ck = {"after": 1, "kind": "dcp", "world_size": 2, "mesh_shape": [2], "async_save": "pinned", "split": True,
+          "target_options": {}}
+    small = _reduced(_bloated("dtensor", 3, checkpoint=ck), bug)
+    _plain(small, but=keeps)
+    assert small.checkpoint.async_save == "" and small.checkpoint.after == 0 and not small.checkpoint.split
+    assert small.ranks == (2 if "tensor lr" not in keeps and "lr_scheduler" not in keeps else 1)
+    if "tensor lr" in keeps:
+        assert small.optim.tensor_lr == "0d"
+    if "lr_scheduler" in keeps:  # SequentialLR as one of its children
+        assert small.lr_scheduler.name in ("LinearLR", "ExponentialLR") and not small.lr_scheduler.children
+    assert len(small.model.layers) == 1 and len(small.groups) == 1
+
+
+def test_an_fsdp1_optimizer_state_bug_goes_from_3_ranks_5_layers_3_groups_to_1_of_each():
+    """The issue's FSDP1 optim-state-dict finding kept 3 ranks, 5 layers and 3 groups, though 3 ranks -> 1
+    kept its signature: an FSDP1 sharded optimizer state dict of Adam is all it needs."""
+    ck = {"after": 0, "kind": "fsdp1_sharded", "world_size": 2, "mesh_shape": [2], "target_options": {}}
+    case = _bloated("fsdp1", 3, checkpoint=ck, clip={"how": "own", "max_norm": 0.1})
+    small = _reduced(case, lambda c: c.checkpoint is not None and c.checkpoint.kind == "fsdp1_sharded"
+                     and c.optim.name == "Adam")
+    _plain(small, but=["checkpoint"])
+    assert small.ranks == 1 and len(small.model.layers) == 1 and len(small.groups) == 1 and len(small.schedule) == 1
+
+
+def test_a_pipeline_schedule_bug_keeps_two_stages_and_its_schedule():
+    """1F1B losing a microbatch's grads (pp_1f1b_drop_microbatch_grads): two ranks, two microbatches."""
+    options = {"schedule": "1F1B", "cuts": [1, 3], "n_microbatches": 6}
+    case = _bloated("pp", 3, options=options, clip=None, scaler=None, scheduler={"name": "ExponentialLR",
+                                                                                 "kwargs": {"gamma": 0.9}})
+    small = _reduced(case, lambda c: c.world_size >= 2 and c.target_options.get("schedule") == "1F1B"
+                     and c.target_options.get("n_microbatches", 1) >= 2)
+    _plain(small)
+    assert small.world_size == 2 and len(small.model.layers) == 2 and len(small.groups) == 1
+    assert small.target_options["n_microbatches"] == 2
+
+
+def test_a_replica_bug_of_a_load_keeps_the_ranks_it_needs_and_nothing_else():
+    """ZeRO's load leaving lr unrestored on every rank but 0 (zero_load_lr_one_rank), seen by the replica
+    oracle: a consolidated checkpoint loaded on 2 ranks at least."""
+    ck = {"after": 1, "kind": "consolidate", "world_size": 3, "mesh_shape": [3], "target_options": {}}
+    case = _bloated("zero", 3, checkpoint=ck, options={"bucket_view": True})
+    small = _reduced(case, lambda c: c.checkpoint is not None and c.checkpoint.world_size >= 2)
+    _plain(small, but=["checkpoint"])
+    assert (small.world_size, small.checkpoint.world_size) == (1, 2) and small.target_options == {}
+    assert len(small.model.layers) == 1 and len(small.schedule) == 1
+
+
+def test_a_reduction_out_of_budget_says_what_it_left_untried():
+    case = simple_case(2)
+    r = minimize(case, lambda c: True, budget_s=0.0)
+    assert (r.case, r.kept, r.minimal) == (case, [], False) and r.untried == len(edits(case)) > 0
+    assert r.record()["untried"] == r.untried and r.record()["minimal"] is False
+
+
+def test_a_pass_tries_each_edit_once_not_once_per_edit_kept():
+    """A reduction keeping K edits of a case with N costs about N runs per pass, not N per edit kept."""
+    case = _bloated("dtensor", 3, checkpoint=None)
+    runs = []
+    r = minimize(case, lambda c: runs.append(c) or c.clip is not None)
+    assert r.minimal and r.runs == len(runs)
+    assert len(runs) < 3 * len(edits(case)), (len(runs), len(edits(case)), len(r.kept))

@@ -126,19 +126,29 @@ def test_a_signal_stops_the_session_after_its_current_case(tmp_path, sig, setup,
     assert not any(".crash." in s for s in written) and "CONTAMINATED" not in text, text[-3000:]
 
 
-def test_duration_bounds_the_session_shrinking_and_confirmations_included(tmp_path):
-    """A planted bug that shows in every optimizer keeps the shrinker busy; the
-    session still ends within --duration plus its grace (a tenth of it, at
+def test_duration_bounds_the_session_and_every_finding_is_1_minimal_however_short_the_shrink(tmp_path, monkeypatch):
+    """A planted bug that shows in every optimizer keeps the shrinker busy, and Hypothesis's shrink is bounded
+    at 1 s ($FUZZSHARD_HYPOTHESIS_SHRINK: as a busy machine or slow cases leave it next to nothing): the
+    reducer, right after the round that found each finding and past --duration if it must, makes it
+    1-minimal all the same (its file's reduction record and its "1-minimal" line say so); the session ends
+    within --duration plus its last round's reduction (--shrink-budget) and its grace (a tenth of it, at
     least 20 s), as the session measures itself, and its files are confirmed."""
+    monkeypatch.setenv("FUZZSHARD_HYPOTHESIS_SHRINK", "1")
     out = tmp_path / "out"
     r = run_cli("fuzz", "--target", "dtensor", "--world-sizes", "1,2", "--seed", 1, "--checkpoints", "none",
-                "--duration", "40s", "--case-timeout", 20, "--out", out, setup="skip_weight_decay.py")
+                "--duration", "40s", "--shrink-budget", "90s", "--case-timeout", 20, "--out", out,
+                setup="skip_weight_decay.py")
     assert r.returncode == 1, r.stderr[-3000:]
-    m = re.search(r"session (\d+)s \(--duration 40s, grace (\d+)s\)", r.stderr)
+    m = re.search(r"session (\d+)s \(--duration 40s, a last round's reduction (\d+)s at most, grace (\d+)s\)", r.stderr)
     assert m, r.stderr[-3000:]
-    assert int(m[1]) <= 40 + int(m[2]), m[0]
+    assert int(m[2]) == 90 and int(m[1]) <= 40 + int(m[2]) + int(m[3]), m[0]
     found = [json.loads(p.read_text()) for p in out.glob("*.json")]
     assert found and all(f["stage"] == "confirmed" and f["deterministic"] for f in found)
+    for f in found:
+        assert f["signature"].startswith("dtensor.parity.") and f["reduction"]["minimal"] is True, f.get("reduction")
+        assert re.search(rf"FINDING {re.escape(f['signature'])}\n.*\n(.*\n)?        1-minimal \(\d+ edited run",
+                         r.stderr), r.stderr[-3000:]
+    assert re.search(r"findings: \d+ new in \S+ \((\d+ \S+, )*\d+ reducing", r.stderr), r.stderr[-3000:]  # progress says so
 
 
 def test_a_hang_shrinks_under_a_derived_timeout_and_is_confirmed_at_the_full_one(tmp_path):

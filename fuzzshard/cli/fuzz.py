@@ -25,15 +25,19 @@ def add(sub) -> None:
     f.add_argument("--targets", dest="target", action=Renamed, new="--target", help=argparse.SUPPRESS)
     g = f.add_mutually_exclusive_group()
     g.add_argument("--max-examples", type=count, default=None, metavar="N", help="cases to draw per target (default 100)")
-    g.add_argument("--duration", help="run for this long instead, e.g. 90s, 10m, 8h")
+    g.add_argument("--duration", help="search for this long instead, e.g. 90s, 10m, 8h; the session may run past it "
+                                      "by --shrink-budget at most, to make what its last round found 1-minimal, and "
+                                      "by a tenth of it (at least 20s) to confirm its findings")
     f.add_argument("--seed", type=whole, default=None, metavar="N",
                    help="the seed of the cases drawn (default: a random one, printed, so that repeated sessions explore)")
     f.add_argument("--out", default="fuzzshard-out", metavar="DIR",
                    help="findings and the example database go here (default: fuzzshard-out)")
     f.add_argument("--shrink-budget", default=None, metavar="DURATION",
-                   help="once a round finds something, how much longer it may search and shrink before it ends "
-                        "with its smallest cases (default: a quarter of --duration, at least 30s, at most 5m; "
-                        "5m with --max-examples)")
+                   help="once a round finds something, Hypothesis searches and shrinks for a third of this at "
+                        "most; then the reducer has this long to edit the round's findings to 1-minimal (it drops "
+                        "the checkpoint, the scaler, the scheduler, the clip, ranks, layers, ...), right after the "
+                        "round and past --duration if need be; a finding it cuts short says so ('not 1-minimal') "
+                        "(default: a quarter of --duration, at least 30s, at most 5m; 5m with --max-examples)")
     f.add_argument("--redis", default=None, metavar="URL",
                    help="share the example database through redis (redis://host:port/db); OUT/.hypothesis is "
                         "written too, and used alone if the server goes away")
@@ -141,8 +145,9 @@ def _print_session_report(session, findings, out) -> None:
     print(f"\n{st.cases} cases · {st.valid} valid · {st.invalid} invalid{again} · {st.rate():.2f} cases/s",
           file=sys.stderr)
     length = f"session {session.elapsed:.0f}s"
-    if session.duration:
-        length += f" (--duration {session.duration:.0f}s, grace {session.grace():.0f}s)"
+    if session.duration:  # its bound: the duration, a last round's reduction, the grace (Session.overrun)
+        length += (f" (--duration {session.duration:.0f}s, a last round's reduction {session.shrink_budget:.0f}s at "
+                   f"most, grace {session.grace():.0f}s)")
     if session.stop_reason:
         length += f", stopped by {session.stop_reason}"
     print(length, file=sys.stderr)
@@ -175,7 +180,8 @@ def _print_session_report(session, findings, out) -> None:
         if len(groups) > 1 or len(members) > 1 or key.startswith("root cause"):
             print(f"{key}: {len(members)} finding(s)", file=sys.stderr)
         for f in members:
-            _print_finding(f, out, stage.get(f.stage, ""), st.folded.get(f.signature, 0))
+            _print_finding(f, out, stage.get(f.stage, ""), st.folded.get(f.signature, 0),
+                           getattr(session.book, "met_again", {}).get(f.signature, 0))
     for c in session.contaminated:
         print(f"CONTAMINATED (a fuzzshard internal error, not a finding): {c['signature']} in warm workers, "
               f"{c['fresh_signature']} in fresh ones, after {len(c['ran_before_in_that_generation'])} other case(s)"
@@ -210,8 +216,8 @@ def _print_session_report(session, findings, out) -> None:
                                    if st.known else ""), file=sys.stderr)
 
 
-def _print_finding(f, out, stage: str, folded: int) -> None:
-    """A new finding: its summary, its other faces, what the reducer took out, what it fails and passes with, its files."""
+def _print_finding(f, out, stage: str, folded: int, again: int = 0) -> None:
+    """A new finding: its summary, its other faces, how far the reducer got, what it fails and passes with, its files."""
     from ..findings.record import summary
     from ..findings.generalize import Face, table_text
 
@@ -219,9 +225,9 @@ def _print_finding(f, out, stage: str, folded: int) -> None:
     if f.faces:
         print(f"        one bug, also seen as {', '.join(f.faces)}" + (f" ({folded} case(s) met it so)" if folded else ""),
               file=sys.stderr)
-    if f.removed:
-        shown = ", ".join(f.removed[:5]) + (f" and {len(f.removed) - 5} more" if len(f.removed) > 5 else "")
-        print(f"        1-minimal: the reducer took out {shown}", file=sys.stderr)
+    minimal = _minimal_line(f, again)
+    if minimal:
+        print(f"        {minimal}", file=sys.stderr)
     if f.generalization:
         table = table_text([Face(**row) for row in f.generalization])
         print("".join(f"        {line}\n" for line in table.splitlines()), end="", file=sys.stderr)
@@ -230,6 +236,26 @@ def _print_finding(f, out, stage: str, folded: int) -> None:
     note = kind_note(f.case, f.environment, f.verdict)  # a fallback to the flattened kernel, and why
     print(f"        -> {out}/{f.signature}.json, {out}/{f.signature}.py (torchrun --nproc-per-node {f.case.ranks}"
           f"{'; ' + note if note else ''})", file=sys.stderr)
+
+
+def _minimal_line(f, again: int = 0) -> str:
+    """Whether the finding is 1-minimal, as its file's ``reduction`` says (life.py), and what the reducer took out;
+    a finding of a session before the record: what the reducer took out only."""
+    r = f.reduction
+    took = ""
+    if f.removed:
+        took = "the reducer took out " + ", ".join(f.removed[:5]) + \
+            (f" and {len(f.removed) - 5} more" if len(f.removed) > 5 else "")
+    met = f"; {again} later case(s) met it again, none smaller" if again else ""
+    if not r:
+        return f"1-minimal: {took}{met}" if took else ""
+    runs = f"{r.get('runs', 0)} edited run(s) in {r.get('seconds', 0):.0f}s"
+    if r.get("minimal"):
+        return f"1-minimal ({runs}): {took or 'no single edit keeps the bug'}{met}"
+    if "why" in r:
+        return f"not 1-minimal: {r['why']}" + (f"; {took}" if took else "") + met
+    return (f"not 1-minimal: reduction stopped after {r.get('seconds', 0):.0f}s, {r.get('untried', '?')} edit(s) "
+            f"untried ({r.get('runs', 0)} edited run(s)" + (f"; {took}" if took else "") + f"){met}")
 
 
 def _write_index(out, groups: dict, matcher) -> None:

@@ -20,11 +20,15 @@ finding is a bug a user can trust, and nothing found is lost:
     finding already made is that finding (unless a variant ran one's case on
     the other's target and it did not fail so);
   - *shrinking*: each smaller case with that signature rewrites the file
-    (stage ``shrinking``, at most every ``WRITE_EVERY`` seconds); when the
-    search ends (``finish``) the smallest is made 1-minimal (reduce.py),
-    confirmed fresh as well (stage ``confirmed``) or the file goes back to
-    the last confirmed case, and generalized again: findings that turn out
-    to be faces of one bug merge into one file;
+    (stage ``shrinking``, at most every ``WRITE_EVERY`` seconds); right
+    after the round that found it (``reduce_round``, not when the search
+    ends) the smallest is made 1-minimal (reduce.py) in the budget the
+    session gives, its file saying how far the reducer got (``reduction``),
+    then (``settle``) confirmed fresh as well (stage ``confirmed``) or the
+    file goes back to the last confirmed case, and generalized again:
+    findings that turn out to be faces of one bug merge into one file. A
+    settled finding met again by a case no smaller is counted, not shrunk
+    again;
   - *writing*: every file of a finding is written through ``_write`` (its
     script made by ``_script``, the one caller of repro.script here); a
     soak's cells publish into one shared folder instead (SoakBook: the first
@@ -51,11 +55,17 @@ from .record import (Finding, Stage, atomic_write, environment, known_signature,
                        summary, write_finding)
 from .generalize import Face, generalize, kin
 from .judge import Judgement, judge, judge_many, label
-from .reduce import reduce as reduce_case
+from .reduce import Reduction, minimize
 from .rootcause import Matcher, address, detail, template
 from ..verdict import Verdict
 
 WRITE_EVERY = 2.0  # seconds between two rewrites of one finding's file while it shrinks
+# where a finding is in its life (Track.state): what the session's progress line counts
+SHRINKING = "shrinking"  # Hypothesis shrinks it, in the round that found it (or a smaller case of it)
+REDUCING = "reducing"  # the reducer (reduce.py) edits it, right after that round
+MINIMAL = "1-minimal"  # reduced to a fixed point: no single edit keeps the bug
+CUT = "not 1-minimal"  # the reducer's budget ran out first (its file's ``reduction`` says how far it got)
+UNREDUCED = "not reduced"  # a hang, or a case no time was left to confirm: each edit could cost a timeout
 KNOWN_BY_ADDRESS = Stage.KNOWN_BY_ADDRESS  # a new signature the session counts as a known root cause's
 
 
@@ -78,6 +88,13 @@ class Track:
     written: tuple
     last_write: float = 0.0
     confirmed_removed: list = field(default_factory=list)  # what the reducer had taken out of the confirmed case
+    state: str = SHRINKING  # SHRINKING, REDUCING, then MINIMAL, CUT or UNREDUCED (settled: ``settled``)
+    confirmed_reduction: dict = field(default_factory=dict)  # the reduction record of the confirmed case
+
+    @property
+    def settled(self) -> bool:
+        """Reduced (or not to be) and confirmed: a later case no smaller than it is met again, not shrunk again."""
+        return self.state not in (SHRINKING, REDUCING)
 
 
 class FindingBook:
@@ -85,10 +102,14 @@ class FindingBook:
 
     The search asks ``new_signature`` (what a judged finding is), ``accept``
     (whether a new signature's case counts: first sight or a smaller case),
-    ``shrunk_to`` (Hypothesis's minimal example) and ends with ``finish``.
-    ``until`` and ``stopped`` are the session's: past ``until`` (its
-    deadline plus grace, monotonic) nothing more is confirmed; a stopped
-    session leaves its files as they are."""
+    ``shrunk_to`` (Hypothesis's minimal example), then, right after the
+    round that found them, ``reduce_round`` (reduce.py, within a budget
+    the session gives, past its duration if need be) and ``settle``
+    (confirmed fresh, rewritten, generalized again); it ends with
+    ``finish``. ``until`` and ``stopped`` are the session's: past ``until``
+    (its deadline plus grace, monotonic) nothing more is confirmed; a stopped
+    session leaves its files as they are. ``tick`` is called as a reduction
+    goes (the session's progress line)."""
 
     def __init__(self, pool, out: str | Path, stats, *, findings_dir: str | Path | None = None,
                  known: dict | None = None, progress=None, optimizer_names=None, plugins=(), pack: int = 1,
@@ -116,6 +137,9 @@ class FindingBook:
         self._generalized: dict[str, str] = {}  # finding -> the case JSON its table is of
         self._as_known: dict[str, str] = {}  # a new signature -> the known finding it is a face of
         self._removed: dict[str, list] = {}  # finding -> what the reducer took out of its case
+        self._reduction: dict[str, dict] = {}  # finding -> its reduction record (reduce.Reduction.record)
+        self.met_again: dict[str, int] = {}  # a settled finding -> later cases that met it, no smaller (not shrunk again)
+        self.tick: Callable[..., None] = lambda force=False: None  # the session's progress line (force: now)
         self._met: dict[str, dict] = {}  # finding -> another target -> a face met failing there in its own case
         self._suspect: set[str] = set()  # signatures a fresh run did not confirm
         self._unsteady: set[str] = set()  # of those, the ones with nothing run before them (_report_contaminated)
@@ -197,37 +221,67 @@ class FindingBook:
                       + (f" ({probably})" if probably else ""))
             return True
         if _smaller(case, track.best[0]):
+            if track.settled:  # a smaller case than the settled one: Hypothesis shrinks it, the reducer goes on from it
+                track.state = SHRINKING
+                self._removed[sig] = []  # (the file keeps the confirmed case's until this one is confirmed)
             track.best = (case, verdict)
             if not verdict.timeout:  # a provisional hang never reaches the file
                 self._rewrite(sig, track)
+        elif self.again(sig):  # 1-minimal (or as far as its budget went) and confirmed: not shrunk all over again
+            return False
+        return True
+
+    def again(self, sig: str) -> bool:
+        """Whether ``sig`` is a settled finding (reduced and confirmed) met again, by a case no smaller than its
+        own: then counted (``met_again``), and the search does not shrink it all over again."""
+        track = self.tracks.get(sig)
+        if track is None or not track.settled:
+            return False
+        self.met_again[sig] = self.met_again.get(sig, 0) + 1
         return True
 
     def shrunk_to(self, sig: str, case, verdict: Verdict) -> None:
         """Hypothesis's final replay names its minimal example: that is the best case."""
         track = self.tracks.get(sig)
-        if track is not None and not verdict.timeout and case.to_json() != track.best[0].to_json():
+        if track is not None and not track.settled and not verdict.timeout and \
+                case.to_json() != track.best[0].to_json():
             track.best = (case, verdict)
             self._rewrite(sig, track)
 
     def shrinking(self) -> int:
-        """Findings whose smallest case is not confirmed yet."""
-        return sum(1 for t in self.tracks.values() if t.best is not t.confirmed)
+        """Findings not settled yet: Hypothesis shrinks them, or the reducer."""
+        return sum(1 for t in self.tracks.values() if not t.settled)
+
+    def states(self) -> dict[str, int]:
+        """Findings by where they are (SHRINKING, REDUCING, MINIMAL, CUT, UNREDUCED), in that order."""
+        order = (SHRINKING, REDUCING, MINIMAL, CUT, UNREDUCED)
+        counts = {s: sum(1 for t in self.tracks.values() if t.state == s) for s in order}
+        return {s: n for s, n in counts.items() if n}
 
     def catch_up(self) -> None:
         """What others writing the same findings folder found meanwhile (a
         soak's other cells: SoakBook); nothing for a session on its own."""
 
-    def finish(self) -> None:
-        """Confirm each finding's smallest case, in the time left; a stopped
-        session leaves its files as they are. Each signature was confirmed in
-        fresh workers when first seen; the smallest cases are re-run in one
-        fresh generation together (one spawn, not one per finding), and one
-        that does not give its signature there gets a generation of its own."""
+    def reduce_round(self, sigs, until: float) -> None:
+        """Each of ``sigs`` (a round's findings) still shrinking made 1-minimal (``_reduce``), right after
+        its round, not at the session's end: they share the time left until ``until`` (monotonic; the
+        session's: the round's end plus the shrink budget, past its duration if need be), each its share
+        of what the ones before it left. A stopped session reduces nothing."""
+        todo = [s for s in sorted(sigs) if s in self.tracks and self.tracks[s].state == SHRINKING]
+        for i, sig in enumerate(todo):
+            if self.stopped:
+                return
+            self._reduce(sig, self.tracks[sig], (until - time.monotonic()) / (len(todo) - i))
+
+    def settle(self, sigs) -> None:
+        """Each of ``sigs``'s smallest case confirmed in fresh workers, in the time left; a stopped session
+        leaves its files as they are. Each signature was confirmed in fresh workers when first seen; the
+        smallest cases are re-run in one fresh generation together (one spawn, not one per finding), and
+        one that does not give its signature there gets a generation of its own. Then each is generalized
+        again (one finding per bug) and settled: a later case no smaller is met again, not shrunk again."""
+        sigs = [s for s in sorted(sigs) if s in self.tracks]
         first = True
-        for sig in sorted(self.tracks):
-            if self._time_left():
-                self._reduce(sig, self.tracks[sig])
-        for sig in sorted(self.tracks):
+        for sig in sigs:
             track = self.tracks[sig]
             if track.best is not track.confirmed and self._time_left():
                 again = None
@@ -236,15 +290,34 @@ class FindingBook:
                 if again is not None:
                     track.confirmed = track.best = again
                     track.confirmed_removed = list(self._removed.get(sig, []))
+                    track.confirmed_reduction = dict(self._reduction.get(sig, {}))
             if not self.stopped:  # the file holds the confirmed case
                 if track.best is not track.confirmed:  # back to an earlier case: the reducer's later edits are not in it
                     self._removed[sig] = list(track.confirmed_removed)
+                    self._reduction[sig] = dict(track.confirmed_reduction) or {
+                        "minimal": False, "why": "its reduced case did not give its signature in fresh workers "
+                                                 "(or no time was left to run it there): the file holds the case "
+                                                 "confirmed before"}
+                    track.state = MINIMAL if self._reduction[sig].get("minimal") else CUT
                 track.best = track.confirmed
-            self._rewrite(sig, track, force=True)
+                if not track.settled:  # (not reduced: a hang, an unconfirmed case)
+                    track.state = UNREDUCED
+            if not track.best[1].timeout:  # whole, with its reduction record (a provisional hang keeps its file)
+                self._write(sig, track.best, first=False)
+                track.written, track.last_write = track.best, time.monotonic()
             self.findings[sig] = self._finding(sig, track.written)
-        for sig in sorted(self.tracks):
+        for sig in sigs:
             if sig in self.tracks and self._time_left():
                 self._generalize_again(sig)
+
+    def finish(self) -> None:
+        """The end of the session: what no round reduced yet (a session driven without rounds, the pytest
+        plugin's) reduced within the shrink budget and the time left, then every finding settled."""
+        left = [s for s in sorted(self.tracks) if self.tracks[s].state == SHRINKING]
+        if left and self._time_left():
+            until = time.monotonic() + self.shrink_budget
+            self.reduce_round(left, until if self.until is None else min(until, self.until))
+        self.settle(sorted(self.tracks))
 
     # -- confirmation ----------------------------------------------------------
     def confirm(self, sig: str, case, verdict: Verdict, fresh: bool = True) -> tuple | None:
@@ -461,15 +534,20 @@ class FindingBook:
                 (self.findings_dir / f"{other}{suffix}").unlink(missing_ok=True)
 
     # -- reduction ---------------------------------------------------------------
-    def _reduce(self, sig: str, track: Track) -> None:
+    def _reduce(self, sig: str, track: Track, budget: float) -> None:
         """Make the smallest case 1-minimal (reduce.py): each structural edit
-        Hypothesis does not make (drop a layer and re-fit the widths, a group,
-        a frozen param, the checkpoint; lower the world size, ...) is tried and
-        kept while the case still gives ``sig``, to a fixed point, within
-        ``shrink_budget``; the file is rewritten as it shrinks."""
+        Hypothesis does not make (drop the checkpoint, the scaler, the
+        scheduler, the clip; fewer ranks; drop a layer and re-fit the widths,
+        a group, a frozen param, ...) is tried and kept while the case still
+        gives ``sig``, to a fixed point, within ``budget`` seconds; the file
+        is rewritten as it shrinks, and says how far the reducer got
+        (``reduction``: 1-minimal, or stopped after N s with K edits untried)."""
         case, verdict = track.best
         if oracles.hangs(verdict) or verdict.timeout or verdict.unconfirmed:
-            return  # each edit could cost a timeout
+            track.state = UNREDUCED  # each edit could cost a timeout
+            self._reduction[sig] = {"minimal": False, "why": "a hang or a case not confirmed: not reduced (each edit "
+                                                             "could cost a timeout)"}
+            return
         verdicts: dict[str, Verdict] = {}
 
         def keeps_bugs(cases: list) -> list[bool]:
@@ -477,20 +555,25 @@ class FindingBook:
             self.stats.reduced_runs += len(cases)
             for c, j in zip(cases, judged):
                 verdicts[c.to_json()] = j.verdict
+            self.tick()
             return [j.label == sig for j in judged]
 
         def smaller(c) -> None:
             track.best = (c, verdicts[c.to_json()])
             self._rewrite(sig, track)
 
-        budget = self.shrink_budget
-        if self.until is not None:
-            budget = min(budget, self.until - time.monotonic())
-        started = time.monotonic()
-        _, removed = reduce_case(case, budget_s=max(0.0, budget), on_smaller=smaller, keeps_bugs=keeps_bugs,
-                                 batch=self.pack)
-        self.stats.reduce_seconds += time.monotonic() - started
-        self._removed[sig] = self._removed.get(sig, []) + removed
+        track.state = REDUCING
+        self.tick(force=True)
+        r: Reduction = minimize(case, budget_s=max(0.0, budget), on_smaller=smaller, keeps_bugs=keeps_bugs,
+                                batch=self.pack, stop=lambda: self.stopped)
+        self.stats.reduce_seconds += r.seconds
+        self._removed[sig] = self._removed.get(sig, []) + r.kept
+        self._reduction[sig] = r.record()
+        track.state = MINIMAL if r.minimal else CUT
+        self.tick(force=True)
+        if not r.minimal:
+            self._say(f"finding {sig}: not 1-minimal: reduction stopped after {r.seconds:.0f}s "
+                      f"({r.runs} edited run(s)), {r.untried} edit(s) untried")
 
     def _time_left(self) -> bool:
         if self.stopped:
@@ -538,8 +621,9 @@ class FindingBook:
         table = [f.to_dict() for f in self._table(sig)]
         kept = replace(verdict, unconfirmed=None,  # the stage says it
                        keys=verdict.keys and tuple(k for k in verdict.keys if k != "unconfirmed"))
-        return Finding(sig, case, kept, deterministic=confirmed,
-                       environment=env, stage=stage, faces=faces, generalization=table, removed=self._removed.get(sig, []))
+        return Finding(sig, case, kept, deterministic=confirmed, environment=env, stage=stage, faces=faces,
+                       generalization=table, removed=self._removed.get(sig, []),
+                       reduction=self._reduction.get(sig, {}) if track is None or track.settled else {})
 
     def _say(self, text: str) -> None:
         print(text, file=self.progress, flush=True)

@@ -115,6 +115,9 @@ class Finding:
     faces: list = field(default_factory=list)
     generalization: list = field(default_factory=list)
     removed: list = field(default_factory=list)  # what the reducer took out of the shrunk case (reduce.py)
+    # how far the reducer got (reduce.Reduction.record): {"minimal": true, "seconds", "runs"}, or not 1-minimal
+    # with the edits left untried when its budget ran out ("untried", "budget"), or why it did not run ("why")
+    reduction: dict = field(default_factory=dict)
     # known findings only: what `known --check` gave on each torch release it ran on ({"2.10.0": "reproduces",
     # "2.14.1": "fixed", ...}; ci/known_table.py writes it, known/README.md's regression table reads it)
     seen_on: dict = field(default_factory=dict)
@@ -142,6 +145,7 @@ class Finding:
             **({"faces": sorted(self.faces)} if self.faces else {}),
             **({"generalization": self.generalization} if self.generalization else {}),
             **({"removed": self.removed} if self.removed else {}),
+            **({"reduction": self.reduction} if self.reduction else {}),
             **({"seen_on": self.seen_on} if self.seen_on else {}),
         }
 
@@ -168,6 +172,7 @@ class Finding:
             faces=data.get("faces", []),
             generalization=data.get("generalization", []),
             removed=data.get("removed", []),
+            reduction=data.get("reduction", {}),
             seen_on=data.get("seen_on", {}),
         )
 

@@ -1,15 +1,21 @@
 """Make a failing case 1-minimal: no single structural edit of it keeps the bug.
 
 Hypothesis shrinks along its draws; this reducer edits the Case itself, in
-ways the draws cannot: drop a layer in the middle (re-fitting the widths and
-renaming every FQN that names a later layer), merge param groups, lower the
-world size on one side of a checkpoint, drop one target option.
+ways the draws cannot, the biggest steps first: drop a whole feature (the
+checkpoint, its async save, the grad scaler, an overflow step, the LR
+scheduler, the clipping), fewer ranks, the plainest lr, then drop a layer in
+the middle (re-fitting the widths and renaming every FQN that names a later
+layer), merge param groups, lower the world size on one side of a
+checkpoint, drop one target option, ...
 
-    smallest, kept = reduce(case, lambda c: judge(pool, c).label == sig)
+    r = minimize(case, lambda c: judge(pool, c).label == sig, budget_s=60)
+    r.case, r.kept, r.minimal           # reduce(...) gives (r.case, r.kept)
 
 ``edits(case)`` lists every single edit that is still a well-formed case and
-smaller by ``size()``; ``reduce`` keeps the first edit that keeps the bug and
-starts over, to a fixed point. The edits work on ``case.to_dict()``.
+smaller by ``size()``; ``minimize`` keeps an edit that keeps the bug and goes
+on from it, to a fixed point, and says whether it got there (``Reduction``:
+1-minimal, or how many edits were left untried when its budget ran out). The
+edits work on ``case.to_dict()``.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import inspect
 import json
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ..case import Case
@@ -25,38 +32,97 @@ from ..kernel.model import param_shapes
 
 # optimizer kwargs left alone: lr is the step itself, foreach/fused the implementation (a dimension of its own)
 KEEP_KWARGS = ("lr", "foreach", "fused")
+TENSOR_LR = ("", "0d", "1d")  # an lr from plainest to least plain: a float, a 0-d tensor, a 1-element tensor
 
 Edit = tuple[str, "dict | None"]  # (what it does, the edited case's dict; None: it cannot be made)
+
+
+@dataclass
+class Reduction:
+    """What a reduction did: the smallest case, the edits kept, and whether it got to the end.
+    ``minimal``: every single edit of ``case`` was judged on it and none kept the bug (1-minimal);
+    else the budget ran out (or the caller stopped it) with ``untried`` edits of ``case`` not judged on it."""
+    case: Case
+    kept: list[str]
+    minimal: bool
+    seconds: float
+    runs: int  # edited cases judged
+    untried: int = 0
+    budget: float | None = None
+
+    def record(self) -> dict:
+        """The finding file's ``reduction``: what its "1-minimal" line says (cli/fuzz.py)."""
+        out = {"minimal": self.minimal, "seconds": round(self.seconds, 1), "runs": self.runs}
+        if not self.minimal:
+            out.update(untried=self.untried, budget=None if self.budget is None else round(self.budget, 1))
+        return out
 
 
 def reduce(case: Case, keeps_bug: Callable[[Case], bool] | None = None, budget_s: float | None = None,
            on_smaller: Callable[[Case], None] | None = None,
            keeps_bugs: Callable[[list[Case]], list[bool]] | None = None, batch: int = 1) -> tuple[Case, list[str]]:
-    """Greedy fixed point: keep the first edit of the current case for which
-    ``keeps_bug`` holds and start over from it; stop when no edit keeps the
-    bug (1-minimal) or the budget is spent. Returns (the smallest case, the
-    edits kept). ``on_smaller`` sees each smaller case as it is found.
-    ``keeps_bugs``: judges ``batch`` edits at once (side by side on a pool),
-    and the first of them that keeps the bug is kept, as one at a time would."""
+    """``minimize``'s (the smallest case, the edits kept)."""
+    r = minimize(case, keeps_bug, budget_s, on_smaller, keeps_bugs, batch)
+    return r.case, r.kept
+
+
+def minimize(case: Case, keeps_bug: Callable[[Case], bool] | None = None, budget_s: float | None = None,
+             on_smaller: Callable[[Case], None] | None = None,
+             keeps_bugs: Callable[[list[Case]], list[bool]] | None = None, batch: int = 1,
+             stop: Callable[[], bool] | None = None) -> Reduction:
+    """Greedy, to a fixed point: keep an edit of the current case for which
+    ``keeps_bug`` holds and go on from it; stop when no edit keeps the bug
+    (1-minimal) or the budget is spent (or ``stop()`` says so). ``on_smaller``
+    sees each smaller case as it is found. ``keeps_bugs``: judges ``batch``
+    edits at once (side by side on a pool); the first of them that keeps the
+    bug is kept, as one at a time would.
+
+    A pass goes down the edits once: after an edit is kept, the edits of the
+    new case that an earlier one of the same pass did not keep (by what they
+    do) wait for the next pass, so a pass costs about one run per edit, not
+    one per edit per edit kept; the reduction ends after a pass that kept
+    nothing, every edit of its case judged on that case."""
     judge = keeps_bugs or (lambda cases: [keeps_bug(c) for c in cases])
-    deadline = None if budget_s is None else time.monotonic() + budget_s
+    started = time.monotonic()
+    deadline = None if budget_s is None else started + budget_s
+    batch = max(1, batch)
     kept: list[str] = []
-    smaller = True
-    while smaller:
-        smaller = False
-        todo = edits(case)
-        for at in range(0, len(todo), max(1, batch)):
-            if deadline is not None and time.monotonic() > deadline:
-                return case, kept
-            chunk = todo[at:at + max(1, batch)]
-            hit = next((e for e, ok in zip(chunk, judge([c for _, c in chunk])) if ok), None)
+    runs = 0
+    failed: set[str] = set()  # edits (by what they do) this pass judged and the bug did not keep
+    changed = False  # an edit was kept since ``failed`` was emptied: its entries were judged on an earlier case
+    tried: set[str] = set()  # edits judged on the current case
+
+    def out(minimal: bool) -> Reduction:
+        seconds = time.monotonic() - started
+        untried = 0 if minimal else len({what for what, _ in edits(case)} - tried)
+        return Reduction(case, kept, minimal, seconds, runs, untried, budget_s)
+
+    while True:
+        todo = [(what, c) for what, c in edits(case) if what not in failed]
+        hit = None
+        for at in range(0, len(todo), batch):
+            if (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop()):
+                return out(False)
+            chunk = todo[at:at + batch]
+            oks = judge([c for _, c in chunk])
+            runs += len(chunk)
+            for (what, c), ok in zip(chunk, oks):
+                if ok and hit is None:
+                    hit = (what, c)
+                elif not ok:
+                    failed.add(what)
+                    tried.add(what)
             if hit is not None:
-                kept.append(hit[0])
-                case, smaller = hit[1], True
-                if on_smaller:
-                    on_smaller(case)
                 break
-    return case, kept
+        if hit is not None:
+            kept.append(hit[0])
+            case, changed, tried = hit[1], True, set()
+            if on_smaller:
+                on_smaller(case)
+            continue
+        if not changed:  # a whole pass over this case's edits, none kept: 1-minimal
+            return out(True)
+        failed, changed = set(tried), False  # the edits skipped since the last one kept: judged on this case now
 
 
 def edits(case: Case) -> list[tuple[str, Case]]:
@@ -92,11 +158,13 @@ def size(case: Case) -> tuple:
     ck_extras = (ck.split + (not ck.strict) + ck.unexpected + (ck.target_options != case.target_options)
                  + bool(ck.async_save) + (ck.async_save not in ("", "thread"))) if ck else 0
     optim = case.optim
-    extras = (len(optim.kwargs) + bool(optim.tensor_lr) + optim.named + optim.added_groups + optim.added_at
+    extras = (len(optim.kwargs) + TENSOR_LR.index(optim.tensor_lr) + optim.named + optim.added_groups + optim.added_at
               + sum(len(g.overrides) for g in case.groups) + _loop_size(case))
     elements = sum(math.prod(s) for s in shapes.values())
     rest = (model.d_in + _kernels(model.layers) + (model.sizes.get("norm") == "layer")
-            + sum(v for k, v in model.sizes.items() if type(v) is int and k != "n_layers"))
+            + sum(v for k, v in model.sizes.items() if type(v) is int and k != "n_layers")
+            + sum(v for o in [case.target_options] + ([ck.target_options] if ck else [])
+                  for v in o.values() if type(v) is int))  # (a count option: pp's microbatches, stages per rank)
     return (case.ranks, sum(w + len(m) for w, m in sides), ck is not None, structure, len(shapes),
             len(case.schedule), len(case.groups), mentions, options, ck_extras, extras,
             case.batch, case.seq, 8 if case.dtype == "float64" else 4, elements, rest)
@@ -453,10 +521,8 @@ def _reworld(data: dict, checkpoint: bool, mesh: list) -> dict:
 
 
 def _world_edits(data: dict) -> Iterator[Edit]:
-    """No checkpoint; a smaller world (1-D mesh) or the 1-D mesh of the same world, on either side."""
+    """A smaller world (1-D mesh; the fewest ranks first) or the 1-D mesh of the same world, on either side."""
     ck = data["checkpoint"]
-    if ck:
-        yield "no checkpoint", _copy(data, checkpoint=None)
     for side, checkpoint, what in ((data, False, ""), (ck, True, "checkpoint ")):
         if not side:
             continue
@@ -564,7 +630,8 @@ def _checkpoint_edits(data: dict) -> Iterator[Edit]:
 
 def _option_edits(data: dict) -> Iterator[Edit]:
     """Drop a target option (back to the target's default), on either side;
-    in an option keyed by FQN (placements, wrapped units, a TP plan) one entry at a time."""
+    in an option keyed by FQN (placements, wrapped units, a TP plan) one entry
+    at a time; a count (pp's microbatches, stages per rank) smaller."""
     fqns = _modules(param_shapes(Case.from_dict(data).model))
     ck = data["checkpoint"]
     for side, what in ((data, ""), (ck, "checkpoint ")):
@@ -581,11 +648,16 @@ def _option_edits(data: dict) -> Iterator[Edit]:
                 options[key] = ({k: v for k, v in value.items() if k != entry} if isinstance(value, dict)
                                 else [e for e in value if e != entry])
                 yield f"{what}{key}: drop {entry}", new
+            for smaller in sorted({1, value // 2, value - 1} - {0}) if type(value) is int and value > 1 else ():
+                new = copy.deepcopy(data)
+                (new["checkpoint"] if what else new)["target_options"][key] = smaller
+                yield f"{what}{key} {value} -> {smaller}", new
 
 
 def _optim_edits(data: dict) -> Iterator[Edit]:
-    """Drop the optimizer's extras (a tensor lr, named params, add_param_group)
-    and each kwarg torch has another default for (lr and the implementation stay)."""
+    """Drop the optimizer's extras (named params, add_param_group) and each
+    kwarg torch has another default for (lr and the implementation stay; a
+    tensor lr: ``_plain_lr``)."""
     optim = data["optim"]
 
     def changed(what, **fields) -> Edit:
@@ -593,8 +665,6 @@ def _optim_edits(data: dict) -> Iterator[Edit]:
         new["optim"].update(fields)
         return what, new
 
-    if optim["tensor_lr"]:
-        yield changed("lr as a float", tensor_lr="")
     if optim["named"]:
         yield changed("params without names", named=False)
     if optim["added_groups"]:
@@ -626,39 +696,62 @@ def _torch_defaults(name: str) -> dict:
     return out
 
 
-# in order: the edits that remove most first
-def _loop_edits(data: dict) -> Iterator[Edit]:
-    """The training loop around the step (kernel/loop.py), each feature dropped
-    or made plainer: no clip, no scheduler, no scaler, no overflow at a step, a
-    blocking save; clip_grad_norm_ in its plainest form; SequentialLR or
-    ChainedScheduler as one of its children."""
+def _feature_drops(data: dict) -> Iterator[Edit]:
+    """The biggest steps, first: a feature of the case dropped whole (each
+    makes every later run cheaper, and each is one run to try): the
+    checkpoint, its async save, the grad scaler, an overflow step, the LR
+    scheduler, the clipping."""
     def changed(what, **fields) -> Edit:
+        return what, _copy(data, **fields)
+
+    clip, sched, scaler, ck = data.get("clip"), data.get("lr_scheduler"), data.get("scaler"), data.get("checkpoint")
+    if ck:
+        yield changed("no checkpoint", checkpoint=None)
+        if ck.get("async_save"):
+            yield changed("a blocking save", checkpoint={**ck, "async_save": ""})
+    if scaler:
+        yield changed("no grad scaler", scaler=None)
+        for k in scaler["overflow"]:
+            yield changed(f"no overflow at step {k}", scaler={**scaler, "overflow": [j for j in scaler["overflow"] if j != k]})
+    if sched:
+        yield changed("no LR scheduler", lr_scheduler=None)
+    if clip:
+        yield changed("no clipping", clip=None)
+
+
+def _plain_lr(data: dict) -> Iterator[Edit]:
+    """The plainest lr: a tensor lr as a float, else a 1-element tensor as a 0-d one."""
+    kind = data["optim"]["tensor_lr"]
+    for plainer in TENSOR_LR[:TENSOR_LR.index(kind)]:
         new = copy.deepcopy(data)
-        new.update(fields)
-        return what, new
+        new["optim"]["tensor_lr"] = plainer
+        yield ("lr as a float" if not plainer else f"lr as a {plainer} tensor, not {kind}"), new
+
+
+def _loop_details(data: dict) -> Iterator[Edit]:
+    """The training loop's features (kernel/loop.py) made plainer where
+    ``_feature_drops`` could not drop them: clip_grad_norm_ in its plainest
+    form; SequentialLR or ChainedScheduler as one of its children; the
+    target's own grad scaler; the plainest async save."""
+    def changed(what, **fields) -> Edit:
+        return what, _copy(data, **fields)
 
     clip, sched, scaler, ck = data.get("clip"), data.get("lr_scheduler"), data.get("scaler"), data.get("checkpoint")
     if clip:
-        yield changed("no clipping", clip=None)
         plain = {"how": "norm", "norm_type": "2", "foreach": None, "error_if_nonfinite": False}
         for key, value in plain.items():
             if clip[key] != value and not (key == "how" and clip["how"] == "own"):
                 yield changed(f"clip: {key} {clip[key]} -> {value}", clip={**clip, key: value})
     if sched:
-        yield changed("no LR scheduler", lr_scheduler=None)
         for i, child in enumerate(sched["children"]):
             yield changed(f"{sched['name']} -> its scheduler {i} ({child['name']})", lr_scheduler=child)
-    if scaler:
-        yield changed("no grad scaler", scaler=None)
-        if scaler.get("amp"):
-            yield changed("the target's own grad scaler", scaler={**scaler, "amp": False})
-        for k in scaler["overflow"]:
-            yield changed(f"no overflow at step {k}", scaler={**scaler, "overflow": [j for j in scaler["overflow"] if j != k]})
-    if ck and ck.get("async_save"):
-        yield changed("a blocking save", checkpoint={**ck, "async_save": ""})
-        if ck["async_save"] != "thread":  # the plainest async form: async_save(checkpoint_id=...)
-            yield changed(f"async_save {ck['async_save']} -> thread", checkpoint={**ck, "async_save": "thread"})
+    if scaler and scaler.get("amp"):
+        yield changed("the target's own grad scaler", scaler={**scaler, "amp": False})
+    if ck and ck.get("async_save") and ck["async_save"] != "thread":  # the plainest async form
+        yield changed(f"async_save {ck['async_save']} -> thread", checkpoint={**ck, "async_save": "thread"})
 
 
-EDITS = (_world_edits, _layer_drops, _model_flags, _decoder_edits, _step_edits, _group_edits, _flag_edits,
-         _checkpoint_edits, _option_edits, _optim_edits, _loop_edits, _size_edits, _layer_details)
+# in order: the biggest steps first (a whole feature, then ranks, then the structure, then the finer things); a
+# pass tries each once (``minimize``), so an edit early in the list is also one that every pass tries first
+EDITS = (_feature_drops, _world_edits, _plain_lr, _layer_drops, _model_flags, _decoder_edits, _step_edits, _group_edits,
+         _flag_edits, _checkpoint_edits, _option_edits, _optim_edits, _loop_details, _size_edits, _layer_details)

@@ -14,14 +14,23 @@ the pool holds), and the pool runs them side by side on disjoint ranks. A pack
 with a new finding raises it, and Hypothesis shrinks the pack: it drops the
 other cases, then shrinks the one left. ``max_examples`` still counts cases.
 
-Nothing found is lost, and the search ends in time:
+Nothing found is lost, every finding is 1-minimal, and the search ends in time:
   - *shrinking*: each case Hypothesis shrinks a new finding to goes to the
     book (``accept``; its final replay: ``shrunk_to``), which rewrites the
-    file; when the search ends the book finishes every finding (``finish``);
-  - *time*: ``duration`` bounds the session, and its overrun (``grace``)
-    is a tenth of it (at least ``GRACE_FLOOR``), confirmations inside it; a round that found
-    something searches and shrinks for ``shrink_budget`` more seconds at
-    most, then ends with its smallest cases;
+    file; a round that found something searches and shrinks for
+    ``hypothesis_shrink`` seconds at most (a third of ``shrink_budget``; a
+    hang, which is not reduced, the whole of it), then ends with its
+    smallest cases;
+  - *reducing*: right after that round (not at the session's end), the book
+    makes the round's findings 1-minimal (reduce.py: ``reduce_round``)
+    within ``shrink_budget``, then confirms them fresh (``settle``); a later
+    case no smaller than a settled finding is counted, not shrunk again. The
+    reduction is never cut by ``duration``: a round the duration ended is
+    reduced past it, for ``shrink_budget`` at most (``overrun``);
+  - *time*: ``duration`` bounds the search; the session runs past it by its
+    last round's reduction (at most ``shrink_budget``) and its ``grace``, a
+    tenth of the duration (at least ``GRACE_FLOOR``: a last case, the
+    confirmations);
   - *hangs*: once cases of a kind (target, ranks, checkpoint or not) have
     passed, each case runs under a timeout derived from the slowest of them
     (``SEARCH_TIMEOUT_FACTOR`` times it, ``SHRINK_TIMEOUT_FACTOR`` while a
@@ -38,6 +47,7 @@ from __future__ import annotations
 import collections
 import json
 import hashlib
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -70,6 +80,12 @@ SEARCH_TIMEOUT_FLOOR = 15.0  # ... searching: a case of shapes torch has not see
 PASSES_TO_DERIVE = 3  # passing cases of a kind before its own slowest is the measure (before: the slowest of all)
 GRACE_FRACTION = 0.1  # a --duration session may run over by this fraction of it (confirmations included) ...
 GRACE_FLOOR = 20.0  # ... or, a session shorter than 200 s, by this many seconds (a last case, a confirmation)
+# A round that found something goes on searching and shrinking (Hypothesis) for this fraction of the shrink
+# budget at most, then ends, and the reducer (reduce.py) has the whole budget for the round's findings: its edits
+# take big steps (a whole feature, the ranks) where Hypothesis's later passes polish widths and seeds, and a
+# shrink left to run for the whole budget (a busy machine, slow cases) left the reducer nothing (issue 45)
+HYPOTHESIS_SHRINK_FRACTION = 1 / 3
+HYPOTHESIS_SHRINK_ENV = "FUZZSHARD_HYPOTHESIS_SHRINK"  # seconds: the bound set outright (tests make it small)
 
 
 class _RoundOver(KeyboardInterrupt):
@@ -127,7 +143,7 @@ class Stats:
 
 @dataclass
 class _Round:
-    found_at: float | None = None  # when this round raised its first finding
+    found_at: float | None = None  # when this round raised its first finding (Hypothesis's shrink counts from here)
     pending: set = field(default_factory=set)
     valid_before: int = 0  # the session's valid cases when the round began
     hang: bool = False  # a hang is shrinking: cases run under a derived timeout
@@ -164,6 +180,7 @@ class Session:
         plugins=(),
         pack: int | None = None,
         book_class: Callable[..., FindingBook] | None = None,
+        hypothesis_shrink: float | None = None,
     ):
         self.pool = pool
         # (read off the class, never bound: a plain function a subclass names is called as it is)
@@ -175,6 +192,10 @@ class Session:
         self.max_examples = max_examples
         self.duration = duration
         self.shrink_budget = default_shrink_budget(duration) if shrink_budget is None else shrink_budget
+        # how long a round that found something goes on searching and shrinking (Hypothesis) before it ends
+        self.hypothesis_shrink = hypothesis_shrink_bound(self.shrink_budget) if hypothesis_shrink is None \
+            else hypothesis_shrink
+        self._reducing_until: float | None = None  # while a round's findings are reduced: the end of their budget
         self.seed = seed
         self.device = device
         self.progress = progress = progress or sys.stderr  # when called, not imported (pytest swaps stderr)
@@ -200,6 +221,7 @@ class Session:
             pool, self.out, self.stats, findings_dir=self.findings_dir, known=load_known() if known is None else known,
             progress=progress, optimizer_names=self.strategy_kwargs.get("optimizer_names"), plugins=self.plugins,
             pack=self.pack, shrink_budget=self.shrink_budget, variant_timeout=self._derived_timeout)
+        self.book.tick = self._report_progress  # progress lines while a reduction runs (no case of the search does)
 
     # what the summary reads (cli/fuzz.py): the book's
     @property
@@ -235,7 +257,8 @@ class Session:
                 if self._stopped():
                     break
                 n = self.max_examples if not self._deadline else 25
-                self._run_round(target, n, self.seed + rnd, reuse=rnd == 0, pin=self._steer(target))
+                found = self._run_round(target, n, self.seed + rnd, reuse=rnd == 0, pin=self._steer(target))
+                self._settle(found)
                 self.book.catch_up()
             rnd += 1
             if not self._deadline:
@@ -253,14 +276,39 @@ class Session:
         self.book.stopped = True
 
     def grace(self) -> float:
-        """How far past ``duration`` the session may run to finish a case and confirm its findings."""
+        """How far past ``duration`` (and its last round's reduction) the session may run to finish a case
+        and confirm its findings."""
         return max(GRACE_FRACTION * (self.duration or 0.0), GRACE_FLOOR)
+
+    def overrun(self) -> float:
+        """How far past ``duration`` the session may run at most: its last round's reduction (the shrink
+        budget) and its grace. Reduction is never cut by the duration: a finding met in the last second
+        gets its whole budget; a session whose last round found nothing ends within the grace."""
+        return self.shrink_budget + self.grace()
+
+    def _settle(self, rnd: _Round) -> None:
+        """Right after a round: its findings made 1-minimal (the book's ``reduce_round``) within the shrink
+        budget, past the duration if need be (``overrun``), then confirmed fresh and rewritten (``settle``).
+        A stopped session leaves its files as they are."""
+        if not rnd.pending or self.stop_reason is not None:
+            return
+        self._reducing_until = time.monotonic() + self.shrink_budget
+        try:
+            self.book.reduce_round(rnd.pending, self._reducing_until)
+        finally:
+            self._reducing_until = None
+        if self._deadline is not None:  # past the duration: its confirmations start no later than half the grace on
+            self.book.until = max(self.book.until, time.monotonic() + 0.5 * self.grace())
+        self.book.settle(rnd.pending)
 
     def _stopped(self) -> bool:
         return self.stop_reason is not None or (self._deadline is not None and time.monotonic() >= self._deadline)
 
     def _round_over(self, rnd: _Round) -> bool:
-        return self._stopped() or (rnd.found_at is not None and time.monotonic() >= rnd.found_at + self.shrink_budget)
+        """Stopped, out of time, or Hypothesis has shrunk the round's findings for ``hypothesis_shrink``; a
+        hang, which the reducer leaves as it is (each edit could cost a timeout), for the whole shrink budget."""
+        bound = self.shrink_budget if rnd.hang else self.hypothesis_shrink
+        return self._stopped() or (rnd.found_at is not None and time.monotonic() >= rnd.found_at + bound)
 
     def _steer(self, target: str) -> dict:
         """What the next round of a timed session draws (schedule.py): every cell of optimizer x implementation,
@@ -272,10 +320,11 @@ class Session:
             return {}
         return self.schedule.steer(target, self.world_sizes, self.strategy_kwargs)
 
-    def _run_round(self, target: str, n: int, seed: int, reuse: bool = True, pin: dict | None = None) -> None:
+    def _run_round(self, target: str, n: int, seed: int, reuse: bool = True, pin: dict | None = None) -> _Round:
         """One Hypothesis run over ``target``; ``reuse``: replay the example
         database's failures first (a target's first round: later ones would
-        only shrink them again); ``pin``: strategy arguments this round holds fixed."""
+        only shrink them again); ``pin``: strategy arguments this round holds fixed.
+        Returns the round: what it found (``pending``) and when (``found_at``)."""
         import fuzzshard.strategies as fst
 
         strategy = fst.cases(target=target, world_sizes=self.world_sizes, device=self.device,
@@ -313,6 +362,8 @@ class Session:
                     self._failing[key] = (sig, verdict)
                 else:  # run before (Hypothesis replays its minimal example): same verdict
                     sig, verdict = self._failing[key]
+                    if self.book.again(sig):  # an earlier round's case of a finding settled since: not shrunk again
+                        continue
                     if current_build_context().is_final:
                         self.book.shrunk_to(sig, case, verdict)
                 rnd.pending.add(sig)
@@ -348,6 +399,7 @@ class Session:
         except Exception as e:  # hypothesis.errors.FlakyFailure and friends
             if not _only_findings(e):
                 raise _pool_error(e) or e
+        return rnd
 
     def _database(self):
         if not isinstance(self.database, str):
@@ -468,15 +520,22 @@ class Session:
         self._last_print = now
         st = self.stats
         elapsed = now - st.started
-        shrinking = self.book.shrinking()
+        states = self.book.states()  # shrinking (Hypothesis), reducing (reduce.py), 1-minimal, ...
         line = (
             f"[fuzzshard] {st.cases} cases ({st.valid} valid{self._of()}, {st.invalid} invalid) · "
             f"findings: {len(self.book.tracks)} new in {self.findings_dir}"
-            + (f" ({shrinking} shrinking)" if shrinking else "")
+            + (f" ({', '.join(f'{n} {s}' for s, n in states.items())})" if states else "")
             + f", {sum(st.known.values())} known hits · {st.rate():.2f} cases/s · {_clock(elapsed)}"
         )
-        if self.duration:  # elapsed of total, and when it ends (shrinking and confirmations fit in its grace)
-            line += f" of {_clock(self.duration)} (ends in ~{_clock(max(0.0, self.duration - elapsed))})"
+        reducing = self._reducing_until if states.get("reducing") else None
+        if self._deadline is not None and reducing is not None and now >= self._deadline:  # the last round's reduction
+            line += (f" of {_clock(self.duration)}: reducing past it, ~{_clock(max(0.0, reducing - now))} more at "
+                     f"most (--shrink-budget {self.shrink_budget:.0f}s)")
+        elif self.duration:  # elapsed of total, and when it ends (a last round's reduction may go past it: overrun)
+            line += (f" of {_clock(self.duration)} (ends in ~{_clock(max(0.0, self.duration - elapsed))}; "
+                     f"a last finding's reduction {self.shrink_budget:.0f}s past it at most)")
+        elif reducing is not None:
+            line += f" · reducing, ~{_clock(max(0.0, reducing - now))} more at most"
         if st.contaminated:
             line += f" · contaminated {st.contaminated}"
         if st.unsteady:
@@ -503,10 +562,20 @@ def pack_size(pool, world_sizes) -> int:
 
 
 def default_shrink_budget(duration: float | None) -> float:
-    """A round that found something gets this long to finish and shrink:
-    a quarter of the session (at least 30 s), never more than 5 minutes
-    (Hypothesis's own limit)."""
+    """A round that found something shrinks for a third of this at most
+    (Hypothesis), then the reducer has this long to make its findings
+    1-minimal: a quarter of the session (at least 30 s), never more than 5
+    minutes (Hypothesis's own limit)."""
     return 300.0 if not duration else min(300.0, max(30.0, 0.25 * duration))
+
+
+def hypothesis_shrink_bound(shrink_budget: float) -> float:
+    """How long Hypothesis's shrink may take of a round's ``shrink_budget`` (HYPOTHESIS_SHRINK_FRACTION),
+    the rest going to the reducer; $FUZZSHARD_HYPOTHESIS_SHRINK (seconds) sets it outright."""
+    env = os.environ.get(HYPOTHESIS_SHRINK_ENV)
+    if env:
+        return min(float(env), shrink_budget)
+    return HYPOTHESIS_SHRINK_FRACTION * shrink_budget
 
 
 def _pool_error(e: BaseException) -> PoolError | None:
