@@ -33,7 +33,9 @@ def assert_well_formed(case: Case) -> None:
     text = case.to_json()
     assert Case.from_json(text) == case
     shapes = param_shapes(case.model)
+    # every module the model has, parameter-free ones too (pp's ``wrap`` may fully_shard an activation layer)
     modules = {".".join(n.split(".")[:i]) for n in shapes for i in range(1, n.count(".") + 2)}
+    modules |= {f"layers.{i}" for i in range(len(case.model.layers))}
     named = [n for g in case.groups for n in g.params] + list(case.frozen)
     named += [n for s in case.schedule for n in (*s.freeze, *s.unfreeze)]
     named += list(case.checkpoint.missing) if case.checkpoint else []
