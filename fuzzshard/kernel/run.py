@@ -375,6 +375,9 @@ def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
             target.scale_loss = None
         traced = trace.take() if trace else None
         if loop.scaler:
+            if loop.partial(k):  # an overflow in some grads only: on the ranks that hold its element
+                phase("step", f"step {k}: a non-finite grad in {loop.partial(k).param}")
+                loop.inject(k, model)
             phase("step", f"step {k}: scaler.unscale_")
             loop.unscale()
         phase("other", f"step {k}: gather grads")
