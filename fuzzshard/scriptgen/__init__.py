@@ -403,7 +403,7 @@ class Writer:
             body.append(f"opt.zero_grad(set_to_none={[s.set_to_none for s in c.schedule]!r}[k])")
         body.append("x, y = batch(k)")
         body += loop.backward(c, self.w.forward_backward(c, options, world, shape), first, last)
-        body += loop.unscale(c)
+        body += loop.unscale(c, first=first, last=last)  # (after a partial overflow, where the case has one)
         if p["mode"] == "parity":
             body.append(f"got.append({self.w.grads(c, options)})")
         elif p["observe"] and self.w.grads(c, options):
@@ -629,6 +629,7 @@ class Writer:
                      f"{self.plain_loss('plain', 'x')}.backward()  # {getattr(self.w, 'BATCH', 'the whole batch')}"]
             sens = ", sens=sens.get(n, 0.0)" if self.sensitive() else ""
             body += ["sens = sensitivity(plain, x, y)"] * bool(sens)
+            body += loop.overflow_plain(c, steps)
             body += guard([f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, GRAD_ULPS{sens})"
                            "  # summed in another order", "         for n, q in plain.named_parameters()]"])
         replayed, loop_checks = loop.replay(c, what) if loop.used(c) else ([], [])
