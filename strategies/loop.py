@@ -90,12 +90,13 @@ def scalers(draw, n_steps: int, amp_too: bool = False, shapes: dict | None = Non
                     growth_factor=draw(st.sampled_from([2.0, 4.0])), backoff_factor=draw(st.sampled_from([0.5, 0.25])),
                     growth_interval=draw(st.sampled_from([2000, 1, 2])), overflow=overflow,
                     amp=amp_too and draw(st.booleans()))  # (the target's own scaler first: where a shrunk case goes)
-    if overflow and shapes and draw(st.booleans()):
+    if overflow and shapes and draw(st.integers(0, 3)):  # 3 in 4 (0, a whole-loss overflow, first)
         k = draw(st.sampled_from(overflow))
         param = draw(st.sampled_from(sorted(shapes)))
         numel = max(math.prod(shapes[param]), 1)
         at = Overflow(step=k, param=param, index=draw(st.integers(0, numel - 1)),
-                      value=draw(st.sampled_from(["inf", "nan", "-inf"])), layer=draw(st.booleans()))
+                      value=draw(st.sampled_from(["inf", "nan", "-inf"])),
+                      layer=draw(st.sampled_from([False, False, True])))
         scaler = dataclasses.replace(scaler, overflow=tuple(j for j in overflow if j != k), overflow_at=at)
     return scaler
 
@@ -113,5 +114,6 @@ def loop_features(draw, spec, case, features, steer: dict | None = None) -> dict
     if "scaler" in features and spec.scaler and not case.optim.added_at:  # (Case.check_world says why)
         from fuzzshard.kernel.model import param_shapes
 
-        out["scaler"] = draw(scalers(len(case.schedule), spec.amp_scaler, param_shapes(case.model)))
+        shapes = {n: s for n, s in param_shapes(case.model).items() if not n.startswith("unused.")}  # (no grads)
+        out["scaler"] = draw(scalers(len(case.schedule), spec.amp_scaler, shapes))
     return out

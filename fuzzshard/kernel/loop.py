@@ -2,9 +2,10 @@
 Lightning's) runs it, one step at a time:
 
     scaler.scale(loss).backward()      # an overflow step: the loss made infinite on purpose
+    g[i] = inf                         # or a partial one: an element of a grad, where a rank holds it
     scaler.unscale_(opt)               # the grads as the plain model's: observed here
     norm = clip_grad_norm_(...)        # the total norm and the clipped grads: observed
-    scaler.step(opt); scaler.update()  # skipped when a grad is not finite; the scale moves
+    scaler.step(opt); scaler.update()  # skipped when a grad is not finite (found_inf observed); the scale moves
     lr_scheduler.step()                # every group's lr: observed with the hyperparameters
 
 The sharded run (run.py) and the reference (reference.py) each build a Loop
@@ -104,7 +105,8 @@ class Loop:
         return bool(self.scaler or self.lr or self.case.clip)
 
     def overflows(self, k: int) -> bool:
-        """Whether step ``k``'s loss is made infinite on purpose (its grads are no one's to compare)."""
+        """Whether step ``k``'s loss is made infinite on purpose (its grads are no one's to compare); a
+        partial overflow at ``k`` (``partial``) takes its place."""
         return bool(self.scaler) and k in self.case.scaler.overflow and not self.partial(k)
 
     def partial(self, k: int):
