@@ -99,6 +99,18 @@ class Loop:
                                backoff_factor=s.backoff_factor, growth_interval=s.growth_interval)
         self.lr = build_lr_scheduler(opt, case.lr_scheduler) if case.lr_scheduler else None
         self.found_inf = None  # the last step's found_inf (0 or 1), read between scaler.step and update
+        # the sharded run's (run.py sets it): found_inf observed as every rank's of the job, one all_gather, so
+        # the reporting rank's record says which rank skipped apart from the reference (one face, whichever rank)
+        self.every_rank = False
+
+    def _every(self, value: float):
+        import torch.distributed as dist
+
+        if not (self.every_rank and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [value]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, value)  # the job's ranks: its default group (meshes.job)
+        return every
 
     @property
     def used(self) -> bool:
@@ -182,7 +194,7 @@ class Loop:
         if self.scaler:
             out["scale"] = torch.tensor(float(self.scaler.get_scale()), dtype=torch.float64)
             if self.found_inf is not None:  # whether the step was skipped: the scaler's decision, on every rank
-                out["found_inf"] = torch.tensor(self.found_inf, dtype=torch.float64)
+                out["found_inf"] = torch.tensor(self._every(self.found_inf), dtype=torch.float64)
         if self.lr is not None and hasattr(self.lr, "get_last_lr"):
             out["last_lr"] = torch.tensor([float(v) for v in self.lr.get_last_lr()], dtype=torch.float64)
         return out

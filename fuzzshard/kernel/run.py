@@ -318,6 +318,7 @@ def _train(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
     trace = Trace(model, target.full_activation, target.full_activation_grad, target.trace_points(case),
                   replicas=True) if localize and target.localizable else None
     out = []
+    loop.every_rank = True  # its found_inf observed as every rank's (the reference compares each with its own)
 
     compared = target.replica_quantities(device)
 
