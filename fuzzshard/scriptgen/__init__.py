@@ -652,6 +652,7 @@ class Writer:
         body += loop_checks
         run = [f"k = {steps[0]}"] + body if len(steps) == 1 else [f"for k in {steps!r}:"] + common.indent(body)
         run += loop.same_norm() if what in ("", "clip") and c.clip and c.clip.how != "value" else []
+        run += loop.same_scale(c) if what in ("", "loop") else []
         return ["", "# the plain model replays the step on the whole batch from the sharded run's state",
                 *plain, *opt, *self.mixed_precision(), "fail = []", *run, "fail = [f for f in fail if f]",
                 "if rank == 0:",

@@ -172,7 +172,7 @@ def _value(at) -> str:
 
 
 def _at_step(at, first: int, last: int, lines: list[str], why: str) -> list[str]:
-    return [f"if k == {at.step}:  # {why}"] + common.indent(lines) if last > first else lines
+    return [f"if k == {at.step}:  # {why}"] + common.indent(lines) if last > first else [f"# {why}"] + lines
 
 
 def overflow(case: Case, first: int, last: int, model: str = "model") -> list[str]:
@@ -387,3 +387,14 @@ def same_norm() -> list[str]:
             "dist.all_gather_object(every, [str(float(r[\"norm\"])) for r in ran])",
             "fail += [f\"step {k} total norm: the ranks' differ: {[e[k] for e in every]}\" for k in range(len(ran)) "
             "if len({e[k] for e in every}) > 1]"]
+
+
+def same_scale(case: Case) -> list[str]:
+    """Under a partial overflow: every rank's scale after each step is the same number (each rank's scaler
+    backs off only where it skipped: a rank that stepped apart keeps another scale), one all_gather."""
+    if not _partial(case):
+        return []
+    return ["every = [None] * dist.get_world_size()  # every rank's scale after each step: the same skip decision",
+            "dist.all_gather_object(every, [float(r[\"scale\"]) for r in ran])",
+            "fail += [f\"step {k} scale: the ranks' differ (one skipped the step, another did not): {[e[k] for e in every]}\"",
+            "         for k in range(len(ran)) if len({e[k] for e in every}) > 1]"]
