@@ -128,6 +128,23 @@ class LRScheduler:
 
 
 @dataclass(frozen=True)
+class Overflow:
+    """A non-finite grad where real training makes one (kernel/loop.py ``inject``): at schedule step
+    ``step``, after backward and before ``unscale_``, element ``index`` (flat, row-major) of the full grad of
+    param ``param`` is set to ``value`` ("inf", "-inf" or "nan"), or with ``layer`` every element of it (a
+    float16 layer whose grads overflow). Only the ranks whose local grad holds that element see it: the
+    owner of a sharded element alone (its shard of a reduce-scatter overflowed), every copy of a replicated
+    one (a replica is made by a collective or by the same op on the same inputs, so it overflows on every
+    rank that holds it). The scaler must then skip the step on every rank, as the reference, whose plain
+    grad gets the same value in the same element, does: what ShardedGradScaler's all-reduce of found_inf is for."""
+    step: int
+    param: str
+    index: int = 0
+    value: str = "inf"
+    layer: bool = False
+
+
+@dataclass(frozen=True)
 class Scaler:
     """Loss scaling (torch.amp.GradScaler, or ShardedGradScaler where a target uses it): scale the loss,
     unscale before clipping, skip a step whose grads are not finite, and move the scale."""
@@ -139,6 +156,9 @@ class Scaler:
     # torch.amp.GradScaler where the target's own scaler is another (fsdp2: ShardedGradScaler; torchtitan's docs
     # pair FSDP2 with amp's, whose DTensor unscale reduces found_inf over the grads' mesh itself)
     amp: bool = field(default=False, metadata={"omit_default": True})
+    # an overflow in some grads only (one element of one param, on the ranks that hold it), in place of the
+    # whole-loss overflow at its step; left out of the JSON when none
+    overflow_at: Overflow | None = field(default=None, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)
@@ -202,6 +222,18 @@ class Case:
             raise CaseError("a grad scaler with param groups added mid-run: their params' grads stay scaled")
         if self.scaler and not all(0 <= k < len(self.schedule) for k in self.scaler.overflow):
             raise CaseError(f"an overflow at steps {list(self.scaler.overflow)}: the schedule has {len(self.schedule)} steps")
+        if self.scaler and self.scaler.overflow_at:
+            at = self.scaler.overflow_at
+            from .kernel.model import param_shapes
+
+            shape = param_shapes(self.model).get(at.param)
+            if not 0 <= at.step < len(self.schedule):
+                raise CaseError(f"an overflow in {at.param}'s grad at step {at.step}: the schedule has {len(self.schedule)} steps")
+            if shape is None:
+                raise CaseError(f"an overflow in {at.param}'s grad: the model has no such param")
+            if not 0 <= at.index < max(math.prod(shape), 1) or at.value not in ("inf", "-inf", "nan"):
+                raise CaseError(f"an overflow of {at.value!r} at element {at.index} of {at.param} "
+                                f"({math.prod(shape)} elements; inf, -inf or nan)")
         if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):
             raise CaseError(f"checkpoint after step {self.checkpoint.after}: the schedule has {len(self.schedule)} steps")
         from .kernel.state_io import async_save_problem  # where an async save can run is said beside it

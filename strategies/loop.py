@@ -7,9 +7,12 @@ no more of the loop than its bug needs.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import hypothesis.strategies as st
 
-from fuzzshard.case import Clip, LRScheduler, Scaler
+from fuzzshard.case import Clip, LRScheduler, Overflow, Scaler
 
 FEATURES = ("clip", "lr_scheduler", "scaler", "async_save")  # async_save: checkpoints() draws it
 
@@ -72,16 +75,30 @@ def lr_schedulers(draw, n_steps: int, steered=None) -> LRScheduler | None:
 
 
 @st.composite
-def scalers(draw, n_steps: int, amp_too: bool = False) -> Scaler | None:
+def scalers(draw, n_steps: int, amp_too: bool = False, shapes: dict | None = None) -> Scaler | None:
     """Powers of two throughout (as the defaults are), so scaling and unscaling are exact; now and then a
-    step whose loss overflows on purpose, and a growth interval short enough for the scale to grow."""
+    step whose loss overflows on purpose, and a growth interval short enough for the scale to grow.
+    Where a case overflows, now and then its first overflow step overflows where real training does
+    instead (``overflow_at``, drawn last, so every other draw stays where it was): a non-finite value
+    in one element of one param's grad (``shapes``: the model's params), seen only by the ranks
+    that hold that element, or in every element of one param's grad (a float16 layer that overflows).
+    It shrinks to the whole-loss overflow (None first), then to the first param, element 0, inf."""
     if not draw(st.booleans()):
         return None
     overflow = tuple(k for k in range(n_steps) if draw(st.sampled_from([False, False, True])))
-    return Scaler(init_scale=2.0 ** draw(st.sampled_from([16, 0, 8, 24])),
-                  growth_factor=draw(st.sampled_from([2.0, 4.0])), backoff_factor=draw(st.sampled_from([0.5, 0.25])),
-                  growth_interval=draw(st.sampled_from([2000, 1, 2])), overflow=overflow,
-                  amp=amp_too and draw(st.booleans()))  # (the target's own scaler first: where a shrunk case goes)
+    scaler = Scaler(init_scale=2.0 ** draw(st.sampled_from([16, 0, 8, 24])),
+                    growth_factor=draw(st.sampled_from([2.0, 4.0])), backoff_factor=draw(st.sampled_from([0.5, 0.25])),
+                    growth_interval=draw(st.sampled_from([2000, 1, 2])), overflow=overflow,
+                    amp=amp_too and draw(st.booleans()))  # (the target's own scaler first: where a shrunk case goes)
+    if overflow and shapes and draw(st.integers(0, 3)):  # 3 in 4 (0, a whole-loss overflow, first)
+        k = draw(st.sampled_from(overflow))
+        param = draw(st.sampled_from(sorted(shapes)))
+        numel = max(math.prod(shapes[param]), 1)
+        at = Overflow(step=k, param=param, index=draw(st.integers(0, numel - 1)),
+                      value=draw(st.sampled_from(["inf", "nan", "-inf"])),
+                      layer=draw(st.sampled_from([False, False, True])))
+        scaler = dataclasses.replace(scaler, overflow=tuple(j for j in overflow if j != k), overflow_at=at)
+    return scaler
 
 
 @st.composite
@@ -95,5 +112,8 @@ def loop_features(draw, spec, case, features, steer: dict | None = None) -> dict
     if "lr_scheduler" in features and spec.lr_scheduler and (spec.lr_scheduler_checkpoint or not case.checkpoint):
         out["lr_scheduler"] = draw(lr_schedulers(len(case.schedule), steer.get("lr_scheduler")))
     if "scaler" in features and spec.scaler and not case.optim.added_at:  # (Case.check_world says why)
-        out["scaler"] = draw(scalers(len(case.schedule), spec.amp_scaler))
+        from fuzzshard.kernel.model import param_shapes
+
+        shapes = {n: s for n, s in param_shapes(case.model).items() if not n.startswith("unused.")}  # (no grads)
+        out["scaler"] = draw(scalers(len(case.schedule), spec.amp_scaler, shapes))
     return out

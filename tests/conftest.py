@@ -18,6 +18,9 @@ SLOW = {
         "a second planted dtensor parity bug (2 min): skip_weight_decay proves the parity oracle on dtensor",
     "test_planted.py::test_planted_bug_is_found_shrunk_and_replays_anywhere[fsdp2_fp16_no_postdivide]":
         "world size 4 with mixed precision (2.5 min): fsdp2_skip_average proves fsdp2's parity",
+    "test_planted.py::test_planted_sharded_scaler_found_inf_bug_is_found_from_a_partial_overflow_and_replays":
+        "an fsdp2 session, two replays and two torchrun scripts (1-2.5 min): the plant is caught on fsdp1, fsdp2 "
+        "and sharded_optim in the default tier by test_loop_targets.py's partial-overflow cases",
     "test_planted.py::test_two_planted_bugs_are_two_findings_each_one_file":
         "100 examples, each with a checkpoint: folding is unit-tested in test_generalize.py and by skip_weight_decay's faces",
     "test_plugin.py::test_a_users_model_and_parallelism_from_one_file_are_fuzzed_and_a_tp_bug_found":

@@ -177,12 +177,14 @@ def test_planted_target_bug_is_found_shrunk_and_replays(tmp_path, target, bug, o
 LOOP_BUGS = [
     # issue 38's training loop, one planted bug per feature, hunted with the whole loop drawn (--loop all): the
     # shrunk case keeps only the feature its bug needs (Hypothesis shrinks each to not used, the reducer drops it)
-    # bug file, --checkpoints, examples, the finding's file pattern, its signature, its oracle, the feature it needs
-    ("loop_clip_coef_squared.py", "none", 30, "dtensor.parity.*clipped_grad.json",
+    # bug file, --checkpoints, (examples, seed), the finding's file pattern, its signature, its oracle, the feature
+    # it needs (seeds picked again when issue 45's partial overflows moved the sessions' draws: clip and sched
+    # from 0 to 2 and 5, where a 30-example session finds each bug under one signature)
+    ("loop_clip_coef_squared.py", "none", (30, 2), "dtensor.parity.*clipped_grad.json",
      r"^dtensor\.parity\.clipped_grad$", "parity", "clip"),
-    ("loop_sched_load_drops_epoch.py", "all", 30, "dtensor.checkpoint.*.loaded.lr_scheduler*.json",
+    ("loop_sched_load_drops_epoch.py", "all", (30, 5), "dtensor.checkpoint.*.loaded.lr_scheduler*.json",
      r"^dtensor\.checkpoint\.\w+\.loaded\.lr_scheduler(\._schedulers\.\d+)?\.last_epoch$", "checkpoint", "lr_scheduler"),
-    ("loop_scaler_steps_on_inf.py", "none", 30, "dtensor.parity.*.json",
+    ("loop_scaler_steps_on_inf.py", "none", (30, 0), "dtensor.parity.*.json",
      r"^dtensor\.parity\.\w+\.\w+\.(param|state\.\w+)$", "parity", "scaler"),
 ]
 
@@ -195,8 +197,8 @@ def test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays(tmp_path, b
     # 20 s of shrinking after the find: the loop's fields shrink in Hypothesis's first passes and the reducer
     # makes the rest 1-minimal (the default budget with --max-examples, 5 min, only polishes the seed and widths)
     r = run_cli("fuzz", "--target", "dtensor", "--loop", "all", "--checkpoints", checkpoints, "--max-examples",
-                examples, "--shrink-budget", "20s", "--seed", 0, "--world-sizes", 1, "--case-timeout", 60, "--out",
-                out, setup=bug)
+                examples[0], "--shrink-budget", "20s", "--seed", examples[1], "--world-sizes", 1, "--case-timeout", 60,
+                "--out", out, setup=bug)
     found = sorted(out.glob(pattern))
     assert r.returncode == 1 and len(found) == 1, f"{[p.name for p in found]}; stderr:\n{r.stderr[-3000:]}"
     finding = json.loads(found[0].read_text())
@@ -216,6 +218,40 @@ def test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays(tmp_path, b
     buggy = run_cli("replay", found[0], setup=bug)
     assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
     assert run_cli("replay", found[0]).returncode == 0
+
+
+def test_planted_sharded_scaler_found_inf_bug_is_found_from_a_partial_overflow_and_replays(tmp_path):
+    """Issue 45: ShardedGradScaler keeping found_inf per rank shows only under an overflow that some ranks'
+    shards hold (Scaler.overflow_at): the rank whose shard overflowed skips, the other steps. A short session
+    (seed 6 draws a partial overflow within 30 examples) finds it, shrinks it to the partial overflow alone
+    (1 step, 2 ranks: the smallest world with a rank that does not hold the element) under one signature
+    whichever rank holds it (every rank's found_inf against the reference's); it replays, and its straight-line
+    script (the element set in the holding rank's grad before unscale_) fails with the bug and passes without."""
+    bug = "loop_sharded_scaler_found_inf_unshared.py"
+    out = tmp_path / "out"
+    r = run_cli("fuzz", "--target", "fsdp2", "--loop", "scaler", "--checkpoints", "none", "--max-examples", 30,
+                "--shrink-budget", "20s", "--seed", 6, "--world-sizes", 2, "--optimizers", "SGD,Adam",
+                "--case-timeout", 60, "--out", out, setup=bug)
+    found = sorted(out.glob("fsdp2.parity.*.json"))
+    assert r.returncode == 1 and len(found) == 1, f"{[p.name for p in found]}; stderr:\n{r.stderr[-3000:]}"
+    finding = json.loads(found[0].read_text())
+    case = finding["case"]
+    assert finding["signature"] == "fsdp2.parity.loop.found_inf", finding["signature"]
+    first = finding["verdict"]["first"]
+    assert first["want"] == 1.0 and first["got"] == 0.0 and first["numel"] == 2, first  # a rank that did not skip
+    assert finding["deterministic"] is True and finding["stage"] == "confirmed"
+    at = case["scaler"]["overflow_at"]
+    assert at and not at["layer"] and not case["scaler"]["overflow"], case["scaler"]  # shrunk to the partial one
+    assert case["world_size"] == 2 and len(case["schedule"]) == 1 and at["step"] == 0, case
+    buggy = run_cli("replay", found[0], setup=bug)
+    assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
+    assert run_cli("replay", found[0]).returncode == 0
+    script = found[0].with_suffix(".py")
+    assert "overflows on the ranks that hold it" in script.read_text()  # straight-line, not the flattened kernel
+    buggy = torchrun(script, 2, "--setup", PLANTED / bug, cwd=tmp_path)
+    assert buggy.returncode != 0 and "FINDING" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(script, 2, cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
 
 
 def test_zero_param_group_added_mid_run_is_partitioned_and_trained(tmp_path):

@@ -179,7 +179,7 @@ def _loop_size(case: Case) -> int:
     if sched:
         n += 1 + 2 * len(sched.children)
     if scaler:
-        n += 1 + len(scaler.overflow) + scaler.amp
+        n += 1 + len(scaler.overflow) + scaler.amp + (scaler.overflow_at is not None)
     return n
 
 
@@ -561,6 +561,9 @@ def _step_edits(data: dict) -> Iterator[Edit]:
             new["target_options"]["uneven"] = [min(c, n - 1) for c in new["target_options"]["uneven"]]
         if new.get("scaler"):  # the overflows stay at the steps they were drawn for
             new["scaler"]["overflow"] = [j - (j > k) for j in new["scaler"]["overflow"] if j != k]
+            at = new["scaler"].get("overflow_at")
+            if at:  # a partial overflow too; gone with its step
+                new["scaler"]["overflow_at"] = None if at["step"] == k else {**at, "step": at["step"] - (at["step"] > k)}
         yield f"drop step {k}", new
 
 
@@ -713,6 +716,9 @@ def _feature_drops(data: dict) -> Iterator[Edit]:
         yield changed("no grad scaler", scaler=None)
         for k in scaler["overflow"]:
             yield changed(f"no overflow at step {k}", scaler={**scaler, "overflow": [j for j in scaler["overflow"] if j != k]})
+        at = scaler.get("overflow_at")
+        if at:
+            yield changed(f"no partial overflow at step {at['step']}", scaler={**scaler, "overflow_at": None})
     if sched:
         yield changed("no LR scheduler", lr_scheduler=None)
     if clip:

@@ -2,9 +2,10 @@
 Lightning's) runs it, one step at a time:
 
     scaler.scale(loss).backward()      # an overflow step: the loss made infinite on purpose
+    g[i] = inf                         # or a partial one: an element of a grad, where a rank holds it
     scaler.unscale_(opt)               # the grads as the plain model's: observed here
     norm = clip_grad_norm_(...)        # the total norm and the clipped grads: observed
-    scaler.step(opt); scaler.update()  # skipped when a grad is not finite; the scale moves
+    scaler.step(opt); scaler.update()  # skipped when a grad is not finite (found_inf observed); the scale moves
     lr_scheduler.step()                # every group's lr: observed with the hyperparameters
 
 The sharded run (run.py) and the reference (reference.py) each build a Loop
@@ -97,14 +98,51 @@ class Loop:
             self.scaler = make(init_scale=s.init_scale, growth_factor=s.growth_factor,
                                backoff_factor=s.backoff_factor, growth_interval=s.growth_interval)
         self.lr = build_lr_scheduler(opt, case.lr_scheduler) if case.lr_scheduler else None
+        self.found_inf = None  # the last step's found_inf (0 or 1), read between scaler.step and update
+        # the sharded run's (run.py sets it): found_inf observed as every rank's of the job, one all_gather, so
+        # the reporting rank's record says which rank skipped apart from the reference (one face, whichever rank)
+        self.every_rank = False
+
+    def _every(self, value: float):
+        import torch.distributed as dist
+
+        if not (self.every_rank and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [value]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, value)  # the job's ranks: its default group (meshes.job)
+        return every
 
     @property
     def used(self) -> bool:
         return bool(self.scaler or self.lr or self.case.clip)
 
     def overflows(self, k: int) -> bool:
-        """Whether step ``k``'s loss is made infinite on purpose (its grads are no one's to compare)."""
-        return bool(self.scaler) and k in self.case.scaler.overflow
+        """Whether step ``k``'s loss is made infinite on purpose (its grads are no one's to compare); a
+        partial overflow at ``k`` (``partial``) takes its place."""
+        return bool(self.scaler) and k in self.case.scaler.overflow and not self.partial(k)
+
+    def partial(self, k: int):
+        """Step ``k``'s overflow in some grads only (case.Overflow), or None."""
+        at = self.case.scaler.overflow_at if self.scaler else None
+        return at if at is not None and at.step == k else None
+
+    def inject(self, k: int, model) -> None:
+        """The sharded run, after backward and before ``unscale_``: step ``k``'s
+        partial overflow set in this rank's local grad, where it holds the
+        element (a collective over the job where the param is a DTensor)."""
+        at = self.partial(k)
+        if at is not None:
+            inject_local(model, at)
+
+    def inject_full(self, k: int, grads: dict) -> dict:
+        """The reference: step ``k``'s partial overflow set in the full grad
+        (``grads``: {fqn: plain grad or None}), in place; ``grads`` back."""
+        at = self.partial(k)
+        g = grads.get(at.param) if at is not None else None
+        if g is not None:
+            with torch.no_grad():
+                _set(g, at, overflow_value(at))
+        return grads
 
     def scale_loss(self, k: int):
         """What a target applies to its loss before backward (None: nothing)."""
@@ -133,6 +171,7 @@ class Loop:
         """The optimizer's step (through the scaler), the scaler's update, the scheduler's step."""
         if self.scaler:
             self.scaler.step(self.opt)
+            self.found_inf = found_inf(self.scaler, self.opt)
             self.scaler.update()
         else:
             self.opt.step()
@@ -154,6 +193,8 @@ class Loop:
         out = {}
         if self.scaler:
             out["scale"] = torch.tensor(float(self.scaler.get_scale()), dtype=torch.float64)
+            if self.found_inf is not None:  # whether the step was skipped: the scaler's decision, on every rank
+                out["found_inf"] = torch.tensor(self._every(self.found_inf), dtype=torch.float64)
         if self.lr is not None and hasattr(self.lr, "get_last_lr"):
             out["last_lr"] = torch.tensor([float(v) for v in self.lr.get_last_lr()], dtype=torch.float64)
         return out
@@ -204,6 +245,112 @@ class Loop:
         else:
             self.load_state_dict(torch.load(os.path.join(path, "loop.pt"), weights_only=False))
         return comparable(self.state_dict())
+
+
+def found_inf(scaler, opt) -> float:
+    """Whether ``scaler`` found an inf or a NaN in ``opt``'s grads this step
+    (1.0: the step is skipped), as ``GradScaler.step`` reads it: any device's
+    found_inf non-zero (ShardedGradScaler's all-reduce sums them: a count of
+    the ranks that saw one, so only whether it is non-zero is compared)."""
+    per_device = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+    return float(any(float(v.sum()) != 0.0 for v in per_device.values()))
+
+
+def overflow_value(at) -> float:
+    return {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[at.value]
+
+
+def inject_local(model, at) -> None:
+    """Set ``at``'s element (case.Overflow) in this rank's local grad of param
+    ``at.param``, wherever the target keeps it: an FSDP1 FlatParameter's
+    sharded grad (the original param's span of it on this rank), a DTensor's
+    local grad (the elements of its shard, found by distributing the flat
+    indices as the grad is placed: one scatter over its mesh, every rank
+    calls it), a ShardedTensor's local shards, else a plain whole grad (a
+    replica: every rank's copy). A rank that does not hold the element sets
+    nothing; every copy of a replicated element is set."""
+    from .model import named_params, plain_fqn
+
+    value = overflow_value(at)
+    with torch.no_grad():
+        if _inject_fsdp1(model, at, value, plain_fqn):
+            return
+        p = named_params(model).get(at.param)
+        if p is None:
+            return
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(p, DTensor) or isinstance(p.grad, DTensor):
+            g = p.grad
+            if g is None:
+                return
+            from torch.distributed.tensor import Replicate, distribute_tensor
+            from torch.distributed.tensor.placement_types import Partial
+
+            # every rank must join the scatter, whether it holds the element or not
+            ids = torch.arange(g.numel(), dtype=torch.int64, device=g.to_local().device).reshape(g.shape)
+            placements = [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements]
+            ids = distribute_tensor(ids, g.device_mesh, placements).to_local()
+            local = g.to_local()
+            mask = torch.ones_like(ids, dtype=torch.bool) if at.layer else ids == at.index
+            if mask.any():
+                local.masked_fill_(mask.to(local.device), value)
+            return
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        if isinstance(p, ShardedTensor):
+            full = tuple(p.size())
+            for shard in p.local_shards():
+                t = shard.tensor
+                if t.grad is None:
+                    continue
+                if at.layer:
+                    t.grad.fill_(value)
+                    continue
+                at_full = [int(i) for i in torch.unravel_index(torch.tensor(at.index), full)] if full else []
+                md = shard.metadata
+                if all(o <= c < o + n for c, o, n in zip(at_full, md.shard_offsets, md.shard_sizes)):
+                    t.grad[tuple(c - o for c, o in zip(at_full, md.shard_offsets))] = value
+            return
+        if p.grad is not None:
+            _set(p.grad, at, value)
+
+
+def _set(g: torch.Tensor, at, value: float) -> None:
+    if at.layer:
+        g.fill_(value)
+    elif at.index < g.numel():
+        g[tuple(int(i) for i in torch.unravel_index(torch.tensor(at.index), g.shape))] = value
+
+
+def _inject_fsdp1(model, at, value: float, plain_fqn) -> bool:
+    """FSDP1: the param's span of its FlatParameter's sharded grad on this
+    rank (the original params' grads are views of it with use_orig_params);
+    True where an FSDP1 handle holds the param (set or not on this rank)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if not any(isinstance(m, FSDP) for m in model.modules()):
+        return False
+    from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+
+    prefix = {id(m._handle): plain_fqn(n) for n, m in model.named_modules()
+              if isinstance(m, FSDP) and m._handle is not None}
+    for handle in _get_fsdp_handles(model):
+        fp = handle.flat_param
+        pre = prefix.get(id(handle), "")
+        for fqn, info in zip(fp._fqns, fp._shard_param_infos):
+            if (f"{pre}.{fqn}" if pre else fqn) != at.param:
+                continue
+            grad = handle.sharded_grad
+            if grad is None or not info.in_shard:
+                return True
+            start, end = info.intra_param_start_idx, info.intra_param_end_idx
+            if at.layer:
+                grad[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard] = value
+            elif start <= at.index <= end:
+                grad[info.offset_in_shard + at.index - start] = value
+            return True
+    return False
 
 
 def comparable(value):

@@ -66,6 +66,7 @@ def reference_error(case: Case, device: str, target_cls) -> dict | None:
                 x, y, scale = target_cls.reference_batch(case, k, x, y)
                 loss = target_cls.objective(model, x, y, options) * scale
                 scaled(loss).backward()
+            loop.inject_full(k, {n: p.grad for n, p in model.named_parameters()})  # a partial overflow
             loop.unscale()
             loop.clip(list(model.parameters()))
             loop.step(loss.detach())
@@ -182,6 +183,8 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                 loss = target_cls.objective(model, x, y, options) * scale
                 loss.backward()
                 grads, tol = {n: p.grad for n, p in params.items()}, red_tol
+            # an overflow in some grads only: the same non-finite value in the same element of the full grad
+            loops[device].inject_full(k, grads)
             traced = None
             if trace:  # its hooks are done with this step: off before any nudged pass below could add to it
                 traced = trace.take()
@@ -245,7 +248,10 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             stepped += _compare_state(k, rec["state"], state_by_fqn(opt_s, model_s, lambda t: t), step_tol, rel,
                                       state_extra)
             stepped.append(compare_hparams(k, rec["groups"], group_hparams(opt_s)))
-            stepped += _compare_loop(k, rec.get("loop") or {}, loops[step_device(options_at(case, k)[0], device)])
+            loop_checks = _compare_loop(k, rec.get("loop") or {}, loops[step_device(options_at(case, k)[0], device)])
+            # whether the scaler skipped the step comes first: a wrong decision is what the params then show
+            skipped = [m for m in loop_checks if m and m["quantity"] == "loop.found_inf"]
+            stepped = skipped + stepped + [m for m in loop_checks if m not in skipped]
             for m in stepped:  # a fused step that read a non-contiguous grad: part of what names the bug
                 if m and m["fqn"] in rec.get("noncontig", ()):
                     m["grad"] = "non-contiguous"
@@ -325,6 +331,9 @@ def _loop_step(case: Case, k: int, loops: dict, at: str, stepper: tuple, rec: di
     loop, (model_s, opt_s) = loops[at], stepper
     out = []
     if loop.scaler:
+        # a partial overflow set in the sharded grads too (the gathered copy holds it already where the run
+        # kept it): the reference's skip is decided by its own grads, the truth every rank must agree on
+        loop.inject_full(k, {n: p.grad for n, p in model_s.named_parameters()})
         scale = loop.scaler.scale(torch.ones((), device=next(model_s.parameters(), torch.zeros(())).device))
         with torch.no_grad():
             for p in model_s.parameters():
@@ -354,4 +363,6 @@ def _loop_step(case: Case, k: int, loops: dict, at: str, stepper: tuple, rec: di
 def _compare_loop(k: int, got: dict, loop) -> list:
     """The scale and the scheduler's last lrs after step k: exact (they are not computed from the data)."""
     want = loop.observe()
+    if got.get("found_inf") is not None and want.get("found_inf") is not None:  # every rank's vs the reference's
+        want["found_inf"] = want["found_inf"].expand_as(got["found_inf"])
     return [compare(f"loop.{key}", k, "", got.get(key), want.get(key), LOOP_EXACT) for key in sorted(set(got) | set(want))]

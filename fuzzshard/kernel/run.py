@@ -318,6 +318,7 @@ def _train(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
     trace = Trace(model, target.full_activation, target.full_activation_grad, target.trace_points(case),
                   replicas=True) if localize and target.localizable else None
     out = []
+    loop.every_rank = True  # its found_inf observed as every rank's (the reference compares each with its own)
 
     compared = target.replica_quantities(device)
 
@@ -375,6 +376,9 @@ def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
             target.scale_loss = None
         traced = trace.take() if trace else None
         if loop.scaler:
+            if loop.partial(k):  # an overflow in some grads only: on the ranks that hold its element
+                phase("step", f"step {k}: a non-finite grad in {loop.partial(k).param}")
+                loop.inject(k, model)
             phase("step", f"step {k}: scaler.unscale_")
             loop.unscale()
         phase("other", f"step {k}: gather grads")

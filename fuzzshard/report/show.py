@@ -73,6 +73,10 @@ def _loop(c) -> list[str]:
     if c.scaler:
         s = c.scaler
         over = f", the loss made infinite at step(s) {', '.join(map(str, s.overflow))}" if s.overflow else ""
+        at = s.overflow_at
+        if at:  # a partial overflow (case.Overflow)
+            where = f"every element of {at.param}'s grad" if at.layer else f"element {at.index} of {at.param}'s grad"
+            over += f", {at.value} in {where} at step {at.step} (on the ranks that hold it)"
         out.append(f"scaler    init_scale={s.init_scale:g}, growth_factor={s.growth_factor:g}, "
                    f"backoff_factor={s.backoff_factor:g}, growth_interval={s.growth_interval}{over}")
     if c.clip:

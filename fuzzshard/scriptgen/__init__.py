@@ -436,7 +436,7 @@ class Writer:
             body.append(f"opt.zero_grad(set_to_none={[s.set_to_none for s in c.schedule]!r}[k])")
         body.append("x, y = batch(k)")
         body += loop.backward(c, self.w.forward_backward(c, options, world, shape), first, last)
-        body += loop.unscale(c)
+        body += loop.unscale(c, first=first, last=last)  # (after a partial overflow, where the case has one)
         seen_grads, mid, seen_step = [], [], []  # what each step observes after its backward, and after its step
         if parity:
             seen_grads.append(f"got.append({self.w.grads(c, options)})")
@@ -667,6 +667,7 @@ class Writer:
                      f"{self.plain_loss('plain', 'x')}.backward()  # {getattr(self.w, 'BATCH', 'the whole batch')}"]
             sens = ", sens=sens.get(n, 0.0)" if self.sensitive() else ""
             body += ["sens = sensitivity(plain, x, y)"] * bool(sens)
+            body += loop.overflow_plain(c, steps)
             body += guard([f"fail += [check(f\"step {{k}} grad {{n}}\", got[k][n], q.grad, GRAD_ULPS{sens})"
                            "  # summed in another order", "         for n, q in plain.named_parameters()]"])
         replayed, loop_checks = loop.replay(c, what) if loop.used(c) else ([], [])
@@ -689,6 +690,7 @@ class Writer:
         body += loop_checks
         run = [f"k = {steps[0]}"] + body if len(steps) == 1 else [f"for k in {steps!r}:"] + common.indent(body)
         run += loop.same_norm() if what in ("", "clip") and c.clip and c.clip.how != "value" else []
+        run += loop.same_scale(c) if what in ("", "loop") else []
         return ["", "# the plain model replays the step on the whole batch from the sharded run's state",
                 *plain, *opt, *self.mixed_precision(), "fail = []", *run, "fail = [f for f in fail if f]",
                 "if rank == 0:",

@@ -112,7 +112,8 @@ def _sharded_scaler(case: Case) -> bool:
 
 
 def imports(case: Case) -> list[str]:
-    return ["from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler"] * _sharded_scaler(case)
+    return ["from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler"] * _sharded_scaler(case) + \
+        ["from torch.distributed.tensor import Replicate, distribute_tensor"] * bool(_partial(case))
 
 
 def build(case: Case, opt: str = "opt", sched: str = "sched", scaler: str = "scaler", sharded: bool = True,
@@ -141,7 +142,8 @@ def backward(case: Case, lines: list[str], first: int, last: int) -> list[str]:
     at the steps whose loss overflows on purpose."""
     if not case.scaler:
         return lines
-    over = [k for k in case.scaler.overflow if first <= k <= last]
+    partial = _partial(case)
+    over = [k for k in case.scaler.overflow if first <= k <= last and not (partial and partial.step == k)]
     if not over:
         inf, note = "", ""
     elif first == last:
@@ -161,8 +163,57 @@ def backward(case: Case, lines: list[str], first: int, last: int) -> list[str]:
     return out
 
 
-def unscale(case: Case, opt: str = "opt", scaler: str = "scaler") -> list[str]:
-    return [f"{scaler}.unscale_({opt})  # the grads as the plain model's"] if case.scaler else []
+def _partial(case: Case, first: int = 0, last: int | None = None):
+    at = case.scaler.overflow_at if case.scaler else None
+    return at if at is not None and first <= at.step <= (len(case.schedule) - 1 if last is None else last) else None
+
+
+def _value(at) -> str:
+    return {"inf": "float(\"inf\")", "-inf": "-float(\"inf\")", "nan": "float(\"nan\")"}[at.value]
+
+
+def _at_step(at, first: int, last: int, lines: list[str], why: str) -> list[str]:
+    return [f"if k == {at.step}:  # {why}"] + common.indent(lines) if last > first else [f"# {why}"] + lines
+
+
+def overflow(case: Case, first: int, last: int, model: str = "model") -> list[str]:
+    """The sharded run's partial overflow (case.Overflow, kernel/loop.py inject_local), after backward and
+    before ``unscale_``: the element set in this rank's local grad where its shard holds it (a DTensor grad's
+    flat indices distributed as the grad is placed tell which), every copy of a replicated one."""
+    at = _partial(case, first, last)
+    if at is None:
+        return []
+    what = f"every element of {at.param}'s grad" if at.layer else f"element {at.index} of {at.param}'s grad"
+    if at.layer:
+        lines = [f"g = {model}.get_parameter({at.param!r}).grad",
+                 "if g is not None:",
+                 f"    (g.to_local() if isinstance(g, DTensor) else g).fill_({_value(at)})  # this rank's part of it"]
+    else:
+        lines = [f"g = {model}.get_parameter({at.param!r}).grad",
+                 "if isinstance(g, DTensor):  # each element's flat index, placed as the grad: which this rank holds",
+                 "    ids = torch.arange(g.numel(), device=g.to_local().device).reshape(g.shape)",
+                 "    ids = distribute_tensor(ids, g.device_mesh, [Replicate() if q.is_partial() else q for q in g.placements])",
+                 f"    g.to_local().masked_fill_(ids.to_local().to(g.to_local().device) == {at.index}, {_value(at)})",
+                 "elif g is not None:",
+                 f"    g.view(-1)[{at.index}] = {_value(at)}"]
+    return _at_step(at, first, last, lines, f"{what} overflows on the ranks that hold it: every rank must skip")
+
+
+def overflow_plain(case: Case, steps: list[int], model: str = "plain") -> list[str]:
+    """The same partial overflow in the plain model's full grad (kernel/reference.py): its skip is the truth."""
+    at = _partial(case)
+    if at is None or at.step not in steps:
+        return []
+    g = f"{model}.get_parameter({at.param!r}).grad"
+    set_ = f"{g}.fill_({_value(at)})" if at.layer else f"{g}.view(-1)[{at.index}] = {_value(at)}"
+    lines = [f"if {g} is not None:", f"    {set_}  # the same non-finite value in the same element"]
+    return _at_step(at, min(steps), max(steps), lines, "the partial overflow, in the full grad")
+
+
+def unscale(case: Case, opt: str = "opt", scaler: str = "scaler", first: int = 0, last: int = -1) -> list[str]:
+    if not case.scaler:
+        return []
+    return overflow(case, first, last) + [f"{scaler}.unscale_({opt})  # the grads as the plain model's"]
 
 
 def _norm_type(case: Case) -> str:
@@ -342,3 +393,14 @@ def same_norm() -> list[str]:
             "dist.all_gather_object(every, [str(float(r[\"norm\"])) for r in ran])",
             "fail += [f\"step {k} total norm: the ranks' differ: {[e[k] for e in every]}\" for k in range(len(ran)) "
             "if len({e[k] for e in every}) > 1]"]
+
+
+def same_scale(case: Case) -> list[str]:
+    """Under a partial overflow: every rank's scale after each step is the same number (each rank's scaler
+    backs off only where it skipped: a rank that stepped apart keeps another scale), one all_gather."""
+    if not _partial(case):
+        return []
+    return ["every = [None] * dist.get_world_size()  # every rank's scale after each step: the same skip decision",
+            "dist.all_gather_object(every, [float(r[\"scale\"]) for r in ran])",
+            "fail += [f\"step {k} scale: the ranks' differ (one skipped the step, another did not): {[e[k] for e in every]}\"",
+            "         for k in range(len(ran)) if len({e[k] for e in every}) > 1]"]
