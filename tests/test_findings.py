@@ -336,3 +336,16 @@ def test_fsdp1_scatter_placeholder_replica_faces_are_known_for_a_1d_tensor_lr_sc
         shard = dataclasses.replace(f.case, checkpoint=dataclasses.replace(
             ck, target_options={**ck.target_options, "legacy_load": "shard"}))
         assert known_signature(sig, shard, known) is None
+
+
+def test_a_crash_at_a_collective_is_the_amp_found_inf_bug_only_where_a_partial_overflow_split_the_ranks():
+    """DTensor's found_inf handler reads the first grad's placements only: an inf in one rank's shard makes that
+    rank skip alone and the next collective aborts. A crash there is any bug's face, so it is this known root
+    cause only under a partial overflow (only_when), a new finding otherwise."""
+    known = load_known()
+    for sig in ("dtensor.crash.Killed_by_SIGABRT.other.all_gather", "dtensor.crash.Killed_by_SIGABRT.other.all_gather_single"):
+        f = known[sig]
+        assert f.root_cause == "dtensor-amp-found-inf-first-grad-placements"
+        assert f.case.scaler.overflow_at is not None and known_signature(sig, f.case, known) == sig
+        whole = dataclasses.replace(f.case, scaler=dataclasses.replace(f.case.scaler, overflow_at=None))
+        assert known_signature(sig, whole, known) is None
