@@ -366,15 +366,9 @@ def _row(dimension: str, w: int, j, sig: str):
 WIDE_MAX = 512  # the widest layer _widened makes (a Linear of 512x512 is a small case still)
 
 
-def _widened(case, even: int):
-    """(``case`` with every width of its model times k, k) where k is the least that makes every width a
-    multiple of ``even``, or None (a plugin's model, wider than WIDE_MAX, or a case that cannot be)."""
-    import math
-
-    from ..case import Case
-
-    data = case.to_dict()
-    model = data["model"]
+def _widths(case) -> list[int] | None:
+    """Every width of ``case``'s model (its input's, each layer's in and out), or None for a plugin's model."""
+    model = case.to_dict()["model"]
     if model.get("factory"):
         return None
     widths, stack = [model["d_in"]], list(model["layers"])
@@ -382,24 +376,45 @@ def _widened(case, even: int):
         layer = stack.pop()
         widths += [w for w in (layer["d_in"], layer["d_out"]) if w]
         stack += layer["children"]
+    return widths
+
+
+def _rewidth(case, new):
+    """``case`` with every nonzero width w of its model made ``new(w)``, or None where that case cannot be."""
+    from ..case import Case
+
+    data = case.to_dict()
+    model = data["model"]
+
+    def apply(layer):
+        layer.update(d_in=layer["d_in"] and new(layer["d_in"]), d_out=layer["d_out"] and new(layer["d_out"]))
+        for child in layer["children"]:
+            apply(child)
+
+    model["d_in"] = new(model["d_in"])
+    for layer in model["layers"]:
+        apply(layer)
+    try:
+        rewidthed = Case.from_dict(data)
+        rewidthed.check()
+        return rewidthed
+    except Exception:
+        return None
+
+
+def _widened(case, even: int):
+    """(``case`` with every width of its model times k, k) where k is the least that makes every width a
+    multiple of ``even``, or None (a plugin's model, wider than WIDE_MAX, or a case that cannot be)."""
+    import math
+
+    widths = _widths(case)
+    if widths is None:
+        return None
     k = math.lcm(*(even // math.gcd(w, even) for w in widths))
     if k == 1 or max(widths) * k > WIDE_MAX:
         return None if k != 1 else (case, 1)
-
-    def scale(layer):
-        layer.update(d_in=layer["d_in"] * k, d_out=layer["d_out"] * k)
-        for child in layer["children"]:
-            scale(child)
-
-    model["d_in"] *= k
-    for layer in model["layers"]:
-        scale(layer)
-    try:
-        wide = Case.from_dict(data)
-        wide.check_world()
-        return wide, k
-    except Exception:
-        return None
+    wide = _rewidth(case, lambda w: w * k)
+    return (wide, k) if wide is not None else None
 
 
 def _skewed(case, a: int, b: int):
@@ -408,35 +423,14 @@ def _skewed(case, a: int, b: int):
     None where it cannot be (a plugin's model, wider than WIDE_MAX, or a case the new widths break)."""
     import math
 
-    from ..case import Case
-
-    data = case.to_dict()
-    model = data["model"]
-    if model.get("factory"):
+    widths = _widths(case)
+    if widths is None:
         return None
     k = math.lcm(a, b)
-    widths, stack = [model["d_in"]], list(model["layers"])
-    while stack:
-        layer = stack.pop()
-        widths += [w for w in (layer["d_in"], layer["d_out"]) if w]
-        stack += layer["children"]
     if max(widths) * k + 1 > WIDE_MAX:
         return None
-
-    def skew(layer):
-        layer.update(d_in=layer["d_in"] and layer["d_in"] * k + 1, d_out=layer["d_out"] and layer["d_out"] * k + 1)
-        for child in layer["children"]:
-            skew(child)
-
-    model["d_in"] = model["d_in"] * k + 1
-    for layer in model["layers"]:
-        skew(layer)
-    try:
-        skewed = Case.from_dict(data)
-        skewed.check_world()
-        return skewed, k
-    except Exception:
-        return None
+    skewed = _rewidth(case, lambda w: w * k + 1)
+    return (skewed, k) if skewed is not None else None
 
 
 def _resized(case, w: int):
