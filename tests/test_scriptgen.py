@@ -39,6 +39,16 @@ DRAWN = settings(max_examples=40, deadline=None, database=None, derandomize=True
                  suppress_health_check=list(HealthCheck))
 
 
+def finds_with_and_passes_without(src: str, bug: str, finding: str, shown: str, passing: str, tmp_path) -> None:
+    """A 2-rank straight-line script under torchrun: exit 1 with ``finding`` and ``shown`` (where it differs) under
+    the planted ``bug``, exit 0 with ``passing`` on stock torch."""
+    (tmp_path / "repro.py").write_text(src)
+    buggy = torchrun(tmp_path / "repro.py", 2, "--setup", PLANTED / bug, cwd=tmp_path)
+    assert buggy.returncode == 1 and finding in buggy.stdout and shown in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(tmp_path / "repro.py", 2, cwd=tmp_path)
+    assert ok.returncode == 0 and passing in ok.stdout, ok.stdout + ok.stderr[-2000:]
+
+
 def _defs(src: str) -> dict:
     """The script's imports, classes, functions and constants, without its run (which needs a process group)."""
     import ast
@@ -344,12 +354,8 @@ def test_a_replica_findings_script_prints_which_ranks_differ_with_its_planted_bu
     assert fallback_reason(case, {}, verdict) is None
     src = straight_script(case, "replica", {}, verdict)
     assert src.count("\n") < 150 and "def replicas(" in src
-    (tmp_path / "repro.py").write_text(src)
-    buggy = torchrun(tmp_path / "repro.py", 2, "--setup", PLANTED / bug, cwd=tmp_path)
-    assert buggy.returncode == 1 and "FINDING: ranks hold different copies" in buggy.stdout and shown in buggy.stdout, \
-        buggy.stdout + buggy.stderr[-2000:]
-    ok = torchrun(tmp_path / "repro.py", 2, cwd=tmp_path)
-    assert ok.returncode == 0 and "PASS: every rank holds the same" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+    finds_with_and_passes_without(src, bug, "FINDING: ranks hold different copies", shown,
+                                  "PASS: every rank holds the same", tmp_path)
 
 
 def test_a_replica_finding_checks_only_what_diverged_and_falls_back_where_its_copies_are_not_observable():
@@ -564,12 +570,8 @@ def test_fsdp1s_loop_and_zeros_join_scripts_show_their_planted_bug_and_pass_with
     assert fallback_reason(case, {}, verdict) is None
     src = straight_script(case, "planted", {}, verdict)
     assert src.count("\n") < 150 and ("with Join([ddp" in src) == (case.target == "zero")
-    (tmp_path / "repro.py").write_text(src)
-    buggy = torchrun(tmp_path / "repro.py", 2, "--setup", PLANTED / bug, cwd=tmp_path)
-    assert buggy.returncode == 1 and "FINDING: the sharded run differs" in buggy.stdout and shown in buggy.stdout, \
-        buggy.stdout + buggy.stderr[-2000:]
-    ok = torchrun(tmp_path / "repro.py", 2, cwd=tmp_path)
-    assert ok.returncode == 0 and "PASS: the sharded run matches the plain one" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+    finds_with_and_passes_without(src, bug, "FINDING: the sharded run differs", shown,
+                                  "PASS: the sharded run matches the plain one", tmp_path)
 
 
 def test_zeros_and_fsdp1s_local_resume_are_written_with_the_plain_optimizer():
