@@ -23,8 +23,9 @@ class Layer:
     """One node of the model tree.
 
     kinds with params: linear, embedding, layernorm, conv1d;
-    activations: act (``act`` names it); composites: seq, residual (x + f(x)),
-    twice (f(f(x)), one submodule called twice in a forward).
+    activations: act (``act`` names it); dropout (``nn.Dropout(p)``: a mask drawn
+    each forward, kernel/dropout.py says from which seed); composites: seq,
+    residual (x + f(x)), twice (f(f(x)), one submodule called twice in a forward).
     """
 
     kind: str
@@ -34,6 +35,8 @@ class Layer:
     act: str = ""
     kernel: int = 1
     children: tuple[Layer, ...] = ()
+    # dropout's probability; left out of the JSON when unset, so every other layer reads as before
+    p: float = field(default=0.0, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,11 @@ class Case:
         if problem:
             raise CaseError(problem)
         from . import targets  # what this target's options may be is said in its module
+        from .kernel.dropout import dropout_problem  # which targets draw dropout, and how it is judged
 
+        problem = dropout_problem(self)
+        if problem:
+            raise CaseError(problem)
         check = targets.get(self.target).spec.check if self.target in targets.names() else None
         problem = check(self) if check else None
         if problem:

@@ -5,7 +5,9 @@ attention through ``F.scaled_dot_product_attention`` (causal or not, rotary
 position embeddings on q and k, grouped-query: ``n_kv_heads`` divides
 ``n_heads``) -> residual, norm -> MLP (SwiGLU: w1, w3, w2; or GELU: w1, w2)
 -> residual], a final norm and an output head over the vocabulary (tied to
-the embedding or not). The module names are torchtitan's Llama's, so a TP
+the embedding or not). With ``dropout`` p > 0 (optional; absent: none), as
+GPT-2's blocks: attention dropout (``F.scaled_dot_product_attention``'s
+``dropout_p``) and residual dropout on the attention's and the MLP's outputs. The module names are torchtitan's Llama's, so a TP
 plan reads as torchtitan's does. Trained with cross-entropy on token targets
 (model.loss_fn).
 
@@ -36,13 +38,15 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, causal: bool):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, causal: bool, dropout: float = 0.0):
         super().__init__()
-        self.head_dim, self.n_rep, self.causal = head_dim, n_heads // n_kv_heads, causal
+        self.head_dim, self.n_rep, self.causal, self.p = head_dim, n_heads // n_kv_heads, causal, dropout
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        if dropout:  # residual dropout (a module only where drawn: the plain decoder's modules stay as they were)
+            self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x):
         B, L, _ = x.shape
@@ -51,21 +55,25 @@ class Attention(nn.Module):
         # grouped-query: each KV head serves n_rep query heads (Llama's repeat_kv)
         k, v = (t.repeat_interleave(self.n_rep, dim=2) if self.n_rep > 1 else t for t in (k, v))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=self.causal)
-        return self.wo(out.transpose(1, 2).reshape(B, L, -1))
+                                             is_causal=self.causal, dropout_p=self.p if self.training else 0.0)
+        out = self.wo(out.transpose(1, 2).reshape(B, L, -1))
+        return self.resid_dropout(out) if self.p else out
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int, swiglu: bool):
+    def __init__(self, dim: int, hidden: int, swiglu: bool, dropout: float = 0.0):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         if swiglu:
             self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        if dropout:
+            self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
         h = F.silu(self.w1(x)) * self.w3(x) if hasattr(self, "w3") else F.gelu(self.w1(x))
-        return self.w2(h)
+        out = self.w2(h)
+        return self.dropout(out) if hasattr(self, "dropout") else out
 
 
 def _norm(kind: str, dim: int) -> nn.Module:
@@ -77,9 +85,10 @@ class Block(nn.Module):
         super().__init__()
         dim = sizes["n_heads"] * sizes["head_dim"]
         self.attention_norm = _norm(sizes["norm"], dim)
-        self.attention = Attention(dim, sizes["n_heads"], sizes["n_kv_heads"], sizes["head_dim"], sizes["causal"])
+        p = sizes.get("dropout", 0.0)
+        self.attention = Attention(dim, sizes["n_heads"], sizes["n_kv_heads"], sizes["head_dim"], sizes["causal"], p)
         self.ffn_norm = _norm(sizes["norm"], dim)
-        self.feed_forward = FeedForward(dim, sizes["hidden"], sizes["mlp"] == "swiglu")
+        self.feed_forward = FeedForward(dim, sizes["hidden"], sizes["mlp"] == "swiglu", p)
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -117,6 +126,8 @@ DECODER_SIZES = {
     "causal": "causal attention",
     "tied": "the output head shares the embedding's weight",
 }
+# optional sizes: absent means none (the decoders drawn before them read as they did)
+DECODER_OPTIONAL = {"dropout": "attention and residual dropout's p (0: none)"}
 
 
 def decoder(**sizes) -> Decoder:

@@ -162,6 +162,8 @@ def _build(layer: Layer) -> nn.Module:
         return Conv(layer.d_in, layer.d_out, layer.kernel, layer.bias)
     if k == "act":
         return Act(layer.act)
+    if k == "dropout":
+        return nn.Dropout(layer.p)
     if k == "seq":
         return nn.Sequential(*[_build(c) for c in layer.children])
     if k == "residual":

@@ -17,6 +17,7 @@ import torch
 from ..case import Case
 from ..verdict import Mismatch, error_record, finding, invalid, passing
 from .localize import Trace, localize_divergence
+from . import dropout
 from .loop import Loop
 from .model import make_batch, out_dim, param_shapes
 from .optim import group_hparams, resume_defaults, state_by_fqn
@@ -126,6 +127,14 @@ def _user_reduction_length(case: Case) -> int:
 
 
 def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool = False, clock=None) -> dict:
+    """The parity verdict (``_check_parity``); a case with dropout replays each step's masks (kernel/dropout.py)."""
+    try:
+        return _check_parity(case, obs, device, target_cls, localize, clock)
+    finally:
+        dropout.replay_step(None)
+
+
+def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool = False, clock=None) -> dict:
     """``target_cls``: the target the sharded run ran, for its reference hooks
     (base.Target): where its optimizer steps under a step's target options
     (where that is not ``device``, CPU offload, the reference steps a twin of
@@ -164,6 +173,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             prev = {**prev, "grads": {n: None for n in params}, "state": loaded.get("state", prev["state"]),
                     "params": loaded.get("params", prev["params"])}  # a non-strict load may miss a param
         stepper = twins[step_device(options_at(case, k)[0], device)]
+        dropout.replay_step(case, k, device)
         try:
             for m, o in twins.values():
                 before_step(m, o, case, k)
@@ -179,8 +189,12 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             else:
                 x, y, scale = target_cls.reference_batch(case, k, x, y)
                 sens = None  # measured below, only if a comparison fails without it
-                trace = Trace(model, lambda t, fqn: t, lambda t, fqn: t, target_cls.trace_points(case)) if localize and rec["trace"] else None
-                loss = target_cls.objective(model, x, y, options) * scale
+                # dropout: each data-parallel rank's slice from its own seed (kernel/dropout.py), else the objective
+                objective = dropout.replayed(target_cls.objective, target_cls.dropout_world(options, world),
+                                             target_cls.microbatches(options))
+                traced_here = localize and rec["trace"] and not dropout.mode(case)  # one forward a step, not several
+                trace = Trace(model, lambda t, fqn: t, lambda t, fqn: t, target_cls.trace_points(case)) if traced_here else None
+                loss = objective(model, x, y, options) * scale
                 loss.backward()
                 grads, tol = {n: p.grad for n, p in params.items()}, red_tol
             # an overflow in some grads only: the same non-finite value in the same element of the full grad
@@ -193,6 +207,8 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             overflow = loops[device].overflows(k)  # the loss made infinite on purpose: no grads to compare
 
             def loss_and_grads(sens: dict) -> list:
+                if not dropout.compares_loss_and_grads(case):  # masks torch does not promise to be the reference's
+                    return []
                 out = [compare("loss", k, "", rec["loss"], loss.detach(), tol, sens=sens.get("loss", 0.0))]
                 out += [compare("grad", k, n, rec["grads"][n], grads[n], tol, sens=sens.get(n, 0.0),
                                 extra=extra.get(n)) for n in params if not overflow]
@@ -203,7 +219,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
             if here and sens is None:
                 # a sensitivity only widens a bound: what matches without it matches with it, so the
                 # five forward/backward passes that measure it run only where something does not
-                sens = sensitivity(model, params, x, y, functools.partial(target_cls.objective, options=options), scale)
+                sens = sensitivity(model, params, x, y, functools.partial(objective, options=options), scale)
                 with part("compare"):
                     here = loss_and_grads(sens)
             if traced is not None:  # name the module behind this step's divergence, if it has one

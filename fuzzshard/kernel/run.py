@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ..case import Case
 from ..verdict import error_record, finding, invalid, passing
 from .checkpoint import check_loaded, check_loaded_loop, check_saved
+from .dropout import draw_from
 from .gather import gather_batch
 from .localize import Trace
 from .model import build_model, make_batch
@@ -370,6 +371,7 @@ def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
         x, y = meshes.made_alike(lambda: make_batch(case.model, case.seed, k, case.batch, case.seq, device,
                                                     torch_dtype(case)))
         target.scale_loss = loop.scale_loss(k)  # the grad scaler's, else None
+        draw_from(case, k, target.dropout_rank(), device)  # dropout: this rank's masks from its seed (dropout.py)
         try:
             full_loss = target.forward_backward(model, x, y)
         finally:

@@ -76,6 +76,10 @@ class Spec:
     # to its kin targets through them: a case that places every param the same way there
     layout: Callable | None = None
     place_as: Callable | None = None
+    # dropout in its models (kernel/dropout.py): "" none drawn; "replay": each rank's masks are drawn on plain
+    # tensors from its own seed and the reference replays them; "replica": drawn on DTensors or TP's shards,
+    # where torch promises no mask equal to the unsharded op's: loss and grads not compared, the rest is
+    dropout: str = ""
 
 
 class Target:
@@ -164,6 +168,17 @@ class Target:
         for dim in self.dp_dims:
             rank = rank * self.mesh.size(dim) + self.mesh.get_local_rank(dim)
         return rank
+
+    @classmethod
+    def dropout_world(cls, options: dict, world: int) -> int:
+        """How many ranks draw dropout masks each on its own slice of the batch (the reference replays each
+        one's draws, kernel/dropout.py): the world where each rank trains on its slice, else 1 (every rank
+        runs the whole batch, from the same seed)."""
+        return world if cls.spec.data_parallel else 1
+
+    def dropout_rank(self) -> int:
+        """Which of those ranks' seeds this rank draws its masks from."""
+        return self.dp_rank() if self.dropout_world(self.case.target_options, self.case.world_size) > 1 else 0
 
     def dp_size(self) -> int:
         return math.prod(self.mesh.size(dim) for dim in self.dp_dims)

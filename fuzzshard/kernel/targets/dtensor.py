@@ -78,7 +78,7 @@ class DTensorTarget(Target):
     name = "dtensor"
     spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
-                layout=placements_layout, place_as=placements_options)
+                layout=placements_layout, place_as=placements_options, dropout="replica")
     local_replicas = True  # a Replicate param's grad: each rank's own backward on replicated activations
 
     def shard(self, model: nn.Module) -> nn.Module:

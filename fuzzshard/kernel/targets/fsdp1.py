@@ -132,9 +132,14 @@ class FSDP1Target(Target):
     # norm) and clip_grad_value_ (elementwise: right on any shard), any scheduler, ShardedGradScaler
     spec = Spec(options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
                 may_flatten=True, flags_fixed=lambda options: True, fit_options=fit_options, component="FSDP",
-                coverage=coverage, clips=("own", "value"), lr_scheduler=True, scaler=True)
+                coverage=coverage, clips=("own", "value"), lr_scheduler=True, scaler=True, dropout="replay")
     localizable = False  # wrapped module names differ from the reference's
     freeze_before_shard = True  # FSDP records requires_grad per original param when it flattens
+
+    @classmethod
+    def dropout_world(cls, options: dict, world: int) -> int:
+        """``local`` (a loading side without FSDP): every rank runs the whole batch."""
+        return 1 if options.get("local") else world
 
     def __init__(self, case, mesh):
         super().__init__(case, mesh)

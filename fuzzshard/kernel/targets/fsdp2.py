@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map_only
 
 from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
+from ..dropout import draws, has_dropout
 from ..gather import full_batched
 from ..model import loss_fn, param_shapes, submodule, tied_modules
 from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
@@ -210,6 +211,11 @@ def check(case) -> str | None:
         problem = tp_problem(case, mesh, options)
         if problem:
             return what + problem
+        if has_dropout(case.model) and (options.get("tp") or options.get("compile")):
+            # TP's activations are sharded over the TP dim (masks on DTensors or local shards: no promise on CPU,
+            # kernel/dropout.py); a compiled block draws its masks from Inductor's own generator, not eager's
+            return (f"{what}dropout under {'tensor parallel' if options.get('tp') else 'torch.compile'}: "
+                    f"its masks are not the unsharded eager model's by design")
     return None
 
 
@@ -352,10 +358,17 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
     params = dict(low.named_parameters())
     per, m = x.shape[0] // world, options.get("microbatches", 1)
     loss, total, spread, sens = 0.0, {}, {}, {}
+    replay = draws()  # dropout: each rank's masks as it drew them (kernel/dropout.py)
     for r in range(world):
         acc = {}
+        if replay:
+            replay.rank(r)
         for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
-            for key, v in sensitivity(low, params, xm, ym, functools.partial(FSDP2Target.objective, options=options), 1.0 / m).items():
+            objective = functools.partial(FSDP2Target.objective, options=options)
+            # the probe's forwards each draw this microbatch's masks, and leave the generator as it was
+            with replay.kept() if replay else contextlib.nullcontext():
+                probe = sensitivity(low, params, xm, ym, replay.same_masks(objective) if replay else objective, 1.0 / m)
+            for key, v in probe.items():
                 sens[key] = sens.get(key, 0.0) + v / world
             for p in params.values():
                 p.grad = None
@@ -412,7 +425,7 @@ class FSDP2Target(Target):
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True,
-                layout=fsdp2_layout)
+                layout=fsdp2_layout, dropout="replay")
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:

@@ -82,7 +82,7 @@ class TPTarget(DTensorTarget):
     spec = Spec(options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
                 coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
-                layout=tp_layout)
+                layout=tp_layout, dropout="replica")
 
     @property
     def localizable(self) -> bool:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ..dropout import has_dropout
 from ..state_io import as_tensor
 from ..model import loss_fn
 from ..optim import build_optimizer, optimizer_class, param_order
@@ -116,6 +117,8 @@ def check(case) -> str | None:
     if uneven is not None and (len(uneven) != case.world_size or max(uneven) != len(case.schedule) or min(uneven) < 1):
         return (f"uneven inputs {uneven}: want one step count in 1..{len(case.schedule)} per rank of "
                 f"{case.world_size}, one of them {len(case.schedule)}")
+    if uneven and has_dropout(case.model):
+        return "dropout with uneven inputs under Join: a joined rank's shadowed steps are not replayed"
     return None
 
 
@@ -175,7 +178,7 @@ class ZeroTarget(Target):
                 # the loop: full grads on every rank (DDP's or the hand all-reduce) before the step, so
                 # torch.nn.utils' clips and a plain GradScaler see what a local model's would; a scheduler
                 # moves ZeRO's param_groups, which its step syncs into the local optimizer
-                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, dropout="replay")
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
     # ZeroRedundancyOptimizer has no _step_supports_amp_scaling (its step could not pass found_inf on to
     # the local optimizer): GradScaler skips its whole step on an inf, whatever the local optimizer is
