@@ -23,7 +23,7 @@ from fuzzshard.kernel.state_io import ASYNC_SAVES, STATE_DICT_KINDS
 from fuzzshard.kernel.model import param_shapes, tied_modules
 
 from .loop import loop_features
-from .models import models
+from .models import dropouts, models
 from .optimizers import NOT_ELEMENTWISE, ONLY_2D, default_optimizers, group_overrides, optimizer_kwargs
 
 __all__ = ["cases", "checkpoints", "models", "optimizers", "param_groups", "schedules", "target_options", "spec_of",
@@ -190,6 +190,7 @@ def cases(
     mesh_dims: int = 2,
     dims_up_to_world: bool = False,
     loop=(),
+    dropout: bool = False,
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
     into every case, False into none (targets whose spec has checkpoint kinds).
@@ -205,7 +206,9 @@ def cases(
     64 ranks, dims of 1-9 leave most shards empty); they shrink towards 1 as always.
     ``loop``: the training loop's features drawn around the step, of strategies/loop.py's FEATURES ("clip",
     "lr_scheduler", "scaler", "async_save"), where the target takes them; none by default (the draws stay as
-    they were)."""
+    they were).
+    ``dropout``: now and then dropout in the model, where the target draws it (its Spec's ``dropout``;
+    strategies/models.py's ``dropouts``); False (the default): never, and the draws stay as they were."""
     spec = spec_of(target)
     steer = steer or {}
     plan = draw(st.sampled_from(steer["plan"])) if steer.get("plan") else None
@@ -277,6 +280,10 @@ def cases(
     if loop:  # the training loop around the step (strategies/loop.py): after everything, so the draws before stay
         loop = _loop_taken(case, loop)
         case = dataclasses.replace(case, **draw(loop_features(spec, case, loop, steer.get("loop"))))
+    if spec.dropout and dropout:  # dropout (kernel/dropout.py), last of all: the draws before stay as they were
+        with_dropout = dataclasses.replace(case, model=draw(dropouts(case.model)))
+        if valid(with_dropout):  # a target's options that take no dropout (fsdp2's TP, compile) keep the case without
+            case = with_dropout
     assume(valid(case))  # by construction above, but the rule has the last word (never a refused case)
     return case
 

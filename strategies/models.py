@@ -2,6 +2,10 @@
 Conv1d and activations, with residual blocks, a block called twice, tied
 weights, an unused submodule and a buffer.
 
+``dropouts``: now and then dropout in a drawn model (a layer at the end of the
+top level or of a residual/twice body, or the decoder's attention and residual
+dropout), drawn after the rest of the case; it shrinks to none.
+
 ``decoders``: the built-in decoder transformer (kernel/decoder.py), drawn
 where a session asks for it (``--models decoder``). A plugin's models
 (``fuzzshard.plugin.model``) are drawn beside them: ``user_models``.
@@ -11,6 +15,8 @@ size and some are smaller than it (empty shards). Smaller dims, fewer layers
 and plain Linear shrink first.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import hypothesis.strategies as st
 
@@ -81,6 +87,29 @@ def models(draw, depth: int, max_dim: int = 9) -> Model:
 
 
 FAMILIES = ("topologies", "decoder")  # what --models names
+
+DROPOUT_P = [0.5, 0.25, 0.1]  # the first is what a drawn dropout shrinks to: half the units, the plainest mask
+DROPOUT_ONE_IN = 3  # a model with dropout: one draw in this many (a --dropout session, where the target draws it)
+
+
+@st.composite
+def dropouts(draw, model: Model) -> Model:
+    """``model`` with dropout, one draw in DROPOUT_ONE_IN (0 first: none, what it shrinks to). A topology
+    gets ``Layer("dropout", p=p)`` at the end of some residual/twice bodies (residual dropout; a twice body
+    draws two masks a forward) and/or at the end of the top level: added last, so no param's name moves and
+    the groups, placements and options drawn before it stay right. A decoder: ``sizes["dropout"] = p``. A
+    plugin's model: none."""
+    if model.factory not in ("", "decoder") or draw(st.integers(0, DROPOUT_ONE_IN - 1)) < DROPOUT_ONE_IN - 1:
+        return model
+    p = draw(st.sampled_from(DROPOUT_P))
+    if model.factory == "decoder":
+        return dataclasses.replace(model, sizes={**model.sizes, "dropout": p})
+    inside = {i for i, layer in enumerate(model.layers) if layer.kind in ("residual", "twice") and draw(st.booleans())}
+    layers = [dataclasses.replace(layer, children=layer.children + (Layer("dropout", p=p),)) if i in inside else layer
+              for i, layer in enumerate(model.layers)]
+    if not inside or draw(st.booleans()):
+        layers.append(Layer("dropout", p=p))
+    return dataclasses.replace(model, layers=tuple(layers))
 
 
 @st.composite

@@ -100,6 +100,11 @@ def draw_args(p) -> None:
                         "stepped every step and checkpointed), scaler (GradScaler / ShardedGradScaler with steps that "
                         "overflow on purpose), async_save (dcp.async_save while training goes on); all (the "
                         "default) or none. Each shrinks to not used")
+    p.add_argument("--dropout", action="store_true",
+                   help="also draw dropout (nn.Dropout layers, the decoder's attention and residual dropout) in one "
+                        "case in 3, where the target takes it; each rank's masks are seeded per step and the "
+                        "reference replays them, or loss and grads go uncompared where torch promises no mask "
+                        "(docs/oracles.md, Dropout). Off by default: the draws stay as they were")
     p.add_argument("--checkpoints", choices=["some", "all", "none"], default="some",
                    help="save mid-schedule and resume from a fresh model (full state dict, broadcast from rank 0, or "
                         "DCP files, at any of the world sizes) in some cases (default), every case, or none")
@@ -263,6 +268,8 @@ def strategy_kwargs(args) -> dict:
         out["models"] = model_families(args.models)
     if args.compile:
         out["compile"] = True
+    if getattr(args, "dropout", False):
+        out["dropout"] = True
     loop = loop_features(getattr(args, "loop", "none"))
     if loop:
         out["loop"] = loop

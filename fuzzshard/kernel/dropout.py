@@ -29,10 +29,12 @@ to is the target's ``Spec.dropout`` (docs/oracles.md, "Dropout", says why for ea
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..case import Case, Model
+if TYPE_CHECKING:
+    from ..case import Case, Model
 
 MODES = ("replay", "replica")
 
@@ -186,6 +188,25 @@ def replayed(objective, world: int, microbatches: int):
         return total / world
 
     return run
+
+
+def coverage(case: Case) -> dict:
+    """{title: cells} of a passing case's dropout, for the session's "passing" lines: how its masks were judged
+    (replay, replica), where they were drawn (layer, residual or twice body, decoder), with activation
+    checkpointing or grad accumulation around them."""
+    how = mode(case)
+    if not how:
+        return {}
+    where = []
+    if case.model.factory == "decoder":
+        where.append("decoder")
+    else:
+        where += ["layer" for layer in case.model.layers if layer.kind == "dropout" and layer.p > 0]
+        where += [f"{layer.kind} body" for layer in case.model.layers
+                  if layer.kind in ("residual", "twice") and any(c.kind == "dropout" and c.p > 0 for c in layer.children)]
+    opts = case.target_options
+    around = (["checkpointed"] if opts.get("ac") else []) + (["microbatches"] if opts.get("microbatches", 1) > 1 else [])
+    return {"dropout": {how: 1, **{w: 1 for w in set(where)}, **{a: 1 for a in around}}}
 
 
 def compares_loss_and_grads(case: Case) -> bool:

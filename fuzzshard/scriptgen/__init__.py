@@ -60,6 +60,7 @@ import torch
 
 from ..case import Case
 from .. import targets
+from ..kernel import dropout
 from ..kernel.model import BUILTIN_MODELS, USER_MODELS, param_shapes
 from ..kernel.oracles import UNIT_ROUNDOFF, mixed_precision_tolerance, reduction_tolerance
 from ..kernel.reference import reduction_length, reduction_parts, step_tolerance_for  # the kernel's bounds
@@ -124,6 +125,14 @@ def fallback_reason(case: Case, environment: dict | None = None, verdict: Verdic
     checked = case.checkpoint.target_options if plan.get("resumed") else case.target_options  # (the side checked)
     if plan["mode"] in ("parity", "checkpoint", "replica") and w.snapshot(case, checked) is None:
         return f"{case.target}'s full state is not observable under these options"
+    if plan["mode"] in ("parity", "all") and dropout.mode(case) == "replay" and (
+            case.target_options.get("mp") or case.dtype in ("bfloat16", "float16")):
+        return "dropout's replay under mixed precision or a low-precision sensitivity probe"
+    if dropout.mode(case) == "replay" and case.checkpoint:
+        t, ck = targets.get(case.target), case.checkpoint
+        if (t.dropout_world(case.target_options, case.world_size), t.microbatches(case.target_options)) != \
+                (t.dropout_world(ck.target_options, ck.world_size), t.microbatches(ck.target_options)):
+            return "dropout's replay over another data-parallel split after the load"
     if plan["mode"] != "parity":
         return None
     if w.grads(case, checked) is None:
@@ -435,6 +444,10 @@ class Writer:
         else:
             body.append(f"opt.zero_grad(set_to_none={[s.set_to_none for s in c.schedule]!r}[k])")
         body.append("x, y = batch(k)")
+        if dropout.has_dropout(c.model):  # the kernel's seeds (kernel/dropout.py): per data-parallel rank and step
+            r = "rank" if targets.get(c.target).dropout_world(options, world) > 1 else "0"
+            body.append(f"torch.manual_seed(({c.seed} * 1000 + k) * 1000 + {r} + 1)  # dropout: "
+                        + ("this rank's masks from its own seed" if r == "rank" else "every rank draws alike"))
         body += loop.backward(c, self.w.forward_backward(c, options, world, shape), first, last)
         body += loop.unscale(c, first=first, last=last)  # (after a partial overflow, where the case has one)
         seen_grads, mid, seen_step = [], [], []  # what each step observes after its backward, and after its step
@@ -554,6 +567,23 @@ class Writer:
             return self.w.objective(self.case, net, x)
         return common.loss(self.case, f"{net}({x})", "y")
 
+    def dropout_replay(self) -> list[str]:
+        """kernel/dropout.py's replay: each data-parallel rank's slice, in its microbatches, from the seed that
+        rank drew its masks from; the mean loss (what the averaged grads are the grads of)."""
+        c = self.case
+        if dropout.mode(c) != "replay" or self.plan.get("what") not in ("", "grad"):
+            return []
+        o = c.target_options
+        world = targets.get(c.target).dropout_world(o, c.world_size)
+        m, per = targets.get(c.target).microbatches(o), c.batch // world
+        return [f"def replayed(net, x, batch_y, k):  # dropout: each of {world} rank(s)' slice, from its seed",
+                "    total = 0",
+                f"    for r in range({world}):",
+                f"        torch.manual_seed(({c.seed} * 1000 + k) * 1000 + r + 1)  # the seed rank r drew its masks from",
+                f"        for xm, y in zip(x[{per} * r:{per} * (r + 1)].chunk({m}), batch_y[{per} * r:{per} * (r + 1)].chunk({m})):",
+                f"            total = total + {self.plain_loss('net', 'xm')} / {m}",
+                f"    return total / {world}"]
+
     def sensitive(self) -> bool:
         """Whether the grads' bound takes the one-ulp sensitivity too, as the kernel's does: in a low precision,
         where rounding inside the forward (a norm over a near-constant row) outweighs the reductions' bound."""
@@ -661,6 +691,15 @@ class Writer:
                      "        for n, q in plain.named_parameters()}",
                      *guard(["fail += [check(f\"step {k} grad {n}\", got[k][n], want[n], MP_ULPS, MP_U, sens.get(n, 0.0) + "
                              "MP_ETA, extra.get(n, 0.0)) for n in want]"])]
+        elif what in ("", "grad") and dropout.mode(c) == "replica":
+            body += ["# dropout on DTensor activations: torch promises no mask equal to the plain model's on this device,",
+                     "# so the loss and grads are not compared (the step from the sharded grads is)"]
+        elif what in ("", "grad") and dropout.mode(c) == "replay":
+            body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
+                     "x, y = batch(k)", "replayed(plain, x, y, k).backward()  # every rank's slice, from its seed"]
+            body += loop.overflow_plain(c, steps)
+            body += guard(["fail += [check(f\"step {k} grad {n}\", got[k][n], q.grad, GRAD_ULPS)  # summed in another order",
+                           "         for n, q in plain.named_parameters()]"])
         elif what in ("", "grad"):
             body += ["opt_p.zero_grad()" if all(sn) else f"opt_p.zero_grad(set_to_none={sn!r}[k])",
                      "x, y = batch(k)",
@@ -692,7 +731,7 @@ class Writer:
         run += loop.same_norm() if what in ("", "clip") and c.clip and c.clip.how != "value" else []
         run += loop.same_scale(c) if what in ("", "loop") else []
         return ["", "# the plain model replays the step on the whole batch from the sharded run's state",
-                *plain, *opt, *self.mixed_precision(), "fail = []", *run, "fail = [f for f in fail if f]",
+                *plain, *opt, *self.mixed_precision(), *self.dropout_replay(), "fail = []", *run, "fail = [f for f in fail if f]",
                 "if rank == 0:",
                 "    print(\"\\n\".join([\"FINDING: the sharded run differs from the plain one\", *fail]) if fail else",
                 "          \"PASS: the sharded run matches the plain one\")"]

@@ -63,6 +63,8 @@ def _layer(layer: Layer) -> str:
         return f"Conv({layer.d_in}, {layer.d_out}, {layer.kernel}, padding={layer.kernel // 2}{nobias})"
     if k == "act":
         return ACTS[layer.act]
+    if k == "dropout":
+        return f"nn.Dropout({layer.p})"
     return {"seq": "nn.Sequential", "residual": "Residual", "twice": "Twice"}[k] + f"({inner})"
 
 
@@ -136,6 +138,8 @@ def decoder(sizes: dict) -> list[str]:
     if rep > 1:
         qkv += ("; " if qkv else "") + f"k, v = k.repeat_interleave({rep}, dim=2), v.repeat_interleave({rep}, dim=2)"
     kv = sizes["n_kv_heads"] * head_dim
+    p = sizes.get("dropout", 0.0)  # attention and residual dropout (F.dropout: what nn.Dropout calls)
+    drop = (lambda e: f"F.dropout({e}, {p})") if p else (lambda e: e)
     out += ["class Attention(nn.Module):", "    def __init__(self):", "        super().__init__()",
             "        self.wq, self.wk, self.wv, self.wo = (nn.Linear(a, b, bias=False) for a, b in "
             f"[({dim}, {dim}), ({dim}, {kv}), ({dim}, {kv}), ({dim}, {dim})])", "    def forward(self, x):",
@@ -143,15 +147,15 @@ def decoder(sizes: dict) -> list[str]:
             f"        q, k, v = (w(x).view(B, L, -1, {head_dim}) for w in (self.wq, self.wk, self.wv))",
             *([f"        {qkv}"] if qkv else []),
             "        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)"
-            + (", is_causal=True)" if sizes["causal"] else ")"),
-            "        return self.wo(out.transpose(1, 2).reshape(B, L, -1))", "",
+            + (", is_causal=True" if sizes["causal"] else "") + (f", dropout_p={p})" if p else ")"),
+            f"        return {drop('self.wo(out.transpose(1, 2).reshape(B, L, -1))')}", "",
             "class FeedForward(nn.Module):", "    def __init__(self):", "        super().__init__()",
             (f"        self.w1, self.w3, self.w2 = (nn.Linear(a, b, bias=False) for a, b in "
              f"[({dim}, {sizes['hidden']}), ({dim}, {sizes['hidden']}), ({sizes['hidden']}, {dim})])" if swiglu else
              f"        self.w1, self.w2 = nn.Linear({dim}, {sizes['hidden']}, bias=False), "
              f"nn.Linear({sizes['hidden']}, {dim}, bias=False)"), "    def forward(self, x):",
-            "        return self.w2(F.silu(self.w1(x)) * self.w3(x))" if swiglu else
-            "        return self.w2(F.gelu(self.w1(x)))", "",
+            f"        return {drop('self.w2(F.silu(self.w1(x)) * self.w3(x))')}" if swiglu else
+            f"        return {drop('self.w2(F.gelu(self.w1(x)))')}", "",
             "class Block(nn.Module):  # pre-norm: x + attention(norm(x)), then x + MLP(norm(x))",
             "    def __init__(self):", "        super().__init__()",
             f"        self.attention_norm, self.attention = {norm}({dim}), Attention()",

@@ -61,6 +61,7 @@ from hypothesis.control import current_build_context
 
 from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from ..targets import get as target_class
+from ..kernel.dropout import coverage as dropout_coverage
 from ..findings.record import Finding, load_known, summary
 from ..findings.judge import judge_many
 from ..findings.life import FindingBook
@@ -475,6 +476,8 @@ class Session:
             st.passed_by_implementation[case.optim.name, case.optim.implementation] += 1
             coverage = target_class(case.target).spec.coverage
             for title, cells in (coverage(case) if coverage else {}).items():
+                st.passed_coverage[title].update(cells)
+            for title, cells in dropout_coverage(case).items():  # every target's dropout (kernel/dropout.py)
                 st.passed_coverage[title].update(cells)
             size = (case.target, case.ranks, bool(case.checkpoint))
             self._pass_seconds[size] = max(self._pass_seconds.get(size, 0.0), j.seconds)
