@@ -151,7 +151,7 @@ def size(case: Case) -> tuple:
     sides = [(case.world_size, case.mesh_shape)] + ([(ck.world_size, ck.mesh_shape)] if ck else [])
     shapes = param_shapes(model)
     structure = (_count_layers(model.layers) + model.tie_head + model.unused + model.buffer
-                 + model.sizes.get("n_layers", 0) + bool(model.sizes.get("tied")))
+                 + model.sizes.get("n_layers", 0) + bool(model.sizes.get("tied")) + bool(model.sizes.get("dropout")))
     mentions = (len(case.frozen) + sum(len(s.freeze) + len(s.unfreeze) for s in case.schedule)
                 + (len(ck.missing) if ck else 0))
     options = _count(case.target_options) + (_count(ck.target_options) if ck else 0)
@@ -333,7 +333,7 @@ def _chain(layers: list, d: int) -> int | None:
             if not _fit(layer["children"], d, d):
                 return None
             layer["d_in"] = layer["d_out"] = d
-        elif kind != "act":  # an embedding takes token ids: only as the first layer
+        elif kind not in ("act", "dropout"):  # an embedding takes token ids: only as the first layer
             return None
     return d
 
@@ -479,6 +479,8 @@ def _decoder_edits(data: dict) -> Iterator[Edit]:
         yield "LayerNorm -> RMSNorm", resized(norm="rms")
     if sizes.get("tied"):
         yield "untie the output head", resized(tied=False)
+    if sizes.get("dropout"):
+        yield "no dropout", resized(dropout=0.0)
 
 
 # -- world, mesh, batch -------------------------------------------------------

@@ -35,6 +35,7 @@ def render(finding: Finding) -> str:
     ]
     for i, layer in enumerate(c.model.layers):
         lines += _layer(layer, f"layers.{i}", 1)
+    lines += _dropout(c)
     opt = c.optim
     lr = f" (lr as a {opt.tensor_lr} tensor)" if opt.tensor_lr else ""
     lines.append(f"optimizer {opt.name}{lr}{' with named params' if opt.named else ''}{_added(opt)}: {json.dumps(opt.kwargs, sort_keys=True)}")
@@ -123,6 +124,8 @@ def _layer(layer: Layer, name: str, depth: int) -> list[str]:
     k = layer.kind
     if k == "act":
         return [f"{pad}{name}: {layer.act}"]
+    if k == "dropout":
+        return [f"{pad}{name}: Dropout(p={layer.p})"]
     if k in ("seq", "residual", "twice"):
         out = [f"{pad}{name}: {k} ({'x + f(x)' if k == 'residual' else 'f(f(x))' if k == 'twice' else 'sequence'})"]
         for j, child in enumerate(layer.children):
@@ -133,6 +136,22 @@ def _layer(layer: Layer, name: str, depth: int) -> list[str]:
             "layernorm": f"LayerNorm({layer.d_in}, bias={layer.bias})",
             "conv1d": f"Conv1d({layer.d_in}, {layer.d_out}, kernel={layer.kernel}, bias={layer.bias})"}[k]
     return [f"{pad}{name}: {desc}"]
+
+
+def _dropout(c) -> list[str]:
+    """How a case's dropout masks are drawn and judged (kernel/dropout.py, docs/oracles.md "Dropout")."""
+    from ..kernel import dropout
+
+    how = dropout.mode(c)
+    if not how:
+        return []
+    if how == "replay":
+        what = ("each data-parallel rank's masks from its own seed per step, replayed by the reference "
+                "(loss and grads compared)")
+    else:
+        what = ("every rank seeded alike per step; masks on DTensor activations, which torch promises equal to "
+                "no unsharded op's on this device: loss and grads not compared (the step and the replicas are)")
+    return [f"dropout   p {', '.join(map(str, dropout.probabilities(c.model)))}: {what}"]
 
 
 def _added(opt) -> str:

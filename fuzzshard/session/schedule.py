@@ -53,7 +53,7 @@ PAIRS = "world x optimizer"  # steered, counted, but not a table row: optimizers
 OPTIMIZER_DIMS = ("optimizer", PAIRS, "optimizer flag")  # what a known bug before the first step says nothing of
 STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype")
 DIMENSIONS = ("optimizer", "optimizer flag", "world x checkpoint", "mesh", "dtype", "model", "target option",
-              "groups", "frozen", "steps", "loop")
+              "groups", "frozen", "steps", "loop", "dropout")
 
 
 def _opt_flags(optim) -> list[str]:
@@ -111,6 +111,9 @@ def features(case) -> list[tuple[str, str]]:
     out.append(("frozen", ("frozen" if case.frozen else "none frozen") + (", flipped mid-run" if flips else "")))
     out.append(("steps", f"{len(case.schedule)} step(s)"))
     out += [("loop", f) for f in loop_cells(case)]
+    from fuzzshard.kernel.dropout import coverage as dropout_cells  # how its masks were judged, and where
+
+    out += [("dropout", c) for c in dropout_cells(case).get("dropout", {})] or [("dropout", "none")]
     m = case.model
     if not m.factory:  # a drawn topology: its input and the kinds of layer it has
         out.append(("model", f"{m.input} in"))
