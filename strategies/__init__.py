@@ -190,6 +190,7 @@ def cases(
     mesh_dims: int = 2,
     dims_up_to_world: bool = False,
     loop=(),
+    ac: bool = False,
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
     into every case, False into none (targets whose spec has checkpoint kinds).
@@ -205,7 +206,9 @@ def cases(
     64 ranks, dims of 1-9 leave most shards empty); they shrink towards 1 as always.
     ``loop``: the training loop's features drawn around the step, of strategies/loop.py's FEATURES ("clip",
     "lr_scheduler", "scaler", "async_save"), where the target takes them; none by default (the draws stay as
-    they were)."""
+    they were).
+    ``ac``: activation checkpointing drawn too, on targets that take it (strategies/ac.py; drawn last, so the
+    draws before stay as they were; off by default)."""
     spec = spec_of(target)
     steer = steer or {}
     plan = draw(st.sampled_from(steer["plan"])) if steer.get("plan") else None
@@ -277,6 +280,10 @@ def cases(
     if loop:  # the training loop around the step (strategies/loop.py): after everything, so the draws before stay
         loop = _loop_taken(case, loop)
         case = dataclasses.replace(case, **draw(loop_features(spec, case, loop, steer.get("loop"))))
+    if ac:  # activation checkpointing: after everything, so the draws before stay as they were
+        from .ac import with_ac
+
+        case = with_ac(draw, spec, case)
     assume(valid(case))  # by construction above, but the rule has the last word (never a refused case)
     return case
 

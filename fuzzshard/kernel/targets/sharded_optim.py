@@ -23,6 +23,7 @@ import torch.nn as nn
 from ..state_io import as_tensor
 from ..model import loss_fn
 from ..optim import optimizer_class, optimizer_kwargs
+from ..ac import HOWS, apply as apply_ac, how as ac_how
 from .base import Spec, Target
 
 
@@ -88,7 +89,7 @@ class ShardedOptimTarget(Target):
     # (found_inf all-reduced over the group: each rank unscales only its shards' grads). No clip: a
     # ShardedTensor is no Parameter (model.parameters() leaves it out) and torch has no clip for its grads
     spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True, fit_options=fit_options,
-                component="ShardedOptimizer", coverage=coverage, lr_scheduler=True, scaler=True)
+                component="ShardedOptimizer", coverage=coverage, lr_scheduler=True, scaler=True, ac=tuple(HOWS))
     localizable = False  # the forward runs on gathered copies, not on the module's params
     amp_scaling_step = False  # ShardedOptimizer takes no found_inf: GradScaler skips its whole step on an inf
 
@@ -114,7 +115,7 @@ class ShardedOptimTarget(Target):
             placements = [f"rank:{r}/{device}" for r in spec["ranks"]]
             shard_parameter(model.get_submodule(module_name), attr, ChunkShardingSpec(spec["dim"], placements),
                             process_group=self.group)
-        return model
+        return apply_ac(model, self.case.target_options)  # activation checkpointing (kernel/ac.py)
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
         from torch.distributed._shard.sharded_optim import ShardedOptimizer, named_params_with_sharded_tensor
@@ -135,8 +136,17 @@ class ShardedOptimTarget(Target):
         each local shard then gets its slice of the full grad."""
         sharded = {n: p for n, p in model.named_parameters() if _is_sharded(p)}
         copies = {n: self.full(p).detach().requires_grad_(p.requires_grad) for n, p in sharded.items()}
-        loss = loss_fn(torch.func.functional_call(model, copies, (x,)), y)
-        self.backward(loss)
+        if ac_how(self.case.target_options):
+            # a checkpointed module recomputes its forward in backward: the copies stay the module's params
+            # until then (functional_call's context, around the backward too)
+            from torch.nn.utils.stateless import _reparametrize_module
+
+            with _reparametrize_module(model, copies):
+                loss = loss_fn(model(x), y)
+                self.backward(loss)
+        else:
+            loss = loss_fn(torch.func.functional_call(model, copies, (x,)), y)
+            self.backward(loss)
         for n, p in sharded.items():
             g = copies[n].grad
             if g is None:
