@@ -210,6 +210,14 @@ def apply(model: nn.Module, options: dict) -> nn.Module:
     return model
 
 
+def coverage(case) -> dict:
+    """{"activation checkpointing": [how, ...]}: the forms a passing case ran (a session's coverage line,
+    every target's); {} without AC."""
+    sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
+    cells = [how(o) for o in sides if how(o)]
+    return {"activation checkpointing": cells} if cells else {}
+
+
 def describe(options: dict) -> str:
     """One line for ``show``: how, and which modules."""
     h = how(options)

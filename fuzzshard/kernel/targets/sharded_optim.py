@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..state_io import as_tensor
-from ..model import loss_fn
+from ..model import loss_fn, plain_fqn, submodule
 from ..optim import optimizer_class, optimizer_kwargs
 from ..ac import HOWS, apply as apply_ac, how as ac_how
 from .base import Spec, Target
@@ -109,13 +109,16 @@ class ShardedOptimTarget(Target):
         from torch.distributed._shard.api import shard_parameter
         from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
+        # activation checkpointing first (kernel/ac.py): apply_activation_checkpointing counts the params it
+        # wraps (numel), which a ShardedTensor does not answer
+        apply_ac(model, self.case.target_options)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for fqn, spec in sorted(self.case.target_options.get("shard", {}).items()):
             module_name, _, attr = fqn.rpartition(".")
             placements = [f"rank:{r}/{device}" for r in spec["ranks"]]
-            shard_parameter(model.get_submodule(module_name), attr, ChunkShardingSpec(spec["dim"], placements),
+            shard_parameter(submodule(model, module_name), attr, ChunkShardingSpec(spec["dim"], placements),
                             process_group=self.group)
-        return apply_ac(model, self.case.target_options)  # activation checkpointing (kernel/ac.py)
+        return model
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
         from torch.distributed._shard.sharded_optim import ShardedOptimizer, named_params_with_sharded_tensor
@@ -125,7 +128,7 @@ class ShardedOptimTarget(Target):
         plain = [n for n, _ in model.named_parameters()]
         if sorted(names) != sorted(plain):
             raise ShardedParamsListed(f"named_params_with_sharded_tensor lists {names}, the module has {plain}")
-        params = dict(listed)
+        params = {plain_fqn(n): p for n, p in listed}  # a CheckpointWrapper in between: plain FQNs
         (group,) = self.case.groups  # ShardedOptimizer takes one flat set of params
         kwargs = {**self.case.optim.kwargs, **group.overrides}
         return ShardedOptimizer({n: params[n] for n in group.params}, optimizer_class(self.case.optim.name),
@@ -204,7 +207,7 @@ class ShardedOptimTarget(Target):
         its shards' (tensors shaped like the shard are placed at its offsets,
         scalars such as ``step`` are taken from the shards, which must agree).
         Every rank's shard states travel in one all_gather_object."""
-        params = dict(model.named_parameters())
+        params = {plain_fqn(n): p for n, p in model.named_parameters()}  # plain FQNs (a CheckpointWrapper)
         mine = {n: [(tuple(s.metadata.shard_offsets), list(s.metadata.shard_sizes),
                      {k: as_tensor(v).detach().cpu() for k, v in (opt.state.get(s.tensor) or {}).items()})
                     for s in p.local_shards()]
