@@ -19,19 +19,22 @@ import types
 import torch
 import torch.nn as nn
 
-# how a module is checkpointed (draw order: the first is where a drawn case shrinks to)
+# how a module is checkpointed (draw order: the first is where a drawn case shrinks to); the wrapper forms put a
+# CheckpointWrapper in between (WRAPPED), the others keep the module where it was
 HOWS = {
     "utils": "torch.utils.checkpoint.checkpoint(forward, use_reentrant=False) as the module's forward",
     "composable": "torch.distributed._composable.checkpoint(module)",
     "wrapper": "apply_activation_checkpointing(checkpoint_wrapper, CheckpointImpl.NO_REENTRANT)",
-    "sac": "checkpoint_wrapper with torchtitan's per-op selective policy (create_selective_checkpoint_contexts: "
-           "matmuls and attention saved, every second mm recomputed, the rest recomputed)",
+    "sac": "torch.utils.checkpoint.checkpoint(forward, use_reentrant=False, context_fn=...) with torchtitan's per-op "
+           "selective policy (create_selective_checkpoint_contexts: matmuls, attention and comms saved, every "
+           "second mm recomputed, the rest recomputed)",
     "utils_reentrant": "torch.utils.checkpoint.checkpoint(forward, use_reentrant=True) as the module's forward",
     "wrapper_reentrant": "checkpoint_wrapper(module, CheckpointImpl.REENTRANT) in its parent",
 }
 # the reentrant forms give a checkpointed module's params grads only where some input requires grad
 # (torch.utils.checkpoint's docs), and support no torch.autograd.grad (pipelining's split backward)
 REENTRANT = ("utils_reentrant", "wrapper_reentrant")
+WRAPPED = ("wrapper", "wrapper_reentrant")
 NON_REENTRANT = tuple(h for h in HOWS if h not in REENTRANT)
 _BLOCK = re.compile(r"^layers\.(\d+)$")
 
@@ -110,23 +113,16 @@ def problem(case, options: dict, spec) -> str | None:
     return None
 
 
-# torchtitan's SelectiveAC (torchtitan/distributed/activation_checkpoint.py): the compute-intensive ops and
-# the attention / comm ops saved, every second mm (or linear) recomputed, everything else recomputed
+# torchtitan's SelectiveAC (torchtitan/distributed/activation_checkpoint.py): the compute-intensive ops (the
+# partitioner's list: matmuls, convolutions, attention) and max saved, every second mm (or linear) recomputed,
+# everything else recomputed (its comm ops and attention variants left out: none runs in a checkpointed module
+# here that the list does not hold). The script writes the same set (scriptgen/common.py: _SAC)
 def _save_ops() -> set:
-    ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.linear.default, torch.ops.aten.max.default,
-           torch.ops.aten._scaled_dot_product_attention_math.default,
-           torch.ops.aten._scaled_dot_product_efficient_attention.default,
-           torch.ops.aten._scaled_dot_product_flash_attention.default,
-           torch.ops._c10d_functional.reduce_scatter_tensor.default,
-           torch.ops._c10d_functional.all_to_all_single.default}
-    try:
-        from torch._functorch.partitioners import get_default_op_list
+    from torch._functorch.partitioners import get_default_op_list
 
-        ops |= {op.default for op in get_default_op_list().compute_intensive_ops}
-    except (ImportError, AttributeError):
-        pass
-    return ops
+    return {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.linear.default, torch.ops.aten.max.default} | \
+        {op.default for op in get_default_op_list().compute_intensive_ops}
 
 
 def sac_policy():
@@ -157,11 +153,13 @@ def sac_context():
 
 
 def _checkpointed_forward(self, *args, **kwargs):
-    """A module's forward under torch.utils.checkpoint (bound to the module: a deepcopy rebinds it)."""
+    """A module's forward under torch.utils.checkpoint (bound to the module: a deepcopy rebinds it), with
+    selective AC's context where drawn."""
     from torch.utils.checkpoint import checkpoint
 
+    extra = {"context_fn": sac_context} if self._fuzzshard_ac == "sac" else {}
     return checkpoint(functools.partial(type(self).forward, self), *args,
-                      use_reentrant=self._fuzzshard_reentrant, **kwargs)
+                      use_reentrant=self._fuzzshard_ac == "utils_reentrant", **extra, **kwargs)
 
 
 def _locate(model: nn.Module, fqn: str) -> tuple[nn.Module, str, nn.Module]:
@@ -199,12 +197,9 @@ def apply(model: nn.Module, options: dict) -> nn.Module:
             from torch.distributed._composable import checkpoint
 
             checkpoint(module)
-        elif h in ("utils", "utils_reentrant"):
-            module._fuzzshard_reentrant = h == "utils_reentrant"
+        elif h in ("utils", "utils_reentrant", "sac"):
+            module._fuzzshard_ac = h
             module.forward = types.MethodType(_checkpointed_forward, module)
-        elif h == "sac":
-            parent.register_module(name, checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                            context_fn=sac_context))
         elif h == "wrapper_reentrant":
             parent.register_module(name, checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.REENTRANT))
     return model
