@@ -26,8 +26,8 @@ HOWS = {
     "composable": "torch.distributed._composable.checkpoint(module)",
     "wrapper": "apply_activation_checkpointing(checkpoint_wrapper, CheckpointImpl.NO_REENTRANT)",
     "sac": "torch.utils.checkpoint.checkpoint(forward, use_reentrant=False, context_fn=...) with torchtitan's per-op "
-           "selective policy (create_selective_checkpoint_contexts: matmuls, attention and comms saved, every "
-           "second mm recomputed, the rest recomputed)",
+           "selective policy (create_selective_checkpoint_contexts: the partitioner's compute-intensive ops and "
+           "max saved, every second mm recomputed, the rest recomputed)",
     "utils_reentrant": "torch.utils.checkpoint.checkpoint(forward, use_reentrant=True) as the module's forward",
     "wrapper_reentrant": "checkpoint_wrapper(module, CheckpointImpl.REENTRANT) in its parent",
 }
@@ -115,8 +115,8 @@ def problem(case, options: dict, spec) -> str | None:
 
 # torchtitan's SelectiveAC (torchtitan/distributed/activation_checkpoint.py): the compute-intensive ops (the
 # partitioner's list: matmuls, convolutions, attention) and max saved, every second mm (or linear) recomputed,
-# everything else recomputed (its comm ops and attention variants left out: none runs in a checkpointed module
-# here that the list does not hold). The script writes the same set (scriptgen/common.py: _SAC)
+# everything else recomputed (torchtitan's few extra comm and attention ops left out: the models here run none
+# of them outside the partitioner's list). The script writes the same set (scriptgen/common.py: _SAC)
 def _save_ops() -> set:
     from torch._functorch.partitioners import get_default_op_list
 
@@ -214,6 +214,6 @@ def coverage(case) -> dict:
 
 
 def describe(options: dict) -> str:
-    """One line for ``show``: how, and which modules."""
+    """``show``'s words: which modules, and how ("" without AC)."""
     h = how(options)
-    return f"{h} on {', '.join(options['ac'])}" if h else ""
+    return f"{', '.join(options['ac'])} under {HOWS[h]}" if h else ""
