@@ -139,6 +139,19 @@ def targets_table() -> str:
     return "\n".join(rows)
 
 
+def ac_table() -> str:
+    """Activation checkpointing: which forms each target draws (its Spec's ``ac``; kernel/ac.py)."""
+    from fuzzshard import targets
+    from fuzzshard.kernel import ac
+
+    names = targets.names()
+    rows = ["| form | what runs | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|---|" + "---|" * len(names)]
+    for how, what in ac.HOWS.items():
+        marks = ["yes" if how in targets.get(n).spec.ac else "–" for n in names]
+        rows.append(f"| `{how}` | {what} | " + " | ".join(marks) + " |")
+    return "\n".join(rows)
+
+
 def target_count() -> str:
     from fuzzshard import targets
 
@@ -306,6 +319,7 @@ GENERATORS = {
     "known-short": known_short,
     "targets": targets_table,
     "target-count": target_count,
+    "ac": ac_table,
     "target-names": target_names,
     "oracles": oracles_table,
     "oracle-count": oracle_count,

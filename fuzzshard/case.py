@@ -250,8 +250,14 @@ class Case:
         problem = dropout_problem(self)
         if problem:
             raise CaseError(problem)
-        check = targets.get(self.target).spec.check if self.target in targets.names() else None
-        problem = check(self) if check else None
+        spec = targets.get(self.target).spec if self.target in targets.names() else None
+        from .kernel import ac  # activation checkpointing: what torch supports, said once for every target
+
+        for what, _, _, options in sides:
+            problem = ac.problem(self, options, spec) if spec else None
+            if problem:
+                raise CaseError(what + problem)
+        problem = spec.check(self) if spec and spec.check else None
         if problem:
             raise CaseError(problem)
 

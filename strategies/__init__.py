@@ -190,6 +190,7 @@ def cases(
     mesh_dims: int = 2,
     dims_up_to_world: bool = False,
     loop=(),
+    ac: bool = False,
     dropout: bool = False,
 ) -> Case:
     """``checkpoint``: None draws a save/load round trip into some cases, True
@@ -207,6 +208,8 @@ def cases(
     ``loop``: the training loop's features drawn around the step, of strategies/loop.py's FEATURES ("clip",
     "lr_scheduler", "scaler", "async_save"), where the target takes them; none by default (the draws stay as
     they were).
+    ``ac``: activation checkpointing drawn too, on targets that take it (strategies/ac.py; drawn last, so the
+    draws before stay as they were; off by default).
     ``dropout``: now and then dropout in the model, where the target draws it (its Spec's ``dropout``;
     strategies/models.py's ``dropouts``); False (the default): never, and the draws stay as they were."""
     spec = spec_of(target)
@@ -280,6 +283,10 @@ def cases(
     if loop:  # the training loop around the step (strategies/loop.py): after everything, so the draws before stay
         loop = _loop_taken(case, loop)
         case = dataclasses.replace(case, **draw(loop_features(spec, case, loop, steer.get("loop"))))
+    if ac:  # activation checkpointing: after everything, so the draws before stay as they were
+        from .ac import with_ac
+
+        case = with_ac(draw, spec, case)
     if spec.dropout and dropout:  # dropout (kernel/dropout.py), last of all: the draws before stay as they were
         with_dropout = dataclasses.replace(case, model=draw(dropouts(case.model)))
         if valid(with_dropout):  # a target's options that take no dropout (fsdp2's TP, compile) keep the case without

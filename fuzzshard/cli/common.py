@@ -93,6 +93,11 @@ def draw_args(p) -> None:
                    help="fsdp2 also draws torch.compile (inductor) of each block, before or after fully_shard as "
                         "torchtitan does, and of the optimizer step; the reference stays eager. Off by default: a "
                         "compile costs seconds a case")
+    p.add_argument("--ac", action="store_true",
+                   help="also draws activation checkpointing on every target that takes it (a quarter of the cases): "
+                        "torch.utils.checkpoint reentrant or not, checkpoint_wrapper, apply_activation_checkpointing, "
+                        "the composable checkpoint, torchtitan's per-op selective AC, per module or every k-th block; "
+                        "the reference trains without it")
     p.add_argument("--loop", default="all", metavar="FEATURES",
                    help="the training loop drawn around the step, where the target takes it, comma-separated: "
                         "clip (clip_grad_norm_ in every norm type, torchtitan's get_total_norm + "
@@ -268,6 +273,8 @@ def strategy_kwargs(args) -> dict:
         out["models"] = model_families(args.models)
     if args.compile:
         out["compile"] = True
+    if getattr(args, "ac", False):
+        out["ac"] = True
     if getattr(args, "dropout", False):
         out["dropout"] = True
     loop = loop_features(getattr(args, "loop", "none"))

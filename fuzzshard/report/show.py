@@ -50,6 +50,7 @@ def render(finding: Finding) -> str:
         lines.append(f"  step {k}: zero_grad(set_to_none={s.set_to_none}){extra}")
     lines += _loop(c)
     lines += _options("target options", c.target_options)
+    lines += _ac(c.target_options)
     ck = c.checkpoint
     if ck:
         from .. import targets
@@ -65,7 +66,16 @@ def render(finding: Finding) -> str:
             keys = [f"without {', '.join(ck.missing)}"] * bool(ck.missing) + ["with an unexpected key"] * ck.unexpected
             lines.append(f"  the model state dict loaded {' and '.join(keys)}")
         lines += _options("  loading side's target options", ck.target_options, "  ")
+        lines += _ac(ck.target_options, "  ")
     return "\n".join(lines)
+
+
+def _ac(options: dict, pad: str = "") -> list[str]:
+    """Activation checkpointing, said in words (kernel/ac.py); the reference trains without it."""
+    from ..kernel import ac
+
+    text = ac.describe(options)
+    return [f"{pad}activation checkpointing: {text} (the reference: none)"] if text else []
 
 
 def _loop(c) -> list[str]:

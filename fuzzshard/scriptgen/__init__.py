@@ -160,7 +160,8 @@ def _unsupported(case: Case, w, env: dict) -> str | None:
         return "an activation the script does not write"
     sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
     for o in sides:
-        why = w.unsupported(case, o)
+        why = w.unsupported(case, {k: v for k, v in o.items() if k not in ("ac", "ac_how", "ac_wrapper")}) or \
+            common.ac_unsupported(case, o, w)  # activation checkpointing: common.ac_lines, every writer's
         if why:
             return f"{case.target} {why}"
         if o.get("tp") and case.model.factory and not (case.model.factory == "decoder" and getattr(w, "DECODER_TP", False)):
@@ -313,7 +314,7 @@ class Writer:
                "import torch, torch.distributed as dist, torch.nn as nn"]
         out += ["import torch.nn.functional as F"] * (c.model.factory in BUILTIN_MODELS)
         out += ["import copy"] * bool(self.plan["mode"] == "parity" and self.mixed_precision())
-        own = list(self.w.imports(c, c.target_options)) + loop.imports(c)
+        own = list(self.w.imports(c, c.target_options)) + loop.imports(c) + common.ac_imports(c)
         if self.plan["ckpt"]:
             own += self.w.imports(c, c.checkpoint.target_options)
             own += ["import tempfile"] + (getattr(self.w, "imports_" + c.checkpoint.kind)(c) if self.own_kind() else

@@ -295,3 +295,71 @@ def optimizer(case: Case, lr_scale: float = 1.0, cls: str = "", names: str = "mo
 def plain_names(expr: str = "model") -> str:
     """{plain FQN: param} of a model whose wrappers add to the names."""
     return f"{{n.replace({WRAPPED[0]!r}, '').replace({WRAPPED[1]!r}, ''): q for n, q in {expr}.named_parameters()}}"
+
+
+# activation checkpointing (kernel/ac.py), written the same way by every target's script where its shard()
+# calls ac_lines: the forms that keep the module where it was on every target; a CheckpointWrapper in between
+# only where the writer reads plain names through it (AC_WRAPPERS: fsdp2's)
+def ac_unsupported(case: Case, options: dict, w) -> str | None:
+    from ..kernel import ac
+
+    h = ac.how(options)
+    if h in ac.WRAPPED and not getattr(w, "AC_WRAPPERS", False):
+        return f"activation checkpointing {h!r} (a CheckpointWrapper renames the params the script reads)"
+    return None
+
+
+def ac_imports(case: Case) -> list[str]:
+    from ..kernel import ac
+
+    hows = {ac.how(o) for o in [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])}
+    out = []
+    if hows & {"utils", "utils_reentrant", "sac"}:
+        out.append("from torch.utils.checkpoint import checkpoint as utils_checkpoint")
+    if "sac" in hows:
+        out += ["from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts",
+                "from torch._functorch.partitioners import get_default_op_list"]
+    if "composable" in hows:
+        out.append("from torch.distributed._composable import checkpoint")
+    if hows & set(ac.WRAPPED):
+        out += ["from functools import partial", "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper "
+                "import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper"]
+    return out
+
+
+_SAC = ["SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,",
+        "        torch.ops.aten.linear.default, torch.ops.aten.max.default}  # torchtitan's SAC: these outputs saved",
+        "SAVE |= {op.default for op in get_default_op_list().compute_intensive_ops}",
+        "def sac_context():  # ... but every second mm recomputed, as everything else",
+        "    count = {False: 0, True: 0}",
+        "    def policy(ctx, func, *args, **kwargs):",
+        "        if func in (torch.ops.aten.mm.default, torch.ops.aten.linear.default):",
+        "            count[ctx.is_recompute] += 1",
+        "            if count[ctx.is_recompute] % 2 == 0:",
+        "                return CheckpointPolicy.PREFER_RECOMPUTE",
+        "        return CheckpointPolicy.MUST_SAVE if func in SAVE else CheckpointPolicy.PREFER_RECOMPUTE",
+        "    return create_selective_checkpoint_contexts(policy)"]
+
+
+def ac_lines(case: Case, options: dict) -> list[str]:
+    """The lines that checkpoint the options' modules of ``model`` as the kernel does (kernel/ac.py: apply)."""
+    from ..kernel import ac
+    from .fsdp2 import module
+
+    h = ac.how(options)
+    if not h:
+        return []
+    mods = [module(f, case) for f in options["ac"]]
+    if h == "composable":
+        return [f"checkpoint({m})  # composable activation checkpointing" for m in mods]
+    if h == "wrapper":
+        return [f"chosen = [{', '.join(mods)}]  # activation checkpointing",
+                "apply_activation_checkpointing(model, check_fn=lambda m: any(m is c for c in chosen),",
+                "    checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))"]
+    if h == "wrapper_reentrant":
+        return [f"{m} = checkpoint_wrapper({m}, checkpoint_impl=CheckpointImpl.REENTRANT)" for m in mods]
+    kw = "use_reentrant=True" if h == "utils_reentrant" else "use_reentrant=False" + \
+        ", context_fn=sac_context" * (h == "sac")
+    return (_SAC if h == "sac" else []) + [
+        f"for m in [{', '.join(mods)}]:  # activation checkpointing: each forward recomputed in backward",
+        f"    m.forward = (lambda f: lambda *a: utils_checkpoint(f, *a, {kw}))(m.forward)"]

@@ -39,7 +39,7 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     out += common.retie(case)
     if case.model.buffer:
         out.append(f"model.scale = distribute_tensor(model.scale, mesh, {rep})")
-    return out
+    return out + common.ac_lines(case, options)
 
 
 def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:

@@ -40,7 +40,7 @@ def imports(case: Case, options: dict) -> list[str]:
 
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
     if options.get("local"):  # (a loading side) resume without FSDP: the plain model on every rank
-        return []
+        return common.ac_lines(case, options)
     strategy = options.get("strategy", "FULL_SHARD")
     out, kw = [], []
     if strategy != "FULL_SHARD":
@@ -59,7 +59,7 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     elif group:
         kw.append(f"process_group={group}")
     kw.append("device_id=device")
-    return out + [f"model = FSDP(model, {', '.join(kw)})"]
+    return out + [f"model = FSDP(model, {', '.join(kw)})"] + common.ac_lines(case, options)  # AC after FSDP wraps
 
 
 def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:

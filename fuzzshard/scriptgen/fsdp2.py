@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from ..case import Case
 from . import common, dsd
+from ..kernel.ac import WRAPPED, how
 from .dtensor import SNAPSHOT
 
 KINDS = dsd.KINDS
+AC_WRAPPERS = True  # its names read through a CheckpointWrapper (common.plain_names): every AC form written
 LOOP = True  # its scripts write the training loop around the step (loop.py)
 DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
 SHARDED_SCALER = True  # its grad scaler is ShardedGradScaler (amp's where the case draws it), as the kernel's
@@ -69,11 +71,6 @@ def imports(case: Case, options: dict) -> list[str]:
         styles = sorted({"ColwiseParallel" if s == "colwise" else "RowwiseParallel" for s in options["tp"].values()})
         out += ["from torch.distributed.tensor import Replicate",
                 f"from torch.distributed.tensor.parallel import {', '.join(styles)}, parallelize_module"]
-    if options.get("ac") and options.get("ac_wrapper"):
-        out += ["from functools import partial", "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper "
-                "import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper"]
-    elif options.get("ac"):
-        out.append("from torch.distributed._composable import checkpoint")
     return out
 
 
@@ -89,13 +86,7 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
         plan = ", ".join(f"{fqn!r}: {style[s]}" for fqn, s in options["tp"].items())
         out.append(f"parallelize_module(model, mesh[\"d1\"], {{{plan}}})  # TP on the inner dim")
         dp = "mesh[\"d0\"]"
-    if options.get("ac") and options.get("ac_wrapper"):
-        chosen = ", ".join(module(f, case) for f in options["ac"])
-        out += [f"chosen = [{chosen}]",
-                "apply_activation_checkpointing(model, check_fn=lambda m: any(m is c for c in chosen),",
-                "    checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))"]
-    elif options.get("ac"):
-        out += [f"checkpoint({module(f, case)})  # composable activation checkpointing" for f in options["ac"]]
+    out += common.ac_lines(case, options)  # activation checkpointing before fully_shard, as the kernel
     if options.get("compile") == "before":
         out += ["for block in model.layers.children():", "    block.compile()"]
     kw = [f"mesh={dp}"]
@@ -118,7 +109,7 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
 
 
 def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:
-    names = common.plain_names() if options.get("ac_wrapper") else "model.named_parameters()"
+    names = common.plain_names() if how(options) in WRAPPED else "model.named_parameters()"
     out = common.optimizer(case, lr_scale, names=names)
     if options.get("compile_step"):
         out += ["step = opt.step", "opt.step = torch.compile(lambda closure=None: step(), fullgraph=False)"]
@@ -158,7 +149,7 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
 
 
 def snapshot(case: Case, options: dict) -> list[str] | None:
-    if options.get("ac_wrapper"):
+    if how(options) in WRAPPED:
         return [ln.replace("model.named_parameters()", common.plain_names()) for ln in SNAPSHOT]
     return SNAPSHOT
 

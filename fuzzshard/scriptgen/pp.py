@@ -118,7 +118,8 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     style = {"single": "one a rank", "multi": f"{options.get('stages', 1)} a rank, looped",
              "v": "two a rank, V-shaped"}[target.SCHEDULES[name][0]]
     r, dp = _rank(options), options.get("dp")
-    out = [f"cuts = {cuts!r}  # stage s: model.layers[cuts[s]:cuts[s + 1]]",
+    out = [*common.ac_lines(case, options),  # activation checkpointing before the stages take the layers
+           f"cuts = {cuts!r}  # stage s: model.layers[cuts[s]:cuts[s + 1]]",
            f"on = {ranks!r}  # the {'pp ' * bool(dp)}rank of each stage ({style}, as Schedule{name} places them)"]
     part = "model.layers[cuts[s]:cuts[s + 1]]"
     if case.model.factory == "decoder":  # torchtitan's split: the embedding on the first stage, norm and head on the last

@@ -27,7 +27,7 @@ def imports(case: Case, options: dict) -> list[str]:
 
 
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
-    out = []
+    out = common.ac_lines(case, options)  # before shard_parameter, as the kernel
     pg = f", process_group={group}" if group else ""
     for fqn, spec in sorted(options.get("shard", {}).items()):
         owner, _, attr = fqn.rpartition(".")
@@ -58,7 +58,10 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
 def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> list[str]:
     return ["sharded = {n: q for n, q in model.named_parameters() if isinstance(q, ShardedTensor)}",
             "copies = {n: full(q).requires_grad_(q.requires_grad) for n, q in sharded.items()}",
-            f"loss = {common.loss(case, 'torch.func.functional_call(model, copies, (x,))', 'y')}", "loss.backward()",
+            *([f"loss = {common.loss(case, 'torch.func.functional_call(model, copies, (x,))', 'y')}", "loss.backward()"]
+              if not options.get("ac") else
+              ["with torch.nn.utils.stateless._reparametrize_module(model, copies):  # the copies, also for the recompute",
+               f"    loss = {common.loss(case, 'model(x)', 'y')}", "    loss.backward()"]),
             "for n, q in sharded.items():  # each local shard: its slice of the full grad",
             "    for s in q.local_shards() if copies[n].grad is not None else []:",
             "        part = copies[n].grad[tuple(slice(o, o + m) for o, m in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))].clone()",

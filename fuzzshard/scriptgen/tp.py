@@ -31,6 +31,7 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     plan = ", ".join(f"{fqn!r}: {style[s]}" for fqn, s in options.get("tp", {}).items())
     return [f"mesh = {mesh}",
             f"parallelize_module(model, mesh, {{{plan}}})  # TP on every rank, no FSDP",
+            *common.ac_lines(case, options),
             "done = {}  # each param the plan left plain: a replicated DTensor (a tied one once)",
             "for m in list(model.modules()):",
             "    plain = [(k, q) for k, q in m.named_parameters(recurse=False) if not isinstance(q, DTensor)]",

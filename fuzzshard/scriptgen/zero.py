@@ -30,10 +30,10 @@ def imports(case: Case, options: dict) -> list[str]:
 
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
     if "ddp" not in options:
-        return []
+        return common.ac_lines(case, options)
     kw = [f"{k}={v!r}" for k, v in options["ddp"].items() if _DDP_DEFAULTS.get(k) != v]
     kw += [f"process_group={group}"] if group else []
-    out = [f"ddp = DDP({', '.join(['model', *kw])})  # averages the grads"]
+    out = common.ac_lines(case, options) + [f"ddp = DDP({', '.join(['model', *kw])})  # averages the grads"]
     counts = options.get("uneven")
     if counts:  # kernel/targets/zero.py uneven: the loop under Join, DDP's averaging as a comm hook
         per, world = case.batch // len(counts), len(counts)

@@ -477,6 +477,10 @@ class Session:
             coverage = target_class(case.target).spec.coverage
             for title, cells in (coverage(case) if coverage else {}).items():
                 st.passed_coverage[title].update(cells)
+            from ..kernel.ac import coverage as ac_coverage  # every target's activation checkpointing
+
+            for title, cells in ac_coverage(case).items():
+                st.passed_coverage[title].update(cells)
             for title, cells in dropout_coverage(case).items():  # every target's dropout (kernel/dropout.py)
                 st.passed_coverage[title].update(cells)
             size = (case.target, case.ranks, bool(case.checkpoint))

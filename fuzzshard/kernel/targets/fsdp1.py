@@ -47,6 +47,7 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
 from ..state_io import FULL_FILE, STATE_DICT_KINDS, as_tensor, load, save
 from ..model import loss_fn, plain_fqn
 from ..optim import build_optimizer, optimizer_class, optimizer_kwargs
+from ..ac import REENTRANT, apply as apply_ac
 from .base import Spec, Target
 
 
@@ -132,7 +133,11 @@ class FSDP1Target(Target):
     # norm) and clip_grad_value_ (elementwise: right on any shard), any scheduler, ShardedGradScaler
     spec = Spec(options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
                 may_flatten=True, flags_fixed=lambda options: True, fit_options=fit_options, component="FSDP",
-                coverage=coverage, clips=("own", "value"), lr_scheduler=True, scaler=True, dropout="replay")
+                coverage=coverage, clips=("own", "value"), lr_scheduler=True, scaler=True,
+                # activation checkpointing after FSDP wraps (torch's FSDP recipe; kernel/ac.py): torch.utils'
+                # checkpoint and checkpoint_wrapper, reentrant or not; not the composable checkpoint (the
+                # composable APIs' own, fully_shard's and replicate's)
+                ac=("utils", "wrapper", "sac") + REENTRANT, dropout="replay")
     localizable = False  # wrapped module names differ from the reference's
     freeze_before_shard = True  # FSDP records requires_grad per original param when it flattens
 
@@ -154,16 +159,17 @@ class FSDP1Target(Target):
         from torch.distributed.fsdp.wrap import CustomPolicy
 
         if self.local:
-            return model
+            return apply_ac(model, self.case.target_options)
         opts = self.case.target_options
         chosen = {model.get_submodule(n) for n in opts.get("wrap", [])}
         ignored = [model.get_submodule(n) for n in opts.get("ignored", [])]
         self.ignored = list({id(p): p for m in ignored for p in m.parameters()}.values())  # nested: once
         strategy = opts.get("strategy", "FULL_SHARD")
         mesh = {"device_mesh": self.mesh} if strategy in HYBRID else {"process_group": self.mesh.get_group()}
-        return FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=self.orig_params,
-                    auto_wrap_policy=CustomPolicy(lambda m: m in chosen), device_id=next(model.parameters()).device,
-                    ignored_states=ignored or None, **mesh)
+        model = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=self.orig_params,
+                     auto_wrap_policy=CustomPolicy(lambda m: m in chosen), device_id=next(model.parameters()).device,
+                     ignored_states=ignored or None, **mesh)
+        return apply_ac(model, opts)
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
         if self.local:

@@ -43,6 +43,7 @@ from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
 from ..state_io import STATE_DICT_KINDS
+from ..ac import NON_REENTRANT, apply as apply_ac
 from .base import Spec, Target
 
 
@@ -425,7 +426,7 @@ class FSDP2Target(Target):
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True,
-                layout=fsdp2_layout, dropout="replay")
+                layout=fsdp2_layout, ac=NON_REENTRANT, dropout="replay")
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:
@@ -495,25 +496,10 @@ class FSDP2Target(Target):
         if opts.get("tp"):
             apply_tp(model, mesh["d1"], opts, self.case.model.factory)
             mesh = mesh["d0"]
-        if opts.get("ac"):
-            if opts.get("ac_wrapper"):
-                # CheckpointWrapper modules in between: FQNs gain _checkpoint_wrapped_module
-                # (named_params and submodule leave it out); non-reentrant, since reentrant
-                # checkpoint gives no param grads when no input requires grad (documented)
-                from functools import partial
-
-                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-
-                chosen = {id(model.get_submodule(fqn)) for fqn in opts["ac"]}
-                apply_activation_checkpointing(
-                    model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-                    check_fn=lambda m: id(m) in chosen)
-            else:
-                from torch.distributed._composable import checkpoint
-
-                for fqn in opts["ac"]:
-                    checkpoint(model.get_submodule(fqn))
+        # activation checkpointing before fully_shard (torchtitan's order; kernel/ac.py): the composable
+        # checkpoint, or a CheckpointWrapper in between (FQNs gain _checkpoint_wrapped_module, which
+        # named_params and submodule leave out); non-reentrant forms only (fully_shard's tests and torchtitan's)
+        apply_ac(model, opts)
         kw = {"mesh": mesh, "reshard_after_forward": opts.get("reshard_after_forward", True),
               "offload_policy": CPUOffloadPolicy(pin_memory=False) if opts.get("offload") else OffloadPolicy()}
         if opts.get("mp"):

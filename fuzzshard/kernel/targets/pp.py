@@ -63,10 +63,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...case import Case
-from ..model import loss_fn, named_params, param_shapes
+from ..model import loss_fn, named_params, param_shapes, submodule
 from ..optim import build_optimizer, group_hparams, state_by_fqn
 from ..state_io import UNEXPECTED_KEY, dcp_save, keys_of, without
 from ...verdict import error_record
+from ..ac import NON_REENTRANT, apply as apply_ac
 from .base import Spec, Target
 
 # the schedules, simplest first (shrinking goes there): name -> (stages per rank, style)
@@ -543,7 +544,10 @@ class PPTarget(Target):
     spec = Spec(options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True,
                 late_options=draw_late_options_both_sides, check=check, fit_options=fit_options,
                 facts=facts_with_checkpoint, coverage=coverage_with_checkpoint, component="pipelining",
-                lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8)
+                lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8,
+                # activation checkpointing inside each stage, non-reentrant only (the zero-bubble schedules'
+                # split backward calls torch.autograd.grad, which reentrant checkpoint does not support)
+                ac=NON_REENTRANT)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
@@ -576,6 +580,7 @@ class PPTarget(Target):
         from torch.distributed.pipelining import PipelineStage
 
         o = self.case.target_options
+        apply_ac(model, o)  # before the stages take its layers (kernel/ac.py)
         device = next((p.device for p in model.parameters()), torch.device(self.case.device))
         last = len(self.rank_of) - 1
         scale = getattr(model, "scale", None)
@@ -605,7 +610,7 @@ class PPTarget(Target):
         kw = {"mesh": self.mesh["d1"], "reshard_after_forward": bool(o.get("reshard_after_forward"))}
         for fqn in o.get("wrap", ()):
             if fqn.split(".")[1] in module.layers:
-                fully_shard(module.get_submodule(fqn), **kw)
+                fully_shard(submodule(module, fqn), **kw)
         fully_shard(module, **kw)
 
     @property

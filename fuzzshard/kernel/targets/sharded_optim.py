@@ -21,8 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..state_io import as_tensor
-from ..model import loss_fn
+from ..model import loss_fn, plain_fqn, submodule
 from ..optim import optimizer_class, optimizer_kwargs
+from ..ac import HOWS, apply as apply_ac, how as ac_how
 from .base import Spec, Target
 
 
@@ -88,7 +89,7 @@ class ShardedOptimTarget(Target):
     # (found_inf all-reduced over the group: each rank unscales only its shards' grads). No clip: a
     # ShardedTensor is no Parameter (model.parameters() leaves it out) and torch has no clip for its grads
     spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True, fit_options=fit_options,
-                component="ShardedOptimizer", coverage=coverage, lr_scheduler=True, scaler=True,
+                component="ShardedOptimizer", coverage=coverage, lr_scheduler=True, scaler=True, ac=tuple(HOWS),
                 dropout="replay")  # every rank runs the whole batch: one replay, from the same seed
     localizable = False  # the forward runs on gathered copies, not on the module's params
     amp_scaling_step = False  # ShardedOptimizer takes no found_inf: GradScaler skips its whole step on an inf
@@ -109,11 +110,14 @@ class ShardedOptimTarget(Target):
         from torch.distributed._shard.api import shard_parameter
         from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
+        # activation checkpointing first (kernel/ac.py): apply_activation_checkpointing counts the params it
+        # wraps (numel), which a ShardedTensor does not answer
+        apply_ac(model, self.case.target_options)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for fqn, spec in sorted(self.case.target_options.get("shard", {}).items()):
             module_name, _, attr = fqn.rpartition(".")
             placements = [f"rank:{r}/{device}" for r in spec["ranks"]]
-            shard_parameter(model.get_submodule(module_name), attr, ChunkShardingSpec(spec["dim"], placements),
+            shard_parameter(submodule(model, module_name), attr, ChunkShardingSpec(spec["dim"], placements),
                             process_group=self.group)
         return model
 
@@ -125,7 +129,7 @@ class ShardedOptimTarget(Target):
         plain = [n for n, _ in model.named_parameters()]
         if sorted(names) != sorted(plain):
             raise ShardedParamsListed(f"named_params_with_sharded_tensor lists {names}, the module has {plain}")
-        params = dict(listed)
+        params = {plain_fqn(n): p for n, p in listed}  # a CheckpointWrapper in between: plain FQNs
         (group,) = self.case.groups  # ShardedOptimizer takes one flat set of params
         kwargs = {**self.case.optim.kwargs, **group.overrides}
         return ShardedOptimizer({n: params[n] for n in group.params}, optimizer_class(self.case.optim.name),
@@ -136,8 +140,17 @@ class ShardedOptimTarget(Target):
         each local shard then gets its slice of the full grad."""
         sharded = {n: p for n, p in model.named_parameters() if _is_sharded(p)}
         copies = {n: self.full(p).detach().requires_grad_(p.requires_grad) for n, p in sharded.items()}
-        loss = loss_fn(torch.func.functional_call(model, copies, (x,)), y)
-        self.backward(loss)
+        if ac_how(self.case.target_options):
+            # a checkpointed module recomputes its forward in backward: the copies stay the module's params
+            # until then (functional_call's context, around the backward too)
+            from torch.nn.utils.stateless import _reparametrize_module
+
+            with _reparametrize_module(model, copies):
+                loss = loss_fn(model(x), y)
+                self.backward(loss)
+        else:
+            loss = loss_fn(torch.func.functional_call(model, copies, (x,)), y)
+            self.backward(loss)
         for n, p in sharded.items():
             g = copies[n].grad
             if g is None:
@@ -195,7 +208,7 @@ class ShardedOptimTarget(Target):
         its shards' (tensors shaped like the shard are placed at its offsets,
         scalars such as ``step`` are taken from the shards, which must agree).
         Every rank's shard states travel in one all_gather_object."""
-        params = dict(model.named_parameters())
+        params = {plain_fqn(n): p for n, p in model.named_parameters()}  # plain FQNs (a CheckpointWrapper)
         mine = {n: [(tuple(s.metadata.shard_offsets), list(s.metadata.shard_sizes),
                      {k: as_tensor(v).detach().cpu() for k, v in (opt.state.get(s.tensor) or {}).items()})
                     for s in p.local_shards()]

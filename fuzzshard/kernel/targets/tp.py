@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map_only
 from ..decoder import plan_element
 from ..model import loss_fn
 from ..state_io import STATE_DICT_KINDS
+from ..ac import HOWS, apply as apply_ac
 from .base import Spec
 from .dtensor import DTensorTarget, distribute_params
 from .fsdp2 import apply_tp, coverage, draw_decoder_tp, draw_tp_plan, loss_context, seq_multiple, tp_problem
@@ -82,7 +83,7 @@ class TPTarget(DTensorTarget):
     spec = Spec(options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
                 coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
-                layout=tp_layout, dropout="replica")
+                layout=tp_layout, ac=tuple(HOWS), dropout="replica")
 
     @property
     def localizable(self) -> bool:
@@ -99,6 +100,7 @@ class TPTarget(DTensorTarget):
 
     def shard(self, model: nn.Module) -> nn.Module:
         apply_tp(model, self.mesh, self.case.target_options, self.case.model.factory)
+        apply_ac(model, self.case.target_options)  # after the plan (its FQNs name plain modules): kernel/ac.py
         for module in distribute_params(model, self.mesh, {}):  # what the plan left plain: replicated
             distribute_module(module, self.mesh, input_fn=_replicated, output_fn=_local)
         return model

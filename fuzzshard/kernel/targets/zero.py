@@ -37,7 +37,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..dropout import has_dropout
 from ..state_io import as_tensor
-from ..model import loss_fn
+from ..ac import HOWS, REENTRANT, apply as apply_ac
+from ..model import loss_fn, named_params
 from ..optim import build_optimizer, optimizer_class, param_order
 from .base import Spec, Target
 
@@ -166,6 +167,15 @@ class _Shadow(Joinable):
         return self.group
 
 
+def ac_rule(options: dict, how: str) -> str | None:
+    """DDP's docs: with use_reentrant=True it works only without unused params and with each layer checkpointed
+    at most once; "use_reentrant=False (recommended) ... without any limitations". Reentrant forms are drawn
+    only without DDP (the hand all-reduce)."""
+    if how in REENTRANT and "ddp" in options:
+        return f"activation checkpointing {how!r} under DDP (reentrant: DDP's documented limits)"
+    return None
+
+
 class ZeroTarget(Target):
     name = "zero"
     # DDP records the params that require grad when it wraps
@@ -178,7 +188,8 @@ class ZeroTarget(Target):
                 # the loop: full grads on every rank (DDP's or the hand all-reduce) before the step, so
                 # torch.nn.utils' clips and a plain GradScaler see what a local model's would; a scheduler
                 # moves ZeRO's param_groups, which its step syncs into the local optimizer
-                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, dropout="replay")
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
+                ac=tuple(HOWS), ac_rule=ac_rule, dropout="replay")
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
     # ZeroRedundancyOptimizer has no _step_supports_amp_scaling (its step could not pass found_inf on to
     # the local optimizer): GradScaler skips its whole step on an inf, whatever the local optimizer is
@@ -264,6 +275,7 @@ class ZeroTarget(Target):
 
     def shard(self, model: nn.Module) -> nn.Module:
         self.comm_device = next(model.parameters()).device
+        apply_ac(model, self.case.target_options)  # activation checkpointing before DDP wraps (kernel/ac.py)
         ddp = self.case.target_options.get("ddp")
         if ddp is not None:
             from torch.nn.parallel import DistributedDataParallel
@@ -306,7 +318,7 @@ class ZeroTarget(Target):
         self._check_partition(opt, model)
 
     def _check_groups(self, opt, model: nn.Module) -> None:
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in named_params(model).items()}
         held = {names[id(p)] for g in opt.param_groups for p in g["params"]}
         lost = [n for n in self._given() if n not in held]
         if lost:  # the first line is the signature's: no names in it
@@ -321,7 +333,7 @@ class ZeroTarget(Target):
 
     def _check_partition(self, opt, model: nn.Module) -> None:
         """Every param of every group in exactly one rank's local optimizer."""
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in named_params(model).items()}
         mine = [names[id(p)] for g in opt.optim.param_groups for p in g["params"]]
         owned = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(owned, mine, group=self.group)
@@ -368,17 +380,17 @@ class ZeroTarget(Target):
         return t
 
     def params(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {n: self.full(p, "param", n).detach().clone() for n, p in model.named_parameters()}
+        return {n: self.full(p, "param", n).detach().clone() for n, p in named_params(model).items()}
 
     def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
         return {n: None if p.grad is None else self.full(p.grad, "grad", n).detach().clone()
-                for n, p in model.named_parameters()}
+                for n, p in named_params(model).items()}
 
     def optimizer_state(self, opt, model: nn.Module) -> dict:
         """Each rank's local optimizer holds the state of its partition only."""
         if self.local:
             return super().optimizer_state(opt, model)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in named_params(model).items()}
         mine = {names[id(p)]: {k: as_tensor(v).detach().cpu().clone()
                                for k, v in sorted(opt.optim.state[p].items())}
                 for g in opt.optim.param_groups for p in g["params"] if opt.optim.state.get(p)}

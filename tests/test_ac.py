@@ -1,0 +1,92 @@
+"""Activation checkpointing on every target (fuzzshard/kernel/ac.py, strategies/ac.py): each form recomputes
+bit for bit what the plain forward computed, the rule draws only what torch supports, and a recomputation that
+differs from the forward (tests/planted/ac_recompute_perturbed.py) is caught as a grad parity finding."""
+import dataclasses
+
+import pytest
+import torch
+
+from cases import simple_case
+from conftest import replay_clean_then_buggy
+from fuzzshard.kernel import ac
+from fuzzshard.kernel.model import build_model, loss_fn, make_batch, named_params
+
+BUG = "ac_recompute_perturbed.py"
+
+
+def _grads(case, options):
+    model = build_model(case.model, 0, "cpu", torch.float32)
+    ac.apply(model, options)
+    x, y = make_batch(case.model, 0, 0, 4, 2, "cpu", torch.float32)
+    loss_fn(model(x), y).backward()
+    return {n: p.grad for n, p in named_params(model).items()}
+
+
+@pytest.mark.parametrize("how", list(ac.HOWS))
+def test_every_form_recomputes_the_plain_grads_bit_for_bit(how):
+    """AC on vs off, one process: the same grads, bitwise (each op recomputed on the same inputs), under the
+    plain FQNs whatever wrapper the form puts in between."""
+    case = simple_case(1)
+    plain = _grads(case, {})
+    checkpointed = _grads(case, {"ac": ["layers.2", "layers.0"] if how not in ac.REENTRANT else ["layers.2"],
+                                 **({"ac_how": how} if how != "composable" else {})})
+    assert checkpointed.keys() == plain.keys()
+    for n in plain:
+        assert torch.equal(checkpointed[n], plain[n]), n
+
+
+def test_the_rule_draws_only_what_torch_supports():
+    case = simple_case(2)
+
+    def refusal(target_options, **kw):
+        return dataclasses.replace(case, target_options={**case.target_options, **target_options}, **kw).refusal()
+
+    assert refusal({"ac": ["layers.2"], "ac_how": "utils_reentrant"}) is None
+    # reentrant: the module's input must require grad (layers.0 takes the data; a frozen layers.0 gives none)
+    assert "input need not require grad" in refusal({"ac": ["layers.0"], "ac_how": "wrapper_reentrant"})
+    assert "trains every step" in refusal({"ac": ["layers.2"], "ac_how": "utils_reentrant"},
+                                          frozen=("layers.0.weight", "layers.0.bias"))
+    assert "no such module" in refusal({"ac": ["layers.1"]})  # the activation owns no param
+    assert "one of" in refusal({"ac": ["layers.2"], "ac_how": "nope"})
+    fsdp2 = dataclasses.replace(case, target="fsdp2", batch=4, target_options={"ac": ["layers.2"], "ac_how": "utils_reentrant"})
+    assert "fsdp2 draws" in fsdp2.refusal()
+    zero = dataclasses.replace(case, target="zero", batch=4, target_options={"ddp": {}, "ac": ["layers.2"],
+                                                                             "ac_how": "utils_reentrant"})
+    assert "under DDP" in zero.refusal()
+    # fsdp2's first spelling is read as it was
+    assert ac.how({"ac": ["layers.0"]}) == "composable" and ac.how({"ac": ["layers.0"], "ac_wrapper": True}) == "wrapper"
+
+
+def test_draws_with_ac_are_valid_and_reach_every_form():
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    import fuzzshard.strategies as fst
+
+    seen = set()
+    for target in ("dtensor", "zero"):
+        @hseed(2)
+        @settings(max_examples=60, database=None, phases=[Phase.generate], deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(fst.cases(target=target, world_sizes=[1, 2], ac=True))
+        def collect(case):
+            assert case.refusal() is None
+            seen.add(ac.how(case.target_options))
+
+        collect()
+    assert seen >= set(ac.HOWS) - {"wrapper_reentrant"}, seen
+
+
+@pytest.mark.parametrize("target, how, quantity", [
+    ("dtensor", "sac", "grad layers.2.weight"),  # torchtitan's per-op selective AC, non-reentrant
+    ("fsdp1", "wrapper_reentrant", "grad layers.0.weight"),  # reentrant: the input grad carries it upstream
+])
+def test_a_recompute_that_differs_from_the_forward_is_caught(tmp_path, target, how, quantity):
+    """A hand-written case per family passes clean; with the recompute fed a scaled input the grads inside
+    (non-reentrant) or upstream of (reentrant: the input's grad) the checkpointed block differ."""
+    case = simple_case(2, optim="Adam")
+    extra = {} if target == "dtensor" else {"batch": 4, "target_options": {"wrap": ["layers.2"]}}
+    case = dataclasses.replace(case, target=target, **extra)
+    case = dataclasses.replace(case, target_options={**case.target_options, "ac": ["layers.2"], "ac_how": how})
+    buggy = replay_clean_then_buggy(tmp_path, case, BUG)
+    assert f"{target}.parity." in buggy and quantity in buggy, buggy
