@@ -152,6 +152,16 @@ def ac_table() -> str:
     return "\n".join(rows)
 
 
+def dropout_table() -> str:
+    """Dropout: how each target's masks are judged (its Spec's ``dropout``; kernel/dropout.py)."""
+    from fuzzshard import targets
+
+    words = {"replay": "replayed by the reference", "replica": "loss and grads not compared", "": "not drawn"}
+    names = targets.names()
+    rows = ["| " + " | ".join(f"`{n}`" for n in names) + " |", "|" + "---|" * len(names)]
+    return "\n".join(rows + ["| " + " | ".join(words[targets.get(n).spec.dropout] for n in names) + " |"])
+
+
 def target_count() -> str:
     from fuzzshard import targets
 
@@ -320,6 +330,7 @@ GENERATORS = {
     "targets": targets_table,
     "target-count": target_count,
     "ac": ac_table,
+    "dropout": dropout_table,
     "target-names": target_names,
     "oracles": oracles_table,
     "oracle-count": oracle_count,
