@@ -113,7 +113,7 @@ def features(case) -> list[tuple[str, str]]:
     out += [("loop", f) for f in loop_cells(case)]
     from fuzzshard.kernel.dropout import coverage as dropout_cells  # how its masks were judged, and where
 
-    out += [("dropout", c) for c in dropout_cells(case).get("dropout", {})] or [("dropout", "none")]
+    out += [("dropout", c) for c in dropout_cells(case).get("dropout", {})]  # (none: no line in a session without)
     m = case.model
     if not m.factory:  # a drawn topology: its input and the kinds of layer it has
         out.append(("model", f"{m.input} in"))
