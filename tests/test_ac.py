@@ -90,3 +90,35 @@ def test_a_recompute_that_differs_from_the_forward_is_caught(tmp_path, target, h
     case = dataclasses.replace(case, target_options={**case.target_options, "ac": ["layers.2"], "ac_how": how})
     buggy = replay_clean_then_buggy(tmp_path, case, BUG)
     assert f"{target}.parity." in buggy and quantity in buggy, buggy
+
+
+def _with_ac(case, how, fqns=("layers.2",)):
+    return dataclasses.replace(case, target_options={**case.target_options, "ac": list(fqns),
+                                                     **({"ac_how": how} if how != "composable" else {})})
+
+
+def test_the_script_writes_the_ac_call_or_falls_back_honestly():
+    """Every target's straight-line script checkpoints as the kernel does; a CheckpointWrapper form only where
+    the writer reads plain names through it (fsdp2), elsewhere the flattened kernel."""
+    from fuzzshard.scriptgen import fallback_reason, straight_script
+
+    dtensor = simple_case(2, optim="Adam")
+    fsdp2 = dataclasses.replace(dtensor, target="fsdp2", batch=4, target_options={})
+    calls = {"utils": "utils_checkpoint(f, *a, use_reentrant=False)", "composable": "checkpoint(model.layers[2])",
+             "sac": "context_fn=sac_context", "utils_reentrant": "use_reentrant=True",
+             "wrapper": "apply_activation_checkpointing(model"}
+    for how, call in calls.items():
+        case = _with_ac(fsdp2 if how == "wrapper" else dtensor, how)
+        src = straight_script(case)
+        assert src and call in src and len(src.splitlines()) <= 150, (how, src and len(src.splitlines()))
+    why = fallback_reason(_with_ac(dtensor, "wrapper"))
+    assert "CheckpointWrapper renames" in why, why
+
+
+def test_the_script_finds_the_planted_recompute_and_passes_without(tmp_path):
+    from test_scriptgen import finds_with_and_passes_without
+    from fuzzshard.scriptgen import straight_script
+
+    src = straight_script(_with_ac(simple_case(2, optim="Adam"), "sac"))
+    finds_with_and_passes_without(src, BUG, "FINDING: the sharded run differs", "layers.2.weight",
+                                  "PASS: the sharded run matches", tmp_path)

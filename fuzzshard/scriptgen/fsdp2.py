@@ -149,10 +149,11 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
 
 
 def snapshot(case: Case, options: dict) -> list[str] | None:
-    if how(options) in WRAPPED:
-        return [ln.replace("model.named_parameters()", common.plain_names()) for ln in SNAPSHOT]
+    if how(options) in WRAPPED:  # (plain names: a dict's items where the names were pairs)
+        return [ln.replace("model.named_parameters()", common.plain_names() + ".items()") for ln in SNAPSHOT]
     return SNAPSHOT
 
 
 def grads(case: Case, options: dict) -> str | None:
-    return "{n: None if q.grad is None else q.grad.full_tensor().clone() for n, q in model.named_parameters()}"
+    pairs = common.plain_names() + ".items()" if how(options) in WRAPPED else "model.named_parameters()"
+    return "{n: None if q.grad is None else q.grad.full_tensor().clone() for n, q in " + pairs + "}"
