@@ -200,7 +200,7 @@ def cases(
     ``steer``: a timed session's weighted choices for this round (fuzzshard/session/schedule.py): ``plan``, (world
     size, None or (checkpoint kind, its world size)); ``optimizer by world``, world size -> (name,
     implementation) (pairs: the world size is drawn first); ``mesh``, world size -> mesh shapes; ``dtype``.
-    Each a list, a cell as many times as its weight; ``loop``: {"clip": forms, "lr_scheduler": classes}, weighted alike.
+    Each a list, a cell as many times as its weight; ``ac``: activation checkpointing's forms; ``loop``: {"clip": forms, "lr_scheduler": classes}, weighted alike.
     ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py).
     ``dims_up_to_world``: a topology's dims drawn up to max(9, world size), not 9 (a simulated session's: at
     64 ranks, dims of 1-9 leave most shards empty); they shrink towards 1 as always.
@@ -283,7 +283,7 @@ def cases(
     if ac:  # activation checkpointing: after everything, so the draws before stay as they were
         from .ac import with_ac
 
-        case = with_ac(draw, spec, case)
+        case = with_ac(draw, spec, case, steer.get("ac"))
     assume(valid(case))  # by construction above, but the rule has the last word (never a refused case)
     return case
 

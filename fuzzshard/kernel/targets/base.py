@@ -76,7 +76,7 @@ class Spec:
     # to its kin targets through them: a case that places every param the same way there
     layout: Callable | None = None
     place_as: Callable | None = None
-    # activation checkpointing (kernel/ac.py): the forms it draws (of ac.HOWS; () none), and (options, how) ->
+    # activation checkpointing (kernel/ac.py): the forms it draws (of ac.AC_HOWS; () none), and (options, how) ->
     # why torch does not support that form under these options, or None
     ac: tuple = ()
     ac_rule: Callable | None = None

@@ -42,7 +42,7 @@ from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
 from ..state_io import STATE_DICT_KINDS
-from ..ac import NON_REENTRANT, apply as apply_ac
+from ..ac import AC_NON_REENTRANT, apply_ac
 from .base import Spec, Target
 
 
@@ -413,7 +413,7 @@ class FSDP2Target(Target):
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True,
-                layout=fsdp2_layout, ac=NON_REENTRANT)
+                layout=fsdp2_layout, ac=AC_NON_REENTRANT)
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:
