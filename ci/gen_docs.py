@@ -146,7 +146,7 @@ def ac_table() -> str:
 
     names = targets.names()
     rows = ["| form | what runs | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|---|" + "---|" * len(names)]
-    for how, what in ac.HOWS.items():
+    for how, what in ac.AC_HOWS.items():
         marks = ["yes" if how in targets.get(n).spec.ac else "–" for n in names]
         rows.append(f"| `{how}` | {what} | " + " | ".join(marks) + " |")
     return "\n".join(rows)

@@ -251,10 +251,10 @@ class Case:
         if problem:
             raise CaseError(problem)
         spec = targets.get(self.target).spec if self.target in targets.names() else None
-        from .kernel import ac  # activation checkpointing: what torch supports, said once for every target
+        from .kernel.ac import ac_problem  # activation checkpointing: what torch supports, said once for every target
 
         for what, _, _, options in sides:
-            problem = ac.problem(self, options, spec) if spec else None
+            problem = ac_problem(self, options, spec) if spec else None
             if problem:
                 raise CaseError(what + problem)
         problem = spec.check(self) if spec and spec.check else None

@@ -201,7 +201,7 @@ def cases(
     ``steer``: a timed session's weighted choices for this round (fuzzshard/session/schedule.py): ``plan``, (world
     size, None or (checkpoint kind, its world size)); ``optimizer by world``, world size -> (name,
     implementation) (pairs: the world size is drawn first); ``mesh``, world size -> mesh shapes; ``dtype``.
-    Each a list, a cell as many times as its weight; ``loop``: {"clip": forms, "lr_scheduler": classes}, weighted alike.
+    Each a list, a cell as many times as its weight; ``ac``: activation checkpointing's forms; ``loop``: {"clip": forms, "lr_scheduler": classes}, weighted alike.
     ``mesh_dims``: meshes of up to this many dims (3: a simulated session's 2x2x2 and larger, simulate.py).
     ``dims_up_to_world``: a topology's dims drawn up to max(9, world size), not 9 (a simulated session's: at
     64 ranks, dims of 1-9 leave most shards empty); they shrink towards 1 as always.
@@ -286,7 +286,7 @@ def cases(
     if ac:  # activation checkpointing: after everything, so the draws before stay as they were
         from .ac import with_ac
 
-        case = with_ac(draw, spec, case)
+        case = with_ac(draw, spec, case, steer.get("ac"))
     if spec.dropout and dropout:  # dropout (kernel/dropout.py), last of all: the draws before stay as they were
         with_dropout = dataclasses.replace(case, model=draw(dropouts(case.model)))
         if valid(with_dropout):  # a target's options that take no dropout (fsdp2's TP, compile) keep the case without

@@ -16,19 +16,19 @@ BUG = "ac_recompute_perturbed.py"
 
 def _grads(case, options):
     model = build_model(case.model, 0, "cpu", torch.float32)
-    ac.apply(model, options)
+    ac.apply_ac(model, options)
     x, y = make_batch(case.model, 0, 0, 4, 2, "cpu", torch.float32)
     loss_fn(model(x), y).backward()
     return {n: p.grad for n, p in named_params(model).items()}
 
 
-@pytest.mark.parametrize("how", list(ac.HOWS))
+@pytest.mark.parametrize("how", list(ac.AC_HOWS))
 def test_every_form_recomputes_the_plain_grads_bit_for_bit(how):
     """AC on vs off, one process: the same grads, bitwise (each op recomputed on the same inputs), under the
     plain FQNs whatever wrapper the form puts in between."""
     case = simple_case(1)
     plain = _grads(case, {})
-    checkpointed = _grads(case, {"ac": ["layers.2", "layers.0"] if how not in ac.REENTRANT else ["layers.2"],
+    checkpointed = _grads(case, {"ac": ["layers.2", "layers.0"] if how not in ac.AC_REENTRANT else ["layers.2"],
                                  **({"ac_how": how} if how != "composable" else {})})
     assert checkpointed.keys() == plain.keys()
     for n in plain:
@@ -54,7 +54,7 @@ def test_the_rule_draws_only_what_torch_supports():
                                                                              "ac_how": "utils_reentrant"})
     assert "under DDP" in zero.refusal()
     # fsdp2's first spelling is read as it was
-    assert ac.how({"ac": ["layers.0"]}) == "composable" and ac.how({"ac": ["layers.0"], "ac_wrapper": True}) == "wrapper"
+    assert ac.ac_how({"ac": ["layers.0"]}) == "composable" and ac.ac_how({"ac": ["layers.0"], "ac_wrapper": True}) == "wrapper"
 
 
 def test_draws_with_ac_are_valid_and_reach_every_form():
@@ -71,10 +71,10 @@ def test_draws_with_ac_are_valid_and_reach_every_form():
         @given(fst.cases(target=target, world_sizes=[1, 2], ac=True))
         def collect(case):
             assert case.refusal() is None
-            seen.add(ac.how(case.target_options))
+            seen.add(ac.ac_how(case.target_options))
 
         collect()
-    assert seen >= set(ac.HOWS) - {"wrapper_reentrant"}, seen
+    assert seen >= set(ac.AC_HOWS) - {"wrapper_reentrant"}, seen
 
 
 @pytest.mark.parametrize("target, how, quantity", [
@@ -90,3 +90,48 @@ def test_a_recompute_that_differs_from_the_forward_is_caught(tmp_path, target, h
     case = dataclasses.replace(case, target_options={**case.target_options, "ac": ["layers.2"], "ac_how": how})
     buggy = replay_clean_then_buggy(tmp_path, case, BUG)
     assert f"{target}.parity." in buggy and quantity in buggy, buggy
+
+
+def _with_ac(case, how, fqns=("layers.2",)):
+    return dataclasses.replace(case, target_options={**case.target_options, "ac": list(fqns),
+                                                     **({"ac_how": how} if how != "composable" else {})})
+
+
+def test_the_script_writes_the_ac_call_or_falls_back_honestly():
+    """Every target's straight-line script checkpoints as the kernel does; a CheckpointWrapper form only where
+    the writer reads plain names through it (fsdp2), elsewhere the flattened kernel."""
+    from fuzzshard.scriptgen import fallback_reason, straight_script
+
+    dtensor = simple_case(2, optim="Adam")
+    fsdp2 = dataclasses.replace(dtensor, target="fsdp2", batch=4, target_options={})
+    calls = {"utils": "utils_checkpoint(f, *a, use_reentrant=False)", "composable": "checkpoint(model.layers[2])",
+             "sac": "context_fn=sac_context", "utils_reentrant": "use_reentrant=True",
+             "wrapper": "apply_activation_checkpointing(model"}
+    for how, call in calls.items():
+        case = _with_ac(fsdp2 if how == "wrapper" else dtensor, how)
+        src = straight_script(case)
+        assert src and call in src and len(src.splitlines()) <= 150, (how, src and len(src.splitlines()))
+    why = fallback_reason(_with_ac(dtensor, "wrapper"))
+    assert "CheckpointWrapper renames" in why, why
+
+
+def test_the_script_finds_the_planted_recompute_and_passes_without(tmp_path):
+    from test_scriptgen import finds_with_and_passes_without
+    from fuzzshard.scriptgen import straight_script
+
+    src = straight_script(_with_ac(simple_case(2, optim="Adam"), "sac"))
+    finds_with_and_passes_without(src, BUG, "FINDING: the sharded run differs", "layers.2.weight",
+                                  "PASS: the sharded run matches", tmp_path)
+
+
+def test_a_timed_session_steers_the_ac_forms_least_drawn_first():
+    from fuzzshard.session.schedule import Scheduler, features
+
+    s = Scheduler()
+    case = _with_ac(simple_case(2), "sac")
+    assert ("target option", "ac form sac") in features(case)
+    for _ in range(3):
+        s.record(case, valid=True)
+    forms = s.steer("dtensor", [1, 2], {"ac": True})["steer"]["ac"]
+    assert set(forms) == set(ac.AC_HOWS) and forms[-1] == "sac" and forms.count("sac") < forms.count("utils"), forms
+    assert "ac" not in s.steer("dtensor", [1, 2], {})["steer"]  # without --ac: no AC drawn, nothing steered

@@ -2,7 +2,7 @@
 rule of what torch supports, and how it is applied to a model.
 
 The spec: ``ac``, the plain FQNs of the modules checkpointed (each one's forward is recomputed in backward),
-and ``ac_how``, how (HOWS). fsdp2's first spelling stays: ``ac`` without ``ac_how`` is the composable
+and ``ac_how``, how (AC_HOWS). fsdp2's first spelling stays: ``ac`` without ``ac_how`` is the composable
 ``checkpoint`` (or, with ``ac_wrapper``, ``apply_activation_checkpointing``'s non-reentrant wrapper).
 A target says which hows it takes in its Spec (``ac``) and calls ``apply`` where its sharding puts it
 (fsdp2, zero, dtensor, tp, pp, sharded_optim: before or after their wrapping as each module's doc says).
@@ -19,9 +19,11 @@ import types
 import torch
 import torch.nn as nn
 
+from .model import param_shapes, submodule
+
 # how a module is checkpointed (draw order: the first is where a drawn case shrinks to); the wrapper forms put a
-# CheckpointWrapper in between (WRAPPED), the others keep the module where it was
-HOWS = {
+# CheckpointWrapper in between (AC_WRAPPED), the others keep the module where it was
+AC_HOWS = {
     "utils": "torch.utils.checkpoint.checkpoint(forward, use_reentrant=False) as the module's forward",
     "composable": "torch.distributed._composable.checkpoint(module)",
     "wrapper": "apply_activation_checkpointing(checkpoint_wrapper, CheckpointImpl.NO_REENTRANT)",
@@ -33,81 +35,79 @@ HOWS = {
 }
 # the reentrant forms give a checkpointed module's params grads only where some input requires grad
 # (torch.utils.checkpoint's docs), and support no torch.autograd.grad (pipelining's split backward)
-REENTRANT = ("utils_reentrant", "wrapper_reentrant")
-WRAPPED = ("wrapper", "wrapper_reentrant")
-NON_REENTRANT = tuple(h for h in HOWS if h not in REENTRANT)
-_BLOCK = re.compile(r"^layers\.(\d+)$")
+AC_REENTRANT = ("utils_reentrant", "wrapper_reentrant")
+AC_WRAPPED = ("wrapper", "wrapper_reentrant")
+AC_NON_REENTRANT = tuple(h for h in AC_HOWS if h not in AC_REENTRANT)
+_AC_BLOCK = re.compile(r"^layers\.(\d+)$")
 
 
-def how(options: dict) -> str:
+def ac_how(options: dict) -> str:
     """The options' checkpointing form ("" where none)."""
     if not options.get("ac"):
         return ""
     return options.get("ac_how") or ("wrapper" if options.get("ac_wrapper") else "composable")
 
 
-def uses(case) -> bool:
+def ac_uses(case) -> bool:
     """Whether either side of ``case`` checkpoints any module."""
     sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
-    return any(how(o) for o in sides)
+    return any(ac_how(o) for o in sides)
 
 
-def candidates(shapes: dict) -> list[str]:
+def ac_candidates(shapes: dict) -> list[str]:
     """The modules a case may checkpoint: every module that owns a param below the root (``layers.i`` and
     deeper; fsdp2's owners), in FQN order."""
     return sorted({".".join(n.split(".")[:i]) for n in shapes for i in range(2, n.count(".") + 1)})
 
 
-def blocks(shapes: dict) -> list[str]:
+def ac_blocks(shapes: dict) -> list[str]:
     """The top-level blocks (``layers.i``, in order), what per-layer AC counts every k-th of."""
-    return sorted({m for m in candidates(shapes) if _BLOCK.match(m)}, key=lambda m: int(m.split(".")[1]))
+    return sorted({m for m in ac_candidates(shapes) if _AC_BLOCK.match(m)}, key=lambda m: int(m.split(".")[1]))
 
 
-def always_trainable(case) -> set[str]:
+def _ac_always_trainable(case) -> set[str]:
     """The params that require grad in every step: not frozen at the start nor by any step."""
     frozen = set(case.frozen) | {n for s in case.schedule for n in s.freeze}
-    from .model import param_shapes
-
     return {n for n in param_shapes(case.model) if n not in frozen}
 
 
-def reentrant_problem(case, fqn: str) -> str | None:
+def ac_reentrant_problem(case, fqn: str) -> str | None:
     """Why reentrant checkpointing of ``fqn`` would leave its params without grads in this case (None: it
     would not). torch.utils.checkpoint: "At least one input and output must have requires_grad=True for the
     reentrant variant of checkpoint, otherwise the checkpointed part of the model won't have gradients" (a
     documented difference from the plain model: not drawn). Taken only where it is sure: a top-level block
     ``layers.i`` (i >= 1) of a drawn topology, after a block holding a param that trains in every step."""
-    m = _BLOCK.match(fqn)
+    m = _AC_BLOCK.match(fqn)
     if case.model.factory or not m or int(m.group(1)) == 0:
         return f"reentrant checkpoint of {fqn}: its input need not require grad"
     before = {f"layers.{j}." for j in range(int(m.group(1)))}
-    if not any(n[:n.index(".", 7) + 1] in before for n in always_trainable(case) if n.startswith("layers.")):
+    if not any(n[:n.index(".", 7) + 1] in before for n in _ac_always_trainable(case) if n.startswith("layers.")):
         return f"reentrant checkpoint of {fqn}: no block before it trains every step (its input needs grad)"
     return None
 
 
-def problem(case, options: dict, spec) -> str | None:
+def ac_problem(case, options: dict, spec) -> str | None:
     """Why these AC options are no case of this target (Case.check asks it of either side), or None."""
-    h = how(options)
+    h = ac_how(options)
+    if options.get("ac_how") and not options.get("ac"):  # (a reduced case drops the form first, then the modules)
+        return f"ac_how {options['ac_how']!r} without modules to checkpoint (ac)"
     if not h:
         return None
-    if h not in HOWS:
-        return f"ac_how {h!r}: one of {', '.join(HOWS)}"
+    if h not in AC_HOWS:
+        return f"ac_how {h!r}: one of {', '.join(AC_HOWS)}"
     if h not in (spec.ac or ()):
         return f"activation checkpointing {h!r}: {case.target} draws {', '.join(spec.ac) or 'none'}"
     if spec.ac_rule:
         why = spec.ac_rule(options, h)
         if why:
             return why
-    from .model import param_shapes
-
-    known = set(candidates(param_shapes(case.model)))
+    known = set(ac_candidates(param_shapes(case.model)))
     missing = [m for m in options["ac"] if m not in known]
     if missing:
         return f"activation checkpointing of {missing}: no such module owning params"
-    if h in REENTRANT:
+    if h in AC_REENTRANT:
         for fqn in options["ac"]:
-            why = reentrant_problem(case, fqn)
+            why = ac_reentrant_problem(case, fqn)
             if why:
                 return why
     return None
@@ -117,11 +117,11 @@ def problem(case, options: dict, spec) -> str | None:
 # partitioner's list: matmuls, convolutions, attention) and max saved, every second mm (or linear) recomputed,
 # everything else recomputed (torchtitan's few extra comm and attention ops left out: the models here run none
 # of them outside the partitioner's list). The script writes the same set (scriptgen/common.py: _SAC)
-def _save_ops() -> set:
+def _sac_save_ops() -> set:
     from torch._functorch.partitioners import get_default_op_list
 
     return {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.linear.default, torch.ops.aten.max.default} | \
+            torch.ops.aten.linear.default, torch.ops.aten.max.default} |\
         {op.default for op in get_default_op_list().compute_intensive_ops}
 
 
@@ -129,7 +129,7 @@ def sac_policy():
     """A fresh per-op policy (its mm counters are per checkpointed call, forward and recompute apart)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    save = _save_ops()
+    save = _sac_save_ops()
     mm = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
     meta = {"forward": 0, "recompute": 0}
 
@@ -162,10 +162,8 @@ def _checkpointed_forward(self, *args, **kwargs):
                       use_reentrant=self._fuzzshard_ac == "utils_reentrant", **extra, **kwargs)
 
 
-def _locate(model: nn.Module, fqn: str) -> tuple[nn.Module, str, nn.Module]:
+def _ac_locate(model: nn.Module, fqn: str) -> tuple[nn.Module, str, nn.Module]:
     """(parent, child name, module) of a plain FQN, wrappers on the way answered for the module they wrap."""
-    from .model import submodule
-
     parent_fqn, _, name = fqn.rpartition(".")
     parent = submodule(model, parent_fqn)
     while name not in parent._modules:  # a wrapper in between (FSDP1's unit)
@@ -173,11 +171,11 @@ def _locate(model: nn.Module, fqn: str) -> tuple[nn.Module, str, nn.Module]:
     return parent, name, parent._modules[name]
 
 
-def apply(model: nn.Module, options: dict) -> nn.Module:
+def apply_ac(model: nn.Module, options: dict) -> nn.Module:
     """Checkpoint the options' modules of ``model``, in place, as ``how`` says; returns ``model``. A wrapper
     form puts a CheckpointWrapper in between (its FQNs gain ``_checkpoint_wrapped_module``, which
     ``named_params`` and ``submodule`` leave out)."""
-    h = how(options)
+    h = ac_how(options)
     if not h:
         return model
     fqns = list(options["ac"])
@@ -185,14 +183,14 @@ def apply(model: nn.Module, options: dict) -> nn.Module:
         CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
 
     if h == "wrapper":  # one call over the whole model, its check_fn picking the modules
-        chosen = {id(_locate(model, f)[2]) for f in fqns}
+        chosen = {id(_ac_locate(model, f)[2]) for f in fqns}
         apply_activation_checkpointing(
             model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
             check_fn=lambda m: id(m) in chosen)
         return model
     # deepest first, so a parent's wrapper wraps a child already wrapped
     for fqn in sorted(fqns, key=lambda n: (-n.count("."), n)):
-        parent, name, module = _locate(model, fqn)
+        parent, name, module = _ac_locate(model, fqn)
         if h == "composable":
             from torch.distributed._composable import checkpoint
 
@@ -205,15 +203,15 @@ def apply(model: nn.Module, options: dict) -> nn.Module:
     return model
 
 
-def coverage(case) -> dict:
+def ac_coverage(case) -> dict:
     """{"activation checkpointing": [how, ...]}: the forms a passing case ran (a session's coverage line,
     every target's); {} without AC."""
     sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
-    cells = [how(o) for o in sides if how(o)]
+    cells = [ac_how(o) for o in sides if ac_how(o)]
     return {"activation checkpointing": cells} if cells else {}
 
 
-def describe(options: dict) -> str:
+def ac_describe(options: dict) -> str:
     """``show``'s words: which modules, and how ("" without AC)."""
-    h = how(options)
-    return f"{', '.join(options['ac'])} under {HOWS[h]}" if h else ""
+    h = ac_how(options)
+    return f"{', '.join(options['ac'])} under {AC_HOWS[h]}" if h else ""

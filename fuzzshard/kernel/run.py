@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..case import Case
 from ..verdict import error_record, finding, invalid, passing
 from .checkpoint import check_loaded, check_loaded_loop, check_saved
-from .ac import uses as uses_ac  # a recomputed forward traces its modules twice: not localized
+from .ac import ac_uses  # a recomputed forward traces its modules twice: not localized
 from .dropout import draw_from
 from .gather import gather_batch
 from .localize import Trace
@@ -318,7 +318,7 @@ def _train(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
            clock: Clock) -> list[dict]:
     """Run schedule steps ``steps``; the record of each when ``keep``."""
     trace = Trace(model, target.full_activation, target.full_activation_grad, target.trace_points(case),
-                  replicas=True) if localize and target.localizable and not uses_ac(case) else None
+                  replicas=True) if localize and target.localizable and not ac_uses(case) else None
     out = []
     loop.every_rank = True  # its found_inf observed as every rank's (the reference compares each with its own)
 

@@ -72,9 +72,9 @@ def render(finding: Finding) -> str:
 
 def _ac(options: dict, pad: str = "") -> list[str]:
     """Activation checkpointing, said in words (kernel/ac.py); the reference trains without it."""
-    from ..kernel import ac
+    from ..kernel.ac import ac_describe
 
-    text = ac.describe(options)
+    text = ac_describe(options)
     return [f"{pad}activation checkpointing: {text} (the reference: none)"] if text else []
 
 

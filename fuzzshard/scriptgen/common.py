@@ -303,8 +303,8 @@ def plain_names(expr: str = "model") -> str:
 def ac_unsupported(case: Case, options: dict, w) -> str | None:
     from ..kernel import ac
 
-    h = ac.how(options)
-    if h in ac.WRAPPED and not getattr(w, "AC_WRAPPERS", False):
+    h = ac.ac_how(options)
+    if h in ac.AC_WRAPPED and not getattr(w, "AC_WRAPPERS", False):
         return f"activation checkpointing {h!r} (a CheckpointWrapper renames the params the script reads)"
     return None
 
@@ -312,7 +312,7 @@ def ac_unsupported(case: Case, options: dict, w) -> str | None:
 def ac_imports(case: Case) -> list[str]:
     from ..kernel import ac
 
-    hows = {ac.how(o) for o in [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])}
+    hows = {ac.ac_how(o) for o in [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])}
     out = []
     if hows & {"utils", "utils_reentrant", "sac"}:
         out.append("from torch.utils.checkpoint import checkpoint as utils_checkpoint")
@@ -321,7 +321,7 @@ def ac_imports(case: Case) -> list[str]:
                 "from torch._functorch.partitioners import get_default_op_list"]
     if "composable" in hows:
         out.append("from torch.distributed._composable import checkpoint")
-    if hows & set(ac.WRAPPED):
+    if hows & set(ac.AC_WRAPPED):
         out += ["from functools import partial", "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper "
                 "import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper"]
     return out
@@ -346,7 +346,7 @@ def ac_lines(case: Case, options: dict) -> list[str]:
     from ..kernel import ac
     from .fsdp2 import module
 
-    h = ac.how(options)
+    h = ac.ac_how(options)
     if not h:
         return []
     mods = [module(f, case) for f in options["ac"]]

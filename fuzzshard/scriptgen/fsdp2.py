@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..case import Case
 from . import common, dsd
-from ..kernel.ac import WRAPPED, how
+from ..kernel.ac import AC_WRAPPED, ac_how
 from .dtensor import SNAPSHOT
 
 KINDS = dsd.KINDS
@@ -109,7 +109,7 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
 
 
 def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[str]:
-    names = common.plain_names() if how(options) in WRAPPED else "model.named_parameters()"
+    names = common.plain_names() if ac_how(options) in AC_WRAPPED else "model.named_parameters()"
     out = common.optimizer(case, lr_scale, names=names)
     if options.get("compile_step"):
         out += ["step = opt.step", "opt.step = torch.compile(lambda closure=None: step(), fullgraph=False)"]
@@ -149,10 +149,11 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
 
 
 def snapshot(case: Case, options: dict) -> list[str] | None:
-    if how(options) in WRAPPED:
-        return [ln.replace("model.named_parameters()", common.plain_names()) for ln in SNAPSHOT]
+    if ac_how(options) in AC_WRAPPED:  # (plain names: a dict's items where the names were pairs)
+        return [ln.replace("model.named_parameters()", common.plain_names() + ".items()") for ln in SNAPSHOT]
     return SNAPSHOT
 
 
 def grads(case: Case, options: dict) -> str | None:
-    return "{n: None if q.grad is None else q.grad.full_tensor().clone() for n, q in model.named_parameters()}"
+    pairs = common.plain_names() + ".items()" if ac_how(options) in AC_WRAPPED else "model.named_parameters()"
+    return "{n: None if q.grad is None else q.grad.full_tensor().clone() for n, q in " + pairs + "}"

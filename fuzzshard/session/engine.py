@@ -477,7 +477,7 @@ class Session:
             coverage = target_class(case.target).spec.coverage
             for title, cells in (coverage(case) if coverage else {}).items():
                 st.passed_coverage[title].update(cells)
-            from ..kernel.ac import coverage as ac_coverage  # every target's activation checkpointing
+            from ..kernel.ac import ac_coverage  # every target's activation checkpointing
 
             for title, cells in ac_coverage(case).items():
                 st.passed_coverage[title].update(cells)

@@ -106,6 +106,10 @@ def features(case) -> list[tuple[str, str]]:
     out.append(("mesh", "x".join(map(str, case.mesh_shape))))
     out.append(("dtype", case.dtype))
     out += [("target option", f) for f in dict.fromkeys(_options(case.target_options))]
+    from ..kernel.ac import ac_how  # activation checkpointing's form, a cell of its own (fsdp2's default has no key)
+
+    if ac_how(case.target_options):
+        out.append(("target option", f"ac form {ac_how(case.target_options)}"))
     out.append(("groups", f"{len(case.groups)} group(s)" + (" (one empty)" if any(not g.params for g in case.groups) else "")))
     flips = any(s.freeze or s.unfreeze for s in case.schedule)
     out.append(("frozen", ("frozen" if case.frozen else "none frozen") + (", flipped mid-run" if flips else "")))
@@ -223,6 +227,8 @@ class Scheduler:
             clip, lr = drawn("clip"), drawn("lr")
             steer["loop"] = {"clip": weights({f: clip.get(f, 0) for f in spec.clips}),
                              "lr_scheduler": weights({s: lr.get(s, 0) for s in SCHEDULERS}) if spec.lr_scheduler else []}
+        if strategy_kwargs.get("ac") and spec.ac:  # activation checkpointing's forms, the least drawn first
+            steer["ac"] = weights({h: seen["target option", f"ac form {h}"] for h in spec.ac})
         return {"steer": steer}
 
     def table(self, target: str | None = None, width: int = 100) -> str:

@@ -80,7 +80,7 @@ class Spec:
     # tensors from its own seed and the reference replays them; "replica": drawn on DTensors or TP's shards,
     # where torch promises no mask equal to the unsharded op's: loss and grads not compared, the rest is
     dropout: str = ""
-    # activation checkpointing (kernel/ac.py): the forms it draws (of ac.HOWS; () none), and (options, how) ->
+    # activation checkpointing (kernel/ac.py): the forms it draws (of ac.AC_HOWS; () none), and (options, how) ->
     # why torch does not support that form under these options, or None
     ac: tuple = ()
     ac_rule: Callable | None = None

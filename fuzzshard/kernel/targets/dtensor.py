@@ -17,7 +17,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from ..gather import full_batched
 from ..model import loss_fn
 from ..state_io import STATE_DICT_KINDS
-from ..ac import HOWS, apply as apply_ac
+from ..ac import AC_HOWS, apply_ac
 from .base import Spec, Target
 
 
@@ -79,7 +79,7 @@ class DTensorTarget(Target):
     name = "dtensor"
     spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
-                layout=placements_layout, place_as=placements_options, ac=tuple(HOWS), dropout="replica")
+                layout=placements_layout, place_as=placements_options, ac=tuple(AC_HOWS), dropout="replica")
     local_replicas = True  # a Replicate param's grad: each rank's own backward on replicated activations
 
     def shard(self, model: nn.Module) -> nn.Module:

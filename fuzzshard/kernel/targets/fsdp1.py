@@ -47,7 +47,7 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
 from ..state_io import FULL_FILE, STATE_DICT_KINDS, as_tensor, load, save
 from ..model import loss_fn, plain_fqn
 from ..optim import build_optimizer, optimizer_class, optimizer_kwargs
-from ..ac import REENTRANT, apply as apply_ac
+from ..ac import AC_REENTRANT, apply_ac
 from .base import Spec, Target
 
 
@@ -137,7 +137,7 @@ class FSDP1Target(Target):
                 # activation checkpointing after FSDP wraps (torch's FSDP recipe; kernel/ac.py): torch.utils'
                 # checkpoint and checkpoint_wrapper, reentrant or not; not the composable checkpoint (the
                 # composable APIs' own, fully_shard's and replicate's)
-                ac=("utils", "wrapper", "sac") + REENTRANT, dropout="replay")
+                ac=("utils", "wrapper", "sac") + AC_REENTRANT, dropout="replay")
     localizable = False  # wrapped module names differ from the reference's
     freeze_before_shard = True  # FSDP records requires_grad per original param when it flattens
 

@@ -5,7 +5,8 @@ The Case's ``target_options`` name the submodules that get their own
 ``offload`` (CPUOffloadPolicy), ``built_as`` (the model is built in this
 dtype and moved to the case's with ``model.to`` after ``fully_shard``), ``mp`` (a MixedPrecisionPolicy for every
 unit, replayed in the reference by mixed_precision_reference below), ``ac`` (submodules under composable activation
-checkpointing, or with ``ac_wrapper`` under ``apply_activation_checkpointing``'s CheckpointWrapper), ``microbatches`` (gradient accumulation: every microbatch
+checkpointing, or with ``ac_wrapper`` under ``apply_activation_checkpointing``'s CheckpointWrapper; with ``ac_how``
+any non-reentrant form of kernel/ac.py), ``microbatches`` (gradient accumulation: every microbatch
 but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
 (tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}; for the
 decoder transformer torchtitan's plan, {module FQN: decoder.TP_STYLES key},
@@ -43,7 +44,7 @@ from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
 from ..state_io import STATE_DICT_KINDS
-from ..ac import NON_REENTRANT, apply as apply_ac
+from ..ac import AC_NON_REENTRANT, ac_how, apply_ac
 from .base import Spec, Target
 
 
@@ -280,7 +281,7 @@ def compiled(case) -> str:
     opts = case.target_options
     if not (opts.get("compile") or opts.get("compile_step")):
         return ""
-    return "compiled_ckpt" if opts.get("compile") and opts.get("ac") and not opts.get("ac_wrapper") else "compiled"
+    return "compiled_ckpt" if opts.get("compile") and ac_how(opts) == "composable" else "compiled"
 
 
 def apply_tp(model: nn.Module, tp_mesh, options: dict, factory: str) -> None:
@@ -426,7 +427,7 @@ class FSDP2Target(Target):
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True,
-                layout=fsdp2_layout, ac=NON_REENTRANT, dropout="replay")
+                layout=fsdp2_layout, ac=AC_NON_REENTRANT, dropout="replay")
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:

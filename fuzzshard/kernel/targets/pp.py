@@ -67,7 +67,7 @@ from ..model import loss_fn, named_params, param_shapes, submodule
 from ..optim import build_optimizer, group_hparams, state_by_fqn
 from ..state_io import UNEXPECTED_KEY, dcp_save, keys_of, without
 from ...verdict import error_record
-from ..ac import NON_REENTRANT, apply as apply_ac
+from ..ac import AC_NON_REENTRANT, apply_ac
 from .base import Spec, Target
 
 # the schedules, simplest first (shrinking goes there): name -> (stages per rank, style)
@@ -547,7 +547,7 @@ class PPTarget(Target):
                 lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8,
                 # activation checkpointing inside each stage, non-reentrant only (the zero-bubble schedules'
                 # split backward calls torch.autograd.grad, which reentrant checkpoint does not support)
-                ac=NON_REENTRANT)
+                ac=AC_NON_REENTRANT)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod

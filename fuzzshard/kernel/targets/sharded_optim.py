@@ -23,7 +23,7 @@ import torch.nn as nn
 from ..state_io import as_tensor
 from ..model import loss_fn, plain_fqn, submodule
 from ..optim import optimizer_class, optimizer_kwargs
-from ..ac import HOWS, apply as apply_ac, how as ac_how
+from ..ac import AC_HOWS, ac_how, apply_ac
 from .base import Spec, Target
 
 
@@ -89,7 +89,7 @@ class ShardedOptimTarget(Target):
     # (found_inf all-reduced over the group: each rank unscales only its shards' grads). No clip: a
     # ShardedTensor is no Parameter (model.parameters() leaves it out) and torch has no clip for its grads
     spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True, fit_options=fit_options,
-                component="ShardedOptimizer", coverage=coverage, lr_scheduler=True, scaler=True, ac=tuple(HOWS),
+                component="ShardedOptimizer", coverage=coverage, lr_scheduler=True, scaler=True, ac=tuple(AC_HOWS),
                 dropout="replay")  # every rank runs the whole batch: one replay, from the same seed
     localizable = False  # the forward runs on gathered copies, not on the module's params
     amp_scaling_step = False  # ShardedOptimizer takes no found_inf: GradScaler skips its whole step on an inf

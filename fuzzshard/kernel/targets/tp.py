@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map_only
 from ..decoder import plan_element
 from ..model import loss_fn
 from ..state_io import STATE_DICT_KINDS
-from ..ac import HOWS, apply as apply_ac
+from ..ac import AC_HOWS, apply_ac
 from .base import Spec
 from .dtensor import DTensorTarget, distribute_params
 from .fsdp2 import apply_tp, coverage, draw_decoder_tp, draw_tp_plan, loss_context, seq_multiple, tp_problem
@@ -83,7 +83,7 @@ class TPTarget(DTensorTarget):
     spec = Spec(options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
                 coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
-                layout=tp_layout, ac=tuple(HOWS), dropout="replica")
+                layout=tp_layout, ac=tuple(AC_HOWS), dropout="replica")
 
     @property
     def localizable(self) -> bool:

@@ -37,7 +37,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..dropout import has_dropout
 from ..state_io import as_tensor
-from ..ac import HOWS, REENTRANT, apply as apply_ac
+from ..ac import AC_HOWS, AC_REENTRANT, apply_ac
 from ..model import loss_fn, named_params
 from ..optim import build_optimizer, optimizer_class, param_order
 from .base import Spec, Target
@@ -171,7 +171,7 @@ def ac_rule(options: dict, how: str) -> str | None:
     """DDP's docs: with use_reentrant=True it works only without unused params and with each layer checkpointed
     at most once; "use_reentrant=False (recommended) ... without any limitations". Reentrant forms are drawn
     only without DDP (the hand all-reduce)."""
-    if how in REENTRANT and "ddp" in options:
+    if how in AC_REENTRANT and "ddp" in options:
         return f"activation checkpointing {how!r} under DDP (reentrant: DDP's documented limits)"
     return None
 
@@ -189,7 +189,7 @@ class ZeroTarget(Target):
                 # torch.nn.utils' clips and a plain GradScaler see what a local model's would; a scheduler
                 # moves ZeRO's param_groups, which its step syncs into the local optimizer
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
-                ac=tuple(HOWS), ac_rule=ac_rule, dropout="replay")
+                ac=tuple(AC_HOWS), ac_rule=ac_rule, dropout="replay")
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
     # ZeroRedundancyOptimizer has no _step_supports_amp_scaling (its step could not pass found_inf on to
     # the local optimizer): GradScaler skips its whole step on an inf, whatever the local optimizer is
