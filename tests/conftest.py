@@ -35,8 +35,13 @@ SLOW = {
     # 70, relative): each bug still shows in the default tier on a hand-written case, its signature checked
     "test_planted.py::test_planted_checkpoint_bug_is_found_shrunk_and_replays[ckpt_reshard_swap]":
         "an fsdp2 session of 80 examples with DCP round trips (the slowest default test: 200 s loaded): the bug "
-        "is caught by test_a_dcp_load_at_another_world_size_that_swaps_adams_moments_is_caught (a hand-written "
-        "2 -> 1 reshard), and the search and shrinking of fsdp2 checkpoint bugs by the ckpt_first_group_lr session",
+        "is caught by test_an_fsdp2_dcp_reshard_round_trip_catches_swapped_adam_moments_and_... (a hand-written "
+        "2 -> 1 reshard); checkpoint bugs are found and shrunk by test_pp_checkpoint.py's planted session and the "
+        "loop_sched_load_drops_epoch session, fsdp2's by the fsdp2_skip_average session",
+    "test_planted.py::test_planted_checkpoint_bug_is_found_shrunk_and_replays[ckpt_first_group_lr]":
+        "an fsdp2 session of 100 examples with checkpoints (99 s loaded): the bug is caught by "
+        "test_an_fsdp2_dcp_reshard_round_trip_catches_swapped_adam_moments_and_... (the same hand-written case) "
+        "and its script by test_scriptgen.py's ...[dcp_2_to_1]; the search as for ckpt_reshard_swap",
     "test_planted.py::test_planted_target_bug_is_found_shrunk_and_replays[zero_consolidate_rank0_only]":
         "a second zero session (95 s loaded): the bug is caught by test_zeros_consolidated_round_trip_catches_..., "
         "zero's search and shrinking by the zero_drop_last_group_param session",
@@ -60,6 +65,9 @@ SLOW = {
     "test_pp.py::test_planted_looped_stage_scale_is_found_shrunk_and_replays":
         "a third pp session (59 s loaded): the bug is caught by test_pp_decoder.py's "
         "test_pp_decoder_trains_in_parity_and_a_planted_looped_bug_is_found, pp's search by the 1F1B session",
+    "test_pp_fsdp.py::test_planted_fsdp_reduce_sum_under_pp_is_found_and_replays":
+        "a pp session at world size 4 (84 s loaded): the bug is caught on a hand-written [2, 2] case by "
+        "test_planted_fsdp_reduce_sum_under_pp_is_caught_on_a_hand_written_case, pp's search by the 1F1B session",
     "test_generalize.py::test_a_users_optimizer_bug_met_on_dtensor_and_fsdp2_is_one_finding":
         "a plugin session over two targets (60 s loaded): a finding carried to a kin target and folded is proven by "
         "test_a_variant_on_another_target_that_fails_the_same_way_is_a_face_of_the_bug and test_life.py's "

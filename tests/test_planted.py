@@ -472,10 +472,11 @@ def test_planted_replica_bug_is_found_by_the_replica_oracle_shrunk_and_replays(t
 # each way per case (seconds, not minutes), the finding's signature checked; the sessions' search and shrinking
 # stay proven in the default tier by the other sessions of the same target and oracle (named in SLOW)
 
-def test_a_dcp_load_at_another_world_size_that_swaps_adams_moments_is_caught(tmp_path):
-    """ckpt_reshard_swap.py on fsdp2: Adam's state saved through DCP by 2 ranks and loaded by 1 (a reshard);
-    the clean round trip passes, the swap of exp_avg and exp_avg_sq on a resharding load is the checkpoint
-    oracle's loaded-state finding (the slow tier's session finds and shrinks it)."""
+def test_an_fsdp2_dcp_reshard_round_trip_catches_swapped_adam_moments_and_the_first_groups_lr_everywhere(tmp_path):
+    """fsdp2, Adam, two param groups of different lr, saved through DCP by 2 ranks and loaded by 1 (a reshard):
+    the clean round trip passes; ckpt_reshard_swap.py (a resharding load swaps exp_avg and exp_avg_sq) is the
+    checkpoint oracle's loaded-state finding, ckpt_first_group_lr.py (a load gives every group the first
+    group's lr) its loaded-group finding. The slow tier's sessions find and shrink each."""
     import dataclasses
 
     from cases import simple_case
@@ -485,8 +486,11 @@ def test_a_dcp_load_at_another_world_size_that_swaps_adams_moments_is_caught(tmp
     case = dataclasses.replace(simple_case(2, optim="Adam"), target="fsdp2", batch=4, target_options=opts,
                                checkpoint=Checkpoint(after=0, kind="dcp", world_size=1, mesh_shape=(1,),
                                                      target_options=opts))
-    buggy = replay_clean_then_buggy(tmp_path, case, "ckpt_reshard_swap.py")
-    assert re.search(r"^FAIL: fsdp2\.checkpoint\.dcp\.loaded\.state\.exp_avg", buggy, re.M), buggy
+    swapped = replay_clean_then_buggy(tmp_path, case, "ckpt_reshard_swap.py")
+    assert re.search(r"^FAIL: fsdp2\.checkpoint\.dcp\.loaded\.state\.exp_avg", swapped, re.M), swapped
+    lr = run_cli("replay", tmp_path / "case.json", setup="ckpt_first_group_lr.py")
+    assert lr.returncode == 1 and re.search(r"^FAIL: fsdp2\.checkpoint\.dcp\.loaded\.group", lr.stdout, re.M), \
+        lr.stdout + lr.stderr[-2000:]
 
 
 def test_zeros_consolidated_round_trip_catches_a_save_of_rank_0s_state_and_a_load_that_misses_a_rank(tmp_path):
