@@ -31,13 +31,87 @@ SLOW = {
     "test_redis.py::test_a_soak_goes_on_when_redis_goes_away": "a soak of up to 3 minutes",
     "test_soak.py::test_torchrun_soak_cells_span_nodes_and_a_lost_node_leaves_the_rest_going":
         "a torchrun soak over 3 processes (70 s and more): test_cells_share_findings... keeps soaks in the default tier",
+    # moved on 2026-12-02 (CI at 2079 s against a 25-minute budget; times from a full run at load average 15 to
+    # 70, relative): each bug still shows in the default tier on a hand-written case, its signature checked
+    "test_planted.py::test_planted_checkpoint_bug_is_found_shrunk_and_replays[ckpt_reshard_swap]":
+        "an fsdp2 session of 80 examples with DCP round trips (the slowest default test: 200 s loaded): the bug "
+        "is caught by test_an_fsdp2_dcp_reshard_round_trip_catches_swapped_adam_moments_and_... (a hand-written "
+        "2 -> 1 reshard); checkpoint bugs are found and shrunk by test_pp_checkpoint.py's planted session and the "
+        "loop_sched_load_drops_epoch session, fsdp2's by the fsdp2_skip_average session",
+    "test_planted.py::test_planted_checkpoint_bug_is_found_shrunk_and_replays[ckpt_first_group_lr]":
+        "an fsdp2 session of 100 examples with checkpoints (99 s loaded): the bug is caught by "
+        "test_an_fsdp2_dcp_reshard_round_trip_catches_swapped_adam_moments_and_... (the same hand-written case) "
+        "and its script by test_scriptgen.py's ...[dcp_2_to_1]; the search as for ckpt_reshard_swap",
+    "test_planted.py::test_planted_target_bug_is_found_shrunk_and_replays[zero_consolidate_rank0_only]":
+        "a second zero session (95 s loaded): the bug is caught by test_zeros_consolidated_round_trip_catches_..., "
+        "zero's search and shrinking by the zero_drop_last_group_param session",
+    "test_planted.py::test_planted_replica_bug_is_found_by_the_replica_oracle_shrunk_and_replays[zero_load_lr_one_rank]":
+        "a third zero session (58 s loaded): the bug is caught by test_zeros_consolidated_round_trip_catches_..., "
+        "the replica oracle's search and shrinking by the dtensor_replica_step_twice session",
+    "test_planted.py::test_planted_replica_bug_is_found_by_the_replica_oracle_shrunk_and_replays[fsdp2_hsdp_replica_drift]":
+        "a session at world size 4 (78 s loaded): the bug is caught by "
+        "test_an_hsdp_replica_whose_adam_state_drifts_is_caught_by_the_replica_oracle (the same 2x2 mesh), the "
+        "replica oracle's search and shrinking by the dtensor_replica_step_twice session",
+    "test_planted.py::test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays[loop_clip_coef_squared]":
+        "a --loop all session (56 s loaded): the loop_sched_load_drops_epoch session keeps the loop's search in the "
+        "default tier (a --loop all case shrunk to the one feature its bug needs); the bug's script shows it under torchrun in "
+        "test_scriptgen.py's test_a_loop_findings_script_runs_the_loop_in_torchs_words_and_shows_its_planted_bug[clip]",
+    "test_planted.py::test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays[loop_scaler_steps_on_inf]":
+        "a --loop all session (68 s loaded): as loop_clip_coef_squared; the plant shows under torchrun in "
+        "test_scriptgen.py's ...[scaler], and ShardedGradScaler's twin in test_loop_targets.py",
+    "test_pp.py::test_planted_zero_bubble_dw_twice_is_found_shrunk_and_replays":
+        "a second pp session (98 s loaded): the bug is caught on its shrunk case by "
+        "test_planted_zero_bubble_dw_twice_is_caught_on_its_shrunk_case, pp's search and shrinking by the 1F1B session",
+    "test_pp.py::test_planted_looped_stage_scale_is_found_shrunk_and_replays":
+        "a third pp session (59 s loaded): the bug is caught by test_pp_decoder.py's "
+        "test_pp_decoder_trains_in_parity_and_a_planted_looped_bug_is_found, pp's search by the 1F1B session",
+    "test_pp_fsdp.py::test_planted_fsdp_reduce_sum_under_pp_is_found_and_replays":
+        "a pp session at world size 4 (84 s loaded): the bug is caught on a hand-written [2, 2] case by "
+        "test_planted_fsdp_reduce_sum_under_pp_is_caught_on_a_hand_written_case, pp's search by the 1F1B session",
+    "test_generalize.py::test_a_users_optimizer_bug_met_on_dtensor_and_fsdp2_is_one_finding":
+        "a plugin session over two targets (60 s loaded): a finding carried to a kin target and folded is proven by "
+        "test_a_variant_on_another_target_that_fails_the_same_way_is_a_face_of_the_bug and test_life.py's "
+        "test_one_bug_met_on_dtensor_and_fsdp2_is_one_finding_with_a_target_row; the plugin's session by test_plugin.py",
 }
+
+
+# The longest tests start first: pyproject's addopts hand tests to pytest-xdist's two workers one at a time
+# (`--dist load --maxschedchunk 1`), in the order below, so a long test never starts last and runs alone at the
+# end while the other worker idles. The times are one full run's (tests/data/durations.json, written by
+# ci/durations.py from a --durations=0 log); a test not there counts as short (SHORT seconds). Tests of a module
+# that share a module-scoped fixture (a pool) stay together, ordered by their sum, so the fixture is set up once
+# per worker as before.
+DURATIONS = Path(__file__).parent / "data" / "durations.json"
+SHORT = 1.0
+
+
+def _node(item) -> str:
+    """The node id from the test file's name on (tests/test_x.py::test_y[a/b] -> test_x.py::test_y[a/b])."""
+    file, sep, rest = item.nodeid.partition("::")
+    return file.rsplit("/", 1)[-1] + sep + rest
+
+
+def _longest_first(items):
+    import json
+
+    times = json.loads(DURATIONS.read_text())["seconds"] if DURATIONS.exists() else {}
+    units = {}  # a key per item, or per module where the item uses a module- (or class-) scoped fixture
+    for i, item in enumerate(items):
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        shared = any(d[-1].scope in ("module", "class", "package") for d in defs.values() if d)
+        key = item.nodeid.split("::")[0] if shared else item.nodeid
+        units.setdefault(key, [i, 0.0, []])
+        units[key][1] += times.get(_node(item), SHORT)
+        units[key][2].append(item)
+    order = sorted(units.values(), key=lambda u: (-u[1], u[0]))  # stable: ties keep the collection's order
+    items[:] = [item for u in order for item in u[2]]
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if any(item.nodeid.split("/")[-1].startswith(key) for key in SLOW):
+        if any(_node(item).startswith(key) for key in SLOW):
             item.add_marker(pytest.mark.slow)
+    _longest_first(items)
 
 
 def run_cli(*args, cwd=None, timeout=900, setup=None):

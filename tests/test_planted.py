@@ -1,7 +1,8 @@
 """Planted bugs prove the oracles work: each bug, applied to torch in the
 workers through --worker-setup, is found, shrunk to a small case, written as
 JSON + standalone script; the script fails under torchrun with the bug and
-passes without it, and so does `fuzzshard replay`."""
+passes without it, and so does `fuzzshard replay`. A bug whose session is in the
+slow tier (tests/conftest.py SLOW) is caught here on a hand-written case instead."""
 import json
 import re
 
@@ -465,3 +466,88 @@ def test_planted_replica_bug_is_found_by_the_replica_oracle_shrunk_and_replays(t
     buggy = run_cli("replay", path, setup=bug)
     assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
     assert run_cli("replay", path).returncode == 0
+
+
+# -- hand-written cases for bugs whose search sessions are in the slow tier (tests/conftest.py SLOW): one replay
+# each way per case (seconds, not minutes), the finding's signature checked; the sessions' search and shrinking
+# stay proven in the default tier by the other sessions of the same target and oracle (named in SLOW)
+
+def test_an_fsdp2_dcp_reshard_round_trip_catches_swapped_adam_moments_and_the_first_groups_lr_everywhere(tmp_path):
+    """fsdp2, Adam, two param groups of different lr, saved through DCP by 2 ranks and loaded by 1 (a reshard):
+    the clean round trip passes; ckpt_reshard_swap.py (a resharding load swaps exp_avg and exp_avg_sq) is the
+    checkpoint oracle's loaded-state finding, ckpt_first_group_lr.py (a load gives every group the first
+    group's lr) its loaded-group finding. The slow tier's sessions find and shrink each."""
+    import dataclasses
+
+    from cases import simple_case
+    from fuzzshard.case import Checkpoint
+
+    opts = {"wrap": ["layers.0"], "reshard_after_forward": True}
+    case = dataclasses.replace(simple_case(2, optim="Adam"), target="fsdp2", batch=4, target_options=opts,
+                               checkpoint=Checkpoint(after=0, kind="dcp", world_size=1, mesh_shape=(1,),
+                                                     target_options=opts))
+    swapped = replay_clean_then_buggy(tmp_path, case, "ckpt_reshard_swap.py")
+    assert re.search(r"^FAIL: fsdp2\.checkpoint\.dcp\.loaded\.state\.exp_avg", swapped, re.M), swapped
+    lr = run_cli("replay", tmp_path / "case.json", setup="ckpt_first_group_lr.py")
+    assert lr.returncode == 1 and re.search(r"^FAIL: fsdp2\.checkpoint\.dcp\.loaded\.group", lr.stdout, re.M), \
+        lr.stdout + lr.stderr[-2000:]
+
+
+def test_zeros_consolidated_round_trip_catches_a_save_of_rank_0s_state_and_a_load_that_misses_a_rank(tmp_path):
+    """ZeRO's consolidate_state_dict checkpoint on 2 ranks, Adam: the clean round trip passes; a state_dict()
+    that keeps only rank 0's params' state is the checkpoint oracle's saved-state finding
+    (zero_consolidate_rank0_only.py), and a load that leaves rank 1 with the fresh optimizer's lr is the replica
+    oracle's (zero_load_lr_one_rank.py: rank 0, which parity reads, is right). The slow tier's sessions find and
+    shrink each."""
+    import dataclasses
+
+    from cases import simple_case
+    from fuzzshard.case import Checkpoint
+
+    case = dataclasses.replace(simple_case(2, optim="Adam"), target="zero", batch=4, target_options={},
+                               checkpoint=Checkpoint(after=0, kind="consolidate", world_size=2, mesh_shape=(2,)))
+    saved = replay_clean_then_buggy(tmp_path, case, "zero_consolidate_rank0_only.py")
+    assert "FAIL: zero.checkpoint.consolidate.saved.optim.state.missing" in saved, saved
+    loaded = run_cli("replay", tmp_path / "case.json", setup="zero_load_lr_one_rank.py")
+    assert loaded.returncode == 1 and "FAIL: zero.replica.loaded.group.lr" in loaded.stdout, \
+        loaded.stdout + loaded.stderr[-2000:]
+
+
+def test_an_hsdp_replica_whose_adam_state_drifts_is_caught_by_the_replica_oracle(tmp_path):
+    """fsdp2_hsdp_replica_drift.py on FSDP2's HSDP 2x2 mesh, Adam, two steps: the second replica's exp_avg_sq
+    doubles; parity (rank 0's copies) sees nothing, the replica oracle names the state. The slow tier's session
+    finds and shrinks it."""
+    import dataclasses
+
+    from cases import simple_case
+    from fuzzshard.case import Step
+
+    case = simple_case(4, optim="Adam", foreach=False)
+    case = dataclasses.replace(case, target="fsdp2", mesh_shape=(2, 2), batch=4, schedule=(Step(), Step()),
+                               target_options={"wrap": ["layers.0"], "reshard_after_forward": True})
+    buggy = replay_clean_then_buggy(tmp_path, case, "fsdp2_hsdp_replica_drift.py")
+    assert "FAIL: fsdp2.replica.state.exp_avg_sq" in buggy, buggy
+
+
+def test_sharded_optims_dense_params_are_stepped_and_a_skipped_one_is_caught_by_replay_and_script(tmp_path):
+    """ShardedOptimizer over one ShardedTensor param (layers.0.weight, split on 2 ranks) and dense ones beside
+    it: the clean case passes, sharded_optim_skip_dense.py (dense params never stepped) is a parity finding of
+    a dense param; its standalone script fails under torchrun with the bug and passes without. (The version
+    smoke's planted check, ci/version_smoke.sh: the oracle and the script on another torch release, in a
+    fraction of the session test's time.)"""
+    from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
+
+    names = ("layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias")
+    case = Case(target="sharded_optim", world_size=2, mesh_shape=(2,),
+                model=Model("features", 5, (Layer("linear", 5, 7), Layer("act", act="tanh"), Layer("linear", 7, 3))),
+                optim=Optim("SGD", {"lr": 0.01, "weight_decay": 0.1}), groups=(Group(names),), schedule=(Step(),),
+                batch=4, seq=2, target_options={"shard": {"layers.0.weight": {"dim": 0, "ranks": [1, 0]}}})
+    buggy = replay_clean_then_buggy(tmp_path, case, "sharded_optim_skip_dense.py")
+    assert re.search(r"^FAIL: sharded_optim\.parity\.SGD\.\w+\.(param|state\.momentum_buffer)$", buggy, re.M), buggy
+    assert re.search(r"layers\.(0\.bias|2\.weight|2\.bias)", buggy), buggy  # a dense param
+    script = tmp_path / "repro.py"
+    assert run_cli("script", tmp_path / "case.json", "-o", script).returncode == 0
+    bad = torchrun(script, 2, "--setup", PLANTED / "sharded_optim_skip_dense.py", cwd=tmp_path)
+    assert bad.returncode != 0 and "FINDING" in bad.stdout, bad.stdout + bad.stderr[-2000:]
+    ok = torchrun(script, 2, cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]

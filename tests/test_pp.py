@@ -185,3 +185,17 @@ def test_pp_facts_see_a_stage_input_without_grad_from_a_steps_freeze():
     assert not pp.facts(thawed)["split_backward_input_without_grad"]
     assert pp.facts(dataclasses.replace(freeze, target_options={**freeze.target_options, "schedule": "Interleaved1F1B"})
                     )["split_backward_input_without_grad"] is False
+
+
+def test_planted_zero_bubble_dw_twice_is_caught_on_its_shrunk_case(tmp_path):
+    """The zero-bubble bug on the case its session shrinks to (InterleavedZeroBubble on one rank, two virtual
+    stages, one microbatch: test_pp_script.SHRUNK): passes on unmodified torch, a grad parity finding with the
+    bug. The session (slow tier) proves it is found and shrunk there; the 1F1B session above keeps pp's search
+    and shrinking in the default tier."""
+    from conftest import replay_clean_then_buggy
+    from test_pp_script import SHRUNK
+
+    bug, case, _ = SHRUNK[1]
+    assert bug == "pp_zero_bubble_dw_twice.py"
+    buggy = replay_clean_then_buggy(tmp_path, case, bug)
+    assert "FAIL: pp.parity.grad" in buggy, buggy

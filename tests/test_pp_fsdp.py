@@ -1,7 +1,8 @@
 """The ``pp`` target composed as torchtitan composes it: FSDP2 on each stage over the dp sub-mesh of a [pp, dp]
 mesh, and gradient accumulation (several schedule steps before the optimizer step): a clean seeded session that
 draws both, the reference's accumulation with scale_grads (torch's stage.scale_grads divides the whole grad at
-every step), and a planted FSDP2-under-PP bug found by a seeded session."""
+every step), and a planted FSDP2-under-PP bug caught on a hand-written case (found by a seeded session in the
+slow tier)."""
 import dataclasses
 
 from conftest import run_cli
@@ -79,3 +80,20 @@ def test_planted_fsdp_reduce_sum_under_pp_is_found_and_replays(tmp_path):
     last = o["cuts"][-1]  # the last stage's first top-level layer (pp degree 2, one stage a rank)
     fqns = {m["fqn"] for m in finding["verdict"]["mismatches"] if m.get("quantity") == "grad"}
     assert fqns and all(int(n.split(".")[1]) >= last for n in fqns), (fqns, o)
+
+
+def test_planted_fsdp_reduce_sum_under_pp_is_caught_on_a_hand_written_case(tmp_path):
+    """The same bug on a hand-written case (GPipe over 2 stages, FSDP2 over dp 2 on a [2, 2] mesh, the module's
+    _case): passes on unmodified torch, a grad parity finding in the last stage's params with the bug. The
+    session above (the slow tier) proves it is found and shrunk; pp's search and shrinking stay proven in the
+    default tier by test_pp.py's 1F1B session."""
+    import re
+
+    from conftest import replay_clean_then_buggy
+
+    case = _case()
+    buggy = replay_clean_then_buggy(tmp_path, case, "pp_fsdp_last_stage_reduce_sum.py")
+    assert "FAIL: pp.parity.grad" in buggy, buggy
+    last = case.target_options["cuts"][-1]
+    named = {int(n) for n in re.findall(r"grad layers\.(\d+)\.", buggy)}
+    assert named and min(named) >= last, (named, buggy)  # the last stage's params only
