@@ -64,6 +64,7 @@ def imports(case: Case, options: dict) -> list[str]:
         ["MixedPrecisionPolicy"] * bool(options.get("mp"))
     out = ["from torch.distributed.device_mesh import init_device_mesh",
            f"from torch.distributed.fsdp import {', '.join(fsdp)}", "from torch.distributed.tensor import DTensor"]
+    out += ["import types"] * bool(options.get("compile_step"))
     if options.get("tp") and case.model.factory == "decoder":  # torchtitan's plan (kernel/decoder.py)
         out += ["from torch.distributed.tensor import Replicate",
                 "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module"]
@@ -112,7 +113,8 @@ def optimizer(case: Case, options: dict, lr_scale: float, group: str) -> list[st
     names = common.plain_names() if ac_how(options) in AC_WRAPPED else "model.named_parameters()"
     out = common.optimizer(case, lr_scale, names=names)
     if options.get("compile_step"):
-        out += ["step = opt.step", "opt.step = torch.compile(lambda closure=None: step(), fullgraph=False)"]
+        out += ["eager = opt.step", "step = torch.compile(lambda: eager(), fullgraph=False)  # the step compiled",
+                "opt.step = types.MethodType(lambda self, closure=None: step(), opt)  # a method (a scheduler wraps it)"]
     return out
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import types
 
 import torch
 import torch.distributed as dist
@@ -568,7 +569,10 @@ class FSDP2Target(Target):
         opt = super().optimizer(model, lr_scale)
         if self.case.target_options.get("compile_step"):  # the step compiled, as torch's compiled-optimizer recipe
             eager = opt.step
-            opt.step = torch.compile(lambda closure=None: eager(), fullgraph=False)
+            compiled_step = torch.compile(lambda: eager(), fullgraph=False)
+            # a method of opt still, as an LR scheduler expects (it wraps opt.step.__func__): a plain function
+            # there raised AttributeError in the scheduler's constructor (fuzzshard's own, not torch's)
+            opt.step = types.MethodType(lambda self, closure=None: compiled_step(), opt)
         return opt
 
     def _loss_context(self):
