@@ -341,10 +341,15 @@ _SAC = ["SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.
         "    return create_selective_checkpoint_contexts(policy)"]
 
 
+def module(fqn: str, case: Case | None = None) -> str:
+    """``model.layers[0].inner[1]`` for "layers.0.inner.1" (the decoder's blocks: ``model.layers["0"]``, a ModuleDict)."""
+    key = "[\"{}\"]" if case is not None and case.model.factory == "decoder" else "[{}]"
+    return "model" + "".join(key.format(p) if p.isdigit() else f".{p}" for p in fqn.split(".")) if fqn else "model"
+
+
 def ac_lines(case: Case, options: dict) -> list[str]:
     """The lines that checkpoint the options' modules of ``model`` as the kernel does (kernel/ac.py: apply)."""
     from ..kernel import ac
-    from .fsdp2 import module
 
     h = ac.ac_how(options)
     if not h:

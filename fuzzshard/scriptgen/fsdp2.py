@@ -9,6 +9,7 @@ from ..case import Case
 from . import common, dsd
 from ..kernel.ac import AC_WRAPPED, ac_how
 from .dtensor import SNAPSHOT
+from .common import module  # (said in common.py: every writer names modules so)
 
 KINDS = dsd.KINDS
 AC_WRAPPERS = True  # its names read through a CheckpointWrapper (common.plain_names): every AC form written
@@ -51,12 +52,6 @@ def _decoder_tp(case: Case, plan: dict) -> list[str]:
 def unsupported(case: Case, options: dict) -> str | None:
     extra = set(options) - _OPTIONS
     return f"options {sorted(extra)}" if extra else None
-
-
-def module(fqn: str, case: Case | None = None) -> str:
-    """``model.layers[0].inner[1]`` for "layers.0.inner.1" (the decoder's blocks: ``model.layers["0"]``, a ModuleDict)."""
-    key = "[\"{}\"]" if case is not None and case.model.factory == "decoder" else "[{}]"
-    return "model" + "".join(key.format(p) if p.isdigit() else f".{p}" for p in fqn.split(".")) if fqn else "model"
 
 
 def imports(case: Case, options: dict) -> list[str]:
