@@ -76,6 +76,9 @@ class Spec:
     # to its kin targets through them: a case that places every param the same way there
     layout: Callable | None = None
     place_as: Callable | None = None
+    # (case) -> how it shards a tied weight (model.tie_uses: one param, two modules), a few words ("" untied): the
+    # tie line of ``show``, a "tied weights" coverage cell, the model dimension's counted cell (session/schedule.py)
+    tie: Callable | None = None
 
 
 class Target:

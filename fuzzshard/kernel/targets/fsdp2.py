@@ -416,6 +416,15 @@ def _cast(tree, dtype):
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
+def fsdp2_tie(case) -> str:
+    """The tie's unit: a grouped one of its own (tie_unit) or the root's; with TP, vocabulary-parallel or not."""
+    if not tie_uses(case.model):
+        return ""
+    opts = case.target_options
+    tp = (opts.get("tp") or {}).get("tok_embeddings") == "rowwise"
+    return (f"own unit fully_shard([{', '.join(tie_uses(case.model))}])" if opts.get("tie_unit") else "root's unit") + (", vocab-parallel" if tp else "")
+
+
 def fsdp2_layout(mesh_shape, options: dict, names) -> dict | None:
     """fully_shard: dim 0 over the last mesh dim (HSDP replicates over the first); a TP plan: no plain layout."""
     return None if options.get("tp") else {n: ["R"] * (len(mesh_shape) - 1) + ["S0"] for n in names}
@@ -427,7 +436,7 @@ class FSDP2Target(Target):
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True,
-                layout=fsdp2_layout)
+                layout=fsdp2_layout, tie=fsdp2_tie)
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:

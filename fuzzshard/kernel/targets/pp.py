@@ -429,6 +429,14 @@ def _input_without_grad(case: Case) -> bool:
     return False
 
 
+def pp_tie(case: Case) -> str:
+    """Where the tie's two uses run (tie_span)."""
+    if not tie_uses(case.model):
+        return ""
+    return {"": "one stage", "ranks": "across ranks, grad all-reduced",
+            "stages": "two stages of one rank"}[tie_span(case)]
+
+
 def coverage(case: Case) -> dict:
     o = case.target_options
     fsdp = f" FSDP2 [{pp_degree(o, case.world_size)},{o['dp']}]" if o.get("dp") else ""
@@ -571,7 +579,7 @@ class PPTarget(Target):
     spec = Spec(options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True,
                 late_options=draw_late_options_both_sides, check=check, fit_options=fit_options,
                 facts=facts_with_checkpoint, coverage=coverage_with_checkpoint, component="pipelining",
-                lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8)
+                lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8, tie=pp_tie)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
