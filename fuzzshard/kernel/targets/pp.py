@@ -407,6 +407,8 @@ def facts(case: Case) -> dict:
            and bool(o.get("reshard_after_forward"))}
     # either way stage_backward_input finds no path to the weights: a stage's grads may all vanish
     out["split_backward_no_weight_path"] = out["split_backward_input_without_grad"] or out["split_backward_fsdp_resharded"]
+    # a tied weight in two stage modules of one rank, each stage's scale_grads dividing it (torch: once per stage)
+    out["tie_stages_scaled"] = tie_span(case) == "stages" and bool(o.get("scale_grads")) and n_mb > 1
     return out
 
 
@@ -470,7 +472,7 @@ def facts_with_checkpoint(case: Case) -> dict:
                                       frozen=tuple(sorted(frozen)), schedule=case.schedule[ck.after + 1:])
         theirs = facts(loading)
         for key in ("uneven_microbatches", "split_backward_input_without_grad", "split_backward_fsdp_resharded",
-                    "split_backward_no_weight_path"):
+                    "split_backward_no_weight_path", "tie_stages_scaled"):
             out[key] = out[key] or theirs[key]
     return out
 
