@@ -20,8 +20,6 @@ def unsupported(case: Case, options: dict) -> str | None:
 
 def imports(case: Case, options: dict) -> list[str]:
     styles = sorted({"ColwiseParallel" if s == "colwise" else "RowwiseParallel" for s in options.get("tp", {}).values()})
-    if case.model.factory == "decoder":  # torchtitan's plan (scriptgen/fsdp2.py's _decoder_tp)
-        styles = ["ColwiseParallel", "RowwiseParallel"] if options.get("tp") else []
     return ["from torch.distributed.device_mesh import init_device_mesh",
             "from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor",
             f"from torch.distributed.tensor.parallel import {', '.join(styles + ['parallelize_module'])}"]
@@ -30,15 +28,9 @@ def imports(case: Case, options: dict) -> list[str]:
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
     style = {"colwise": "ColwiseParallel(output_layouts=Replicate())",
              "rowwise": "RowwiseParallel(input_layouts=Replicate())"}
-    if case.model.factory == "decoder":  # torchtitan's plan, on the one mesh dim (a tied pair re-tied after it)
-        from .fsdp2 import _decoder_tp
-
-        lines = [ln.replace('mesh["d1"]', "mesh").replace("on the inner dim", "on every rank, no FSDP")
-                 for ln in _decoder_tp(case, options.get("tp") or {})]
-    else:
-        plan = ", ".join(f"{fqn!r}: {style[s]}" for fqn, s in options.get("tp", {}).items())
-        lines = [f"parallelize_module(model, mesh, {{{plan}}})  # TP on every rank, no FSDP"]
-    return [f"mesh = {mesh}", *lines,
+    plan = ", ".join(f"{fqn!r}: {style[s]}" for fqn, s in options.get("tp", {}).items())
+    return [f"mesh = {mesh}",
+            f"parallelize_module(model, mesh, {{{plan}}})  # TP on every rank, no FSDP",
             "done = {}  # each param the plan left plain: a replicated DTensor (a tied one once)",
             "for m in list(model.modules()):",
             "    plain = [(k, q) for k, q in m.named_parameters(recurse=False) if not isinstance(q, DTensor)]",
