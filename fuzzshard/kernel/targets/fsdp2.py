@@ -11,7 +11,8 @@ but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
 decoder transformer torchtitan's plan, {module FQN: decoder.TP_STYLES key},
 with ``sp`` (sequence parallelism) and ``loss_parallel``) and
 ``nonroot`` (the loss also calls the wrapped layers.0 from outside the root's
-forward: FSDP2's non-root forward; see ``objective``), and with ``--compile``
+forward: FSDP2's non-root forward; see ``objective``), ``tie_unit`` (a tied
+weight's two modules in one grouped unit, ``fully_shard([embedding, head])``), and with ``--compile``
 ``compile`` (each block ``module.compile()``d "before" or "after"
 ``fully_shard``) and ``compile_step`` (the optimizer step under torch.compile);
 the reference stays eager.

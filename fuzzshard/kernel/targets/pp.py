@@ -5,8 +5,9 @@ are cut into stages at the drawn ``cuts`` (the index of each stage's first
 layer but the first's); the last stage also holds the output ``scale``
 buffer and the ``unused`` submodule. The decoder (``--models decoder``) is
 cut between its blocks, as torchtitan splits a Llama: the token embedding on
-the first stage, the final norm and the output head on the last (untied
-only: a tie would span ranks). Each stage is a ``PipelineStage`` over a
+the first stage, the final norm and the output head on the last (a tied
+head too: ``tie_span``; across ranks its grad is all-reduced between the
+first and the last stage's ranks before the step, ``reduce_tied_grad``). Each stage is a ``PipelineStage`` over a
 module that holds its layers under their plain names, on the rank the
 schedule puts it: stage s on rank s for the single-stage schedules
 (``GPipe``, ``1F1B``), on rank s mod W for the looped multi-stage ones
