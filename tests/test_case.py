@@ -165,6 +165,8 @@ def test_tensor_parallel_on_a_tied_embedding_raises_a_clear_case_error():
     data["target_options"] = {"tp": {"tok_embeddings": "rowwise"}, "wrap": []}
     with pytest.raises(CaseError, match=r"tensor parallel on \['tok_embeddings'\], which own a tied param"):
         Case.from_dict(data).check_world()
+    data["target_options"]["tp"]["output"] = "colwise"  # the vocabulary-parallel pair: both Shard(0), re-tied
+    Case.from_dict(data).check_world()
     data["model"]["sizes"]["tied"] = False
     Case.from_dict(data).check_world()
 

@@ -58,8 +58,7 @@ def test_pp_check_refuses_what_cannot_be_cut():
     assert "top-level layers" in pp.check(_case(world=3, layers=2))
     bad = _case()
     assert "cuts" in pp.check(dataclasses.replace(bad, target_options={**bad.target_options, "cuts": [0]}))
-    tied = dataclasses.replace(bad, model=dataclasses.replace(bad.model, tie_head=True))
-    assert "tied" in pp.check(tied)
+    # (a tied head is cut now, its grad all-reduced between the first and last stage's ranks: tests/test_tied.py)
 
 
 def test_pp_a_documented_refusal_is_invalid_and_a_case_trains_in_parity(tmp_path):
@@ -88,7 +87,7 @@ def test_planted_1f1b_bug_is_found_shrunk_and_replays(tmp_path):
     standalone under torchrun, and passes on unmodified torch."""
     bug = "pp_1f1b_drop_microbatch_grads.py"
     out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", "pp", "--max-examples", 20, "--seed", 0, "--world-sizes", "2",
+    r = run_cli("fuzz", "--target", "pp", "--max-examples", 20, "--seed", 2, "--world-sizes", "2",
                 "--optimizers", "SGD", "--checkpoints", "none", "--case-timeout", 60, "--shrink-budget", "30s",
                 "--out", out, setup=bug)
     assert r.returncode == 1, r.stderr[-3000:]

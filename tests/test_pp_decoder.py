@@ -21,10 +21,11 @@ def _case(**sizes) -> Case:
                 target_options=o)
 
 
-def test_pp_cuts_the_decoders_blocks_and_refuses_a_tied_head():
+def test_pp_cuts_the_decoders_blocks_and_a_tied_head_across_ranks():
     case = _case()
     assert pp.n_units(case.model) == 4 and pp.check(case) is None
-    assert "tied" in pp.check(_case(tied=True))
+    tied = _case(tied=True)  # the embedding on rank 0's stage 0, the tied head on rank 1's stage 3
+    assert pp.check(tied) is None and pp.tie_span(tied) == "ranks"
     assert "cuts" in pp.check(dataclasses.replace(case, target_options={**case.target_options, "cuts": [1, 2]}))
     # a stage after the first whose input needs no grad: the embedding and block 0 frozen
     frozen = tuple(n for n in param_shapes(case.model) if n.startswith(("tok_embeddings.", "layers.0.")))

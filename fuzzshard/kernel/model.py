@@ -57,6 +57,14 @@ def tied_modules(spec: Model) -> tuple[str, ...]:
     return ("layers.0",) if spec.tie_head else ()
 
 
+def tie_uses(spec: Model) -> tuple[str, ...]:
+    """The two modules that use the tied param, the owner first (its FQN is the param's): the decoder's
+    embedding and output head, a topology's embedding (layers.0) and head; () untied."""
+    if spec.factory == "decoder":
+        return ("tok_embeddings", "output") if spec.sizes.get("tied") else ()
+    return ("layers.0", "head") if spec.tie_head and not spec.factory else ()
+
+
 def _user_model(spec: Model) -> nn.Module:
     if spec.factory in BUILTIN_MODELS:
         return BUILTIN_MODELS[spec.factory](**spec.sizes)

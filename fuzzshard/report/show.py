@@ -33,6 +33,13 @@ def render(finding: Finding) -> str:
         + (f", {whose} {c.model.factory}({', '.join(f'{k}={v}' for k, v in sorted(c.model.sizes.items()))})"
            if c.model.factory else ""),
     ]
+    from .. import targets
+    from ..kernel.model import tie_uses
+
+    uses = tie_uses(c.model)
+    if uses:  # one param, two modules: how the target shards it (Spec.tie)
+        tie = targets.get(c.target).spec.tie if c.target in targets.names() else None
+        lines.append(f"tie       {uses[0]}.weight is {uses[1]}.weight" + (f": {tie(c)}" if tie and tie(c) else ""))
     for i, layer in enumerate(c.model.layers):
         lines += _layer(layer, f"layers.{i}", 1)
     lines += _dropout(c)

@@ -6,6 +6,7 @@ compiled blocks or step); each rank trains on its slice of the batch."""
 from __future__ import annotations
 
 from ..case import Case
+from ..kernel.model import tie_uses
 from . import common, dsd
 from ..kernel.ac import AC_WRAPPED, ac_how
 from .dtensor import SNAPSHOT
@@ -18,7 +19,7 @@ DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
 SHARDED_SCALER = True  # its grad scaler is ShardedGradScaler (amp's where the case draws it), as the kernel's
 FREEZE_BEFORE_SHARD = False
 _OPTIONS = {"wrap", "reshard_after_forward", "offload", "mp", "ac", "ac_wrapper", "tp", "microbatches", "nonroot",
-            "built_as", "compile", "compile_step"}
+            "built_as", "compile", "compile_step", "tie_unit"}
 
 
 DECODER_TP = True  # the decoder's TP plan written as torchtitan's apply_tp (without sequence or loss parallelism)
@@ -46,6 +47,8 @@ def _decoder_tp(case: Case, plan: dict) -> list[str]:
         if inner:
             out.append(f"parallelize_module(model.layers[{name!r}], mesh[\"d1\"], {{{', '.join(inner)}}})"
                        f"  # block {name}'s part of the plan")
+    if case.model.sizes.get("tied") and "tok_embeddings" in plan:  # both Shard(0) of the vocabulary: one weight again
+        out.append("model.output.weight = model.tok_embeddings.weight  # tied again after parallelize_module (torchtitan)")
     return out
 
 
@@ -96,7 +99,10 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
         args += ["cast_forward_inputs=False"] * (not mp.get("cast_forward_inputs", True))
         kw.append(f"mp_policy=MixedPrecisionPolicy({', '.join(args)})")
     units = sorted(options.get("wrap", []), key=lambda n: (-n.count("."), n))  # children before parents
-    out += [f"fully_shard({module(u, case)}, {', '.join(kw)})" for u in units] + [f"fully_shard(model, {', '.join(kw)})"]
+    out += [f"fully_shard({module(u, case)}, {', '.join(kw)})" for u in units]
+    if options.get("tie_unit"):  # the tied weight's two modules in one unit of their own, as FSDP2 asks of shared params
+        out.append(f"fully_shard([{', '.join(module(u, case) for u in tie_uses(case.model))}], {', '.join(kw)})")
+    out.append(f"fully_shard(model, {', '.join(kw)})")
     if options.get("compile") == "after":
         out += ["for block in model.layers.children():", "    block.compile()"]
     if options.get("built_as"):

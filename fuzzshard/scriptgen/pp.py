@@ -36,7 +36,7 @@ falls back to the flattened kernel and ``unsupported`` says what."""
 from __future__ import annotations
 
 from ..case import Case
-from ..kernel.model import param_shapes
+from ..kernel.model import param_shapes, tie_uses
 from ..kernel.targets import pp as target
 from . import common
 
@@ -62,6 +62,9 @@ def unsupported(case: Case, options: dict) -> str | None:
         return "param groups added after the constructor (each rank adds only its own)"
     if target.uncuttable(case.model) or target.check(case):
         return target.check(case) or target.uncuttable(case.model)
+    if tie_uses(case.model) and (options.get("dp") or case.checkpoint):  # (fully_shard renames a stage's tied
+        # weight on the head's rank, and the kernel's part holds it under its owner's FQN there: not written yet)
+        return "a tied weight with FSDP2 stages or a checkpoint"
     return None
 
 
@@ -142,7 +145,10 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     elif case.model.buffer:  # the output scale after the last stage's layers, as the model's forward
         out += ["class Scaled(nn.Sequential):  # the last stage: its layers, then the model's output scale",
                 "    def forward(self, x):", "        return super().forward(x) * model.scale"]
-        part = f"({part} if s < {n - 1} else Scaled(*model.layers[cuts[s]:]))"
+        head = ", model.head" if case.model.tie_head else ""
+        part = f"({part} if s < {n - 1} else Scaled(*model.layers[cuts[s]:]{head}))"
+    elif case.model.tie_head:  # the tied head after the last stage's layers
+        part = f"({part} if s < {n - 1} else nn.Sequential(*model.layers[cuts[s]:], model.head))"
     if dp:  # torchtitan's composition: each stage fully_shard-ed over dp, the pipeline over this dp index's pp ranks
         layer = "model.layers[str(i)]" if case.model.factory == "decoder" else "model.layers[i]"
         kw = f"mesh=mesh[\"d1\"], reshard_after_forward={bool(options.get('reshard_after_forward'))}"
@@ -163,7 +169,10 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     mine = "any(q is p for st in stages for p in st.submod.parameters())"
     if case.model.unused:  # never called: in no stage, on the last stage's rank
         mine += f" or n.startswith(\"unused.\") and {r} == {ranks[-1]}"
-    return out + [f"own = {{n: q for n, q in model.named_parameters() if {mine}}}  # this rank's params"]
+    out.append(f"own = {{n: q for n, q in model.named_parameters() if {mine}}}  # this rank's params")
+    if target.tie_span(case) == "ranks":  # Megatron-LM's embedding group: the first and the last stage's ranks
+        out.append(f"tie_group = dist.new_group([{ranks[0]}, {ranks[-1]}])  # the tied weight's two ranks")
+    return out
 
 
 def _per_rank(values: list) -> str:
@@ -203,10 +212,22 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
             f"for xa, ya in zip({x}.tensor_split({accum}), {y}.tensor_split({accum})):  # accum: {accum} schedule steps",
             "    losses = []" if losses else "    # (the inputs on the first stage's rank, the targets everywhere)",
             f"    if {r} == 0:", f"        schedule.step(xa, target=ya{losses})", "    else:",
-            f"        schedule.step(target=ya{losses})"] + ["    steps.append(losses)"] * bool(losses)
+            f"        schedule.step(target=ya{losses})"] + ["    steps.append(losses)"] * bool(losses) \
+            + _tie_reduce(case, options)
     return out + ["losses = []"] * bool(losses) + [
         f"if {r} == 0:  # the schedule's step: the inputs on the first stage's rank, the targets everywhere",
-        f"    schedule.step({x}, target={y}{losses})", "else:", f"    schedule.step(target={y}{losses})"]
+        f"    schedule.step({x}, target={y}{losses})", "else:", f"    schedule.step(target={y}{losses})"] \
+        + _tie_reduce(case, options)
+
+
+def _tie_reduce(case: Case, options: dict) -> list[str]:
+    """A tie across ranks: the tied weight's grad summed over the first and the last stage's ranks (each holds its
+    use's part) before the step, as Megatron-LM all-reduces the word embeddings' grads."""
+    if target.tie_span(case) != "ranks":
+        return []
+    ranks, w = _layout(case, options)[1], tie_uses(case.model)[0] + ".weight"
+    return [f"if {_rank(options)} in ({ranks[0]}, {ranks[-1]}) and own[{w!r}].grad is not None:  # the embedding's "
+            "use + the head's", f"    dist.all_reduce(own[{w!r}].grad, group=tie_group)"]
 
 
 def _plateau(case: Case) -> bool:

@@ -483,6 +483,9 @@ class Session:
                 st.passed_coverage[title].update(cells)
             for title, cells in dropout_coverage(case).items():  # every target's dropout (kernel/dropout.py)
                 st.passed_coverage[title].update(cells)
+            tie = target_class(case.target).spec.tie
+            if tie and tie(case):  # how the target sharded a tied weight (Spec.tie)
+                st.passed_coverage["tied weights"].update({f"{case.target} {tie(case)}"})
             size = (case.target, case.ranks, bool(case.checkpoint))
             self._pass_seconds[size] = max(self._pass_seconds.get(size, 0.0), j.seconds)
             self._passes[size] += 1

@@ -119,10 +119,24 @@ def features(case) -> list[tuple[str, str]]:
 
     out += [("dropout", c) for c in dropout_cells(case).get("dropout", {})]  # (none: no line in a session without)
     m = case.model
+    tie = _tie(case)
+    if tie:  # counted, not steered (as the model's other cells): how the target sharded the tied weight
+        out.append(("model", f"tied: {tie}"))
     if not m.factory:  # a drawn topology: its input and the kinds of layer it has
         out.append(("model", f"{m.input} in"))
         out += [("model", f"layer {k}") for k in dict.fromkeys(layer.kind for layer in m.layers) if k in KINDS]
     return out
+
+
+def _tie(case) -> str:
+    """The target's words for how it shards the case's tied weight (Spec.tie), "" untied or unsaid."""
+    from fuzzshard import targets
+
+    try:
+        tie = targets.get(case.target).spec.tie
+    except KeyError:  # a plugin's target this process has not registered
+        return ""
+    return tie(case) if tie else ""
 
 
 def loop_cells(case) -> list[str]:

@@ -84,6 +84,9 @@ class Spec:
     # why torch does not support that form under these options, or None
     ac: tuple = ()
     ac_rule: Callable | None = None
+    # (case) -> how it shards a tied weight (model.tie_uses: one param, two modules), a few words ("" untied): the
+    # tie line of ``show``, a "tied weights" coverage cell, the model dimension's counted cell (session/schedule.py)
+    tie: Callable | None = None
 
 
 class Target:

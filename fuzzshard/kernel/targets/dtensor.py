@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..gather import full_batched
-from ..model import loss_fn
+from ..model import loss_fn, tie_uses
 from ..state_io import STATE_DICT_KINDS
 from ..ac import AC_HOWS, apply_ac
 from .base import Spec, Target
@@ -65,6 +65,15 @@ def distribute_params(model: nn.Module, mesh, placements: dict) -> list[nn.Modul
     return held
 
 
+def dtensor_tie(case) -> str:
+    """One DTensor shared by both modules, placed as drawn for its owner's FQN."""
+    uses = tie_uses(case.model)
+    if not uses:
+        return ""
+    spec = case.target_options.get("placements", {}).get(uses[0] + ".weight", ["R"] * len(case.mesh_shape))
+    return f"one DTensor, placements {'/'.join(spec)}"
+
+
 def placements_layout(mesh_shape, options: dict, names) -> dict:
     """Each param's placements: the drawn ones, Replicate where none is drawn (Spec.layout)."""
     return {n: list(options.get("placements", {}).get(n, ["R"] * len(mesh_shape))) for n in names}
@@ -79,7 +88,8 @@ class DTensorTarget(Target):
     name = "dtensor"
     spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
-                layout=placements_layout, place_as=placements_options, ac=tuple(AC_HOWS), dropout="replica")
+                layout=placements_layout, place_as=placements_options, ac=tuple(AC_HOWS), dropout="replica",
+                tie=dtensor_tie)
     local_replicas = True  # a Replicate param's grad: each rank's own backward on replicated activations
 
     def shard(self, model: nn.Module) -> nn.Module:

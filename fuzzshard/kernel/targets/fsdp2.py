@@ -12,7 +12,8 @@ but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
 decoder transformer torchtitan's plan, {module FQN: decoder.TP_STYLES key},
 with ``sp`` (sequence parallelism) and ``loss_parallel``) and
 ``nonroot`` (the loss also calls the wrapped layers.0 from outside the root's
-forward: FSDP2's non-root forward; see ``objective``), and with ``--compile``
+forward: FSDP2's non-root forward; see ``objective``), ``tie_unit`` (a tied
+weight's two modules in one grouped unit, ``fully_shard([embedding, head])``), and with ``--compile``
 ``compile`` (each block ``module.compile()``d "before" or "after"
 ``fully_shard``) and ``compile_step`` (the optimizer step under torch.compile);
 the reference stays eager.
@@ -40,7 +41,7 @@ from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
 from ..dropout import draws, has_dropout
 from ..gather import full_batched
-from ..model import loss_fn, param_shapes, submodule, tied_modules
+from ..model import loss_fn, param_shapes, submodule, tie_uses, tied_modules
 from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
@@ -93,6 +94,8 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
         out["compile"] = draw(st.sampled_from(["before", "after"]))
         if draw(st.booleans()):
             out["compile_step"] = True  # and the optimizer step
+    if tie_uses(model) and draw(st.booleans()):  # drawn last: an untied case's draws stay as they were
+        out["tie_unit"] = True  # the tie's two modules in one unit of their own: fully_shard([embedding, head])
     return out
 
 
@@ -133,7 +136,10 @@ def draw_decoder_tp(draw, sizes: dict, tp: int) -> dict:
     sp = draw(st.booleans())
     often = st.sampled_from([False, True, True, True])  # each element three times in four (shrinks to left whole)
     plan = {}
-    if not sizes["tied"] and draw(often):
+    # a tied embedding and head are sharded together or not at all (vocab_tie below): the vocabulary-parallel
+    # embedding (row-wise, Shard(0)) and the column-wise head (Shard(0) too) share one DTensor weight
+    vocab_tie = sizes["tied"] and draw(often)
+    if vocab_tie or (not sizes["tied"] and draw(often)):
         plan["tok_embeddings"] = "rowwise"
     # one plan for every block, as torchtitan's (and a block count that shrinks without moving the draws after it)
     attention, feed_forward = heads and draw(often), mlp and draw(often)
@@ -142,7 +148,7 @@ def draw_decoder_tp(draw, sizes: dict, tp: int) -> dict:
             plan[f"layers.{i}.attention"] = "heads"
         if feed_forward:
             plan[f"layers.{i}.feed_forward"] = "mlp"
-    if not sizes["tied"] and draw(often):
+    if vocab_tie or (not sizes["tied"] and draw(often)):
         plan["output"] = "colwise"
     out = {"tp": plan}
     if sp:
@@ -207,6 +213,8 @@ def check(case) -> str | None:
     for what, mesh, options in sides:
         if options.get("built_as", "float32") not in ("float32", "float64"):
             return f"{what}built_as {options['built_as']!r}: want float32 or float64"
+        if options.get("tie_unit") and not tie_uses(case.model):
+            return f"{what}tie_unit puts a tied param's two modules in one unit: the model has no tie"
         if options.get("nonroot") and "layers.0" not in options.get("wrap", ()):
             return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
         if options.get("tp") and len(mesh) != 2:
@@ -224,9 +232,13 @@ def check(case) -> str | None:
 
 def tp_problem(case, mesh: tuple, options: dict) -> str | None:
     """What a TP plan (``tp``, ``sp``, ``loss_parallel``; the TP degree is the mesh's last dim) cannot be."""
-    tied = sorted(set(options.get("tp") or ()) & set(tied_modules(case.model)))
-    if tied:  # as the strategy draws them: parallelize_module gives one owner a DTensor, the other keeps the old param
-        return f"tensor parallel on {tied}, which own a tied param: parallelize_module would untie it"
+    plan = options.get("tp") or {}
+    tied = sorted(set(plan) & set(tied_modules(case.model)))
+    vocab_tie = case.model.factory == "decoder" and plan.get("tok_embeddings") == "rowwise" \
+        and plan.get("output") == "colwise"
+    if tied and not vocab_tie:  # one owner a DTensor, the other the old param or another layout: no shared weight
+        return (f"tensor parallel on {tied}, which own a tied param: only a decoder's embedding row-wise with its "
+                "head column-wise (both Shard(0) of the shared weight, re-tied after parallelize_module) keeps the tie")
     if (options.get("sp") or options.get("loss_parallel")) and case.model.factory != "decoder":
         return "sp and loss_parallel are the decoder transformer's TP plan options"
     if case.seq % seq_multiple(options, mesh):
@@ -295,8 +307,11 @@ def apply_tp(model: nn.Module, tp_mesh, options: dict, factory: str) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if factory == "decoder":
+        tied = model.output.weight is model.tok_embeddings.weight
         parallelize_decoder(model, tp_mesh, options.get("tp") or {}, options.get("sp", False),
                             options.get("loss_parallel", False))
+        if tied:  # parallelize_module distributed each owner's weight on its own: tied again, as torchtitan does
+            model.output.weight = model.tok_embeddings.weight
         return
     style = {"colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
              "rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
@@ -352,7 +367,8 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
         for p in low.parameters():
             p.grad = None
             p.data = p.data.to(compute)
-    for fqn in ["", *options.get("wrap", [])]:
+    # (a grouped unit, fully_shard([a, b]) as tie_unit's, casts each module's inputs and outputs as a unit does)
+    for fqn in ["", *options.get("wrap", []), *(tie_uses(case.model) if options.get("tie_unit") else ())]:
         unit = low.get_submodule(fqn)
         if mp["cast_forward_inputs"] and mp["param_dtype"]:
             unit.register_forward_pre_hook(lambda m, a, kw: (_cast(a, compute), _cast(kw, compute)), with_kwargs=True)
@@ -417,6 +433,15 @@ def _cast(tree, dtype):
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
+def fsdp2_tie(case) -> str:
+    """The tie's unit: a grouped one of its own (tie_unit) or the root's; with TP, vocabulary-parallel or not."""
+    if not tie_uses(case.model):
+        return ""
+    opts = case.target_options
+    tp = (opts.get("tp") or {}).get("tok_embeddings") == "rowwise"
+    return (f"own unit fully_shard([{', '.join(tie_uses(case.model))}])" if opts.get("tie_unit") else "root's unit") + (", vocab-parallel" if tp else "")
+
+
 def fsdp2_layout(mesh_shape, options: dict, names) -> dict | None:
     """fully_shard: dim 0 over the last mesh dim (HSDP replicates over the first); a TP plan: no plain layout."""
     return None if options.get("tp") else {n: ["R"] * (len(mesh_shape) - 1) + ["S0"] for n in names}
@@ -428,7 +453,8 @@ class FSDP2Target(Target):
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True,
-                layout=fsdp2_layout, ac=AC_NON_REENTRANT, dropout="replay")
+                layout=fsdp2_layout, ac=AC_NON_REENTRANT, dropout="replay",
+                tie=fsdp2_tie)
 
     @classmethod
     def step_device(cls, options: dict, device: str) -> str:
@@ -513,6 +539,8 @@ class FSDP2Target(Target):
             self._compile_blocks(model)
         for fqn in sorted(opts.get("wrap", []), key=lambda n: (-n.count("."), n)):  # children before parents
             fully_shard(submodule(model, fqn), **kw)
+        if opts.get("tie_unit"):  # a tied param's modules in one unit, as FSDP2 asks of shared params
+            fully_shard([submodule(model, fqn) for fqn in tie_uses(self.case.model)], **kw)
         fully_shard(model, **kw)
         if opts.get("compile") == "after":
             self._compile_blocks(model)

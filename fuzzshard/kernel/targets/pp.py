@@ -5,8 +5,9 @@ are cut into stages at the drawn ``cuts`` (the index of each stage's first
 layer but the first's); the last stage also holds the output ``scale``
 buffer and the ``unused`` submodule. The decoder (``--models decoder``) is
 cut between its blocks, as torchtitan splits a Llama: the token embedding on
-the first stage, the final norm and the output head on the last (untied
-only: a tie would span ranks). Each stage is a ``PipelineStage`` over a
+the first stage, the final norm and the output head on the last (a tied
+head too: ``tie_span``; across ranks its grad is all-reduced between the
+first and the last stage's ranks before the step, ``reduce_tied_grad``). Each stage is a ``PipelineStage`` over a
 module that holds its layers under their plain names, on the rank the
 schedule puts it: stage s on rank s for the single-stage schedules
 (``GPipe``, ``1F1B``), on rank s mod W for the looped multi-stage ones
@@ -63,7 +64,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...case import Case
-from ..model import loss_fn, named_params, param_shapes, submodule
+from ..model import loss_fn, named_params, param_shapes, submodule, tie_uses
 from ..optim import build_optimizer, group_hparams, state_by_fqn
 from ..state_io import UNEXPECTED_KEY, dcp_save, keys_of, without
 from ...verdict import error_record
@@ -155,14 +156,21 @@ def n_units(model) -> int:
 def uncuttable(model) -> str | None:
     """Why a model cannot be cut into stages, or None."""
     if model.factory == "decoder":
-        if model.sizes.get("tied"):
-            return "pp: the decoder's tied output head and embedding would live in different stages (the tie spans ranks)"
         return None
     if model.factory:
         return "pp cuts a topology's top-level layers or the decoder's blocks; a plugin's model has none to cut"
-    if model.tie_head:
-        return "pp: a tied head and embedding would live in different stages (the tie spans ranks)"
     return None
+
+
+def tie_span(case: Case) -> str:
+    """Where a tied weight's two uses (the embedding on the first stage, the head on the last) live: "" untied
+    or one stage, "ranks" on two ranks (their grads all-reduced between them before the step, as Megatron-LM's
+    embedding group does), "stages" on two stages of one rank (V schedules, or one pp rank: one param in both
+    stage modules)."""
+    if not tie_uses(case.model) or n_stages(case.target_options, case.world_size) < 2:
+        return ""
+    ranks = stage_ranks(case.target_options, case.world_size)
+    return "ranks" if ranks[0] != ranks[-1] else "stages"
 
 
 def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
@@ -281,6 +289,9 @@ def check(case: Case) -> str | None:
         return f"pp: cuts {cuts} do not split {n} top-level layers into {total} non-empty stages"
     if not isinstance(o.get("n_microbatches"), int) or o["n_microbatches"] < 1:
         return "pp: n_microbatches must be a positive int"
+    if dp and tie_span(case) == "stages":
+        return ("pp: a tied weight on two stages of one rank under FSDP2: each stage module is a fully_shard root of "
+                "its own, and FSDP2 keeps a shared param in one group only (fully_shard([a, b]))")
     return None
 
 
@@ -344,7 +355,7 @@ def stateless_ranks(case: Case) -> list[int]:
 
     def holds(s: int, layers: list[int]) -> bool:
         prefixes = [f"layers.{i}." for i in layers] + ["tok_embeddings."] * (s == 0) \
-            + ["norm.", "output.", "unused."] * (s == last)
+            + ["norm.", "output.", "unused."] * (s == last) + [f"{u}." for u in tie_uses(case.model)[:1]] * (s == last)
         return any(n.startswith(p) for p in prefixes for n in names)
 
     held = {rank_of[s] for s, layers in enumerate(stage_layers(o, n_units(case.model))) if holds(s, layers)}
@@ -398,6 +409,8 @@ def facts(case: Case) -> dict:
            and bool(o.get("reshard_after_forward"))}
     # either way stage_backward_input finds no path to the weights: a stage's grads may all vanish
     out["split_backward_no_weight_path"] = out["split_backward_input_without_grad"] or out["split_backward_fsdp_resharded"]
+    # a tied weight in two stage modules of one rank, each stage's scale_grads dividing it (torch: once per stage)
+    out["tie_stages_scaled"] = tie_span(case) == "stages" and bool(o.get("scale_grads")) and n_mb > 1
     return out
 
 
@@ -418,6 +431,14 @@ def _input_without_grad(case: Case) -> bool:
         if any(not any(i < start for i in trainable) for start in case.target_options["cuts"]):
             return True
     return False
+
+
+def pp_tie(case: Case) -> str:
+    """Where the tie's two uses run (tie_span)."""
+    if not tie_uses(case.model):
+        return ""
+    return {"": "one stage", "ranks": "across ranks, grad all-reduced",
+            "stages": "two stages of one rank"}[tie_span(case)]
 
 
 def coverage(case: Case) -> dict:
@@ -453,7 +474,7 @@ def facts_with_checkpoint(case: Case) -> dict:
                                       frozen=tuple(sorted(frozen)), schedule=case.schedule[ck.after + 1:])
         theirs = facts(loading)
         for key in ("uneven_microbatches", "split_backward_input_without_grad", "split_backward_fsdp_resharded",
-                    "split_backward_no_weight_path"):
+                    "split_backward_no_weight_path", "tie_stages_scaled"):
             out[key] = out[key] or theirs[key]
     return out
 
@@ -493,9 +514,9 @@ def pp_objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: di
 
 def stage_ends(model: nn.Module, s: int, last: int) -> dict:
     """The decoder's modules around its blocks, as torchtitan splits it: the token embedding on the first
-    stage, the final norm and the output head on the last."""
+    stage, the final norm and the output head on the last; a topology's tied head on the last."""
     if not hasattr(model, "tok_embeddings"):
-        return {}
+        return {"head": model.head} if s == last and hasattr(model, "head") else {}
     return {**({"tok_embeddings": model.tok_embeddings} if s == 0 else {}),
             **({"norm": model.norm, "output": model.output} if s == last else {})}
 
@@ -520,6 +541,8 @@ class _StageModule(nn.Module):
             x = layer(x)
         if hasattr(self, "output"):
             x = self.output(self.norm(x))
+        if hasattr(self, "head"):
+            x = self.head(x)
         if hasattr(self, "scale"):
             x = x * self.scale
         return x
@@ -528,15 +551,31 @@ class _StageModule(nn.Module):
 class _Local(nn.Module):
     """This rank's part of the model: every layer of its stages under its
     plain name (and ``unused``, on the last stage's rank); what the optimizer
-    and the observations see."""
+    and the observations see. ``tie``: on a rank holding the tied head but not
+    the first stage, the tied weight (as the head's stage module holds it)
+    under its owner's FQN, first: the name the case's groups and the
+    observations give it."""
 
-    def __init__(self, layers: dict, unused: nn.Module | None, ends: dict):
+    def __init__(self, layers: dict, unused: nn.Module | None, ends: dict, tie: tuple | None = None):
         super().__init__()
+        if tie and tie[0] != "layers.0":
+            self.add_module(tie[0], _Holder(tie[1]))
         for name, module in ends.items():
-            setattr(self, name, module)
-        self.layers = nn.ModuleDict(layers)
+            if name != "head":
+                setattr(self, name, module)
+        self.layers = nn.ModuleDict(({"0": _Holder(tie[1])} if tie and tie[0] == "layers.0" else {}) | layers)
+        if "head" in ends:  # after the layers: the tied weight's name is layers.0's, as in the whole model
+            self.head = ends["head"]
         if unused is not None:
             self.unused = unused
+
+
+class _Holder(nn.Module):
+    """A module holding a tied weight under the name ``weight`` (never run)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
 
 
 class PPTarget(Target):
@@ -547,7 +586,7 @@ class PPTarget(Target):
                 lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8,
                 # activation checkpointing inside each stage, non-reentrant only (the zero-bubble schedules'
                 # split backward calls torch.autograd.grad, which reentrant checkpoint does not support)
-                ac=AC_NON_REENTRANT)
+                ac=AC_NON_REENTRANT, tie=pp_tie)
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
@@ -599,7 +638,41 @@ class PPTarget(Target):
         kw = {"n_microbatches": o["n_microbatches"], "loss_fn": loss_fn, "scale_grads": bool(o.get("scale_grads"))}
         self.schedule = cls(self.stages, **kw) if is_multi(o["schedule"]) else cls(self.stages[0], **kw)
         unused = getattr(model, "unused", None) if self.rank == self.last_rank else None
-        return _Local(local, unused, ends)
+        tie = None
+        self.tie_span = tie_span(self.case)
+        if self.tie_span == "ranks" and self.rank == self.last_rank:  # the head's weight, as its stage holds it now
+            owner, head = tie_uses(self.case.model)
+            tie = (owner, self.stages[self.mine.index(last)].submod.get_submodule(head).weight)
+        return _Local(local, unused, ends, tie)
+
+    def reduce_tied_grad(self, model: nn.Module) -> None:
+        """A tie across ranks: the tied weight's grad summed over the first and the last stage's ranks (each
+        holds its use's part), as Megatron-LM's embedding group all-reduces the word embeddings' grads before
+        the step. Over the pipeline's group, the ranks between them adding zeros (exact): a group of the two
+        ranks alone is what a user makes (the repro script does), which the pool's fixed groups may not hold."""
+        from torch.distributed.tensor import DTensor
+
+        if self.tie_span != "ranks":
+            return
+        owner = tie_uses(self.case.model)[0] + ".weight"
+        p = named_params(model).get(owner) if self.rank in (0, self.last_rank) else None
+        g = p.grad if p is not None else None
+        local = g.to_local() if isinstance(g, DTensor) else g
+        buf = local.detach().clone() if local is not None else torch.zeros(self._tied_local_shape(),
+                                                                            dtype=getattr(torch, self.case.dtype),
+                                                                            device=self.case.device)
+        dist.all_reduce(buf, group=self.group)
+        if local is not None:
+            local.copy_(buf)
+
+    def _tied_local_shape(self) -> tuple:
+        """This rank's share of the tied weight: whole, or under FSDP2 its dim-0 chunk over dp (FSDP2's torch.chunk)."""
+        shape = param_shapes(self.case.model)[tie_uses(self.case.model)[0] + ".weight"]
+        if self.dp_group is None:
+            return shape
+        chunks = torch.empty(shape, device="meta").chunk(dist.get_world_size(self.dp_group), 0)
+        r = dist.get_rank(self.dp_group)
+        return tuple(chunks[r].shape) if r < len(chunks) else (0, *shape[1:])
 
     def _fully_shard(self, module: nn.Module) -> None:
         """FSDP2 on the dp sub-mesh, as torchtitan's parallelize does to each model part: the ``wrap`` layers
@@ -634,6 +707,7 @@ class PPTarget(Target):
             else:
                 self.schedule.step(target=ya, losses=losses)
             steps.append([loss.detach().double() for loss in losses])
+        self.reduce_tied_grad(model)
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         if self.rank == self.last_rank:
             total = accumulate(steps, o)
@@ -653,7 +727,11 @@ class PPTarget(Target):
         """{fqn: value} of every rank's own, on every rank, in the plain model's param order."""
         parts = [None] * self.world
         dist.all_gather_object(parts, {n: _cpu(v) for n, v in mine.items()}, group=self.group)
-        merged = {n: v for part in parts for n, v in part.items()}
+        merged = {}
+        for part in parts:  # the lowest rank's copy of a value two ranks hold (a tie across ranks) ...
+            for n, v in part.items():
+                merged.setdefault(n, v)
+        merged.update(parts[self.rank])  # ... but a rank's own copy where it holds one: the replica oracle compares them
         order = self._order()
         return {n: merged[n] for n in sorted(merged, key=lambda n: order.get(n, len(order)))}
 

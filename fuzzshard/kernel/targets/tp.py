@@ -23,7 +23,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_map_only
 
 from ..decoder import plan_element
-from ..model import loss_fn
+from ..model import loss_fn, tie_uses
 from ..state_io import STATE_DICT_KINDS
 from ..ac import AC_HOWS, apply_ac
 from .base import Spec
@@ -68,6 +68,14 @@ def _local(mod, outputs, mesh):
     return tree_map_only(DTensor, lambda t: t.to_local(), outputs)
 
 
+def tp_tie(case) -> str:
+    """A tied decoder's vocabulary-parallel pair (one Shard(0) DTensor), else one replicated DTensor."""
+    if not tie_uses(case.model):
+        return ""
+    plan = case.target_options.get("tp") or {}
+    return "vocab-parallel, Shard(0)" if plan.get("tok_embeddings") == "rowwise" else "replicated"
+
+
 def tp_layout(mesh_shape, options: dict, names) -> dict | None:
     """No plan: every param a replicated DTensor; a plan: no plain layout."""
     return None if options.get("tp") else {n: ["R"] * len(mesh_shape) for n in names}
@@ -83,7 +91,8 @@ class TPTarget(DTensorTarget):
     spec = Spec(options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
                 coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
-                layout=tp_layout, ac=tuple(AC_HOWS), dropout="replica")
+                layout=tp_layout, ac=tuple(AC_HOWS), dropout="replica",
+                tie=tp_tie)
 
     @property
     def localizable(self) -> bool:
