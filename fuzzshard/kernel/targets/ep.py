@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from ...case import Case
-from ..model import submodule
+from ..model import build_model, submodule
+from ..moe import MoE
 from .base import Spec
 from .fsdp2 import FSDP2Target
 
@@ -103,8 +104,6 @@ class ExpertParallel:
 
 
 def _moe_fqns(model: nn.Module) -> list[str]:
-    from ..moe import MoE
-
     return [n for n, m in model.named_modules() if isinstance(m, MoE)]
 
 
@@ -134,10 +133,8 @@ _CONFIGS: dict = {}
 def moe_configs(case: Case) -> list[dict]:
     """The full configs (kernel/moe.py) of the MoE layers of a case's model, read off the model built on the
     meta device (no memory, no RNG drawn), once per model."""
-    from ..model import build_model
-    from ..moe import MoE
-
-    import dataclasses, json
+    import dataclasses
+    import json
 
     key = json.dumps(dataclasses.asdict(case.model), sort_keys=True, default=str)
     if key not in _CONFIGS:
