@@ -24,7 +24,8 @@ class Layer:
 
     kinds with params: linear, embedding, layernorm, conv1d;
     activations: act (``act`` names it); composites: seq, residual (x + f(x)),
-    twice (f(f(x)), one submodule called twice in a forward).
+    twice (f(f(x)), one submodule called twice in a forward); moe (a d -> d
+    mixture-of-experts layer, kernel/moe.py, configured by ``moe``).
     """
 
     kind: str
@@ -34,6 +35,8 @@ class Layer:
     act: str = ""
     kernel: int = 1
     children: tuple[Layer, ...] = ()
+    # kind "moe": its config (kernel/moe.py MOE_KEYS); left out of the JSON elsewhere
+    moe: dict[str, Any] = field(default_factory=dict, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,13 @@ class Case:
             raise CaseError(problem)
         from . import targets  # what this target's options may be is said in its module
 
+        if self.target in targets.names():  # mixture-of-experts layers: what the target takes of them
+            from .kernel.moe import moe_problem
+
+            cls = targets.get(self.target)
+            problem = moe_problem(self, cls.spec, cls.microbatches)
+            if problem:
+                raise CaseError(problem)
         check = targets.get(self.target).spec.check if self.target in targets.names() else None
         problem = check(self) if check else None
         if problem:

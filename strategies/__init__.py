@@ -157,6 +157,11 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
     )
 
 
+def moe_rules(spec) -> dict | None:
+    """What MoE layers the target takes (its Spec's ``moe``), as moe_configs' arguments; None: no MoE drawn."""
+    return spec.moe
+
+
 @st.composite
 def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
     """A plugin's model (only those a target names in ``spec.models``, if it
@@ -168,7 +173,8 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
     if names and (spec.models or draw(st.booleans())):
         return draw(user_models(names))
     family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
-    return draw(decoders(spec.max_depth or 2)) if family == "decoder" else draw(models(depth, max_dim))
+    moe = moe_rules(spec)
+    return draw(decoders(spec.max_depth or 2, moe)) if family == "decoder" else draw(models(depth, max_dim, moe))
 
 
 @st.composite

@@ -18,6 +18,37 @@ from fuzzshard.case import Layer, Model
 
 ACTS = ["relu", "tanh", "gelu", "silu"]
 KINDS = ["linear", "act", "layernorm", "conv1d", "residual", "twice"]
+# a mixture-of-experts layer (kernel/moe.py), d -> d: not among KINDS (drawn per layer it would fill the
+# topologies); one now and then, after the body (``MOE_ODDS``), shrinking to none
+MOE_KIND = "moe"
+MOE_ODDS = 8  # one topology or decoder in 8 has MoE
+
+
+@st.composite
+def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False) -> dict:
+    """An MoE config (kernel/moe.py MOE_KEYS), each key shrinking to its plainest: 2 experts of hidden 1,
+    top-1 softmax, no shared expert, dropless, no aux loss, no routing bias, the for-loop. Token dropping by
+    a capacity factor only where every forward sees the whole global batch (``whole_batch``: a rank that
+    runs a slice drops by its own slice, which one process over the global batch does not); a batch-wise aux
+    loss only where no rank runs its slice in microbatches (its counts are summed over the data-parallel
+    ranks, not over a rank's microbatches: torchtitan bans it under PP too)."""
+    experts = draw(st.integers(2, 4))
+    cfg = {"experts": experts, "hidden": draw(st.integers(1, 4)), "top_k": draw(st.integers(1, min(2, experts)))}
+    extra = {
+        "score": draw(st.sampled_from(["softmax", "sigmoid"])),
+        "route_norm": draw(st.booleans()),
+        "route_scale": draw(st.sampled_from([1.0, 2.5])),
+        "shared": draw(st.integers(0, 3)),
+        "capacity": draw(st.sampled_from([None, 1.0, 0.5, 1.5])) if whole_batch else None,
+        "aux": draw(st.sampled_from([None, "seq"] + ([] if microbatched else ["batch"]))),
+        "bias_coeff": draw(st.sampled_from([None, 1e-3, 0.25])),
+        "grouped": draw(st.booleans()),
+        "score_before_experts": not draw(st.booleans()),
+    }
+    defaults = {"score": "softmax", "route_norm": False, "route_scale": 1.0, "shared": 0, "capacity": None,
+                "aux": None, "bias_coeff": None, "grouped": False, "score_before_experts": True}
+    cfg.update({k: v for k, v in extra.items() if v != defaults[k]})  # the config says only what it changes
+    return cfg
 
 
 def dims(max_dim: int = 9):
@@ -56,7 +87,8 @@ def layers(draw, d: int, max_dim: int) -> tuple[Layer, int]:
 
 
 @st.composite
-def models(draw, depth: int, max_dim: int = 9) -> Model:
+def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None) -> Model:
+    """``moe``: moe_configs' arguments where this target takes an MoE layer (None: none drawn)."""
     tokens = draw(st.booleans())
     d_in = draw(dims(max_dim))
     body: list[Layer] = []
@@ -67,6 +99,8 @@ def models(draw, depth: int, max_dim: int = 9) -> Model:
     for _ in range(depth):
         layer, d = draw(layers(d, max_dim))
         body.append(layer)
+    if moe is not None and draw(st.integers(1, MOE_ODDS)) == MOE_ODDS:
+        body.append(Layer(MOE_KIND, d, d, moe=draw(moe_configs(**moe))))
     tie = tokens and draw(st.booleans())
     if tie and d != body[0].d_out:  # the tied head maps the embedding dim back to the vocab
         body.append(Layer("linear", d, body[0].d_out, bias=False))
@@ -84,7 +118,7 @@ FAMILIES = ("topologies", "decoder")  # what --models names
 
 
 @st.composite
-def decoders(draw, max_layers: int = 2) -> Model:
+def decoders(draw, max_layers: int = 2, moe: dict | None = None) -> Model:
     """The decoder's sizes (kernel/decoder.py's DECODER_SIZES). Each shrinks to
     the smallest: one block, one head, head dim 1, a SwiGLU MLP of width 1,
     RMSNorm, non-causal, untied. Up to ``max_layers`` blocks (pp's stages need more). Head counts are drawn small, so some do not
@@ -103,6 +137,8 @@ def decoders(draw, max_layers: int = 2) -> Model:
         "causal": draw(st.booleans()),
         "tied": draw(st.booleans()),
     }
+    if moe is not None and draw(st.integers(1, MOE_ODDS)) == MOE_ODDS:  # drawn last: shrinks to the MLP
+        sizes["moe"] = draw(moe_configs(**moe))
     return Model(input="tokens", d_in=sizes["d_in"], layers=(), factory="decoder", sizes=sizes)
 
 

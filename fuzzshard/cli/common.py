@@ -311,7 +311,7 @@ _FIELDS = {"signature": str, "verdict": (dict, type(None)), "deterministic": boo
 _JSON = {str: "a string", dict: "an object", list: "a list", bool: "true or false", (dict, type(None)): "an object"}
 # the model tree's node kinds (case.py Layer; kernel/model.py builds each) and the checkpoint kinds every
 # target's spec lists (Spec.checkpoint_kinds); the clip forms kernel/loop.py runs
-LAYER_KINDS = ("linear", "embedding", "layernorm", "conv1d", "act", "seq", "residual", "twice")
+LAYER_KINDS = ("linear", "embedding", "layernorm", "conv1d", "act", "seq", "residual", "twice", "moe")
 CLIP_FORMS = ("norm", "two_part", "value", "own")
 CLIP_NORMS = ("1", "2", "3", "inf")
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .moe import MoE
+
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding over [B, L, H, D]: the first 2*(D//2) features
@@ -79,7 +81,8 @@ class Block(nn.Module):
         self.attention_norm = _norm(sizes["norm"], dim)
         self.attention = Attention(dim, sizes["n_heads"], sizes["n_kv_heads"], sizes["head_dim"], sizes["causal"])
         self.ffn_norm = _norm(sizes["norm"], dim)
-        self.feed_forward = FeedForward(dim, sizes["hidden"], sizes["mlp"] == "swiglu")
+        moe = sizes.get("moe")  # a mixture of experts in place of the MLP (kernel/moe.py), or None
+        self.feed_forward = MoE(dim, moe) if moe else FeedForward(dim, sizes["hidden"], sizes["mlp"] == "swiglu")
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -116,6 +119,10 @@ DECODER_SIZES = {
     "norm": '"rms" (nn.RMSNorm) or "layer" (nn.LayerNorm)',
     "causal": "causal attention",
     "tied": "the output head shares the embedding's weight",
+}
+# optional keys (absent: off)
+DECODER_OPTIONAL = {
+    "moe": "a mixture-of-experts config (kernel/moe.py MOE_KEYS) in place of every block's MLP, or None",
 }
 
 

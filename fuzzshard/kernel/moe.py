@@ -50,7 +50,7 @@ MOE_KEYS = {
     "aux": 'auxiliary load-balancing loss: None, "seq" (sequence-wise) or "batch" (batch-wise)',
     "aux_coeff": "its coefficient",
     "bias_coeff": "load-balancing routing bias (expert_bias) step size; None: no bias",
-    "grouped": "torch._grouped_mm for the experts in place of the for-loop",
+    "grouped": "torch._grouped_mm for the experts in place of the for-loop, where torch runs it (grouped_mm_ok)",
     "score_before_experts": "scale the routed input by its score before the expert (else its output after)",
 }
 
@@ -129,7 +129,9 @@ class GroupedExperts(nn.Module):
         from torch.distributed.tensor import DTensor
 
         ws = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
-        run = _run_experts_grouped_mm if self.use_grouped_mm else _run_experts_for_loop
+        # torch._grouped_mm where torch runs it for these shapes and this dtype (grouped_mm_ok), else the loop
+        grouped = self.use_grouped_mm and grouped_mm_ok(ws[0].shape[-1], ws[0].shape[-2], ws[0].dtype)
+        run = _run_experts_grouped_mm if grouped else _run_experts_for_loop
         return run(*ws, x, num_tokens_per_expert)
 
 
@@ -194,13 +196,13 @@ class _AuxLoss(torch.autograd.Function):
 
 
 def aux_loss(kind: str, scores: torch.Tensor, idx: torch.Tensor, B: int, top_k: int, coeff: float,
-             dp_group=None) -> torch.Tensor:
+             dp_groups=()) -> torch.Tensor:
     """The load-balancing loss of one forward: ``scores`` [B*L, E] (the router's, before the bias),
     ``idx`` [B*L, k] the chosen experts. With f_e the fraction of the routed slots expert e got, times E, and
     p_e its mean normalised score: "seq" sum_e f_e p_e per sequence, averaged over the B sequences
     (DeepSeek-V3 Eqs 17-20; additive over sequences, so over data-parallel ranks: each rank's mean, averaged
     with the grads, is the global batch's); "batch" sum_e f_e p_e over the batch, with the counts f_e summed
-    over ``dp_group`` (global, as torchtitan's all-reduce) and p_e's sum over this rank's tokens divided by
+    over ``dp_groups`` (global, as torchtitan's all-reduce) and p_e's sum over this rank's tokens divided by
     the global token count over the ranks: averaged with the grads over the ranks, it is the global batch's."""
     E = scores.shape[-1]
     probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
@@ -211,11 +213,11 @@ def aux_loss(kind: str, scores: torch.Tensor, idx: torch.Tensor, B: int, top_k: 
         else:
             counts = torch.bincount(idx.reshape(-1), minlength=E).to(scores.dtype)
             world = 1
-            if dp_group is not None:
+            for group in dp_groups:
                 import torch.distributed as dist
 
-                dist.all_reduce(counts, group=dp_group)
-                world = dist.get_world_size(dp_group)
+                dist.all_reduce(counts, group=group)
+                world *= dist.get_world_size(group)
     if kind == "seq":
         p = probs.reshape(B, -1, E).mean(dim=1)
         f = counts * (E / (top_k * (counts.sum(dim=1, keepdim=True) / top_k)))
@@ -242,28 +244,68 @@ class MoE(nn.Module):
         else:
             self.expert_bias = None
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
-        self.dp_group = None  # the data-parallel group a batch-wise aux loss sums its counts over (the target's)
-        self.margin = math.inf  # the smallest routing margin seen (module docstring)
+        # set by the harness on a sharded run (wire): the process groups the batch is split over (a batch-wise aux
+        # loss sums its counts over them) and the sequences a rank trains on per step, of which a forward sees
+        # B: its aux loss counts B / aux_batch of the step's (torchtitan's coeff * B / global_batch_size)
+        self.dp_groups, self.aux_batch = (), None
+        self.margin = math.inf  # the smallest relative routing margin seen (module docstring)
 
-    def record_margin(self, choice: torch.Tensor, idx: torch.Tensor) -> None:
-        """The smallest gap between a token's k-th chosen score and its best unchosen one (capacity drops
-        are decided by token order alone, no float compare)."""
-        k = idx.shape[-1]
-        if k < choice.shape[-1]:
+    def _apply(self, fn, recurse=True):
+        """The load-balancing buffers stay float32 (torchtitan's) when the model is cast: a count in bfloat16
+        is exact only to 256."""
+        super()._apply(fn, recurse)
+        for name in ("tokens_per_expert", "expert_bias"):
+            b = self._buffers.get(name)
+            if b is not None and b.is_floating_point() and b.dtype != torch.float32:
+                self._buffers[name] = b.float()
+        return self
+
+    def record_margin(self, x: torch.Tensor, choice: torch.Tensor, k: int) -> None:
+        """The smallest gap between a token's k-th chosen score and its best unchosen one, relative to the
+        magnitude its gate logits are summed from (max over experts of sum_i |W_ei x_i|, at least 1: a logit
+        computed otherwise, or from an input that differs by rounding, moves by a multiple of u times it).
+        Capacity drops are decided by token order alone, no float compare."""
+        if k < choice.shape[-1] and choice.shape[0]:
             top = torch.topk(choice, k + 1, dim=-1).values
-            self.margin = min(self.margin, float((top[:, k - 1] - top[:, k]).min()))
+            size = (x.abs().to(choice.dtype) @ self.router.gate.weight.abs().to(choice.dtype).T).amax(-1)
+            self.margin = min(self.margin, float(((top[:, k - 1] - top[:, k]) / size.clamp(min=1.0)).min()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(x, DTensor) or any(isinstance(t, DTensor) for t in self.parameters()):
+            return self._forward_local(x)
+        return self._forward(x)
+
+    def _forward_local(self, x):
+        """Under DTensor params and activations (the dtensor target, a TP plan that keeps the MoE whole): the
+        layer runs on full plain copies, as torchtitan's local_map region runs its experts on local tensors
+        (every rank the same; the grads flow back to each param's placements through ``full_tensor``); a
+        replicated buffer is its local copy, updated in place. A DTensor input gives a replicated DTensor."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        def plain(t):
+            return t.full_tensor() if isinstance(t, DTensor) else t
+
+        swap = {n: plain(p) for n, p in self.named_parameters()}
+        swap.update({n: b.to_local() if isinstance(b, DTensor) else b for n, b in self.named_buffers()})
+        out = torch.func.functional_call(self, swap, (plain(x),), strict=False, tie_weights=False)
+        if isinstance(x, DTensor):
+            return DTensor.from_local(out, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
+        return out
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, slen, dim = x.shape
         x = x.reshape(-1, dim)
         top_scores, idx, counts, scores, choice = self.router(x, self.expert_bias)
         with torch.no_grad():
-            self.record_margin(choice.detach(), idx)
+            self.record_margin(x.detach(), choice.detach(), idx.shape[-1])
             if self.training:
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         c = self.cfg
         if c["aux"] and self.training and torch.is_grad_enabled():
-            aux = aux_loss(c["aux"], scores, idx, bs, c["top_k"], c["aux_coeff"], self.dp_group)
+            coeff = c["aux_coeff"] * (bs / self.aux_batch if self.aux_batch else 1.0)
+            aux = aux_loss(c["aux"], scores, idx, bs, c["top_k"], coeff, self.dp_groups)
             top_scores = _AuxLoss.apply(top_scores, aux)
         scores_sorted, slots_sorted, num_tokens_per_expert = self.reorderer(top_scores, idx)
         if c["capacity"] is not None:
@@ -292,25 +334,164 @@ class MoE(nn.Module):
         return out.reshape(bs, slen, dim)
 
 
+def moe_param_shapes(dim: int, cfg: dict) -> dict[str, tuple[int, ...]]:
+    """{name inside the MoE: shape} in ``named_parameters()`` order, without building it."""
+    c = config(cfg)
+    E, h = c["experts"], c["hidden"]
+    out = {"experts.w1": (E, h, dim), "experts.w2": (E, dim, h), "experts.w3": (E, h, dim),
+           "router.gate.weight": (E, dim)}
+    if c["shared"]:
+        out.update({"shared_experts.w1.weight": (c["shared"], dim), "shared_experts.w2.weight": (dim, c["shared"]),
+                    "shared_experts.w3.weight": (c["shared"], dim)})
+    return out
+
+
+def moe_configs_of(model) -> list[dict]:
+    """The MoE configs of a Case's ``Model`` (its topology's moe layers, the decoder's blocks' moe)."""
+    if model.factory == "decoder":
+        return [model.sizes["moe"]] if model.sizes.get("moe") else []
+    out = []
+
+    def walk(layers):
+        for layer in layers:
+            if layer.kind == "moe":
+                out.append(layer.moe)
+            walk(layer.children)
+
+    walk(model.layers)
+    return out
+
+
+def moe_prefixes(model) -> tuple[str, ...]:
+    """The FQN prefixes ("layers.3.") under which a Case ``Model``'s MoE layers hold their params."""
+    if model.factory == "decoder":
+        return tuple(f"layers.{i}.feed_forward." for i in range(model.sizes["n_layers"])) if model.sizes.get("moe") \
+            else ()
+    out = []
+
+    def walk(layers, prefix):
+        for i, layer in enumerate(layers):
+            here = f"{prefix}{i}"
+            if layer.kind == "moe":
+                out.append(here + ".")
+            walk(layer.children, here + (".inner." if layer.kind in ("residual", "twice") else "."))
+
+    walk(model.layers, "layers.")
+    return tuple(out)
+
+
+def moe_problem(case, spec, microbatches) -> str | None:
+    """What makes a case with MoE layers impossible for its target (Case.check asks): a target that takes none
+    (its Spec's ``moe``); a capacity factor where a forward sees only part of the global batch (each rank would
+    drop by its own slice, one process over the global batch by the whole: not the same model); a batch-wise
+    aux loss where a rank runs microbatches (its counts are summed over the ranks, not the microbatches)."""
+    cfgs = moe_configs_of(case.model)
+    if not cfgs:
+        return None
+    if spec.moe is None:
+        return f"{case.target} takes no mixture-of-experts layer"
+    sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
+    for cfg in cfgs:
+        try:
+            config(cfg)
+        except ValueError as e:
+            return str(e)
+        if cfg.get("capacity") is not None and not spec.moe.get("whole_batch"):
+            return (f"an MoE capacity factor under {case.target}: a rank's forward drops tokens by its own slice "
+                    "of the batch, which the global batch does not")
+        if cfg.get("aux") == "batch" and (spec.moe.get("microbatched") or any(microbatches(o) > 1 for o in sides)):
+            return f"a batch-wise MoE aux loss under {case.target}'s microbatches: its counts are per microbatch"
+    return None
+
+
 def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def wire(model: nn.Module, groups: list, batch: int) -> None:
+    """A sharded run's MoE layers: the process groups the batch is split over, and the sequences per rank."""
+    import torch.distributed as dist
+
+    per = batch // math.prod(dist.get_world_size(g) for g in groups)
+    for m in moe_modules(model):
+        m.dp_groups, m.aux_batch = tuple(groups), per
+
+
+def expert_biases(model: nn.Module) -> dict:
+    """{plain FQN of an MoE: a copy of its expert_bias} of the MoE layers this rank holds (with a bias)."""
+    from .model import plain_fqn
+
+    return {plain_fqn(n): _local(m.expert_bias).detach().clone() for n, m in model.named_modules()
+            if isinstance(m, MoE) and m.expert_bias is not None}
+
+
+def observe_biases(model: nn.Module, group, step: int) -> tuple[dict, list]:
+    """Every rank's ``expert_biases``, gathered over the job's ``group``: ({fqn: the lowest holding rank's copy},
+    replica mismatches: a bias whose copies differ between the ranks that hold it, bit for bit; it is made
+    by one all-reduce of the counts and the same elementwise ops on every rank)."""
+    import torch.distributed as dist
+
+    from .oracles import compare_replicas
+
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, {n: t.cpu() for n, t in expert_biases(model).items()}, group=group)
+    copies: dict = {}
+    for r, part in enumerate(parts):
+        for n, t in part.items():
+            copies.setdefault(n, {})[r] = t
+    biases = {n: c[min(c)] for n, c in copies.items()}
+    replicas = [compare_replicas("moe.expert_bias", step, n, c) for n, c in sorted(copies.items()) if len(c) > 1]
+    return biases, [m for m in replicas if m]
+
+
+def set_biases(model: nn.Module, biases: dict | None, counts: dict | None = None) -> dict:
+    """Set every MoE's expert_bias to ``biases`` ({fqn: tensor}; None: leave them) and its tokens_per_expert to
+    ``counts`` (None: zeros); returns the counts it held."""
+    from .model import plain_fqn
+
+    held = {}
+    with torch.no_grad():
+        for n, m in model.named_modules():
+            if not isinstance(m, MoE):
+                continue
+            n = plain_fqn(n)
+            held[n] = _local(m.tokens_per_expert).clone()
+            if biases is not None and m.expert_bias is not None and n in biases:
+                _local(m.expert_bias).copy_(biases[n])
+            _local(m.tokens_per_expert).copy_(counts[n] if counts else torch.zeros_like(held[n]))
+    return held
+
+
+def margin(model: nn.Module, reset: bool = False) -> float:
+    """The smallest relative routing margin of the model's MoE layers since the last reset (inf: none)."""
+    mods = moe_modules(model)
+    out = min((m.margin for m in mods), default=math.inf)
+    if reset:
+        for m in mods:
+            m.margin = math.inf
+    return out
+
+
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group=None) -> None:
+def update_expert_bias(model: nn.Module, groups=()) -> None:
     """torchtitan's ``_update_expert_bias`` (its optimizer step pre-hook): every MoE's ``tokens_per_expert``
-    summed over the data-parallel ``group`` (one all-reduce of the stacked counts: the global batch's), the
+    summed over the data-parallel ``groups`` (one all-reduce of the stacked counts: the global batch's), the
     bias moved by ``bias_coeff * sign(mean - count)`` centred, the counts zeroed."""
     mods = [m for m in moe_modules(model) if m.load_balance_coeff is not None]
     if not mods:
         return
-    counts = torch.vstack([m.tokens_per_expert for m in mods])
-    if group is not None:
+    counts = torch.vstack([_local(m.tokens_per_expert).float() for m in mods])
+    for group in groups:
         import torch.distributed as dist
 
         dist.all_reduce(counts, group=group)
     for m, t in zip(mods, counts):
-        t = t.float()
         delta = m.load_balance_coeff * torch.sign(t.mean() - t)
-        m.expert_bias.add_(delta - delta.mean())
-        m.tokens_per_expert.zero_()
+        _local(m.expert_bias).add_((delta - delta.mean()).to(m.expert_bias.dtype))
+        _local(m.tokens_per_expert).zero_()

@@ -76,6 +76,10 @@ class Spec:
     # to its kin targets through them: a case that places every param the same way there
     layout: Callable | None = None
     place_as: Callable | None = None
+    # the mixture-of-experts layers it takes (kernel/moe.py; strategies/models.py moe_configs' arguments): None,
+    # none; {"whole_batch": every forward sees the whole global batch (capacity-factor dropping may be drawn),
+    # "microbatched": a rank runs its slice in microbatches (no batch-wise aux loss)}
+    moe: dict | None = None
 
 
 class Target:
@@ -167,6 +171,11 @@ class Target:
 
     def dp_size(self) -> int:
         return math.prod(self.mesh.size(dim) for dim in self.dp_dims)
+
+    def batch_groups(self) -> list:
+        """The process groups the global batch is split over, each rank training on its slice (none where
+        every rank runs the whole batch): an MoE's load-balancing counts are summed over them (kernel/moe.py)."""
+        return []
 
     def replica_quantities(self, device: str) -> tuple[str, ...]:
         """What the replica oracle compares across the ranks after each step

@@ -76,7 +76,7 @@ def placements_options(layout: dict) -> dict:
 
 class DTensorTarget(Target):
     name = "dtensor"
-    spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
+    spec = Spec(moe={"whole_batch": True}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
                 layout=placements_layout, place_as=placements_options)
     local_replicas = True  # a Replicate param's grad: each rank's own backward on replicated activations

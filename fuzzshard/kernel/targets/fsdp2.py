@@ -38,6 +38,7 @@ from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
 from ..gather import full_batched
 from ..model import loss_fn, param_shapes, submodule, tied_modules
+from ..moe import moe_prefixes
 from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
@@ -100,9 +101,10 @@ def draw_tp_plan(draw, shapes: dict, tied: tuple, model) -> dict:
     import hypothesis.strategies as st
 
     plan = {}
+    inside = moe_prefixes(model)  # an MoE layer stays whole (its router and shared expert included)
     for name, shape in shapes.items():
         fqn = name.rsplit(".", 1)[0]
-        if not name.endswith(".weight") or len(shape) != 2 or fqn in tied:
+        if not name.endswith(".weight") or len(shape) != 2 or fqn in tied or fqn.startswith(inside):
             continue
         embedding = fqn == "layers.0" and model.input == "tokens"
         style = draw(st.sampled_from([None, "colwise"] if embedding else [None, "colwise", "rowwise"]))
@@ -125,7 +127,8 @@ def draw_decoder_tp(draw, sizes: dict, tp: int) -> dict:
     # w1's column-wise output goes into w2's row-wise input as a local tensor, which RowwiseParallel reads
     # as an even shard (DTensor.from_local without a shape): an uneven MLP width raises (a recorded torch
     # finding, tp-rowwise-local-input-assumes-even). Drawn rarely, so it stays covered without costing cases
-    mlp = sizes["hidden"] % tp == 0 or draw(st.integers(0, 7)) == 7
+    # an MoE in place of the MLP stays whole (no expert TP)
+    mlp = not sizes.get("moe") and (sizes["hidden"] % tp == 0 or draw(st.integers(0, 7)) == 7)
     sp = draw(st.booleans())
     often = st.sampled_from([False, True, True, True])  # each element three times in four (shrinks to left whole)
     plan = {}
@@ -408,7 +411,7 @@ def fsdp2_layout(mesh_shape, options: dict, names) -> dict | None:
 
 class FSDP2Target(Target):
     name = "fsdp2"
-    spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
+    spec = Spec(moe={"whole_batch": False}, options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True,
@@ -475,6 +478,9 @@ class FSDP2Target(Target):
     def dp_dims(self) -> list[int]:
         """The mesh dims the batch is split over: all of them but TP's."""
         return [0] if self.case.target_options.get("tp") else super().dp_dims
+
+    def batch_groups(self) -> list:
+        return [self.mesh.get_group(d) for d in self.dp_dims]
 
     def shard(self, model: nn.Module) -> nn.Module:
         opts = self.case.target_options
