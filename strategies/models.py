@@ -25,13 +25,14 @@ MOE_ODDS = 8  # one topology or decoder in 8 has MoE
 
 
 @st.composite
-def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False) -> dict:
+def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, always: bool = False) -> dict:
     """An MoE config (kernel/moe.py MOE_KEYS), each key shrinking to its plainest: 2 experts of hidden 1,
     top-1 softmax, no shared expert, dropless, no aux loss, no routing bias, the for-loop. Token dropping by
     a capacity factor only where every forward sees the whole global batch (``whole_batch``: a rank that
     runs a slice drops by its own slice, which one process over the global batch does not); a batch-wise aux
     loss only where no rank runs its slice in microbatches (its counts are summed over the data-parallel
-    ranks, not over a rank's microbatches: torchtitan bans it under PP too)."""
+    ranks, not over a rank's microbatches: torchtitan bans it under PP too). ``always``: every model drawn
+    has MoE (ep's: a target that shards experts; read by ``models`` and ``decoders``)."""
     experts = draw(st.integers(2, 4))
     cfg = {"experts": experts, "hidden": draw(st.integers(1, 4)), "top_k": draw(st.integers(1, min(2, experts)))}
     extra = {
@@ -99,7 +100,7 @@ def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None) -> Model
     for _ in range(depth):
         layer, d = draw(layers(d, max_dim))
         body.append(layer)
-    if moe is not None and draw(st.integers(1, MOE_ODDS)) == MOE_ODDS:
+    if moe is not None and (moe.get("always") or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):
         body.append(Layer(MOE_KIND, d, d, moe=draw(moe_configs(**moe))))
     tie = tokens and draw(st.booleans())
     if tie and d != body[0].d_out:  # the tied head maps the embedding dim back to the vocab
@@ -137,7 +138,7 @@ def decoders(draw, max_layers: int = 2, moe: dict | None = None) -> Model:
         "causal": draw(st.booleans()),
         "tied": draw(st.booleans()),
     }
-    if moe is not None and draw(st.integers(1, MOE_ODDS)) == MOE_ODDS:  # drawn last: shrinks to the MLP
+    if moe is not None and (moe.get("always") or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):  # drawn last: shrinks to the MLP
         sizes["moe"] = draw(moe_configs(**moe))
     return Model(input="tokens", d_in=sizes["d_in"], layers=(), factory="decoder", sizes=sizes)
 

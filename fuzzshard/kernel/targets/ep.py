@@ -37,8 +37,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from ...case import Case
-from ..model import build_model, submodule
-from ..moe import MoE
+from ..model import submodule
+from ..moe import MoE, moe_configs_of
 from .base import Spec
 from .fsdp2 import FSDP2Target
 
@@ -127,24 +127,9 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     return out
 
 
-_CONFIGS: dict = {}
-
-
 def moe_configs(case: Case) -> list[dict]:
-    """The full configs (kernel/moe.py) of the MoE layers of a case's model, read off the model built on the
-    meta device (no memory, no RNG drawn), once per model."""
-    import dataclasses
-    import json
-
-    key = json.dumps(dataclasses.asdict(case.model), sort_keys=True, default=str)
-    if key not in _CONFIGS:
-        try:
-            with torch.device("meta"):
-                model = build_model(case.model, 0, "meta", torch.float32)
-        except Exception:  # a model that cannot be built says so where it runs
-            model = nn.Module()
-        _CONFIGS[key] = [m.cfg for m in model.modules() if isinstance(m, MoE)]
-    return _CONFIGS[key]
+    """The configs (kernel/moe.py) of the MoE layers of a case's model."""
+    return moe_configs_of(case.model)
 
 
 def check(case: Case) -> str | None:
@@ -162,8 +147,6 @@ def check(case: Case) -> str | None:
         for cfg in cfgs:
             if cfg["experts"] % ep_degree(mesh):
                 return f"{what}{cfg['experts']} experts do not divide over the EP degree {ep_degree(mesh)}"
-            if cfg.get("capacity") is not None:
-                return "ep routes dropless: a capacity factor counts each rank's own tokens, not the global batch's"
     return None
 
 
@@ -188,7 +171,8 @@ def ep_layout(mesh_shape, options: dict, names) -> dict | None:
 class EPTarget(FSDP2Target):
     name = "ep"
     known_as = ("fsdp2", "dtensor")
-    spec = Spec(options=draw_options, data_parallel=True, named_params=True, check=check, coverage=coverage,
+    # every model drawn has MoE (strategies/models.py), dropless: a rank's forward sees its own slice
+    spec = Spec(moe={"whole_batch": False, "always": True}, options=draw_options, data_parallel=True, named_params=True, check=check, coverage=coverage,
                 component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout)
     localizable = False  # inside an MoE the routed tokens are this rank's experts', in another order
 
@@ -227,7 +211,6 @@ class EPTarget(FSDP2Target):
         for fqn in _moe_fqns(model):
             moe = submodule(model, fqn)
             ExpertParallel().apply(moe.experts, ep_mesh)
-            moe.dp_group = self.dp_group()
             experts.append(moe.experts)
         units = []
         if self.mesh.ndim == 2:  # dp_shard_mod_ep: the experts FSDP-sharded over the dp dim too
