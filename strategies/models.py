@@ -87,8 +87,9 @@ def layers(draw, d: int, max_dim: int) -> tuple[Layer, int]:
 
 
 @st.composite
-def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None) -> Model:
-    """``moe``: moe_configs' arguments where this target takes an MoE layer (None: none drawn)."""
+def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None, always: bool = False) -> Model:
+    """``moe``: moe_configs' arguments where this target takes an MoE layer (None: none drawn); ``always``:
+    every topology has one (the "moe" family)."""
     tokens = draw(st.booleans())
     d_in = draw(dims(max_dim))
     body: list[Layer] = []
@@ -99,7 +100,7 @@ def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None) -> Model
     for _ in range(depth):
         layer, d = draw(layers(d, max_dim))
         body.append(layer)
-    if moe is not None and draw(st.integers(1, MOE_ODDS)) == MOE_ODDS:
+    if moe is not None and (always or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):
         body.append(Layer(MOE_KIND, d, d, moe=draw(moe_configs(**moe))))
     tie = tokens and draw(st.booleans())
     if tie and d != body[0].d_out:  # the tied head maps the embedding dim back to the vocab
@@ -114,11 +115,12 @@ def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None) -> Model
     )
 
 
-FAMILIES = ("topologies", "decoder")  # what --models names
+# what --models names; "moe": a topology or the decoder, always with an MoE layer (where the target takes one)
+FAMILIES = ("topologies", "decoder", "moe")
 
 
 @st.composite
-def decoders(draw, max_layers: int = 2, moe: dict | None = None) -> Model:
+def decoders(draw, max_layers: int = 2, moe: dict | None = None, always: bool = False) -> Model:
     """The decoder's sizes (kernel/decoder.py's DECODER_SIZES). Each shrinks to
     the smallest: one block, one head, head dim 1, a SwiGLU MLP of width 1,
     RMSNorm, non-causal, untied. Up to ``max_layers`` blocks (pp's stages need more). Head counts are drawn small, so some do not
@@ -137,7 +139,7 @@ def decoders(draw, max_layers: int = 2, moe: dict | None = None) -> Model:
         "causal": draw(st.booleans()),
         "tied": draw(st.booleans()),
     }
-    if moe is not None and draw(st.integers(1, MOE_ODDS)) == MOE_ODDS:  # drawn last: shrinks to the MLP
+    if moe is not None and (always or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):  # drawn last: shrinks to the MLP
         sizes["moe"] = draw(moe_configs(**moe))
     return Model(input="tokens", d_in=sizes["d_in"], layers=(), factory="decoder", sizes=sizes)
 

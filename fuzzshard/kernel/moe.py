@@ -362,6 +362,23 @@ def moe_configs_of(model) -> list[dict]:
     return out
 
 
+def moe_cells(model) -> list[str]:
+    """What a Case ``Model``'s MoE layers use, as coverage cells (session/schedule.py, ``show``): "moe", then
+    one per feature on (top-k above 1, sigmoid, shared expert, capacity, aux loss, routing bias, grouped_mm)."""
+    cfgs = moe_configs_of(model)
+    if not cfgs:
+        return []
+    out = ["moe"]
+    for c in cfgs:
+        c = config(c)
+        out += [f for f, on in (("moe top-k>1", c["top_k"] > 1), ("moe sigmoid", c["score"] == "sigmoid"),
+                                ("moe shared expert", bool(c["shared"])), ("moe capacity", c["capacity"] is not None),
+                                (f"moe aux {c['aux']}", bool(c["aux"])), ("moe expert_bias", c["bias_coeff"] is not None),
+                                ("moe grouped_mm", c["grouped"]), ("moe score after experts", not c["score_before_experts"]))
+                if on]
+    return list(dict.fromkeys(out))
+
+
 def moe_prefixes(model) -> tuple[str, ...]:
     """The FQN prefixes ("layers.3.") under which a Case ``Model``'s MoE layers hold their params."""
     if model.factory == "decoder":
