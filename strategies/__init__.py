@@ -174,7 +174,14 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
         return draw(user_models(names))
     family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
     moe = moe_rules(spec)
-    return draw(decoders(spec.max_depth or 2, moe)) if family == "decoder" else draw(models(depth, max_dim, moe))
+    if family == "moe" and moe is not None:  # an MoE in every case: a topology or the decoder
+        family, always = draw(st.sampled_from(["topologies", "decoder"])), True
+    else:
+        family, always = ("topologies" if family == "moe" else family), False
+    always = always or bool((moe or {}).get("always"))  # a target whose every model has MoE (ep's Spec.moe)
+    if family == "decoder":
+        return draw(decoders(spec.max_depth or 2, moe, always))
+    return draw(models(depth, max_dim, moe, always))
 
 
 @st.composite

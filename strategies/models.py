@@ -31,8 +31,8 @@ def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, alwa
     a capacity factor only where every forward sees the whole global batch (``whole_batch``: a rank that
     runs a slice drops by its own slice, which one process over the global batch does not); a batch-wise aux
     loss only where no rank runs its slice in microbatches (its counts are summed over the data-parallel
-    ranks, not over a rank's microbatches: torchtitan bans it under PP too). ``always``: every model drawn
-    has MoE (ep's: a target that shards experts; read by ``models`` and ``decoders``)."""
+    ranks, not over a rank's microbatches: torchtitan bans it under PP too). ``always``: the target's Spec.moe says every model it draws has MoE
+    (ep's: a target that shards experts); ``_model`` reads it, here it is ignored."""
     experts = draw(st.integers(2, 4))
     cfg = {"experts": experts, "hidden": draw(st.integers(1, 4)), "top_k": draw(st.integers(1, min(2, experts)))}
     extra = {
@@ -88,8 +88,9 @@ def layers(draw, d: int, max_dim: int) -> tuple[Layer, int]:
 
 
 @st.composite
-def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None) -> Model:
-    """``moe``: moe_configs' arguments where this target takes an MoE layer (None: none drawn)."""
+def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None, always: bool = False) -> Model:
+    """``moe``: moe_configs' arguments where this target takes an MoE layer (None: none drawn); ``always``:
+    every topology has one (the "moe" family)."""
     tokens = draw(st.booleans())
     d_in = draw(dims(max_dim))
     body: list[Layer] = []
@@ -100,7 +101,7 @@ def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None) -> Model
     for _ in range(depth):
         layer, d = draw(layers(d, max_dim))
         body.append(layer)
-    if moe is not None and (moe.get("always") or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):
+    if moe is not None and (always or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):
         body.append(Layer(MOE_KIND, d, d, moe=draw(moe_configs(**moe))))
     tie = tokens and draw(st.booleans())
     if tie and d != body[0].d_out:  # the tied head maps the embedding dim back to the vocab
@@ -115,11 +116,12 @@ def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None) -> Model
     )
 
 
-FAMILIES = ("topologies", "decoder")  # what --models names
+# what --models names; "moe": a topology or the decoder, always with an MoE layer (where the target takes one)
+FAMILIES = ("topologies", "decoder", "moe")
 
 
 @st.composite
-def decoders(draw, max_layers: int = 2, moe: dict | None = None) -> Model:
+def decoders(draw, max_layers: int = 2, moe: dict | None = None, always: bool = False) -> Model:
     """The decoder's sizes (kernel/decoder.py's DECODER_SIZES). Each shrinks to
     the smallest: one block, one head, head dim 1, a SwiGLU MLP of width 1,
     RMSNorm, non-causal, untied. Up to ``max_layers`` blocks (pp's stages need more). Head counts are drawn small, so some do not
@@ -138,7 +140,7 @@ def decoders(draw, max_layers: int = 2, moe: dict | None = None) -> Model:
         "causal": draw(st.booleans()),
         "tied": draw(st.booleans()),
     }
-    if moe is not None and (moe.get("always") or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):  # drawn last: shrinks to the MLP
+    if moe is not None and (always or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):  # drawn last: shrinks to the MLP
         sizes["moe"] = draw(moe_configs(**moe))
     return Model(input="tokens", d_in=sizes["d_in"], layers=(), factory="decoder", sizes=sizes)
 

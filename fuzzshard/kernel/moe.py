@@ -135,11 +135,24 @@ class GroupedExperts(nn.Module):
         return run(*ws, x, num_tokens_per_expert)
 
 
+class Gate(nn.Linear):
+    """The router's gate: an nn.Linear that also notes, per token, the magnitude its logits are summed from
+    (max over experts of sum_i |W_ei x_i|; ``MoE.record_margin``), read while its weight is whole (FSDP2
+    reshards a gate of its own right after its forward)."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        with torch.no_grad():
+            up = torch.float64 if x.dtype == torch.float64 else torch.float32
+            self.size = (x.detach().abs().to(up) @ self.weight.detach().abs().to(up).T).amax(-1)
+        return out
+
+
 class TokenChoiceTopKRouter(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, route_norm: bool,
                  route_scale: float):
         super().__init__()
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = Gate(dim, num_experts, bias=False)
         self.num_experts, self.top_k, self.score_func = num_experts, top_k, score_func
         self.route_norm, self.route_scale = route_norm, route_scale
 
@@ -260,20 +273,19 @@ class MoE(nn.Module):
                 self._buffers[name] = b.float()
         return self
 
-    def record_margin(self, x: torch.Tensor, choice: torch.Tensor, k: int) -> None:
+    def record_margin(self, size: torch.Tensor, choice: torch.Tensor, k: int) -> None:
         """The smallest gap between a token's k-th chosen score and its best unchosen one, relative to the
         magnitude its gate logits are summed from (max over experts of sum_i |W_ei x_i|, at least 1: a logit
         computed otherwise, or from an input that differs by rounding, moves by a multiple of u times it).
         Capacity drops are decided by token order alone, no float compare."""
         if k < choice.shape[-1] and choice.shape[0]:
             top = torch.topk(choice, k + 1, dim=-1).values
-            size = (x.abs().to(choice.dtype) @ self.router.gate.weight.abs().to(choice.dtype).T).amax(-1)
             self.margin = min(self.margin, float(((top[:, k - 1] - top[:, k]) / size.clamp(min=1.0)).min()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        if isinstance(x, DTensor) or any(isinstance(t, DTensor) for t in self.parameters()):
+        if isinstance(x, DTensor):  # not a param's type: FSDP2's sharded params are DTensors until unsharded
             return self._forward_local(x)
         return self._forward(x)
 
@@ -299,7 +311,7 @@ class MoE(nn.Module):
         x = x.reshape(-1, dim)
         top_scores, idx, counts, scores, choice = self.router(x, self.expert_bias)
         with torch.no_grad():
-            self.record_margin(x.detach(), choice.detach(), idx.shape[-1])
+            self.record_margin(self.router.gate.size, choice.detach(), idx.shape[-1])
             if self.training:
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         c = self.cfg
@@ -360,6 +372,23 @@ def moe_configs_of(model) -> list[dict]:
 
     walk(model.layers)
     return out
+
+
+def moe_cells(model) -> list[str]:
+    """What a Case ``Model``'s MoE layers use, as coverage cells (session/schedule.py, ``show``): "moe", then
+    one per feature on (top-k above 1, sigmoid, shared expert, capacity, aux loss, routing bias, grouped_mm)."""
+    cfgs = moe_configs_of(model)
+    if not cfgs:
+        return []
+    out = ["moe"]
+    for c in cfgs:
+        c = config(c)
+        out += [f for f, on in (("moe top-k>1", c["top_k"] > 1), ("moe sigmoid", c["score"] == "sigmoid"),
+                                ("moe shared expert", bool(c["shared"])), ("moe capacity", c["capacity"] is not None),
+                                (f"moe aux {c['aux']}", bool(c["aux"])), ("moe expert_bias", c["bias_coeff"] is not None),
+                                ("moe grouped_mm", c["grouped"]), ("moe score after experts", not c["score_before_experts"]))
+                if on]
+    return list(dict.fromkeys(out))
 
 
 def moe_prefixes(model) -> tuple[str, ...]:
@@ -466,6 +495,30 @@ def set_biases(model: nn.Module, biases: dict | None, counts: dict | None = None
                 _local(m.expert_bias).copy_(biases[n])
             _local(m.tokens_per_expert).copy_(counts[n] if counts else torch.zeros_like(held[n]))
     return held
+
+
+class Routing:
+    """The expert counts and routing margin of some forwards of a copy of the model (a target's own reference
+    passes, fsdp2's mixed precision), added up and handed to the model the reference reads them from."""
+
+    def __init__(self):
+        self.counts: dict = {}
+        self.margin = math.inf
+
+    def start(self, model: nn.Module) -> None:
+        set_biases(model, None)
+        margin(model, reset=True)
+
+    def add(self, model: nn.Module) -> None:
+        self.margin = min(self.margin, margin(model, reset=True))
+        for n, t in set_biases(model, None).items():
+            self.counts[n] = self.counts.get(n, 0) + t
+
+    def put(self, model: nn.Module) -> None:
+        if self.counts:
+            set_biases(model, None, self.counts)
+            for m in moe_modules(model):
+                m.margin = self.margin
 
 
 def margin(model: nn.Module, reset: bool = False) -> float:

@@ -194,7 +194,9 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                 loss.backward()
                 grads, tol = {n: p.grad for n, p in params.items()}, red_tol
             if moe:  # this step's expert counts and routing margin, before any nudged pass below adds to them
-                routed = {"margin": margin(model, reset=True), "counts": set_biases(model, None)}
+                routed = {"margin": margin(model, reset=True), "counts": set_biases(model, None),
+                          # the rounding the routing saw: the target's own passes' (mixed precision) where coarser
+                          "tol": {**red_tol, "u": max(red_tol["u"], tol["u"])}}
             # an overflow in some grads only: the same non-finite value in the same element of the full grad
             loops[device].inject_full(k, grads)
             traced = None
@@ -274,7 +276,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
                             for n, want in expert_biases(model).items()]
             mismatches += stepped
             if moe and any(m and m.get("step") == k for m in mismatches):
-                why = routing_undetermined(routed["margin"], red_tol)
+                why = routing_undetermined(routed["margin"], routed["tol"])
                 if why:  # the reference's routing is a near tie that rounding may flip: no comparable run
                     return invalid(why)
         # the grads the next step starts from are the clipped ones (a clip works in place): a param in no group

@@ -84,8 +84,9 @@ class DTensorTarget(Target):
     def shard(self, model: nn.Module) -> nn.Module:
         distribute_params(model, self.mesh, self.case.target_options.get("placements", {}))
         for module in model.modules():
-            for name, b in list(module.named_buffers(recurse=False)):
-                module.register_buffer(name, self._replicate(b))
+            for name, b in list(module.named_buffers(recurse=False)):  # a non-persistent one stays so (an MoE's counts)
+                module.register_buffer(name, self._replicate(b),
+                                       persistent=name not in module._non_persistent_buffers_set)
         return model
 
     def _replicate(self, t: torch.Tensor) -> DTensor:

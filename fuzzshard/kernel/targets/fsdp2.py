@@ -38,7 +38,7 @@ from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
 from ..gather import full_batched
 from ..model import loss_fn, param_shapes, submodule, tied_modules
-from ..moe import moe_prefixes
+from ..moe import Routing, moe_prefixes
 from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
@@ -355,6 +355,7 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
     params = dict(low.named_parameters())
     per, m = x.shape[0] // world, options.get("microbatches", 1)
     loss, total, spread, sens = 0.0, {}, {}, {}
+    routing = Routing()  # an MoE's routing in param_dtype: the counts and margin of the passes below, not the nudged ones
     for r in range(world):
         acc = {}
         for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
@@ -362,7 +363,9 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
                 sens[key] = sens.get(key, 0.0) + v / world
             for p in params.values():
                 p.grad = None
+            routing.start(low)
             local = FSDP2Target.objective(low, xm, ym, options) / m
+            routing.add(low)
             # GradScaler.scale: times its float32 scale tensor, cast back to the loss's dtype
             (local if scale == 1.0 else (local * torch.tensor(scale, dtype=torch.float32)).type(local.dtype)).backward()
             loss += local.detach().double() / world
@@ -388,6 +391,7 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
             new = (mean.to(orig) if scale == 1.0 else mean.to(orig) * (1.0 / scale))  # unscale_: in orig dtype
         grads[n] = p.grad if new is None else new if p.grad is None else p.grad + new
     extra = {n: tol["k_ulps"] * tol["u"] * spread[n] / world for n in spread}
+    routing.put(model)
     return loss.to(orig), grads, tol, sens, extra
 
 
