@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 
 import torch
@@ -40,8 +41,7 @@ from .checkpoint import check_loaded, check_loaded_loop, check_saved
 from .gather import gather_batch
 from .localize import Trace
 from .model import build_model, make_batch
-from . import moe as moe_layer
-from .moe import moe_configs_of, observe_biases, wire
+from .moe import moe_configs_of, observe_biases, update_expert_bias, wire
 from .optim import RESUME_LR_SCALE, adds_groups_before
 from .plain import setup, torch_dtype
 from .reference import check_parity, reference_error
@@ -401,7 +401,9 @@ def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
         if moe:  # the routing bias from the step's expert counts, summed over the data-parallel ranks (torchtitan's
             # optimizer pre-hook; here on every step, before the optimizer's, on both sides)
             phase("step", f"step {k}: MoE expert_bias update")
-            moe_layer.update_expert_bias(model, target.batch_groups())  # through the module: a planted bug swaps it
+            # through its module's attribute, where a planted bug swaps it (a flattened repro's module is __main__:
+            # an aliased relative import cannot be flattened)
+            sys.modules[update_expert_bias.__module__].update_expert_bias(model, target.batch_groups())
         phase("step", f"step {k}: optimizer.step")
         if loop.used:  # through the scaler, then the scheduler's step
             loop.step(full_loss)
