@@ -163,7 +163,7 @@ def moe_rules(spec) -> dict | None:
 
 
 @st.composite
-def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
+def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9, mesh_shape: tuple = (1,)):
     """A plugin's model (only those a target names in ``spec.models``, if it
     does), or one of ``families``: a drawn topology (dims 1..``max_dim``), the
     decoder transformer. No plugin model and topologies alone: the draw is as it always was."""
@@ -178,7 +178,13 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
         family, always = draw(st.sampled_from(["topologies", "decoder"])), True
     else:
         family, always = ("topologies" if family == "moe" else family), False
-    always = always or bool((moe or {}).get("always"))  # a target whose every model has MoE (ep's Spec.moe)
+    if moe is not None and ({"always", "experts_over"} & set(moe)):  # ep's Spec.moe: every model has MoE, its
+        # experts divide over a mesh dim (the EP degree)
+        always = always or bool(moe.get("always"))
+        over = moe.get("experts_over")
+        moe = {k: v for k, v in moe.items() if k not in ("always", "experts_over")}
+        if over is not None:
+            moe["experts_multiple"] = mesh_shape[over]
     if family == "decoder":
         return draw(decoders(spec.max_depth or 2, moe, always))
     return draw(models(depth, max_dim, moe, always))
@@ -229,7 +235,7 @@ def cases(
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world, mesh_dims)))
-    model = draw(_model(spec, depth, tuple(models), max(9, world) if dims_up_to_world else 9))
+    model = draw(_model(spec, depth, tuple(models), max(9, world) if dims_up_to_world else 9, mesh_shape))
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]

@@ -25,15 +25,18 @@ MOE_ODDS = 8  # one topology or decoder in 8 has MoE
 
 
 @st.composite
-def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, always: bool = False) -> dict:
+def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, experts_multiple: int = 1) -> dict:
     """An MoE config (kernel/moe.py MOE_KEYS), each key shrinking to its plainest: 2 experts of hidden 1,
     top-1 softmax, no shared expert, dropless, no aux loss, no routing bias, the for-loop. Token dropping by
     a capacity factor only where every forward sees the whole global batch (``whole_batch``: a rank that
     runs a slice drops by its own slice, which one process over the global batch does not); a batch-wise aux
     loss only where no rank runs its slice in microbatches (its counts are summed over the data-parallel
-    ranks, not over a rank's microbatches: torchtitan bans it under PP too). ``always``: the target's Spec.moe says every model it draws has MoE
-    (ep's: a target that shards experts); ``_model`` reads it, here it is ignored."""
-    experts = draw(st.integers(2, 4))
+    ranks, not over a rank's microbatches: torchtitan bans it under PP too). ``experts_multiple``: the expert
+    count a multiple of it (ep's: the experts divide over the EP degree), 2 to 4 (or the multiple itself)."""
+    if experts_multiple > 1:  # (1: the draw as it was, for every other target)
+        experts = draw(st.sampled_from([e for e in range(2, max(4, experts_multiple) + 1) if e % experts_multiple == 0]))
+    else:
+        experts = draw(st.integers(2, 4))
     cfg = {"experts": experts, "hidden": draw(st.integers(1, 4)), "top_k": draw(st.integers(1, min(2, experts)))}
     extra = {
         "score": draw(st.sampled_from(["softmax", "sigmoid"])),
