@@ -212,10 +212,6 @@ class EPTarget(FSDP2Target):
         for fqn in _moe_fqns(model):
             moe = submodule(model, fqn)
             ExpertParallel().apply(moe.experts, ep_mesh)
-            # its own forward, not kernel/moe.py's full-copy path for DTensor params (_forward_local: every
-            # rank the whole experts): under EP the experts run on their local shard (GroupedExperts.to_local),
-            # the tokens brought by the all-to-all (an instance attribute: kernel/moe.py is moe's to change)
-            moe._forward_local = moe._forward
             experts.append(moe.experts)
         units = []
         if self.mesh.ndim == 2:  # dp_shard_mod_ep: the experts FSDP-sharded over the dp dim too
