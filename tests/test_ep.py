@@ -61,3 +61,13 @@ def test_router_grad_unreduced_over_dp_is_found_on_2d_ep(tmp_path):
     assert "FAIL: ep.parity.grad" in out and "grad of layers.0.router.gate.weight" in out, out
     assert not any(f"{w} step 0" in out for w in ("experts.w1", "experts.w2", "experts.w3")), out
     assert "shared_experts" not in out, out
+
+
+def test_aux_loss_and_routing_bias_pass_clean(tmp_path):
+    """A sequence-wise aux loss (its grad of one, torchtitan's) and a routing bias, on a 1-D ep mesh: the
+    grads are averaged over the ranks as the loss is (a clean session once met the router's grad twice the
+    reference's: the target summed the grads of a loss it divided by the ranks, the aux loss's undivided)."""
+    path = tmp_path / "case.json"
+    path.write_text(ep_case((2,), {"aux": "seq", "bias_coeff": 0.25, "top_k": 2}).to_json())
+    clean = run_cli("replay", path)
+    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]

@@ -17,11 +17,11 @@ are left out of FSDP: ``ignored_params``), or 2-D [dp, ep] ("d0" x "d1"): the
 experts also ``fully_shard``ed over "d0" (torchtitan's dp_shard_mod_ep mesh,
 an FSDP2 + DTensor 2-D param), and everything else (router, shared experts,
 the rest of the model) HSDP over both dims (replicated over "d0", sharded
-over "d1"). FSDP2's gradient division is off (``set_gradient_divide_factor(1.0)``,
-torchtitan's ``disable_fsdp_gradient_division``) and each rank's loss is its
-slice's mean over the data-parallel degree: every reduction is a plain sum,
-and an expert's grad (summed over its EP ranks by the combine's backward, over
-"d0" by FSDP) is the global batch's. The load-balancing counts
+over "d1"). Each rank backwards its slice's mean loss; every FSDP2 reduction
+is a sum divided by the data-parallel degree (``set_gradient_divide_factor``,
+``set_force_sum_reduction_for_comms``: gloo has no PREMUL_SUM), and an
+expert's grad (summed over its EP ranks by the combine's backward, over "d0"
+by FSDP, or on a 1-D mesh divided by a hook) is the global batch's mean. The load-balancing counts
 (``tokens_per_expert``) and a batch-wise aux loss sum over every rank.
 
 Options: ``wrap`` (MoE submodules, the router or the shared experts, with a
@@ -220,19 +220,23 @@ class EPTarget(FSDP2Target):
         for fqn in sorted(opts.get("wrap", []), key=lambda n: (-n.count("."), n)):
             units.append(fully_shard(submodule(model, fqn), mesh=self.mesh, **kw))
         units.append(fully_shard(model, mesh=self.mesh, ignored_params=ignored, **kw))
-        for unit in units:  # torchtitan's disable_fsdp_gradient_division: every reduction a plain sum
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM (gloo has no PREMUL_SUM)
+        world = self.dp_size()
+        for unit in units:  # every reduction a sum over the ranks that hold the grad, then / the dp degree
+            unit.set_gradient_divide_factor(float(world))
+            unit.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM, then the divide (gloo has no PREMUL_SUM)
+        if ignored:  # 1-D: the experts' grads, summed over every rank by the combine's backward, averaged
+            for p in ignored:
+                p.register_hook(lambda g, world=world: g / world)
         return model
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """This rank's slice; its mean loss over the data-parallel degree is what it backwards (the grads'
-        sums over the ranks are then the global mean's). Returns the global mean loss."""
+        """This rank's slice, its mean loss backwarded (and an MoE aux loss's grad of one, torchtitan's): the
+        grads averaged over the ranks are the global batch's. Returns the global mean loss."""
         world = self.dp_size()
         per = x.shape[0] // world
         r = self.dp_rank()
         loss = self.objective(model, x[r * per:(r + 1) * per], y[r * per:(r + 1) * per], self.case.target_options)
-        self.backward(loss / world)
+        self.backward(loss)
         full = loss.detach().double()
         dist.all_reduce(full, group=self.dp_group())
         return (full / world).to(loss.dtype)
