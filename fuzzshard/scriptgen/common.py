@@ -63,6 +63,8 @@ def _layer(layer: Layer) -> str:
         return f"Conv({layer.d_in}, {layer.d_out}, {layer.kernel}, padding={layer.kernel // 2}{nobias})"
     if k == "act":
         return ACTS[layer.act]
+    if k == "moe":  # kernel/moe.py's MoE, as the script's MoE class writes it (MOE_KEYS it takes: MOE_WRITTEN)
+        return f"MoE({layer.d_in}, **{lit(layer.moe)})"
     return {"seq": "nn.Sequential", "residual": "Residual", "twice": "Twice"}[k] + f"({inner})"
 
 
@@ -78,6 +80,53 @@ _CLASSES = {
 }
 
 
+# kernel/moe.py's MoE as a script writes it: dropless, no aux loss, no routing bias, the experts' for-loop (the
+# keys it takes); its params made in the kernel's order under the seed (experts w1, w2, w3; the gate; the shared
+# expert), its forward the kernel's ops. Experts that are DTensors (expert parallelism) compute on their shard
+MOE_WRITTEN = {"experts", "hidden", "top_k", "score", "route_norm", "route_scale", "shared"}
+_CLASSES["moe"] = [
+    "class Experts(nn.Module):  # GroupedExperts: w1, w3 [E, hidden, dim], w2 [E, dim, hidden], over tokens sorted by expert",
+    "    def __init__(self, dim, hidden, E):",
+    "        super().__init__()",
+    "        self.w1, self.w2, self.w3 = (nn.Parameter(torch.empty(s)) for s in ((E, hidden, dim), (E, dim, hidden), (E, hidden, dim)))",
+    "        for w, fan in ((self.w1, dim), (self.w2, hidden), (self.w3, dim)):",
+    "            nn.init.uniform_(w, -1 / math.sqrt(fan), 1 / math.sqrt(fan))",
+    "    def forward(self, x, counts):  # SwiGLU per expert over its run of tokens (under EP: this rank's experts)",
+    "        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))",
+    "        return torch.cat([(nn.functional.silu(xe @ w1[e].mT) * (xe @ w3[e].mT)) @ w2[e].mT",
+    "                          for e, xe in enumerate(x.split(counts.tolist()))])",
+    "",
+    "class MoE(nn.Module):  # torchtitan's MoE (fuzzshard's kernel/moe.py), dropless: top-k router, experts, shared expert",
+    "    def __init__(self, dim, experts=2, hidden=1, top_k=1, score=\"softmax\", route_norm=False, route_scale=1.0, shared=0):",
+    "        super().__init__()",
+    "        self.experts, self.router, self.shared_experts = Experts(dim, hidden, experts), nn.Module(), None",
+    "        self.router.gate = nn.Linear(dim, experts, bias=False)",
+    "        if shared:  # SwiGLU",
+    "            self.shared_experts = nn.Module()",
+    "            for n, i, o in ((\"w1\", dim, shared), (\"w2\", shared, dim), (\"w3\", dim, shared)):",
+    "                setattr(self.shared_experts, n, nn.Linear(i, o, bias=False))",
+    "        self.E, self.k, self.score, self.norm, self.scale = experts, top_k, score, route_norm, route_scale",
+    "    def forward(self, x):",
+    "        B, L, D = x.shape",
+    "        x = x.reshape(-1, D)",
+    "        s = self.router.gate(x).to(torch.float64 if x.dtype == torch.float64 else torch.float32)",
+    "        s = torch.sigmoid(s) if self.score == \"sigmoid\" else torch.softmax(s, dim=-1)",
+    "        idx = torch.topk(s, k=self.k, dim=-1, sorted=False)[1]",
+    "        top = s.gather(-1, idx)",
+    "        top = (top / (top.sum(dim=-1, keepdim=True) + 1e-20) if self.norm else top) * self.scale",
+    "        order = torch.argsort(idx.reshape(-1), stable=True)  # the (token, k) slots sorted by expert",
+    "        sc = top.reshape(-1)[order]",
+    "        routed = (x[order // self.k].to(sc.dtype) * sc.reshape(-1, 1)).to(x.dtype)  # scored before the experts",
+    "        out = self.experts(routed, torch.bincount(idx.reshape(-1), minlength=self.E))  # EP: there and back",
+    "        y = out.new_zeros(B * L * self.k, D)",
+    "        y[order] = out",
+    "        y = y.reshape(-1, self.k, D).sum(dim=1)",
+    "        if self.shared_experts is not None:",
+    "            f = self.shared_experts",
+    "            y = f.w2(nn.functional.silu(f.w1(x)) * f.w3(x)) + y",
+    "        return y.reshape(B, L, D)"]
+
+
 def model(case: Case, builds: int) -> list[str]:
     """The classes, and ``build(seed)`` (or ``model = ...`` where it is built once):
     the kernel's init, bit for bit (the same modules in the same order under the same seed)."""
@@ -89,7 +138,7 @@ def model(case: Case, builds: int) -> list[str]:
         return _build(f"MODELS[{spec.factory!r}](**{lit(spec.sizes)})", dtype)
     kinds = {layer.kind for layer in walk(spec.layers)}
     out = []
-    for k in ("conv1d", "residual", "twice"):
+    for k in ("conv1d", "residual", "twice", "moe"):
         if k in kinds or (k == "residual" and "twice" in kinds):
             out += _CLASSES[k] + [""]
     out += ["class Net(nn.Module):", "    def __init__(self):", "        super().__init__()",
