@@ -20,20 +20,17 @@ _OPTIONS = {"wrap", "reshard_after_forward"}
 _EP = [
     "class ExpertParallel:  # torchtitan's: the experts Shard(0) over the ep mesh, the tokens sent by all-to-all",
     "    def partition(self, name, mod, mesh):",
-    "        for n, q in list(mod.named_parameters(recurse=False)):",
-    "            mod.register_parameter(n, nn.Parameter(distribute_tensor(q, mesh, [Shard(0)])))",
+    "        [mod.register_parameter(n, nn.Parameter(distribute_tensor(q, mesh, [Shard(0)]))) for n, q in list(mod.named_parameters())]",
     "    def dispatch(self, mod, inputs, mesh):  # the counts exchanged first, then the tokens (uneven splits)",
     "        (x, counts), ep, group = inputs, mesh.shape[0], mesh.get_group()",
     "        got = torch.ops._c10d_functional.wait_tensor(funcol.all_to_all_single(counts, None, None, group=group))",
     "        self.ins, self.outs = counts.view(ep, -1).sum(1).tolist(), got.view(ep, -1).sum(1).tolist()",
-    "        x = funcol.all_to_all_single_autograd(x, self.outs, self.ins, group)",
     "        lens = got.view(ep, -1).t().reshape(-1)  # rank-major -> expert-major order",
     "        starts, seg = (got.cumsum(0) - got).view(ep, -1).t().reshape(-1), torch.arange(lens.numel()).repeat_interleave(lens)",
-    "        self.perm, self.shape = starts[seg] + torch.arange(int(got.sum())) - (lens.cumsum(0) - lens)[seg], x.shape",
-    "        return x[self.perm], got.view(ep, -1).sum(0)",
-    "    def combine(self, mod, out, mesh):",
-    "        back = out.new_empty(self.shape)",
-    "        back[self.perm] = out",
+    "        self.perm, self.shape = starts[seg] + torch.arange(int(got.sum())) - (lens.cumsum(0) - lens)[seg], (sum(self.outs), x.shape[1])",
+    "        return funcol.all_to_all_single_autograd(x, self.outs, self.ins, group)[self.perm], got.view(ep, -1).sum(0)",
+    "    def combine(self, mod, out, mesh):  # back to the tokens' ranks",
+    "        back = out.new_empty(self.shape).index_put((self.perm,), out)",
     "        return funcol.all_to_all_single_autograd(back, self.ins, self.outs, mesh.get_group())"]
 
 
@@ -57,16 +54,14 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     kw = "" if options.get("reshard_after_forward", True) is True else \
         f", reshard_after_forward={options['reshard_after_forward']!r}"
     ep_mesh = 'mesh["d1"]' if two else "mesh"
-    out = _EP + [f"mesh = {mesh}", "moes = [m for m in model.modules() if isinstance(m, MoE)]",
-                 "for m in moes:  # one ExpertParallel each: it keeps its forward's splits",
+    out = _EP + [f"mesh = {mesh}", "for m in (moes := [m for m in model.modules() if isinstance(m, MoE)]):",
                  f"    ep = ExpertParallel(); distribute_module(m.experts, {ep_mesh}, ep.partition, ep.dispatch, ep.combine)",
                  "experts = {q for m in moes for q in m.experts.parameters()}"]
-    out.append(f"units = [fully_shard(m.experts, mesh=mesh[\"d0\"]{kw}) for m in moes]  # over dp too" if two else
-               "units = []  # (1-D: the experts are spread over every rank already)")
-    out += [f"units.append(fully_shard({_module(u)}, mesh=mesh{kw}))" for u in
-            sorted(options.get("wrap", []), key=lambda n: (-n.count("."), n))]
-    out += [f"units.append(fully_shard(model, mesh=mesh{kw}{'' if two else ', ignored_params=experts'}))",
-            "for u in units:  # every reduction a sum, then / the dp degree (gloo has no PREMUL_SUM)",
+    units = ["*[fully_shard(m.experts, mesh=mesh[\"d0\"]%s) for m in moes]" % kw] if two else []
+    units += [f"fully_shard({_module(u)}, mesh=mesh{kw})" for u in
+              sorted(options.get("wrap", []), key=lambda n: (-n.count("."), n))]
+    units.append(f"fully_shard(model, mesh=mesh{kw}{'' if two else ', ignored_params=experts'})")
+    out += [f"for u in [{', '.join(units)}]:  # every reduction a sum, then / the dp degree (gloo: no PREMUL_SUM)",
             f"    u.set_gradient_divide_factor({float(case.world_size)}); u.set_force_sum_reduction_for_comms(True)"]
     if not two:
         out.append(f"[q.register_hook(lambda g: g / {case.world_size}) for q in experts]  # averaged, outside FSDP")
