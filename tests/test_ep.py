@@ -1,6 +1,10 @@
 """The ``ep`` target: expert parallelism (torchtitan's ExpertParallel token dispatch and combine with
 all_to_all_single_autograd, experts Shard(0) over the ep mesh dim) + FSDP2. Hand-written cases replayed
 clean and with each planted bug: the finding's signature is checked, not just the exit code."""
+import math
+
+import pytest
+
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 
 from conftest import run_cli
@@ -71,3 +75,40 @@ def test_aux_loss_and_routing_bias_pass_clean(tmp_path):
     path.write_text(ep_case((2,), {"aux": "seq", "bias_coeff": 0.25, "top_k": 2}).to_json())
     clean = run_cli("replay", path)
     assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+
+
+def _grad_verdict(fqn):
+    from fuzzshard.verdict import Verdict, finding
+
+    return Verdict.from_dict(finding("parity", [{"quantity": "grad", "fqn": fqn, "step": 0, "detail": "x"}]))
+
+
+
+@pytest.mark.parametrize("mesh, bug, fqn", [((2,), "ep_a2a_split_off_by_one.py", "layers.0.experts.w1"),
+                                            ((2, 2), "ep_router_grad_unreduced_over_dp.py", "layers.0.router.gate.weight")],
+                         ids=["a2a_1d", "router_2d"])
+def test_the_straight_line_script_writes_the_dispatch_and_finds_each_plant(tmp_path, mesh, bug, fqn):
+    """A finding's script (scriptgen/ep.py, < 150 lines, torch only): the MoE and torchtitan's ExpertParallel
+    dispatch/combine written out, its fully_shard units; under torchrun it fails with the planted bug where the
+    grad differs, and passes on torch as it is."""
+    from conftest import PLANTED, torchrun
+    from fuzzshard.scriptgen import fallback_reason, straight_script
+
+    case = ep_case(mesh, {"shared": 2, "top_k": 2}, {"wrap": ["layers.0.router"], "reshard_after_forward": False})
+    verdict = _grad_verdict(fqn)
+    assert fallback_reason(case, {}, verdict) is None
+    src = straight_script(case, "ep", {}, verdict)
+    assert src.count("\n") < 150 and "import fuzzshard" not in src, src.count("\n")
+    assert "all_to_all_single_autograd" in src and "distribute_module(m.experts" in src
+    (tmp_path / "repro.py").write_text(src)
+    world = math.prod(mesh)
+    buggy = torchrun(tmp_path / "repro.py", world, "--setup", PLANTED / bug, cwd=tmp_path)
+    assert buggy.returncode == 1 and f"step 0 grad {fqn}: sharded" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(tmp_path / "repro.py", world, cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+
+
+def test_a_config_the_script_does_not_write_falls_back_honestly():
+    from fuzzshard.scriptgen import fallback_reason
+
+    assert "aux" in fallback_reason(ep_case((2,), {"aux": "seq"}), {}, _grad_verdict("layers.0.router.gate.weight"))

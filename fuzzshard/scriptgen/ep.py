@@ -30,13 +30,16 @@ _EP = [
     "        self.perm, self.shape = starts[seg] + torch.arange(int(got.sum())) - (lens.cumsum(0) - lens)[seg], (sum(self.outs), x.shape[1])",
     "        return funcol.all_to_all_single_autograd(x, self.outs, self.ins, group)[self.perm], got.view(ep, -1).sum(0)",
     "    def combine(self, mod, out, mesh):  # back to the tokens' ranks",
-    "        back = out.new_empty(self.shape).index_put((self.perm,), out)",
-    "        return funcol.all_to_all_single_autograd(back, self.ins, self.outs, mesh.get_group())"]
+    "        return funcol.all_to_all_single_autograd(out.new_empty(self.shape).index_put((self.perm,), out), self.ins, self.outs, mesh.get_group())"]
 
 
 def unsupported(case: Case, options: dict) -> str | None:
     extra = set(options) - _OPTIONS
-    return f"options {sorted(extra)}" if extra else None
+    if extra:
+        return f"options {sorted(extra)}"
+    if any(u.endswith("shared_experts") for u in options.get("wrap", ())):
+        return "a shared expert with a fully_shard of its own (the script's shared expert has no forward)"
+    return None
 
 
 def imports(case: Case, options: dict) -> list[str]:
