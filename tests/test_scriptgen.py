@@ -100,6 +100,11 @@ def test_the_scripts_comparison_is_the_kernels():
 @DRAWN
 @given(cases(target="dtensor", world_sizes=[1, 2]))
 def test_drawn_dtensor_cases_give_a_script_that_builds_the_kernels_model_and_data(case):
+    from fuzzshard.kernel.moe import moe_configs_of
+
+    if moe_configs_of(case.model):  # an MoE layer: only ep's writer writes one (scriptgen MOE); the rest fall back
+        assert "MoE" in fallback_reason(case)
+        return
     assert straight_script(case) is not None  # every one, checkpoint or not
     _check_drawn(case)
 
