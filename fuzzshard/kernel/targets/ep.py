@@ -173,8 +173,8 @@ class EPTarget(FSDP2Target):
     known_as = ("fsdp2", "dtensor")
     # every model drawn has MoE, its experts a multiple of the EP degree (the mesh's last dim; strategies'
     # _model), dropless: a rank's forward sees its own slice
-    spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=draw_options, data_parallel=True, named_params=True, check=check, coverage=coverage,
-                component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout)
+    spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=draw_options,
+                data_parallel=True, named_params=True, check=check, coverage=coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout)
     localizable = False  # inside an MoE the routed tokens are this rank's experts', in another order
 
     @classmethod
