@@ -25,14 +25,17 @@ MOE_ODDS = 8  # one topology or decoder in 8 has MoE
 
 
 @st.composite
-def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, aux: bool = True) -> dict:
+def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, aux: bool = True,
+                bias: bool = True) -> dict:
     """An MoE config (kernel/moe.py MOE_KEYS), each key shrinking to its plainest: 2 experts of hidden 1,
     top-1 softmax, no shared expert, dropless, no aux loss, no routing bias, the for-loop. Token dropping by
     a capacity factor only where every forward sees the whole global batch (``whole_batch``: a rank that
     runs a slice drops by its own slice, which one process over the global batch does not); a batch-wise aux
     loss only where no rank runs its slice in microbatches (its counts are summed over the data-parallel
     ranks, not over a rank's microbatches: torchtitan bans it under PP too); no aux loss at all where ``aux``
-    is False (pp: its grad of one is not the schedule's loss scaling)."""
+    is False (pp: its grad of one is not the schedule's loss scaling); no routing bias where ``bias`` is False
+    (pp: the schedule's first step runs each stage's forward once more to infer shapes, on torch.empty
+    activations past the first stage, and an MoE counts those tokens too: tests/data/moe/)."""
     experts = draw(st.integers(2, 4))
     cfg = {"experts": experts, "hidden": draw(st.integers(1, 4)), "top_k": draw(st.integers(1, min(2, experts)))}
     extra = {
@@ -42,7 +45,7 @@ def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, aux:
         "shared": draw(st.integers(0, 3)),
         "capacity": draw(st.sampled_from([None, 1.0, 0.5, 1.5])) if whole_batch else None,
         "aux": draw(st.sampled_from([None, "seq"] + ([] if microbatched else ["batch"]))) if aux else None,
-        "bias_coeff": draw(st.sampled_from([None, 1e-3, 0.25])),
+        "bias_coeff": draw(st.sampled_from([None, 1e-3, 0.25])) if bias else None,
         "grouped": draw(st.booleans()),
         "score_before_experts": not draw(st.booleans()),
     }

@@ -303,9 +303,12 @@ class MoE(nn.Module):
         def plain(t):
             return t.full_tensor() if isinstance(t, DTensor) else t
 
+        from torch.nn.utils.stateless import _reparametrize_module  # functional_call's, without self's hooks again
+
         swap = {n: plain(p) for n, p in self.named_parameters()}
         swap.update({n: b.to_local() if isinstance(b, DTensor) else b for n, b in self.named_buffers()})
-        out = torch.func.functional_call(self, swap, (plain(x),), strict=False, tie_weights=False)
+        with _reparametrize_module(self, swap, tie_weights=False, strict=False):
+            out = self._forward(plain(x))
         if isinstance(x, DTensor):
             return DTensor.from_local(out, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
         return out
@@ -432,6 +435,9 @@ def moe_problem(case, spec, microbatches) -> str | None:
         if cfg.get("capacity") is not None and not spec.moe.get("whole_batch"):
             return (f"an MoE capacity factor under {case.target}: a rank's forward drops tokens by its own slice "
                     "of the batch, which the global batch does not")
+        if cfg.get("bias_coeff") is not None and spec.moe.get("bias") is False:
+            return (f"an MoE routing bias under {case.target}: its first step's shape-inference forward counts "
+                    "tokens the training does not route (tests/data/moe/pp_metadata_forward_counts.json)")
         if cfg.get("aux") and spec.moe.get("aux") is False:
             return f"an MoE aux loss under {case.target}: its grad of one is not {case.target}'s loss scaling"
         if cfg.get("aux") == "batch" and (spec.moe.get("microbatched") or any(microbatches(o) > 1 for o in sides)):
