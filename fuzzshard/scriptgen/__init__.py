@@ -149,6 +149,10 @@ def _unsupported(case: Case, w, env: dict) -> str | None:
         return "hyperparameters that are not Python literals"
     if any(layer.kind == "act" and layer.act not in common.ACTS for layer in common.walk(case.model.layers)):
         return "an activation the script does not write"
+    from ..kernel.moe import moe_configs_of
+
+    if moe_configs_of(case.model):  # (its routing, the bias update's all-reduce and the margin guard)
+        return "a mixture-of-experts layer (kernel/moe.py), which no writer writes straight-line yet"
     sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
     for o in sides:
         why = w.unsupported(case, o)
