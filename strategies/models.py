@@ -119,7 +119,8 @@ def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None, always: 
     )
 
 
-# what --models names; "moe": a topology or the decoder, always with an MoE layer (where the target takes one)
+# what --models names; "moe": every case of the other families named (topologies where none is) has an MoE
+# layer, where the target takes one
 FAMILIES = ("topologies", "decoder", "moe")
 
 
