@@ -172,12 +172,11 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9, m
     names = [n for n in USER if n in spec.models] if spec.models else list(USER)
     if names and (spec.models or draw(st.booleans())):
         return draw(user_models(names))
-    family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
     moe = moe_rules(spec)
-    if family == "moe" and moe is not None:  # an MoE in every case: a topology or the decoder
-        family, always = draw(st.sampled_from(["topologies", "decoder"])), True
-    else:
-        family, always = ("topologies" if family == "moe" else family), False
+    # "moe": an MoE in every case of the other families named (topologies where none is)
+    always = "moe" in families and moe is not None
+    families = [f for f in families if f != "moe"] or ["topologies"]
+    family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
     if moe is not None and ({"always", "experts_over"} & set(moe)):  # ep's Spec.moe: every model has MoE, its
         # experts divide over a mesh dim (the EP degree)
         always = always or bool(moe.get("always"))

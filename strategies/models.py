@@ -25,14 +25,18 @@ MOE_ODDS = 8  # one topology or decoder in 8 has MoE
 
 
 @st.composite
-def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, experts_multiple: int = 1) -> dict:
+def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, aux: bool = True,
+                bias: bool = True, experts_multiple: int = 1) -> dict:
     """An MoE config (kernel/moe.py MOE_KEYS), each key shrinking to its plainest: 2 experts of hidden 1,
     top-1 softmax, no shared expert, dropless, no aux loss, no routing bias, the for-loop. Token dropping by
     a capacity factor only where every forward sees the whole global batch (``whole_batch``: a rank that
     runs a slice drops by its own slice, which one process over the global batch does not); a batch-wise aux
     loss only where no rank runs its slice in microbatches (its counts are summed over the data-parallel
-    ranks, not over a rank's microbatches: torchtitan bans it under PP too). ``experts_multiple``: the expert
-    count a multiple of it (ep's: the experts divide over the EP degree), 2 to 4 (or the multiple itself)."""
+    ranks, not over a rank's microbatches: torchtitan bans it under PP too); no aux loss at all where ``aux``
+    is False (pp: its grad of one is not the schedule's loss scaling); no routing bias where ``bias`` is False
+    (pp: the schedule's first step runs each stage's forward once more to infer shapes, on torch.empty
+    activations past the first stage, and an MoE counts those tokens too: tests/data/moe/). ``experts_multiple``:
+    the expert count a multiple of it (ep's: the experts divide over the EP degree), 2 to 4 (or the multiple)."""
     if experts_multiple > 1:  # (1: the draw as it was, for every other target)
         experts = draw(st.sampled_from([e for e in range(2, max(4, experts_multiple) + 1) if e % experts_multiple == 0]))
     else:
@@ -44,8 +48,8 @@ def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, expe
         "route_scale": draw(st.sampled_from([1.0, 2.5])),
         "shared": draw(st.integers(0, 3)),
         "capacity": draw(st.sampled_from([None, 1.0, 0.5, 1.5])) if whole_batch else None,
-        "aux": draw(st.sampled_from([None, "seq"] + ([] if microbatched else ["batch"]))),
-        "bias_coeff": draw(st.sampled_from([None, 1e-3, 0.25])),
+        "aux": draw(st.sampled_from([None, "seq"] + ([] if microbatched else ["batch"]))) if aux else None,
+        "bias_coeff": draw(st.sampled_from([None, 1e-3, 0.25])) if bias else None,
         "grouped": draw(st.booleans()),
         "score_before_experts": not draw(st.booleans()),
     }
@@ -119,7 +123,8 @@ def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None, always: 
     )
 
 
-# what --models names; "moe": a topology or the decoder, always with an MoE layer (where the target takes one)
+# what --models names; "moe": every case of the other families named (topologies where none is) has an MoE
+# layer, where the target takes one
 FAMILIES = ("topologies", "decoder", "moe")
 
 

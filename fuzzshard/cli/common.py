@@ -89,8 +89,9 @@ def draw_args(p) -> None:
                         "LayerNorm, Conv1d; the default), decoder (a Llama-style transformer: SDPA attention with "
                         "rotary embeddings and grouped-query heads, SwiGLU or GELU MLP, RMSNorm or LayerNorm, tied "
                         "head or not, cross-entropy on token targets; fsdp2 draws torchtitan-style TP plans for it), "
-                        "moe (a topology or the decoder, always with a torchtitan-style mixture-of-experts layer: "
-                        "routing, experts, load balancing; topologies and decoder draw one now and then)")
+                        "moe (every case of the other families named, topologies where none is, with a "
+                        "torchtitan-style mixture-of-experts layer: routing, experts, load balancing; without it "
+                        "one topology or decoder in 8 has one)")
     p.add_argument("--compile", action="store_true",
                    help="fsdp2 also draws torch.compile (inductor) of each block, before or after fully_shard as "
                         "torchtitan does, and of the optimizer step; the reference stays eager. Off by default: a "

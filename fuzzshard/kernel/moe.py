@@ -195,17 +195,20 @@ def capacity_of(capacity: float, tokens: int, top_k: int, experts: int) -> int:
 
 
 class _AuxLoss(torch.autograd.Function):
-    """torchtitan's _AuxLossAutograd: the forward value stays, the aux loss gets a grad of one."""
+    """torchtitan's _AuxLossAutograd: the forward value stays, the aux loss gets a grad of one, times
+    ``scale``: a grad scaler's scale, which the loss the backward starts from carries (torchtitan's one
+    would be unscaled by it: an aux loss 1/scale as strong; the harness sets ``MoE.aux_grad``)."""
 
     @staticmethod
-    def forward(ctx, top_scores, aux_loss):
+    def forward(ctx, top_scores, aux_loss, scale):
         ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
         return top_scores
 
     @staticmethod
     def backward(ctx, grad):
         (aux_loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(aux_loss)
+        return grad, torch.full_like(aux_loss, ctx.scale), None
 
 
 def aux_loss(kind: str, scores: torch.Tensor, idx: torch.Tensor, B: int, top_k: int, coeff: float,
@@ -261,6 +264,7 @@ class MoE(nn.Module):
         # loss sums its counts over them) and the sequences a rank trains on per step, of which a forward sees
         # B: its aux loss counts B / aux_batch of the step's (torchtitan's coeff * B / global_batch_size)
         self.dp_groups, self.aux_batch = (), None
+        self.aux_grad = 1.0  # the aux loss's grad: the loss scale of the backward it is in (_AuxLoss)
         self.margin = math.inf  # the smallest relative routing margin seen (module docstring)
 
     def _apply(self, fn, recurse=True):
@@ -299,9 +303,12 @@ class MoE(nn.Module):
         def plain(t):
             return t.full_tensor() if isinstance(t, DTensor) else t
 
+        from torch.nn.utils.stateless import _reparametrize_module  # functional_call's, without self's hooks again
+
         swap = {n: plain(p) for n, p in self.named_parameters()}
         swap.update({n: b.to_local() if isinstance(b, DTensor) else b for n, b in self.named_buffers()})
-        out = torch.func.functional_call(self, swap, (plain(x),), strict=False, tie_weights=False)
+        with _reparametrize_module(self, swap, tie_weights=False, strict=False):
+            out = self._forward(plain(x))
         if isinstance(x, DTensor):
             return DTensor.from_local(out, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
         return out
@@ -318,7 +325,7 @@ class MoE(nn.Module):
         if c["aux"] and self.training and torch.is_grad_enabled():
             coeff = c["aux_coeff"] * (bs / self.aux_batch if self.aux_batch else 1.0)
             aux = aux_loss(c["aux"], scores, idx, bs, c["top_k"], coeff, self.dp_groups)
-            top_scores = _AuxLoss.apply(top_scores, aux)
+            top_scores = _AuxLoss.apply(top_scores, aux, self.aux_grad)
         scores_sorted, slots_sorted, num_tokens_per_expert = self.reorderer(top_scores, idx)
         if c["capacity"] is not None:
             # each expert keeps its first `cap` slots in token order; the rest are dropped
@@ -428,6 +435,11 @@ def moe_problem(case, spec, microbatches) -> str | None:
         if cfg.get("capacity") is not None and not spec.moe.get("whole_batch"):
             return (f"an MoE capacity factor under {case.target}: a rank's forward drops tokens by its own slice "
                     "of the batch, which the global batch does not")
+        if cfg.get("bias_coeff") is not None and spec.moe.get("bias") is False:
+            return (f"an MoE routing bias under {case.target}: its first step's shape-inference forward counts "
+                    "tokens the training does not route (tests/data/moe/pp_metadata_forward_counts.json)")
+        if cfg.get("aux") and spec.moe.get("aux") is False:
+            return f"an MoE aux loss under {case.target}: its grad of one is not {case.target}'s loss scaling"
         if cfg.get("aux") == "batch" and (spec.moe.get("microbatched") or any(microbatches(o) > 1 for o in sides)):
             return f"a batch-wise MoE aux loss under {case.target}'s microbatches: its counts are per microbatch"
     return None
@@ -450,6 +462,12 @@ def wire(model: nn.Module, groups: list, batch: int) -> None:
     per = batch // math.prod(dist.get_world_size(g) for g in groups)
     for m in moe_modules(model):
         m.dp_groups, m.aux_batch = tuple(groups), per
+
+
+def set_aux_grad(model: nn.Module, scale: float) -> None:
+    """The grad a backward hands every MoE's aux loss: the grad scaler's scale of the loss it starts from."""
+    for m in moe_modules(model):
+        m.aux_grad = scale
 
 
 def expert_biases(model: nn.Module) -> dict:

@@ -379,6 +379,8 @@ def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
         x, y = meshes.made_alike(lambda: make_batch(case.model, case.seed, k, case.batch, case.seq, device,
                                                     torch_dtype(case)))
         target.scale_loss = loop.scale_loss(k)  # the grad scaler's, else None
+        if moe and loop.scaler:  # an aux loss's grad is scaled as the loss is (kernel/moe.py _AuxLoss)
+            moe_layer.set_aux_grad(model, loop.scale_kwargs()["scale"])
         try:
             full_loss = target.forward_backward(model, x, y)
         finally:

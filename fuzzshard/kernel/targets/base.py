@@ -78,7 +78,8 @@ class Spec:
     place_as: Callable | None = None
     # the mixture-of-experts layers it takes (kernel/moe.py; strategies/models.py moe_configs' arguments): None,
     # none; {"whole_batch": every forward sees the whole global batch (capacity-factor dropping may be drawn),
-    # "microbatched": a rank runs its slice in microbatches (no batch-wise aux loss)}
+    # "microbatched": a rank runs its slice in microbatches (no batch-wise aux loss), "aux": False (no aux loss),
+    # "bias": False (no routing bias)}
     moe: dict | None = None
 
 

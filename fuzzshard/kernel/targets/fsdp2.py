@@ -38,7 +38,7 @@ from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
 from ..gather import full_batched
 from ..model import loss_fn, param_shapes, submodule, tied_modules
-from ..moe import Routing, moe_prefixes
+from ..moe import Routing, moe_prefixes, set_aux_grad
 from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
@@ -353,6 +353,7 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
         if out_dtype is not None:
             unit.register_forward_hook(lambda m, a, out: _cast(out, out_dtype))
     params = dict(low.named_parameters())
+    set_aux_grad(low, scale)  # an MoE aux loss's grad in the scaled backward below, as the sharded run's
     per, m = x.shape[0] // world, options.get("microbatches", 1)
     loss, total, spread, sens = 0.0, {}, {}, {}
     routing = Routing()  # an MoE's routing in param_dtype: the counts and margin of the passes below, not the nudged ones

@@ -540,7 +540,7 @@ class _Local(nn.Module):
 
 class PPTarget(Target):
     name = "pp"
-    spec = Spec(moe={"whole_batch": False, "microbatched": True}, options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True,
+    spec = Spec(moe={"whole_batch": False, "microbatched": True, "aux": False, "bias": False}, options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True,
                 late_options=draw_late_options_both_sides, check=check, fit_options=fit_options,
                 facts=facts_with_checkpoint, coverage=coverage_with_checkpoint, component="pipelining",
                 lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8)
