@@ -25,7 +25,8 @@ class Layer:
     kinds with params: linear, embedding, layernorm, conv1d;
     activations: act (``act`` names it); dropout (``nn.Dropout(p)``: a mask drawn
     each forward, kernel/dropout.py says from which seed); composites: seq,
-    residual (x + f(x)), twice (f(f(x)), one submodule called twice in a forward).
+    residual (x + f(x)), twice (f(f(x)), one submodule called twice in a forward);
+    moe (a d -> d mixture-of-experts layer, kernel/moe.py, configured by ``moe``).
     """
 
     kind: str
@@ -37,6 +38,8 @@ class Layer:
     children: tuple[Layer, ...] = ()
     # dropout's probability; left out of the JSON when unset, so every other layer reads as before
     p: float = field(default=0.0, metadata={"omit_default": True})
+    # kind "moe": its config (kernel/moe.py MOE_KEYS); left out of the JSON elsewhere
+    moe: dict[str, Any] = field(default_factory=dict, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,12 @@ class Case:
             problem = ac_problem(self, options, spec) if spec else None
             if problem:
                 raise CaseError(what + problem)
+        if spec:  # mixture-of-experts layers: what the target takes of them
+            from .kernel.moe import moe_problem
+
+            problem = moe_problem(self, spec, targets.get(self.target).microbatches)
+            if problem:
+                raise CaseError(problem)
         problem = spec.check(self) if spec and spec.check else None
         if problem:
             raise CaseError(problem)

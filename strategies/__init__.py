@@ -157,8 +157,13 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
     )
 
 
+def moe_rules(spec) -> dict | None:
+    """What MoE layers the target takes (its Spec's ``moe``), as moe_configs' arguments; None: no MoE drawn."""
+    return spec.moe
+
+
 @st.composite
-def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
+def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9, mesh_shape: tuple = (1,)):
     """A plugin's model (only those a target names in ``spec.models``, if it
     does), or one of ``families``: a drawn topology (dims 1..``max_dim``), the
     decoder transformer. No plugin model and topologies alone: the draw is as it always was."""
@@ -167,8 +172,21 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9):
     names = [n for n in USER if n in spec.models] if spec.models else list(USER)
     if names and (spec.models or draw(st.booleans())):
         return draw(user_models(names))
+    moe = moe_rules(spec)
+    # "moe": an MoE in every case of the other families named (topologies where none is)
+    always = "moe" in families and moe is not None
+    families = [f for f in families if f != "moe"] or ["topologies"]
     family = draw(st.sampled_from(list(families))) if len(families) > 1 else families[0]
-    return draw(decoders(spec.max_depth or 2)) if family == "decoder" else draw(models(depth, max_dim))
+    if moe is not None and ({"always", "experts_over"} & set(moe)):  # ep's Spec.moe: every model has MoE, its
+        # experts divide over a mesh dim (the EP degree)
+        always = always or bool(moe.get("always"))
+        over = moe.get("experts_over")
+        moe = {k: v for k, v in moe.items() if k not in ("always", "experts_over")}
+        if over is not None:
+            moe["experts_multiple"] = mesh_shape[over]
+    if family == "decoder":
+        return draw(decoders(spec.max_depth or 2, moe, always))
+    return draw(models(depth, max_dim, moe, always))
 
 
 @st.composite
@@ -222,7 +240,7 @@ def cases(
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world, mesh_dims)))
-    model = draw(_model(spec, depth, tuple(models), max(9, world) if dims_up_to_world else 9))
+    model = draw(_model(spec, depth, tuple(models), max(9, world) if dims_up_to_world else 9, mesh_shape))
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]

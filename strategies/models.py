@@ -24,6 +24,45 @@ from fuzzshard.case import Layer, Model
 
 ACTS = ["relu", "tanh", "gelu", "silu"]
 KINDS = ["linear", "act", "layernorm", "conv1d", "residual", "twice"]
+# a mixture-of-experts layer (kernel/moe.py), d -> d: not among KINDS (drawn per layer it would fill the
+# topologies); one now and then, after the body (``MOE_ODDS``), shrinking to none
+MOE_KIND = "moe"
+MOE_ODDS = 8  # one topology or decoder in 8 has MoE
+
+
+@st.composite
+def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, aux: bool = True,
+                bias: bool = True, experts_multiple: int = 1) -> dict:
+    """An MoE config (kernel/moe.py MOE_KEYS), each key shrinking to its plainest: 2 experts of hidden 1,
+    top-1 softmax, no shared expert, dropless, no aux loss, no routing bias, the for-loop. Token dropping by
+    a capacity factor only where every forward sees the whole global batch (``whole_batch``: a rank that
+    runs a slice drops by its own slice, which one process over the global batch does not); a batch-wise aux
+    loss only where no rank runs its slice in microbatches (its counts are summed over the data-parallel
+    ranks, not over a rank's microbatches: torchtitan bans it under PP too); no aux loss at all where ``aux``
+    is False (pp: its grad of one is not the schedule's loss scaling); no routing bias where ``bias`` is False
+    (pp: the schedule's first step runs each stage's forward once more to infer shapes, on torch.empty
+    activations past the first stage, and an MoE counts those tokens too: tests/data/moe/). ``experts_multiple``:
+    the expert count a multiple of it (ep's: the experts divide over the EP degree), 2 to 4 (or the multiple)."""
+    if experts_multiple > 1:  # (1: the draw as it was, for every other target)
+        experts = draw(st.sampled_from([e for e in range(2, max(4, experts_multiple) + 1) if e % experts_multiple == 0]))
+    else:
+        experts = draw(st.integers(2, 4))
+    cfg = {"experts": experts, "hidden": draw(st.integers(1, 4)), "top_k": draw(st.integers(1, min(2, experts)))}
+    extra = {
+        "score": draw(st.sampled_from(["softmax", "sigmoid"])),
+        "route_norm": draw(st.booleans()),
+        "route_scale": draw(st.sampled_from([1.0, 2.5])),
+        "shared": draw(st.integers(0, 3)),
+        "capacity": draw(st.sampled_from([None, 1.0, 0.5, 1.5])) if whole_batch else None,
+        "aux": draw(st.sampled_from([None, "seq"] + ([] if microbatched else ["batch"]))) if aux else None,
+        "bias_coeff": draw(st.sampled_from([None, 1e-3, 0.25])) if bias else None,
+        "grouped": draw(st.booleans()),
+        "score_before_experts": not draw(st.booleans()),
+    }
+    defaults = {"score": "softmax", "route_norm": False, "route_scale": 1.0, "shared": 0, "capacity": None,
+                "aux": None, "bias_coeff": None, "grouped": False, "score_before_experts": True}
+    cfg.update({k: v for k, v in extra.items() if v != defaults[k]})  # the config says only what it changes
+    return cfg
 
 
 def dims(max_dim: int = 9):
@@ -62,7 +101,9 @@ def layers(draw, d: int, max_dim: int) -> tuple[Layer, int]:
 
 
 @st.composite
-def models(draw, depth: int, max_dim: int = 9) -> Model:
+def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None, always: bool = False) -> Model:
+    """``moe``: moe_configs' arguments where this target takes an MoE layer (None: none drawn); ``always``:
+    every topology has one (the "moe" family)."""
     tokens = draw(st.booleans())
     d_in = draw(dims(max_dim))
     body: list[Layer] = []
@@ -73,6 +114,8 @@ def models(draw, depth: int, max_dim: int = 9) -> Model:
     for _ in range(depth):
         layer, d = draw(layers(d, max_dim))
         body.append(layer)
+    if moe is not None and (always or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):
+        body.append(Layer(MOE_KIND, d, d, moe=draw(moe_configs(**moe))))
     tie = tokens and draw(st.booleans())
     if tie and d != body[0].d_out:  # the tied head maps the embedding dim back to the vocab
         body.append(Layer("linear", d, body[0].d_out, bias=False))
@@ -86,7 +129,9 @@ def models(draw, depth: int, max_dim: int = 9) -> Model:
     )
 
 
-FAMILIES = ("topologies", "decoder")  # what --models names
+# what --models names; "moe": every case of the other families named (topologies where none is) has an MoE
+# layer, where the target takes one
+FAMILIES = ("topologies", "decoder", "moe")
 
 DROPOUT_P = [0.5, 0.25, 0.1]  # the first is what a drawn dropout shrinks to: half the units, the plainest mask
 DROPOUT_ONE_IN = 3  # a model with dropout: one draw in this many (a --dropout session, where the target draws it)
@@ -113,7 +158,7 @@ def dropouts(draw, model: Model) -> Model:
 
 
 @st.composite
-def decoders(draw, max_layers: int = 2) -> Model:
+def decoders(draw, max_layers: int = 2, moe: dict | None = None, always: bool = False) -> Model:
     """The decoder's sizes (kernel/decoder.py's DECODER_SIZES). Each shrinks to
     the smallest: one block, one head, head dim 1, a SwiGLU MLP of width 1,
     RMSNorm, non-causal, untied. Up to ``max_layers`` blocks (pp's stages need more). Head counts are drawn small, so some do not
@@ -132,6 +177,8 @@ def decoders(draw, max_layers: int = 2) -> Model:
         "causal": draw(st.booleans()),
         "tied": draw(st.booleans()),
     }
+    if moe is not None and (always or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):  # drawn last: shrinks to the MLP
+        sizes["moe"] = draw(moe_configs(**moe))
     return Model(input="tokens", d_in=sizes["d_in"], layers=(), factory="decoder", sizes=sizes)
 
 

@@ -100,6 +100,11 @@ def test_the_scripts_comparison_is_the_kernels():
 @DRAWN
 @given(cases(target="dtensor", world_sizes=[1, 2]))
 def test_drawn_dtensor_cases_give_a_script_that_builds_the_kernels_model_and_data(case):
+    from fuzzshard.kernel.moe import moe_configs_of
+
+    if moe_configs_of(case.model):  # an MoE layer: only ep's writer writes one (scriptgen MOE); the rest fall back
+        assert "MoE" in fallback_reason(case)
+        return
     assert straight_script(case) is not None  # every one, checkpoint or not
     _check_drawn(case)
 
@@ -110,7 +115,8 @@ def test_drawn_fsdp2_cases_give_a_script_or_none(case):
     # without a checkpoint a case's script is parity: mixed precision replays FSDP2's casts, as the kernel does
     why = fallback_reason(case)
     assert (straight_script(case) is None) == bool(why)
-    assert not why or why.startswith(("parity under mixed precision with TP", "parity of a compiled")), why
+    assert not why or why.startswith(("parity under mixed precision with TP", "parity of a compiled",
+                                      "an MoE layer under fsdp2")), why  # (only ep's writer writes an MoE)
     _check_drawn(case)
 
 
@@ -119,6 +125,8 @@ def test_drawn_fsdp2_cases_give_a_script_or_none(case):
 def test_drawn_zero_cases_give_a_script_uneven_and_local_too(case):
     """Every drawn ZeRO case: uneven inputs under Join and a loading side resumed with the local optimizer too."""
     src = straight_script(case)
+    if src is None and fallback_reason(case).startswith("an MoE layer under zero"):  # only ep's writer writes one
+        return
     assert src is not None, fallback_reason(case)
     assert ("with Join([ddp" in src) == bool(case.target_options.get("uneven"))
     _check_drawn(case, src)

@@ -88,7 +88,10 @@ def draw_args(p) -> None:
                    help="model families to draw, comma-separated: topologies (random trees of Linear, Embedding, "
                         "LayerNorm, Conv1d; the default), decoder (a Llama-style transformer: SDPA attention with "
                         "rotary embeddings and grouped-query heads, SwiGLU or GELU MLP, RMSNorm or LayerNorm, tied "
-                        "head or not, cross-entropy on token targets; fsdp2 draws torchtitan-style TP plans for it)")
+                        "head or not, cross-entropy on token targets; fsdp2 draws torchtitan-style TP plans for it), "
+                        "moe (every case of the other families named, topologies where none is, with a "
+                        "torchtitan-style mixture-of-experts layer: routing, experts, load balancing; without it "
+                        "one topology or decoder in 8 has one)")
     p.add_argument("--compile", action="store_true",
                    help="fsdp2 also draws torch.compile (inductor) of each block, before or after fully_shard as "
                         "torchtitan does, and of the optimizer step; the reference stays eager. Off by default: a "
@@ -325,7 +328,7 @@ _FIELDS = {"signature": str, "verdict": (dict, type(None)), "deterministic": boo
 _JSON = {str: "a string", dict: "an object", list: "a list", bool: "true or false", (dict, type(None)): "an object"}
 # the model tree's node kinds (case.py Layer; kernel/model.py builds each) and the checkpoint kinds every
 # target's spec lists (Spec.checkpoint_kinds); the clip forms kernel/loop.py runs
-LAYER_KINDS = ("linear", "embedding", "layernorm", "conv1d", "act", "dropout", "seq", "residual", "twice")
+LAYER_KINDS = ("linear", "embedding", "layernorm", "conv1d", "act", "dropout", "seq", "residual", "twice", "moe")
 CLIP_FORMS = ("norm", "two_part", "value", "own")
 CLIP_NORMS = ("1", "2", "3", "inf")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..case import Case
 from ..verdict import Mismatch
+from .moe import set_biases
 from .optim import add_late_groups, group_values
 from .oracles import compare, compare_hparams
 from .plain import anchor, setup
@@ -34,6 +35,8 @@ def check_saved(case: Case, saved: dict, rec: dict, device: str) -> list[dict]:
     if 0 < case.optim.added_at <= step:
         add_late_groups(opt, model, case)
     anchor(model, opt, case, rec)
+    if rec.get("expert_bias"):  # an MoE's routing bias: a persistent buffer, in the saved model state (kernel/moe.py)
+        set_biases(model, rec["expert_bias"])
     if case.lr_scheduler:
         # the loop's scheduler moved the hyperparameters (and gave each group its initial_lr): they are the
         # sharded run's after this step, which the parity oracle holds to the reference loop's every step

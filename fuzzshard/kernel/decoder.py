@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .moe import MoE
+
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding over [B, L, H, D]: the first 2*(D//2) features
@@ -88,7 +90,8 @@ class Block(nn.Module):
         p = sizes.get("dropout", 0.0)
         self.attention = Attention(dim, sizes["n_heads"], sizes["n_kv_heads"], sizes["head_dim"], sizes["causal"], p)
         self.ffn_norm = _norm(sizes["norm"], dim)
-        self.feed_forward = FeedForward(dim, sizes["hidden"], sizes["mlp"] == "swiglu", p)
+        moe = sizes.get("moe")  # a mixture of experts in place of the MLP (kernel/moe.py), or None
+        self.feed_forward = MoE(dim, moe) if moe else FeedForward(dim, sizes["hidden"], sizes["mlp"] == "swiglu", p)
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -127,7 +130,10 @@ DECODER_SIZES = {
     "tied": "the output head shares the embedding's weight",
 }
 # optional sizes: absent means none (the decoders drawn before them read as they did)
-DECODER_OPTIONAL = {"dropout": "attention and residual dropout's p (0: none)"}
+DECODER_OPTIONAL = {
+    "dropout": "attention and residual dropout's p (0: none)",
+    "moe": "a mixture-of-experts config (kernel/moe.py MOE_KEYS) in place of every block's MLP, or None",
+}
 
 
 def decoder(**sizes) -> Decoder:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..case import Layer, Model
 from .decoder import decoder
+from .moe import MoE, moe_param_shapes
 
 # modules torch puts between a module and its children (FSDP1's unit, the
 # activation-checkpoint wrapper); FQNs leave them out, as DSD's state dicts do
@@ -85,9 +86,12 @@ def _meta(spec: Model) -> tuple[dict, int]:
     if key not in _META:
         with torch.device("meta"):
             m = _user_model(spec)
-            x = torch.zeros(1, 1, dtype=torch.long) if spec.input == "tokens" else torch.zeros(1, 1, spec.d_in)
-            out = m(x)
-        _META[key] = ({n: tuple(p.shape) for n, p in m.named_parameters()}, out.shape[-1])
+            if spec.factory == "decoder":  # over the vocabulary; no meta forward (an MoE's routing reads values)
+                width = spec.sizes["d_in"]
+            else:
+                x = torch.zeros(1, 1, dtype=torch.long) if spec.input == "tokens" else torch.zeros(1, 1, spec.d_in)
+                width = m(x).shape[-1]
+        _META[key] = ({n: tuple(p.shape) for n, p in m.named_parameters()}, width)
     return _META[key]
 
 
@@ -178,6 +182,8 @@ def _build(layer: Layer) -> nn.Module:
         return Residual(nn.Sequential(*[_build(c) for c in layer.children]))
     if k == "twice":
         return Twice(nn.Sequential(*[_build(c) for c in layer.children]))
+    if k == "moe":
+        return MoE(layer.d_in, layer.moe)
     raise ValueError(f"unknown layer kind {k!r}")
 
 
@@ -244,6 +250,9 @@ def _shapes(layer: Layer, prefix: str, out: dict) -> None:
     elif k == "seq":
         for j, c in enumerate(layer.children):
             _shapes(c, f"{prefix}.{j}", out)
+    elif k == "moe":
+        for n, shape in moe_param_shapes(layer.d_in, layer.moe).items():
+            out[f"{prefix}.{n}"] = shape
     elif k in ("residual", "twice"):
         for j, c in enumerate(layer.children):
             _shapes(c, f"{prefix}.inner.{j}", out)

@@ -20,6 +20,7 @@ from .localize import Trace, localize_divergence
 from . import dropout
 from .loop import Loop
 from .model import make_batch, out_dim, param_shapes
+from .moe import expert_biases, margin, moe_configs_of, set_biases, update_expert_bias
 from .optim import group_hparams, resume_defaults, state_by_fqn
 from .oracles import (SCALAR_STATE, UNIT_ROUNDOFF, compare, compare_hparams, compiled_scalar_state_tolerance,
                       compiled_state_allowance, compiled_step_allowance, reduction_tolerance,
@@ -106,6 +107,10 @@ def reduction_parts(case: Case) -> tuple[int, int, int, int, int]:
             kernel = max(kernel, layer.kernel)
             if layer.kind in ("linear", "embedding", "conv1d", "layernorm"):
                 depth += mult
+            if layer.kind == "moe":  # the gate, each expert's two matmuls, the combine over top_k: 4 deep
+                c = layer.moe
+                dims.extend([c.get("hidden", 1), c.get("shared", 0), c.get("experts", 2)])
+                depth += 4 * mult
             walk(layer.children, mult * (2 if layer.kind == "twice" else 1))
 
     walk(case.model.layers, 1)
@@ -160,6 +165,8 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
     params = dict(model.named_parameters())
     mismatches = _compare_state(-1, obs["init_state"], state_by_fqn(opt, model, lambda t: t), step_tol)
     prev = {"params": obs["init"], "state": obs["init_state"], "grads": {n: None for n in params}}
+    moe = bool(moe_configs_of(case.model))
+    biases0 = expert_biases(model) if moe else {}  # the fresh model's (the resumed side loads the saved ones)
     for k, step in enumerate(case.schedule):
         rec = obs["steps"][k]
         if case.checkpoint and k == case.checkpoint.after + 1:
@@ -178,6 +185,9 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
             for m, o in twins.values():
                 before_step(m, o, case, k)
             anchor(model, opt, case, prev)
+            if moe:  # the routing bias the sharded run routed this step by; no counts yet; the margin from here
+                set_biases(model, prev.get("expert_bias", biases0))
+                margin(model, reset=True)
             opt.zero_grad(set_to_none=step.set_to_none)
             x, y = make_batch(case.model, case.seed, k, case.batch, case.seq, device, dtype)
             options, world = options_at(case, k)
@@ -197,6 +207,10 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
                 loss = objective(model, x, y, options) * scale
                 loss.backward()
                 grads, tol = {n: p.grad for n, p in params.items()}, red_tol
+            if moe:  # this step's expert counts and routing margin, before any nudged pass below adds to them
+                routed = {"margin": margin(model, reset=True), "counts": set_biases(model, None),
+                          # the rounding the routing saw: the target's own passes' (mixed precision) where coarser
+                          "tol": {**red_tol, "u": max(red_tol["u"], tol["u"])}}
             # an overflow in some grads only: the same non-finite value in the same element of the full grad
             loops[device].inject_full(k, grads)
             traced = None
@@ -271,12 +285,38 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
             for m in stepped:  # a fused step that read a non-contiguous grad: part of what names the bug
                 if m and m["fqn"] in rec.get("noncontig", ()):
                     m["grad"] = "non-contiguous"
+            if moe:  # the routing bias after its update from the global counts (torchtitan's pre-hook)
+                set_biases(model, prev.get("expert_bias", biases0), routed["counts"])
+                update_expert_bias(model)
+                stepped += [compare("moe.expert_bias", k, n, rec["expert_bias"].get(n), want, step_tol)
+                            for n, want in expert_biases(model).items()]
             mismatches += stepped
+            if moe and any(m and m.get("step") == k for m in mismatches):
+                why = routing_undetermined(routed["margin"], routed["tol"])
+                if why:  # the reference's routing is a near tie that rounding may flip: no comparable run
+                    return invalid(why)
         # the grads the next step starts from are the clipped ones (a clip works in place): a param in no group
         # yet (added mid-run) keeps its clipped grad past zero_grad and accumulates the next backward onto it
         prev = {**rec, "grads": rec["clipped"]} if case.clip and "clipped" in rec else rec
     mismatches = [m for m in mismatches if m]
     return finding("parity", mismatches) if mismatches else passing()
+
+
+# Both runs' logits differ by rounding (the reduction tolerance: k ulps of u, relative to the magnitude the
+# logits are summed from); a score moves by at most twice a logit's change (softmax), on each side
+ROUTING_SIDES = 4
+
+
+def routing_undetermined(rel_margin: float, tol: dict) -> str | None:
+    """Why a step's MoE routing is not determined by the math (a reason, or None): where the reference's
+    smallest gap between a chosen and an unchosen expert's score, relative to the logits' magnitude
+    (kernel/moe.py ``margin``), is within what rounding may move on either side, the sharded run may route a
+    token elsewhere and every number after it legitimately differs."""
+    bound = ROUTING_SIDES * tol["k_ulps"] * tol["u"]
+    if rel_margin <= bound:
+        return (f"MoE routing undetermined: a top-k choice within {rel_margin:.3g} (relative) of a tie, where "
+                f"rounding may move scores by {bound:.3g} ({ROUTING_SIDES} x {tol['k_ulps']} ulps)")
+    return None
 
 
 def _compare_state(k: int, got_state: dict, want_state: dict, tol: dict, rel: dict | None = None,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 
 import torch
@@ -42,6 +43,7 @@ from .dropout import draw_from
 from .gather import gather_batch
 from .localize import Trace
 from .model import build_model, make_batch
+from .moe import moe_configs_of, observe_biases, update_expert_bias, wire
 from .optim import RESUME_LR_SCALE, adds_groups_before
 from .plain import setup, torch_dtype
 from .reference import check_parity, reference_error
@@ -311,6 +313,8 @@ def _sharded_model(meshes, target, case: Case, seed: int, device: str, flags) ->
     model = target.shard(model)
     if not target.freeze_before_shard:
         set_flags(model)
+    if moe_configs_of(case.model):  # its MoE layers learn the data-parallel groups (kernel/moe.py)
+        wire(model, target.batch_groups(), case.batch)
     return model, init
 
 
@@ -323,6 +327,7 @@ def _train(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
     loop.every_rank = True  # its found_inf observed as every rank's (the reference compares each with its own)
 
     compared = target.replica_quantities(device)
+    moe = bool(moe_configs_of(case.model))
 
     def observe_grads() -> dict:  # collectives over the job, after backward
         with clock("gathers"), gather_batch(meshes.batchable) as batch:
@@ -345,6 +350,9 @@ def _train(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
                    "groups": target.group_hparams(opt), "loop": loop.observe()}
             watched = [k for k in ("params", "state", "groups") if k in compared] + (["loop"] if rec["loop"] else [])
             rec["replica_step"] = batch.watch({k: rec[k] for k in watched})
+        if moe:  # every MoE's routing bias, as its ranks hold it: one value, every copy the same (kernel/moe.py)
+            rec["expert_bias"], replicas = observe_biases(model, meshes.group(case.world_size), len(out))
+            rec["replica_step"] = list(rec["replica_step"] or []) + replicas
         return rec
 
     with target.uneven(model, opt, observe_grads, observe_step, out.append if keep else lambda rec: None) as runs:
@@ -360,6 +368,7 @@ def _train(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
 
 def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, keep: bool, trace, phase, out: list,
            observe_grads, observe_step, observe_clipped) -> None:
+    moe = bool(moe_configs_of(case.model))
     for k in steps:
         step = case.schedule[k]
         target.apply_flags(model, step)
@@ -373,6 +382,8 @@ def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
                                                     torch_dtype(case)))
         target.scale_loss = loop.scale_loss(k)  # the grad scaler's, else None
         draw_from(case, k, target.dropout_rank(), device)  # dropout: this rank's masks from its seed (dropout.py)
+        if moe and loop.scaler:  # an aux loss's grad is scaled as the loss is (kernel/moe.py _AuxLoss)
+            moe_layer.set_aux_grad(model, loop.scale_kwargs()["scale"])
         try:
             full_loss = target.forward_backward(model, x, y)
         finally:
@@ -392,6 +403,12 @@ def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
             norm = loop.clip(list(model.parameters()))
             phase("other", f"step {k}: gather clipped grads")
             clipped = observe_clipped(norm)
+        if moe:  # the routing bias from the step's expert counts, summed over the data-parallel ranks (torchtitan's
+            # optimizer pre-hook; here on every step, before the optimizer's, on both sides)
+            phase("step", f"step {k}: MoE expert_bias update")
+            # through its module's attribute, where a planted bug swaps it (a flattened repro's module is __main__:
+            # an aliased relative import cannot be flattened)
+            sys.modules[update_expert_bias.__module__].update_expert_bias(model, target.batch_groups())
         phase("step", f"step {k}: optimizer.step")
         if loop.used:  # through the scaler, then the scheduler's step
             loop.step(full_loss)

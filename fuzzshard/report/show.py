@@ -148,6 +148,9 @@ def _layer(layer: Layer, name: str, depth: int) -> list[str]:
         for j, child in enumerate(layer.children):
             out += _layer(child, f"{name}.{'inner.' if k != 'seq' else ''}{j}", depth + 1)
         return out
+    if k == "moe":  # a mixture of experts (kernel/moe.py): its config, the keys it sets
+        cfg = ", ".join(f"{key}={value!r}" for key, value in layer.moe.items())
+        return [f"{pad}{name}: MoE({layer.d_in}{', ' + cfg if cfg else ''})"]
     desc = {"linear": f"Linear({layer.d_in}, {layer.d_out}, bias={layer.bias})",
             "embedding": f"Embedding({layer.d_in}, {layer.d_out})",
             "layernorm": f"LayerNorm({layer.d_in}, bias={layer.bias})",

@@ -158,6 +158,14 @@ def _unsupported(case: Case, w, env: dict) -> str | None:
         return "hyperparameters that are not Python literals"
     if any(layer.kind == "act" and layer.act not in common.ACTS for layer in common.walk(case.model.layers)):
         return "an activation the script does not write"
+    moes = [layer.moe for layer in common.walk(case.model.layers) if layer.kind == "moe"]
+    if case.model.factory == "decoder" and case.model.sizes.get("moe"):
+        return "the decoder transformer with MoE blocks"
+    if moes and not getattr(w, "MOE", False):
+        return f"an MoE layer under {case.target} (its writer does not write one)"
+    unwritten = sorted({k for cfg in moes for k in cfg} - common.MOE_WRITTEN)
+    if unwritten:
+        return f"an MoE with {', '.join(unwritten)} (the script's MoE is dropless, without aux loss or routing bias)"
     sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
     for o in sides:
         why = w.unsupported(case, {k: v for k, v in o.items() if k not in ("ac", "ac_how", "ac_wrapper")}) or \

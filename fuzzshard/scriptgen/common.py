@@ -65,6 +65,8 @@ def _layer(layer: Layer) -> str:
         return ACTS[layer.act]
     if k == "dropout":
         return f"nn.Dropout({layer.p})"
+    if k == "moe":  # kernel/moe.py's MoE, as the script's MoE class writes it (MOE_KEYS it takes: MOE_WRITTEN)
+        return f"MoE({layer.d_in}, **{lit(layer.moe)})"
     return {"seq": "nn.Sequential", "residual": "Residual", "twice": "Twice"}[k] + f"({inner})"
 
 
@@ -80,6 +82,43 @@ _CLASSES = {
 }
 
 
+# kernel/moe.py's MoE as a script writes it: dropless, no aux loss, no routing bias, the experts' for-loop (the
+# keys it takes); its params made in the kernel's order under the seed (experts w1, w2, w3; the gate; the shared
+# expert), its forward the kernel's ops. Experts that are DTensors (expert parallelism) compute on their shard
+MOE_WRITTEN = {"experts", "hidden", "top_k", "score", "route_norm", "route_scale", "shared"}
+_CLASSES["moe"] = [
+    "class Experts(nn.Module):  # GroupedExperts: w1, w3 [E, hidden, dim], w2 [E, dim, hidden], over tokens sorted by expert",
+    "    def __init__(self, dim, hidden, E):",
+    "        super().__init__()",
+    "        for n, s, fan in ((\"w1\", (E, hidden, dim), dim), (\"w2\", (E, dim, hidden), hidden), (\"w3\", (E, hidden, dim), dim)):",
+    "            setattr(self, n, nn.Parameter(nn.init.uniform_(torch.empty(s), -1 / math.sqrt(fan), 1 / math.sqrt(fan))))",
+    "    def forward(self, x, counts):  # SwiGLU per expert over its run of tokens (under EP: this rank's experts)",
+    "        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))",
+    "        return torch.cat([(nn.functional.silu(xe @ w1[e].mT) * (xe @ w3[e].mT)) @ w2[e].mT",
+    "                          for e, xe in enumerate(x.split(counts.tolist()))])",
+    "class MoE(nn.Module):  # torchtitan's MoE (fuzzshard's kernel/moe.py), dropless: top-k router, experts, shared expert",
+    "    def __init__(self, dim, experts=2, hidden=1, top_k=1, score=\"softmax\", route_norm=False, route_scale=1.0, shared=0):",
+    "        super().__init__()",
+    "        self.experts, self.router = Experts(dim, hidden, experts), nn.Sequential()",
+    "        self.router.add_module(\"gate\", nn.Linear(dim, experts, bias=False))  # router(x): the gate's logits",
+    "        self.shared_experts = nn.ModuleDict({\"w1\": nn.Linear(dim, shared, bias=False), \"w2\": nn.Linear(shared, dim, bias=False),",
+    "                                             \"w3\": nn.Linear(dim, shared, bias=False)}) if shared else None  # SwiGLU",
+    "        self.E, self.k, self.score, self.norm, self.scale = experts, top_k, score, route_norm, route_scale",
+    "    def forward(self, x):",
+    "        B, L, D = x.shape",
+    "        x = x.reshape(-1, D)",
+    "        s = self.router(x).to(torch.float64 if x.dtype == torch.float64 else torch.float32)",
+    "        s = torch.sigmoid(s) if self.score == \"sigmoid\" else torch.softmax(s, dim=-1)",
+    "        top = s.gather(-1, idx := torch.topk(s, k=self.k, dim=-1, sorted=False)[1])",
+    "        top = (top / (top.sum(dim=-1, keepdim=True) + 1e-20) if self.norm else top) * self.scale",
+    "        sc = top.reshape(-1)[order := torch.argsort(idx.reshape(-1), stable=True)]  # the (token, k) slots by expert",
+    "        routed = (x[order // self.k].to(sc.dtype) * sc.reshape(-1, 1)).to(x.dtype)  # scored before the experts",
+    "        out = self.experts(routed, torch.bincount(idx.reshape(-1), minlength=self.E))  # EP: there and back",
+    "        y = out.new_zeros(B * L * self.k, D).index_put((order,), out).reshape(-1, self.k, D).sum(dim=1)",
+    "        y = y if (f := self.shared_experts) is None else f[\"w2\"](nn.functional.silu(f[\"w1\"](x)) * f[\"w3\"](x)) + y",
+    "        return y.reshape(B, L, D)"]
+
+
 def model(case: Case, builds: int) -> list[str]:
     """The classes, and ``build(seed)`` (or ``model = ...`` where it is built once):
     the kernel's init, bit for bit (the same modules in the same order under the same seed)."""
@@ -91,7 +130,7 @@ def model(case: Case, builds: int) -> list[str]:
         return _build(f"MODELS[{spec.factory!r}](**{lit(spec.sizes)})", dtype)
     kinds = {layer.kind for layer in walk(spec.layers)}
     out = []
-    for k in ("conv1d", "residual", "twice"):
+    for k in ("conv1d", "residual", "twice", "moe"):
         if k in kinds or (k == "residual" and "twice" in kinds):
             out += _CLASSES[k] + [""]
     out += ["class Net(nn.Module):", "    def __init__(self):", "        super().__init__()",

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import math
 
+from fuzzshard.kernel.moe import moe_cells
 from fuzzshard.strategies.models import KINDS
 
 ENERGY = 8  # a never-drawn cell's weight over that of the most drawn one
@@ -125,6 +126,7 @@ def features(case) -> list[tuple[str, str]]:
     if not m.factory:  # a drawn topology: its input and the kinds of layer it has
         out.append(("model", f"{m.input} in"))
         out += [("model", f"layer {k}") for k in dict.fromkeys(layer.kind for layer in m.layers) if k in KINDS]
+    out += [("model", c) for c in moe_cells(m)]
     return out
 
 

@@ -87,6 +87,11 @@ class Spec:
     # (case) -> how it shards a tied weight (model.tie_uses: one param, two modules), a few words ("" untied): the
     # tie line of ``show``, a "tied weights" coverage cell, the model dimension's counted cell (session/schedule.py)
     tie: Callable | None = None
+    # the mixture-of-experts layers it takes (kernel/moe.py; strategies/models.py moe_configs' arguments): None,
+    # none; {"whole_batch": every forward sees the whole global batch (capacity-factor dropping may be drawn),
+    # "microbatched": a rank runs its slice in microbatches (no batch-wise aux loss), "aux": False (no aux loss),
+    # "bias": False (no routing bias)}
+    moe: dict | None = None
 
 
 class Target:
@@ -189,6 +194,11 @@ class Target:
 
     def dp_size(self) -> int:
         return math.prod(self.mesh.size(dim) for dim in self.dp_dims)
+
+    def batch_groups(self) -> list:
+        """The process groups the global batch is split over, each rank training on its slice (none where
+        every rank runs the whole batch): an MoE's load-balancing counts are summed over them (kernel/moe.py)."""
+        return []
 
     def replica_quantities(self, device: str) -> tuple[str, ...]:
         """What the replica oracle compares across the ranks after each step

@@ -86,7 +86,7 @@ def placements_options(layout: dict) -> dict:
 
 class DTensorTarget(Target):
     name = "dtensor"
-    spec = Spec(options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
+    spec = Spec(moe={"whole_batch": True}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
                 layout=placements_layout, place_as=placements_options, ac=tuple(AC_HOWS), dropout="replica",
                 tie=dtensor_tie)
@@ -96,8 +96,9 @@ class DTensorTarget(Target):
         distribute_params(model, self.mesh, self.case.target_options.get("placements", {}))
         apply_ac(model, self.case.target_options)  # activation checkpointing over the DTensor params (kernel/ac.py)
         for module in model.modules():
-            for name, b in list(module.named_buffers(recurse=False)):
-                module.register_buffer(name, self._replicate(b))
+            for name, b in list(module.named_buffers(recurse=False)):  # a non-persistent one stays so (an MoE's counts)
+                module.register_buffer(name, self._replicate(b),
+                                       persistent=name not in module._non_persistent_buffers_set)
         return model
 
     def _replicate(self, t: torch.Tensor) -> DTensor:

@@ -131,7 +131,7 @@ class FSDP1Target(Target):
     # FSDP1 records requires_grad when it wraps; it steps each rank's flat 1-D slice of a param
     # the loop: FSDP's own clip_grad_norm_ (torch.nn.utils' over sharded flat grads would be each rank's
     # norm) and clip_grad_value_ (elementwise: right on any shard), any scheduler, ShardedGradScaler
-    spec = Spec(options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
+    spec = Spec(moe={"whole_batch": False}, options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
                 may_flatten=True, flags_fixed=lambda options: True, fit_options=fit_options, component="FSDP",
                 coverage=coverage, clips=("own", "value"), lr_scheduler=True, scaler=True,
                 # activation checkpointing after FSDP wraps (torch's FSDP recipe; kernel/ac.py): torch.utils'
@@ -182,6 +182,9 @@ class FSDP1Target(Target):
                  **optimizer_kwargs(self.case.groups[0].overrides, o.tensor_lr, self.case.device, lr_scale)}
         return optimizer_class(o.name)([group], **optimizer_kwargs(o.kwargs, o.tensor_lr, self.case.device,
                                                                          lr_scale))
+
+    def batch_groups(self) -> list:
+        return [] if self.local else [self._job_group()]
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the batch; FSDP averages the grads (ignored

@@ -42,6 +42,7 @@ from ..decoder import parallelize_decoder, plan_element
 from ..dropout import draws, has_dropout
 from ..gather import full_batched
 from ..model import loss_fn, param_shapes, submodule, tie_uses, tied_modules
+from ..moe import Routing, moe_prefixes, set_aux_grad
 from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
@@ -107,9 +108,10 @@ def draw_tp_plan(draw, shapes: dict, tied: tuple, model) -> dict:
     import hypothesis.strategies as st
 
     plan = {}
+    inside = moe_prefixes(model)  # an MoE layer stays whole (its router and shared expert included)
     for name, shape in shapes.items():
         fqn = name.rsplit(".", 1)[0]
-        if not name.endswith(".weight") or len(shape) != 2 or fqn in tied:
+        if not name.endswith(".weight") or len(shape) != 2 or fqn in tied or fqn.startswith(inside):
             continue
         embedding = fqn == "layers.0" and model.input == "tokens"
         style = draw(st.sampled_from([None, "colwise"] if embedding else [None, "colwise", "rowwise"]))
@@ -132,7 +134,8 @@ def draw_decoder_tp(draw, sizes: dict, tp: int) -> dict:
     # w1's column-wise output goes into w2's row-wise input as a local tensor, which RowwiseParallel reads
     # as an even shard (DTensor.from_local without a shape): an uneven MLP width raises (a recorded torch
     # finding, tp-rowwise-local-input-assumes-even). Drawn rarely, so it stays covered without costing cases
-    mlp = sizes["hidden"] % tp == 0 or draw(st.integers(0, 7)) == 7
+    # an MoE in place of the MLP stays whole (no expert TP)
+    mlp = not sizes.get("moe") and (sizes["hidden"] % tp == 0 or draw(st.integers(0, 7)) == 7)
     sp = draw(st.booleans())
     often = st.sampled_from([False, True, True, True])  # each element three times in four (shrinks to left whole)
     plan = {}
@@ -375,9 +378,11 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
         if out_dtype is not None:
             unit.register_forward_hook(lambda m, a, out: _cast(out, out_dtype))
     params = dict(low.named_parameters())
+    set_aux_grad(low, scale)  # an MoE aux loss's grad in the scaled backward below, as the sharded run's
     per, m = x.shape[0] // world, options.get("microbatches", 1)
     loss, total, spread, sens = 0.0, {}, {}, {}
     replay = draws()  # dropout: each rank's masks as it drew them (kernel/dropout.py)
+    routing = Routing()  # an MoE's routing in param_dtype: the counts and margin of the passes below, not the nudged ones
     for r in range(world):
         acc = {}
         if replay:
@@ -391,7 +396,9 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
                 sens[key] = sens.get(key, 0.0) + v / world
             for p in params.values():
                 p.grad = None
+            routing.start(low)
             local = FSDP2Target.objective(low, xm, ym, options) / m
+            routing.add(low)
             # GradScaler.scale: times its float32 scale tensor, cast back to the loss's dtype
             (local if scale == 1.0 else (local * torch.tensor(scale, dtype=torch.float32)).type(local.dtype)).backward()
             loss += local.detach().double() / world
@@ -417,6 +424,7 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
             new = (mean.to(orig) if scale == 1.0 else mean.to(orig) * (1.0 / scale))  # unscale_: in orig dtype
         grads[n] = p.grad if new is None else new if p.grad is None else p.grad + new
     extra = {n: tol["k_ulps"] * tol["u"] * spread[n] / world for n in spread}
+    routing.put(model)
     return loss.to(orig), grads, tol, sens, extra
 
 
@@ -449,7 +457,7 @@ def fsdp2_layout(mesh_shape, options: dict, names) -> dict | None:
 
 class FSDP2Target(Target):
     name = "fsdp2"
-    spec = Spec(options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
+    spec = Spec(moe={"whole_batch": False}, options=draw_options, checkpoint_kinds=STATE_DICT_KINDS, data_parallel=True, named_params=True,
                 late_options=draw_late_options, coverage=coverage, check=check, facts=facts, compiled=compiled,
                 seq_multiple=seq_multiple, fit_options=fit_options, component="FSDP2",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True, amp_scaler=True,
@@ -517,6 +525,9 @@ class FSDP2Target(Target):
     def dp_dims(self) -> list[int]:
         """The mesh dims the batch is split over: all of them but TP's."""
         return [0] if self.case.target_options.get("tp") else super().dp_dims
+
+    def batch_groups(self) -> list:
+        return [self.mesh.get_group(d) for d in self.dp_dims]
 
     def shard(self, model: nn.Module) -> nn.Module:
         opts = self.case.target_options

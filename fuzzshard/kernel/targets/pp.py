@@ -580,7 +580,7 @@ class _Holder(nn.Module):
 
 class PPTarget(Target):
     name = "pp"
-    spec = Spec(options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True,
+    spec = Spec(moe={"whole_batch": False, "microbatched": True, "aux": False, "bias": False}, options=draw_options, checkpoint_kinds=CHECKPOINT_KINDS, named_params=True,
                 late_options=draw_late_options_both_sides, check=check, fit_options=fit_options,
                 facts=facts_with_checkpoint, coverage=coverage_with_checkpoint, component="pipelining",
                 lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8,
@@ -690,6 +690,9 @@ class PPTarget(Target):
     def dp_dims(self) -> list[int]:
         """The batch is split over the mesh's dp dim (the second), not over the pipeline's."""
         return [1] if self.mesh.ndim == 2 else []
+
+    def batch_groups(self) -> list:
+        return [self.dp_group] if self.dp_group is not None else []
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One schedule step (``accum`` steps, on equal parts of it) on this dp rank's slice of the batch

@@ -88,7 +88,7 @@ class ShardedOptimTarget(Target):
     # the loop: a scheduler (ShardedOptimizer's param_groups are its local optimizer's); ShardedGradScaler
     # (found_inf all-reduced over the group: each rank unscales only its shards' grads). No clip: a
     # ShardedTensor is no Parameter (model.parameters() leaves it out) and torch has no clip for its grads
-    spec = Spec(options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True, fit_options=fit_options,
+    spec = Spec(moe={"whole_batch": True}, options=draw_options, single_group=True, elementwise_only=True, flat_mesh=True, fit_options=fit_options,
                 component="ShardedOptimizer", coverage=coverage, lr_scheduler=True, scaler=True, ac=tuple(AC_HOWS),
                 dropout="replay")  # every rank runs the whole batch: one replay, from the same seed
     localizable = False  # the forward runs on gathered copies, not on the module's params

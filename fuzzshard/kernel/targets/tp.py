@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..decoder import plan_element
 from ..model import loss_fn, tie_uses
+from ..moe import MoE
 from ..state_io import STATE_DICT_KINDS
 from ..ac import AC_HOWS, apply_ac
 from .base import Spec
@@ -88,7 +89,7 @@ class TPTarget(DTensorTarget):
     # (a step's refused in-place placement change) is DTensor's root cause. Not fsdp2's facts: its
     # tp_empty_shard trigger names fully_shard's bug with an empty TP shard, which TP alone does not meet
     known_as = ("dtensor", "fsdp2")
-    spec = Spec(options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
+    spec = Spec(moe={"whole_batch": True}, options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
                 coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
                 layout=tp_layout, ac=tuple(AC_HOWS), dropout="replica",
@@ -110,7 +111,12 @@ class TPTarget(DTensorTarget):
     def shard(self, model: nn.Module) -> nn.Module:
         apply_tp(model, self.mesh, self.case.target_options, self.case.model.factory)
         apply_ac(model, self.case.target_options)  # after the plan (its FQNs name plain modules): kernel/ac.py
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        inside = {id(sub) for m in moes for sub in m.modules()}
         for module in distribute_params(model, self.mesh, {}):  # what the plan left plain: replicated
+            if id(module) not in inside:
+                distribute_module(module, self.mesh, input_fn=_replicated, output_fn=_local)
+        for module in moes:  # an MoE is kept whole, one unit: plain in and out, its params replicated DTensors
             distribute_module(module, self.mesh, input_fn=_replicated, output_fn=_local)
         return model
 

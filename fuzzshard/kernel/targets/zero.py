@@ -39,6 +39,7 @@ from ..dropout import has_dropout
 from ..state_io import as_tensor
 from ..ac import AC_HOWS, AC_REENTRANT, apply_ac
 from ..model import loss_fn, named_params
+from ..moe import moe_configs_of
 from ..optim import build_optimizer, optimizer_class, param_order
 from .base import Spec, Target
 
@@ -70,10 +71,12 @@ def joinable(case) -> bool:
     """Join applies with DDP averaging the grads (its join hook shadows the
     all-reduce), every trainable param used (a joined rank cannot tell an
     unused param's zero grad from a real one), no checkpoint, no param groups
-    added and nothing frozen mid-run (a joined rank runs no schedule)."""
+    added and nothing frozen mid-run (a joined rank runs no schedule), no MoE."""
     return ("ddp" in case.target_options and case.world_size > 1 and len(case.schedule) > 1
             and case.checkpoint is None and not case.model.unused and not case.optim.added_groups
-            and not any(s.freeze or s.unfreeze for s in case.schedule))
+            and not any(s.freeze or s.unfreeze for s in case.schedule)
+            # an MoE's load balancing runs collectives each step (kernel/moe.py) that a joined rank does not shadow
+            and not moe_configs_of(case.model))
 
 
 def draw_late_options(draw, case) -> dict:
@@ -179,7 +182,7 @@ def ac_rule(options: dict, how: str) -> str | None:
 class ZeroTarget(Target):
     name = "zero"
     # DDP records the params that require grad when it wraps
-    spec = Spec(options=draw_options, data_parallel=True, flat_mesh=True, add_param_group=True,
+    spec = Spec(moe={"whole_batch": False}, options=draw_options, data_parallel=True, flat_mesh=True, add_param_group=True,
                 late_options=draw_late_options,
                 checkpoint_kinds={"consolidate": "consolidate_state_dict + state_dict(), torch.save; "
                                                  "load_state_dict on every rank"},
@@ -349,6 +352,9 @@ class ZeroTarget(Target):
 
     def _world(self) -> int:
         return dist.get_world_size(self.group)
+
+    def batch_groups(self) -> list:
+        return [self.group]
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the batch; grads averaged over the ranks."""
