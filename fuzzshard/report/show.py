@@ -148,9 +148,18 @@ def _layer(layer: Layer, name: str, depth: int) -> list[str]:
         for j, child in enumerate(layer.children):
             out += _layer(child, f"{name}.{'inner.' if k != 'seq' else ''}{j}", depth + 1)
         return out
-    if k == "moe":  # a mixture of experts (kernel/moe.py): its config, the keys it sets
-        cfg = ", ".join(f"{key}={value!r}" for key, value in layer.moe.items())
-        return [f"{pad}{name}: MoE({layer.d_in}{', ' + cfg if cfg else ''})"]
+    if k == "moe":  # its config as drawn, then what it uses (the coverage cells)
+        from ..kernel.moe import config
+
+        c = config(layer.moe)
+        routing = (f"top-{c['top_k']} of {c['experts']} experts (hidden {c['hidden']}), {c['score']}"
+                   + (", route_norm" if c["route_norm"] else "") + (f", x{c['route_scale']}" if c["route_scale"] != 1 else ""))
+        extra = [f"shared expert {c['shared']}" if c["shared"] else "",
+                 f"capacity {c['capacity']}" if c["capacity"] is not None else "dropless",
+                 f"aux {c['aux']} x{c['aux_coeff']}" if c["aux"] else "",
+                 f"expert_bias step {c['bias_coeff']}" if c["bias_coeff"] is not None else "",
+                 "grouped_mm" if c["grouped"] else "", "" if c["score_before_experts"] else "scored after the experts"]
+        return [f"{pad}{name}: MoE({layer.d_in}): {routing}; " + ", ".join(e for e in extra if e)]
     desc = {"linear": f"Linear({layer.d_in}, {layer.d_out}, bias={layer.bias})",
             "embedding": f"Embedding({layer.d_in}, {layer.d_out})",
             "layernorm": f"LayerNorm({layer.d_in}, bias={layer.bias})",
