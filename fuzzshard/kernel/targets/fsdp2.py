@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -42,6 +43,7 @@ from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
 from ..state_io import STATE_DICT_KINDS
+from ..sync import coverage_cells as sync_cells, draw_sync, problem as sync_problem
 from .base import Spec, Target
 
 
@@ -79,7 +81,7 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
         out["ac"] = ac  # activation checkpointing, applied before fully_shard: composable
         if draw(st.booleans()):
             out["ac_wrapper"] = True  # or apply_activation_checkpointing's CheckpointWrapper
-    microbatches = draw(st.sampled_from([1, 1, 2]))
+    microbatches = draw(st.sampled_from([1, 1, 2, 3]))
     if microbatches > 1:
         out["microbatches"] = microbatches  # grad accumulation, no sync on all but the last
     if not tp and draw(st.sampled_from([False, False, True])):
@@ -160,6 +162,9 @@ def draw_late_options(draw, case) -> dict:
         out["built_as"] = "float64" if case.dtype == "float32" else "float32"
     if not case.model.factory and "layers.0" in out.get("wrap", ()) and draw(st.booleans()):
         out["nonroot"] = True
+    sync = draw_sync(draw, dataclasses.replace(case, target_options=out), fsdp2=True)  # kernel/sync.py
+    if sync:
+        out["sync"] = sync
     return out
 
 
@@ -173,14 +178,15 @@ def coverage(case) -> dict:
     opts = case.target_options
     loop = loop_coverage(case, "mixed precision" if opts.get("mp") else "microbatches" if opts.get("microbatches")
                          else "")
+    sync = {"gradient sync": sync_cells(opts)} if opts.get("sync") else {}
     if case.model.factory != "decoder":
-        return loop
+        return {**loop, **sync}
     cells = {"cases"} | set((opts.get("tp") or {}).values()) | {k for k in ("sp", "loss_parallel") if opts.get(k)}
     if not opts.get("tp"):
         cells.add("no TP")
     if case.checkpoint:
         cells.add("checkpoint")
-    return {"decoder cases by TP plan element": cells, **loop}
+    return {"decoder cases by TP plan element": cells, **loop, **sync}
 
 
 def draw_mp_policy(draw) -> dict:
@@ -207,7 +213,7 @@ def check(case) -> str | None:
             return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
         if options.get("tp") and len(mesh) != 2:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
-        problem = tp_problem(case, mesh, options)
+        problem = tp_problem(case, mesh, options) or sync_problem(case, mesh, options, fsdp2=True)
         if problem:
             return what + problem
     return None
@@ -422,7 +428,12 @@ class FSDP2Target(Target):
     @classmethod
     def objective(cls, model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
         """``nonroot``: plus a call of layers.0 (its own fully_shard) straight on
-        the input, from outside the root's forward."""
+        the input, from outside the root's forward. ``sync`` loss "tokens" (the reference's, on the whole
+        batch): the weighed token sum over the global token count (kernel/sync.py)."""
+        if (options.get("sync") or {}).get("loss") == "tokens":
+            from ..sync import objective_tokens
+
+            return objective_tokens(model, x, y, options["sync"])
         loss = loss_fn(model(x), y)
         if options.get("nonroot"):
             loss = loss + submodule(model, "layers.0")(x).square().mean()
@@ -449,6 +460,13 @@ class FSDP2Target(Target):
         """``microbatches``: gradient accumulation, this many forward/backwards a step."""
         return options.get("microbatches", 1)
 
+    @classmethod
+    def reference_batch(cls, case: Case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """``sync``: the whole batch, its plain loss scaled to the global objective (kernel/sync.py)."""
+        from ..sync import reference_scale
+
+        return x, y, reference_scale(cls, case, k)
+
     @property
     def local_replicas(self) -> bool:
         """Under TP a param the plan leaves whole is replicated over the TP dim,
@@ -461,7 +479,7 @@ class FSDP2Target(Target):
         per step, and in the same dtype."""
         opts = self.case.target_options
         # (a compiled block's submodules run inside its graph: no hooks of their own)
-        return self.microbatches(opts) == 1 and not opts.get("mp") and not opts.get("compile")
+        return self.microbatches(opts) == 1 and not opts.get("mp") and not opts.get("compile") and not opts.get("sync")
 
     @classmethod
     def trace_points(cls, case: Case):
@@ -517,12 +535,18 @@ class FSDP2Target(Target):
             self._compile_blocks(model)
         if opts.get("built_as"):  # model.to(dtype) after fully_shard: FSDP2 re-registers its sharded params
             model.to(getattr(torch, self.case.dtype))
+        if opts.get("sync"):  # the divide factor and sum-only comms (kernel/sync.py)
+            from ..sync import fsdp2_reduce_options
+
+            fsdp2_reduce_options(model, opts["sync"])
         return model
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This rank's slice, in ``microbatches`` equal parts, each loss scaled
         by 1/microbatches; the grads sync on the last one only. Returns the
-        global mean loss."""
+        global mean loss. ``sync``: the drawn controls and loss scaling (kernel/sync.py)."""
+        if self.case.target_options.get("sync"):
+            return self._sync_forward_backward(model, x, y)
         world, k = self.dp_size(), self.microbatches(self.case.target_options)
         per = x.shape[0] // world
         r = self.dp_rank()
@@ -541,6 +565,18 @@ class FSDP2Target(Target):
         for dim in self.dp_dims:
             dist.all_reduce(full, group=self.mesh.get_group(dim))
         return (full / world).to(torch_dtype(self.case))
+
+    def _sync_forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from .. import sync
+
+        opts = self.case.target_options
+
+        def reduce(t):
+            for dim in self.dp_dims:
+                dist.all_reduce(t, group=self.mesh.get_group(dim))
+
+        return sync.forward_backward(self, model, x, y, lambda i, last: sync.fsdp2_controls(model, opts["sync"], last),
+                                     lambda mod, xm, ym: self.objective(mod, xm, ym, opts), reduce, self._loss_context)
 
     @staticmethod
     def _compile_blocks(model: nn.Module) -> None:
