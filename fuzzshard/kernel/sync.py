@@ -275,3 +275,25 @@ def coverage_cells(options: dict) -> set:
     if options.get("microbatches", 1) > 1:
         cells.add("microbatches")
     return cells
+
+
+def describe(options: dict, target: str = "fsdp2") -> str:
+    """One line for ``fuzzshard show``: what the microbatches call and how the loss is scaled."""
+    sync, m = options.get("sync") or {}, options.get("microbatches", 1)
+    if not sync:
+        return ""
+    skip = sync.get("skip", "all")
+    off = {"all": "no_sync()" if target == "fsdp1" else "set_requires_gradient_sync(False)",
+           "root": "set_requires_gradient_sync(False, recurse=False) on the root",
+           "all_reduce": "set_requires_all_reduce(False) (reduce-scatter only)", "none": None}[skip]
+    parts = [f"{m} microbatch(es), " + (f"{off} on all but the last" if off else "a sync every microbatch")]
+    parts += [f"{name}(last)" for key, name in (("keep_unsharded", "set_reshard_after_backward"),
+                                                ("last_backward", "set_is_last_backward")) if sync.get(key)]
+    if sync.get("divide"):
+        parts.append(f"divide factor {sync['divide']:g}")
+    if sync.get("force_sum"):
+        parts.append("sum-only comms")
+    loss = sync.get("loss", "mean")
+    parts.append({"mean": "loss: mean / microbatches", "sum": "loss: summed over microbatches",
+                  "tokens": f"loss: sum over the global token count, token mask by block {sync.get('mask')}"}[loss])
+    return "; ".join(parts)

@@ -49,6 +49,10 @@ def render(finding: Finding) -> str:
         lines.append(f"  step {k}: zero_grad(set_to_none={s.set_to_none}){extra}")
     lines += _loop(c)
     lines += _options("target options", c.target_options)
+    if c.target_options.get("sync"):  # gradient sync over microbatches (kernel/sync.py), in words
+        from ..kernel.sync import describe
+
+        lines.append(f"  (gradient sync: {describe(c.target_options, c.target)})")
     ck = c.checkpoint
     if ck:
         from .. import targets
