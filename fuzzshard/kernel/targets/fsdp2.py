@@ -6,7 +6,8 @@ The Case's ``target_options`` name the submodules that get their own
 dtype and moved to the case's with ``model.to`` after ``fully_shard``), ``mp`` (a MixedPrecisionPolicy for every
 unit, replayed in the reference by mixed_precision_reference below), ``ac`` (submodules under composable activation
 checkpointing, or with ``ac_wrapper`` under ``apply_activation_checkpointing``'s CheckpointWrapper), ``microbatches`` (gradient accumulation: every microbatch
-but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
+but the last runs with ``set_requires_gradient_sync(False)``; with ``sync`` the drawn
+gradient-sync controls and loss scaling of kernel/sync.py), ``tp``
 (tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}; for the
 decoder transformer torchtitan's plan, {module FQN: decoder.TP_STYLES key},
 with ``sp`` (sequence parallelism) and ``loss_parallel``) and
