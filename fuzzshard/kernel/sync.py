@@ -11,7 +11,8 @@ A data-parallel target's ``target_options["sync"]`` (absent: the target's plain 
     ``set_reshard_after_backward(last)`` (unsharded params kept between microbatches);
   - ``divide``: FSDP2's ``set_gradient_divide_factor(f)`` on every unit (``divide_api`` "reduce_scatter":
     through its deprecated alias ``set_reduce_scatter_divide_factor``); ``force_sum``:
-    ``set_force_sum_reduction_for_comms(True)`` (gloo has no PREMUL_SUM: on CPU a factor takes it);
+    ``set_force_sum_reduction_for_comms(True)`` (gloo has no PREMUL_SUM: on CPU a factor over more than one
+    data-parallel rank takes it; on one, FSDP2 divides the copy itself);
   - ``loss``: how each microbatch's loss is scaled, as frameworks do. "mean" (absent): the microbatch's
     mean loss / microbatches; "sum": its mean loss, unscaled (the grads add over the microbatches);
     "tokens": the sum of its per-token losses over the global token count (the tokens whose weight is
@@ -97,7 +98,7 @@ def draw_sync(draw, case, *, fsdp2: bool) -> dict | None:
         if fsdp2_has("set_reduce_scatter_divide_factor") and draw(st.integers(0, 3)) == 3:
             out["divide_api"] = "reduce_scatter"
     if fsdp2 and fsdp2_has("set_force_sum_reduction_for_comms") and (
-            (out.get("divide") and case.device == "cpu") or draw(st.booleans())):
+            (out.get("divide") and case.device == "cpu" and dp > 1) or draw(st.booleans())):
         out["force_sum"] = True
     return out
 
@@ -121,7 +122,7 @@ def problem(case, mesh_shape, options: dict, *, fsdp2: bool) -> str | None:
                 name = FSDP2_API["all_reduce"]
             if wanted and not fsdp2_has(name):
                 return f"sync {key}: this torch's FSDPModule has no {name}"
-        if sync.get("divide") and not sync.get("force_sum") and case.device == "cpu":
+        if sync.get("divide") and not sync.get("force_sum") and case.device == "cpu" and dp_of(mesh_shape, options) > 1:
             return "a gradient divide factor reduces with PREMUL_SUM, which gloo has not: on CPU it takes force_sum"
     elif any(k in sync for k in ("last_backward", "keep_unsharded", "divide", "force_sum")):
         return "FSDP1 has no set_is_last_backward / set_reshard_after_backward / divide factor / force_sum"
