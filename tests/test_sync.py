@@ -131,3 +131,15 @@ def test_the_scripts_write_the_controls_and_find_the_planted_bug(tmp_path, targe
     assert ("model.no_sync()" in src) == (target == "fsdp1")
     finds_with_and_passes_without(src, bug, "FINDING: the sharded run differs", "step 0 grad layers.",
                                   "PASS: the sharded run matches the plain one", tmp_path)
+
+
+def test_the_reducers_mesh_edits_keep_a_sync_case_valid():
+    """fit_options: HSDP's all-reduce skip off a 2-D mesh becomes the plain skip, the token mask takes the new
+    number of blocks."""
+    from fuzzshard.kernel.targets.fsdp2 import fit_options
+
+    opts = {"microbatches": 2, "sync": {"skip": "all_reduce", "loss": "tokens", "mask": [0, 0, 0, 0, 1, 1, 0, 2]}}
+    fitted = fit_options(dict(opts), [2], 1)
+    assert fitted["sync"] == {"skip": "all", "loss": "tokens", "mask": [0, 0, 0, 1]}
+    case = _case(2, (2,), fitted)
+    assert case.refusal() is None, case.refusal()

@@ -298,3 +298,21 @@ def describe(options: dict, target: str = "fsdp2") -> str:
     parts.append({"mean": "loss: mean / microbatches", "sum": "loss: summed over microbatches",
                   "tokens": f"loss: sum over the global token count, token mask by block {sync.get('mask')}"}[loss])
     return "; ".join(parts)
+
+
+def fit(options: dict, mesh_shape) -> dict:
+    """The sync options fitted to another mesh (the reducer's world and mesh edits): HSDP's all-reduce skip
+    becomes the plain one off a 2-D mesh, and the token mask takes the new dp x microbatches blocks (its
+    first blocks kept, the rest weighed)."""
+    sync = options.get("sync")
+    if not sync:
+        return options
+    sync = dict(sync)
+    if sync.get("skip") == "all_reduce" and (len(mesh_shape) != 2 or options.get("tp")):
+        sync["skip"] = "all"
+    if sync.get("mask"):
+        n = dp_of(mesh_shape, options) * options.get("microbatches", 1)
+        mask = (list(sync["mask"]) + [1] * n)[:n]
+        sync["mask"] = mask if any(mask) else mask[:-1] + [1]
+    options["sync"] = sync
+    return options

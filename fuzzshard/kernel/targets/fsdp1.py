@@ -117,7 +117,9 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     """A hybrid strategy takes a 2-D mesh: FULL_SHARD on a 1-D one."""
     if options.get("strategy") in HYBRID and len(mesh_shape) == 1:
         options["strategy"] = "FULL_SHARD"
-    return options
+    from ..sync import fit
+
+    return fit(options, mesh_shape)
 
 
 def coverage(case) -> dict:

@@ -241,7 +241,9 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     raf, shard = options.get("reshard_after_forward"), mesh_shape[0] if options.get("tp") else mesh_shape[-1]
     if type(raf) is int and not (1 < raf < shard and shard % raf == 0):
         options["reshard_after_forward"] = True
-    return options
+    from ..sync import fit
+
+    return fit(options, mesh_shape)
 
 
 def seq_multiple(options: dict, mesh_shape: tuple) -> int:
