@@ -316,3 +316,15 @@ def fit(options: dict, mesh_shape) -> dict:
         sync["mask"] = mask if any(mask) else mask[:-1] + [1]
     options["sync"] = sync
     return options
+
+
+def divide_twice(case, mesh_shape, options: dict) -> bool:
+    """A known torch bug's condition (fsdp2-divide-factor-single-rank-shard-twice): a divide factor other than 1
+    on a shard group of one rank (a 1-rank mesh, HSDP with shard size 1) where _get_gradient_divide_factors
+    splits it into a pre-/post-divide (sum-only comms, or a float16/float64 reduce dtype): foreach_reduce's
+    single-rank branch divides its copy by the factor and the post-divide divides again."""
+    sync = options.get("sync") or {}
+    if not sync.get("divide") or sync["divide"] == 1:
+        return False
+    shard = mesh_shape[0] if options.get("tp") else mesh_shape[-1]
+    return shard == 1 and bool(sync.get("force_sum") or case.dtype in ("float16", "float64"))

@@ -254,7 +254,7 @@ def seq_multiple(options: dict, mesh_shape: tuple) -> int:
 def facts(case) -> dict:
     """``tp_empty_shard``: some TP-split param dim is narrower than the TP
     degree, so a TP rank holds an empty shard (a root cause torch fails on in
-    several ways, some of them hangs)."""
+    several ways, some of them hangs). ``sync_divide_twice``: kernel/sync.py divide_twice."""
     shapes = param_shapes(case.model)
     sides = [(case.mesh_shape, case.target_options)]
     if case.checkpoint:
@@ -272,7 +272,9 @@ def facts(case) -> dict:
             # colwise splits a Linear's out-features (weight dim 0), an Embedding's dim (1); rowwise in-features (1)
             if shape and len(mesh) == 2 and shape[1 if style == "rowwise" or embedding else 0] < mesh[1]:
                 empty = True
-    return {"tp_empty_shard": empty}
+    from ..sync import divide_twice
+
+    return {"tp_empty_shard": empty, "sync_divide_twice": any(divide_twice(case, m, o) for m, o in sides)}
 
 
 def compiled(case) -> str:
