@@ -58,6 +58,10 @@ def render(finding: Finding) -> str:
     lines += _loop(c)
     lines += _options("target options", c.target_options)
     lines += _ac(c.target_options)
+    if c.target_options.get("sync"):  # gradient sync over microbatches (kernel/sync.py), in words
+        from ..kernel.sync import describe
+
+        lines.append(f"  (gradient sync: {describe(c.target_options, c.target)})")
     ck = c.checkpoint
     if ck:
         from .. import targets

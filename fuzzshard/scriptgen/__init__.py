@@ -70,7 +70,7 @@ from ..verdict import Verdict
 
 # scriptgen/NAME.py is the writer of target NAME's scripts: adding one is adding its module (as
 # kernel/targets/NAME.py is target NAME). Not writers: the helpers the writers share.
-_NOT_WRITERS = {"common", "dsd", "loop"}
+_NOT_WRITERS = {"common", "dsd", "loop", "sync"}
 _WRITTEN = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_WRITERS)
 
 

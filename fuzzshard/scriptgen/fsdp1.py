@@ -7,7 +7,7 @@ shard_/scatter_full_optim_state_dict), beside DSD's full/broadcast/dcp."""
 from __future__ import annotations
 
 from ..case import Case
-from . import common, dsd
+from . import common, dsd, sync
 from .fsdp2 import module
 
 KINDS = dsd.KINDS + ("fsdp1_full", "fsdp1_sharded", "fsdp1_legacy")
@@ -17,7 +17,8 @@ SHARDED_SCALER = True  # ShardedGradScaler (found_inf all-reduced: each rank hol
 SCALER_GROUP = "dist.group.WORLD"  # ... over the job's ranks (the kernel's _job_group)
 FREEZE_BEFORE_SHARD = True  # FSDP records requires_grad when it flattens
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-_OPTIONS = {"strategy", "orig_params", "wrap", "ignored", "osd", "legacy_load", "legacy", "flatten", "local"}
+_OPTIONS = {"strategy", "orig_params", "wrap", "ignored", "osd", "legacy_load", "legacy", "flatten", "local", "microbatches",
+            "sync"}
 
 
 def unsupported(case: Case, options: dict) -> str | None:
@@ -26,11 +27,24 @@ def unsupported(case: Case, options: dict) -> str | None:
         return f"options {sorted(extra)}"
     if options.get("local") and case.clip and case.clip.how == "own":
         return "resumed without FSDP (local) with its own clip (torch.nn.utils' on the local model)"
-    return None
+    if options.get("microbatches", 1) > 1 and not options.get("local"):
+        from . import loop
+
+        if loop.plateau(case):
+            return "ReduceLROnPlateau fed a loss accumulated over microbatches"
+    return sync.unsupported(case, options)
+
+
+def objective(case: Case, net: str, x: str) -> str:
+    """The plain replay's loss: under ``sync`` the global objective (kernel/sync.py)."""
+    loss = common.loss(case, f"{net}({x})", "y")
+    return sync.objective(case, net, x, loss) if case.target_options.get("sync") else loss
 
 
 def imports(case: Case, options: dict) -> list[str]:
     out = ["from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy"]
+    if options.get("microbatches", 1) > 1 and not options.get("local"):
+        out.append("import contextlib")
     if options.get("wrap"):
         out.append("from torch.distributed.fsdp.wrap import CustomPolicy")
     if options.get("strategy") in HYBRID:
@@ -78,7 +92,14 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
     per = case.batch // world
     out = [f"x, y = x[{per} * rank:{per} * rank + {per}], y[{per} * rank:{per} * rank + {per}]  # this rank's slice"] \
         if world > 1 else []
-    out += [f"loss = {common.loss(case, 'model(x)', 'y')}", "loss.backward()"]
+    if options.get("sync") or options.get("microbatches", 1) > 1:  # no_sync() on all but the last microbatch
+        skip = (options.get("sync") or {}).get("skip", "all") == "all"
+        out += sync.weights_line(case, options) if options.get("sync") else []
+        out += sync.loop(case, options, lambda last: [], common.loss(case, "model(xm)", "ym"),
+                         f"{per} * rank:{per} * rank + {per}" if world > 1 else None,
+                         context=(lambda last: f"(contextlib.nullcontext() if {last} else model.no_sync())") if skip else None)
+    else:
+        out += [f"loss = {common.loss(case, 'model(x)', 'y')}", "loss.backward()"]
     if options.get("ignored") and world > 1:
         out += ["for q in {q for m in ignored for q in m.parameters()}:  # FSDP leaves their grads unreduced",
                 "    if q.grad is not None:", "        dist.all_reduce(q.grad)", f"        q.grad.div_({world})"]

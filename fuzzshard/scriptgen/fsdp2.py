@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..case import Case
 from ..kernel.model import tie_uses
-from . import common, dsd
+from . import common, dsd, sync
 from ..kernel.ac import AC_WRAPPED, ac_how
 from .dtensor import SNAPSHOT
 from .common import module  # (said in common.py: every writer names modules so)
@@ -19,7 +19,7 @@ DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
 SHARDED_SCALER = True  # its grad scaler is ShardedGradScaler (amp's where the case draws it), as the kernel's
 FREEZE_BEFORE_SHARD = False
 _OPTIONS = {"wrap", "reshard_after_forward", "offload", "mp", "ac", "ac_wrapper", "tp", "microbatches", "nonroot",
-            "built_as", "compile", "compile_step", "tie_unit"}
+            "built_as", "compile", "compile_step", "tie_unit", "sync"}
 
 
 DECODER_TP = True  # the decoder's TP plan written as torchtitan's apply_tp (without sequence or loss parallelism)
@@ -54,11 +54,12 @@ def _decoder_tp(case: Case, plan: dict) -> list[str]:
 
 def unsupported(case: Case, options: dict) -> str | None:
     extra = set(options) - _OPTIONS
-    return f"options {sorted(extra)}" if extra else None
+    return f"options {sorted(extra)}" if extra else sync.unsupported(case, options)
 
 
 def imports(case: Case, options: dict) -> list[str]:
-    fsdp = ["fully_shard"] + ["CPUOffloadPolicy"] * bool(options.get("offload")) + \
+    fsdp = ["fully_shard"] + ["FSDPModule"] * bool(sync.fsdp2_reduce_options(options) if options.get("sync") else 0) + \
+        ["CPUOffloadPolicy"] * bool(options.get("offload")) + \
         ["MixedPrecisionPolicy"] * bool(options.get("mp"))
     out = ["from torch.distributed.device_mesh import init_device_mesh",
            f"from torch.distributed.fsdp import {', '.join(fsdp)}", "from torch.distributed.tensor import DTensor"]
@@ -107,6 +108,8 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
         out += ["for block in model.layers.children():", "    block.compile()"]
     if options.get("built_as"):
         out.append(f"model.to(torch.{case.dtype})  # built in {options['built_as']}, moved after fully_shard")
+    if options.get("sync"):
+        out += sync.fsdp2_reduce_options(options) + sync.weights_line(case, options)
     return out
 
 
@@ -123,7 +126,8 @@ def objective(case: Case, net: str, x: str) -> str:
     """The plain replay's loss as the kernel's objective says it (kernel/targets/fsdp2.py): plus the non-root
     forward's term (layers.0 called on the input) under ``nonroot``."""
     loss = common.loss(case, f"{net}({x})", "y")
-    return f"({loss} + {net}.layers[0]({x}).square().mean())" if case.target_options.get("nonroot") else loss
+    loss = f"({loss} + {net}.layers[0]({x}).square().mean())" if case.target_options.get("nonroot") else loss
+    return sync.objective(case, net, x, loss) if case.target_options.get("sync") else loss
 
 
 def global_loss(case: Case, world: int) -> list[str]:
@@ -143,6 +147,10 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
     loss = common.loss(case, "model(x)", "y") + (" + model.layers[0](x).square().mean()  # a non-root forward too"
                                               if options.get("nonroot") else "")
     m = options.get("microbatches", 1)
+    if options.get("sync"):
+        lm = common.loss(case, "model(xm)", "ym") + (" + model.layers[0](xm).square().mean()" if options.get("nonroot") else "")
+        rows = f"{per} * ({r}):{per} * ({r}) + {per}" if dp > 1 else None
+        return out + sync.loop(case, options, lambda last: sync.fsdp2_controls(options, last), lm, rows)
     if m > 1:
         xm = common.loss(case, "model(xm)", "ym") + loss[len(common.loss(case, "model(x)", "y")):].replace("(x)", "(xm)")
         return out + [f"for i, (xm, ym) in enumerate(zip(x.chunk({m}), y.chunk({m}))):  # grad accumulation",

@@ -48,6 +48,7 @@ from ..state_io import FULL_FILE, STATE_DICT_KINDS, as_tensor, load, save
 from ..model import loss_fn, plain_fqn
 from ..optim import build_optimizer, optimizer_class, optimizer_kwargs
 from ..ac import AC_REENTRANT, apply_ac
+from ..sync import coverage_cells as sync_cells, draw_sync, problem as sync_problem
 from .base import Spec, Target
 
 
@@ -83,7 +84,26 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), flat: 
         out["local"] = True
     if kind == "fsdp1_sharded" and draw(st.booleans()):  # the legacy sharded APIs
         out["flatten" if loading else "legacy"] = True
+    microbatches = draw(st.sampled_from([1, 1, 1, 2, 3]))
+    if microbatches > 1:
+        out["microbatches"] = microbatches  # grad accumulation, under no_sync() on all but the last
     return out
+
+
+def draw_late_options(draw, case) -> dict:
+    """The gradient sync and loss scaling over the microbatches (kernel/sync.py), one case in four."""
+    out = dict(case.target_options)
+    sync = draw_sync(draw, case, fsdp2=False)
+    if sync:
+        out["sync"] = sync
+    return out
+
+
+def check(case) -> str | None:
+    """What the sync options (kernel/sync.py) cannot be, on the main side (the loading side draws none)."""
+    if case.checkpoint and case.checkpoint.target_options.get("sync"):
+        return "sync options are drawn on the main side only"
+    return sync_problem(case, case.mesh_shape, case.target_options, fsdp2=False)
 
 
 KINDS = {**STATE_DICT_KINDS,
@@ -98,13 +118,17 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     """A hybrid strategy takes a 2-D mesh: FULL_SHARD on a 1-D one."""
     if options.get("strategy") in HYBRID and len(mesh_shape) == 1:
         options["strategy"] = "FULL_SHARD"
-    return options
+    from ..sync import fit
+
+    return fit(options, mesh_shape)
 
 
 def coverage(case) -> dict:
     """What a case covered of the training loop (kernel/loop.py): the clip form, the
     scheduler, the grad scaler (and an overflow drawn on purpose), by sharding strategy."""
-    return loop_coverage(case, case.target_options.get("strategy", "FULL_SHARD"))
+    opts = case.target_options
+    sync = {"gradient sync": sync_cells(opts) | {opts.get("strategy", "FULL_SHARD")}} if opts.get("sync") else {}
+    return {**loop_coverage(case, opts.get("strategy", "FULL_SHARD")), **sync}
 
 
 def loop_coverage(case, where: str = "") -> dict:
@@ -137,7 +161,8 @@ class FSDP1Target(Target):
                 # activation checkpointing after FSDP wraps (torch's FSDP recipe; kernel/ac.py): torch.utils'
                 # checkpoint and checkpoint_wrapper, reentrant or not; not the composable checkpoint (the
                 # composable APIs' own, fully_shard's and replicate's)
-                ac=("utils", "wrapper", "sac") + AC_REENTRANT, dropout="replay")
+                ac=("utils", "wrapper", "sac") + AC_REENTRANT, dropout="replay",
+                late_options=draw_late_options, check=check)
     localizable = False  # wrapped module names differ from the reference's
     freeze_before_shard = True  # FSDP records requires_grad per original param when it flattens
 
@@ -185,12 +210,58 @@ class FSDP1Target(Target):
 
     def batch_groups(self) -> list:
         return [] if self.local else [self._job_group()]
+    @classmethod
+    def microbatches(cls, options: dict) -> int:
+        """``microbatches``: gradient accumulation, this many forward/backwards a step."""
+        return options.get("microbatches", 1)
+
+    @classmethod
+    def objective(cls, model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
+        """``sync`` loss "tokens" (the reference's, on the whole batch): kernel/sync.py."""
+        if (options.get("sync") or {}).get("loss") == "tokens":
+            from ..sync import objective_tokens
+
+            return objective_tokens(model, x, y, options["sync"])
+        return loss_fn(model(x), y)
+
+    @classmethod
+    def reference_batch(cls, case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """``sync``: the whole batch, its plain loss scaled to the global objective (kernel/sync.py)."""
+        from ..sync import reference_scale
+
+        return x, y, reference_scale(cls, case, k)
+
+    def _sync_forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Microbatches under ``no_sync()`` but the last (``sync`` skip "all", and plain ``microbatches``),
+        or syncing every one (skip "none"); ignored params' grads averaged after the last backward."""
+        import contextlib
+
+        from .. import sync
+
+        opts = self.case.target_options
+        how = opts.get("sync") or {"skip": "all"}
+
+        def controls(i, last):
+            return model.no_sync() if how.get("skip", "all") == "all" and not last else contextlib.nullcontext()
+
+        return sync.forward_backward(self, model, x, y, controls, lambda mod, xm, ym: loss_fn(mod(xm), ym),
+                                     lambda t: dist.all_reduce(t, group=self._job_group()),
+                                     after=self._reduce_ignored, sync=how)
+
+    def _reduce_ignored(self) -> None:
+        world = self.mesh.size()
+        for p in self.ignored:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self._job_group())
+                p.grad.div_(world)
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the batch; FSDP averages the grads (ignored
-        params' grads are averaged here)."""
+        params' grads are averaged here). ``microbatches`` / ``sync``: kernel/sync.py."""
         if self.local:
             return super().forward_backward(model, x, y)
+        if self.case.target_options.get("sync") or self.microbatches(self.case.target_options) > 1:
+            return self._sync_forward_backward(model, x, y)
         world = self.mesh.size()
         per = x.shape[0] // world
         r = self.dp_rank()

@@ -7,7 +7,8 @@ dtype and moved to the case's with ``model.to`` after ``fully_shard``), ``mp`` (
 unit, replayed in the reference by mixed_precision_reference below), ``ac`` (submodules under composable activation
 checkpointing, or with ``ac_wrapper`` under ``apply_activation_checkpointing``'s CheckpointWrapper; with ``ac_how``
 any non-reentrant form of kernel/ac.py), ``microbatches`` (gradient accumulation: every microbatch
-but the last runs with ``set_requires_gradient_sync(False)``), ``tp``
+but the last runs with ``set_requires_gradient_sync(False)``; with ``sync`` the drawn
+gradient-sync controls and loss scaling of kernel/sync.py), ``tp``
 (tensor parallel: {linear or embedding FQN: "colwise" | "rowwise"}; for the
 decoder transformer torchtitan's plan, {module FQN: decoder.TP_STYLES key},
 with ``sp`` (sequence parallelism) and ``loss_parallel``) and
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import types
 
@@ -48,6 +50,7 @@ from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
 from ..state_io import STATE_DICT_KINDS
 from ..ac import AC_NON_REENTRANT, ac_how, apply_ac
+from ..sync import coverage_cells as sync_cells, draw_sync, problem as sync_problem
 from .base import Spec, Target
 
 
@@ -85,7 +88,7 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
         out["ac"] = ac  # activation checkpointing, applied before fully_shard: composable
         if draw(st.booleans()):
             out["ac_wrapper"] = True  # or apply_activation_checkpointing's CheckpointWrapper
-    microbatches = draw(st.sampled_from([1, 1, 2]))
+    microbatches = draw(st.sampled_from([1, 1, 2, 3]))
     if microbatches > 1:
         out["microbatches"] = microbatches  # grad accumulation, no sync on all but the last
     if not tp and draw(st.sampled_from([False, False, True])):
@@ -173,6 +176,9 @@ def draw_late_options(draw, case) -> dict:
         out["built_as"] = "float64" if case.dtype == "float32" else "float32"
     if not case.model.factory and "layers.0" in out.get("wrap", ()) and draw(st.booleans()):
         out["nonroot"] = True
+    sync = draw_sync(draw, dataclasses.replace(case, target_options=out), fsdp2=True)  # kernel/sync.py
+    if sync:
+        out["sync"] = sync
     return out
 
 
@@ -186,14 +192,15 @@ def coverage(case) -> dict:
     opts = case.target_options
     loop = loop_coverage(case, "mixed precision" if opts.get("mp") else "microbatches" if opts.get("microbatches")
                          else "")
+    sync = {"gradient sync": sync_cells(opts)} if opts.get("sync") else {}
     if case.model.factory != "decoder":
-        return loop
+        return {**loop, **sync}
     cells = {"cases"} | set((opts.get("tp") or {}).values()) | {k for k in ("sp", "loss_parallel") if opts.get(k)}
     if not opts.get("tp"):
         cells.add("no TP")
     if case.checkpoint:
         cells.add("checkpoint")
-    return {"decoder cases by TP plan element": cells, **loop}
+    return {"decoder cases by TP plan element": cells, **loop, **sync}
 
 
 def draw_mp_policy(draw) -> dict:
@@ -222,7 +229,7 @@ def check(case) -> str | None:
             return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
         if options.get("tp") and len(mesh) != 2:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
-        problem = tp_problem(case, mesh, options)
+        problem = tp_problem(case, mesh, options) or sync_problem(case, mesh, options, fsdp2=True)
         if problem:
             return what + problem
         if has_dropout(case.model) and (options.get("tp") or options.get("compile")):
@@ -258,7 +265,9 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     raf, shard = options.get("reshard_after_forward"), mesh_shape[0] if options.get("tp") else mesh_shape[-1]
     if type(raf) is int and not (1 < raf < shard and shard % raf == 0):
         options["reshard_after_forward"] = True
-    return options
+    from ..sync import fit
+
+    return fit(options, mesh_shape)
 
 
 def seq_multiple(options: dict, mesh_shape: tuple) -> int:
@@ -269,7 +278,7 @@ def seq_multiple(options: dict, mesh_shape: tuple) -> int:
 def facts(case) -> dict:
     """``tp_empty_shard``: some TP-split param dim is narrower than the TP
     degree, so a TP rank holds an empty shard (a root cause torch fails on in
-    several ways, some of them hangs)."""
+    several ways, some of them hangs). ``sync_divide_twice``: kernel/sync.py divide_twice."""
     shapes = param_shapes(case.model)
     sides = [(case.mesh_shape, case.target_options)]
     if case.checkpoint:
@@ -287,7 +296,9 @@ def facts(case) -> dict:
             # colwise splits a Linear's out-features (weight dim 0), an Embedding's dim (1); rowwise in-features (1)
             if shape and len(mesh) == 2 and shape[1 if style == "rowwise" or embedding else 0] < mesh[1]:
                 empty = True
-    return {"tp_empty_shard": empty}
+    from ..sync import divide_twice
+
+    return {"tp_empty_shard": empty, "sync_divide_twice": any(divide_twice(case, m, o) for m, o in sides)}
 
 
 def compiled(case) -> str:
@@ -472,7 +483,12 @@ class FSDP2Target(Target):
     @classmethod
     def objective(cls, model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict) -> torch.Tensor:
         """``nonroot``: plus a call of layers.0 (its own fully_shard) straight on
-        the input, from outside the root's forward."""
+        the input, from outside the root's forward. ``sync`` loss "tokens" (the reference's, on the whole
+        batch): the weighed token sum over the global token count (kernel/sync.py)."""
+        if (options.get("sync") or {}).get("loss") == "tokens":
+            from ..sync import objective_tokens
+
+            return objective_tokens(model, x, y, options["sync"])
         loss = loss_fn(model(x), y)
         if options.get("nonroot"):
             loss = loss + submodule(model, "layers.0")(x).square().mean()
@@ -499,6 +515,13 @@ class FSDP2Target(Target):
         """``microbatches``: gradient accumulation, this many forward/backwards a step."""
         return options.get("microbatches", 1)
 
+    @classmethod
+    def reference_batch(cls, case: Case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """``sync``: the whole batch, its plain loss scaled to the global objective (kernel/sync.py)."""
+        from ..sync import reference_scale
+
+        return x, y, reference_scale(cls, case, k)
+
     @property
     def local_replicas(self) -> bool:
         """Under TP a param the plan leaves whole is replicated over the TP dim,
@@ -511,7 +534,7 @@ class FSDP2Target(Target):
         per step, and in the same dtype."""
         opts = self.case.target_options
         # (a compiled block's submodules run inside its graph: no hooks of their own)
-        return self.microbatches(opts) == 1 and not opts.get("mp") and not opts.get("compile")
+        return self.microbatches(opts) == 1 and not opts.get("mp") and not opts.get("compile") and not opts.get("sync")
 
     @classmethod
     def trace_points(cls, case: Case):
@@ -557,12 +580,18 @@ class FSDP2Target(Target):
             self._compile_blocks(model)
         if opts.get("built_as"):  # model.to(dtype) after fully_shard: FSDP2 re-registers its sharded params
             model.to(getattr(torch, self.case.dtype))
+        if opts.get("sync"):  # the divide factor and sum-only comms (kernel/sync.py)
+            from ..sync import fsdp2_reduce_options
+
+            fsdp2_reduce_options(model, opts["sync"])
         return model
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This rank's slice, in ``microbatches`` equal parts, each loss scaled
         by 1/microbatches; the grads sync on the last one only. Returns the
-        global mean loss."""
+        global mean loss. ``sync``: the drawn controls and loss scaling (kernel/sync.py)."""
+        if self.case.target_options.get("sync"):
+            return self._sync_forward_backward(model, x, y)
         world, k = self.dp_size(), self.microbatches(self.case.target_options)
         per = x.shape[0] // world
         r = self.dp_rank()
@@ -581,6 +610,18 @@ class FSDP2Target(Target):
         for dim in self.dp_dims:
             dist.all_reduce(full, group=self.mesh.get_group(dim))
         return (full / world).to(torch_dtype(self.case))
+
+    def _sync_forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from .. import sync
+
+        opts = self.case.target_options
+
+        def reduce(t):
+            for dim in self.dp_dims:
+                dist.all_reduce(t, group=self.mesh.get_group(dim))
+
+        return sync.forward_backward(self, model, x, y, lambda i, last: sync.fsdp2_controls(model, opts["sync"], last),
+                                     lambda mod, xm, ym: self.objective(mod, xm, ym, opts), reduce, self._loss_context)
 
     @staticmethod
     def _compile_blocks(model: nn.Module) -> None:
