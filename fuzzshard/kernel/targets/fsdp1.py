@@ -155,7 +155,7 @@ class FSDP1Target(Target):
     # FSDP1 records requires_grad when it wraps; it steps each rank's flat 1-D slice of a param
     # the loop: FSDP's own clip_grad_norm_ (torch.nn.utils' over sharded flat grads would be each rank's
     # norm) and clip_grad_value_ (elementwise: right on any shard), any scheduler, ShardedGradScaler
-    spec = Spec(moe={"whole_batch": False}, options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
+    spec = Spec(moe={"whole_batch": False, "microbatched": True}, options=draw_options, checkpoint_kinds=KINDS, data_parallel=True, elementwise_only=True,
                 may_flatten=True, flags_fixed=lambda options: True, fit_options=fit_options, component="FSDP",
                 coverage=coverage, clips=("own", "value"), lr_scheduler=True, scaler=True,
                 # activation checkpointing after FSDP wraps (torch's FSDP recipe; kernel/ac.py): torch.utils'
