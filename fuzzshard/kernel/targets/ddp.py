@@ -354,8 +354,20 @@ class DDPTarget(Target):
 
     @property
     def localizable(self) -> bool:
-        """Traces gather activations across ranks: a joined rank has none to give; a gated layer's differ."""
-        return not self.counts and not self.case.target_options.get("gate")
+        """Per-module traces line up with the reference's with one forward per
+        step on every rank (a joined rank has none; a gated layer's differ by rank)."""
+        o = self.case.target_options
+        return not self.counts and not o.get("gate") and self.microbatches(o) == 1
+
+    def full_activation(self, t: torch.Tensor, fqn: str = "") -> torch.Tensor:
+        """The global-batch activation from every rank's slice, in rank order."""
+        from .fsdp2 import _gather_along
+
+        return _gather_along(t, self.group, 0)
+
+    def full_activation_grad(self, g: torch.Tensor, fqn: str = "") -> torch.Tensor:
+        # each rank's loss is a mean over its slice: its output grads are world x the global ones
+        return self.full_activation(g, fqn) / self._world()
 
     @property
     def counts(self) -> list[int] | None:
