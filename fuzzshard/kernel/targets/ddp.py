@@ -33,7 +33,6 @@ design) only by the replica oracle, and the steps from them by parity.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import math
 import os
@@ -43,10 +42,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...case import Case
-from ..model import loss_fn
+from ..model import loss_fn, param_shapes
 from ..optim import param_order
-from ..state_io import STATE_DICT_KINDS, load as dsd_load, save as dsd_save
+from ..oracles import mixed_precision_tolerance, reduction_tolerance
+from ..plain import sensitivity, torch_dtype
+from ..reference import reduction_length
+from ..state_io import STATE_DICT_KINDS, load, save
 from .base import Spec, Target
+from .zero import ZeroTarget, _Shadow
 
 HOOKS = ("allreduce", "fp16", "bf16", "fp16_wrapper", "powersgd")
 LOSSY = {"fp16": "float16", "bf16": "bfloat16", "fp16_wrapper": "float16"}
@@ -201,8 +204,6 @@ def check(case) -> str | None:
 
 
 def _trainable(case) -> list[str]:
-    from ..model import param_shapes
-
     return [n for n in param_shapes(case.model) if n not in case.frozen]
 
 
@@ -271,8 +272,6 @@ class DDPTarget(Target):
     @classmethod
     def reference_batch(cls, case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
         """Uneven inputs: as zero's (only the ranks still running step k add their slices; DDP divides by W)."""
-        from .zero import ZeroTarget
-
         return ZeroTarget.reference_batch(case, k, x, y)
 
     @classmethod
@@ -288,10 +287,6 @@ class DDPTarget(Target):
         subnormal spacing per rounding), beside the float64 sum's own
         reduction tolerance. PowerSGD's grads are a low-rank approximation by
         design: any finite value passes here (the replica oracle compares them)."""
-        from ..oracles import mixed_precision_tolerance, reduction_tolerance
-        from ..plain import sensitivity, torch_dtype
-        from ..reference import reduction_length
-
         hook = (options.get("hook") or {}).get("name")
         if not options.get("gate") and hook not in (*LOSSY, "powersgd"):
             return None
@@ -361,9 +356,9 @@ class DDPTarget(Target):
 
     def full_activation(self, t: torch.Tensor, fqn: str = "") -> torch.Tensor:
         """The global-batch activation from every rank's slice, in rank order."""
-        from .fsdp2 import _gather_along
-
-        return _gather_along(t, self.group, 0)
+        parts = [torch.empty_like(t) for _ in range(self._world())]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=0)
 
     def full_activation_grad(self, g: torch.Tensor, fqn: str = "") -> torch.Tensor:
         # each rank's loss is a mean over its slice: its output grads are world x the global ones
@@ -449,8 +444,6 @@ class DDPTarget(Target):
             return
         from torch.distributed.algorithms.join import Join
 
-        from .zero import _Shadow
-
         pending = {}
         device = next(model.parameters()).device
 
@@ -507,7 +500,7 @@ class DDPTarget(Target):
 
     def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
         if self.case.checkpoint.kind != "module":
-            return dsd_save(self.case, self.wrapper, opt, path, group)
+            return save(self.case, self.wrapper, opt, path, group)  # DSD on the wrapper
         rank = dist.get_rank(self.group)
         file = os.path.join(path, MODULE_FILE)
         if rank == 0:
@@ -528,7 +521,7 @@ class DDPTarget(Target):
 
     def load(self, model: nn.Module, opt, path: str, group) -> None:
         if self.case.checkpoint.kind != "module":
-            dsd_load(self.case, self.wrapper, opt, path, group)
+            load(self.case, self.wrapper, opt, path, group)
             return
         from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
