@@ -33,6 +33,7 @@ design) only by the replica oracle, and the steps from them by parity.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -42,14 +43,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...case import Case
-from ..model import loss_fn, param_shapes
+from ..model import loss_fn
 from ..optim import param_order
 from ..oracles import mixed_precision_tolerance, reduction_tolerance
 from ..plain import sensitivity, torch_dtype
 from ..reference import reduction_length
 from ..state_io import STATE_DICT_KINDS, load, save
 from .base import Spec, Target
-from .zero import ZeroTarget, _Shadow
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 HOOKS = ("allreduce", "fp16", "bf16", "fp16_wrapper", "powersgd")
 LOSSY = {"fp16": "float16", "bf16": "bfloat16", "fp16_wrapper": "float16"}
@@ -108,16 +109,6 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), model=
             out["synced_first"] = 1
     if gate:
         out["gate"] = draw(st.sampled_from(gates))
-    if draw(st.integers(0, 3)) == 3:
-        hook = {"name": draw(st.sampled_from(HOOKS))}
-        if hook["name"] == "powersgd":
-            hook["rank"] = draw(st.integers(1, 2))
-            hook["feedback"] = draw(st.booleans())
-            hook["warm"] = draw(st.booleans())
-            # PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start (documented)
-            hook["start"] = draw(st.integers(2 if hook["feedback"] or hook["warm"] else 1, 3))
-            hook["min_rate"] = draw(st.sampled_from([0.0, 2.0]))  # 0: every matrix compressed, however small
-        out["hook"] = hook
     trainable = sorted(n for n in shapes if not n.startswith("unused."))
     if len(trainable) > 1 and draw(st.integers(0, 5)) == 5:
         tied_names = {n for n in shapes if n.rsplit(".", 1)[0] in tied}
@@ -141,11 +132,27 @@ def joinable(case) -> bool:
 
 
 def draw_late_options(draw, case) -> dict:
-    """Where ``joinable``, now and then uneven inputs under Join: rank r runs
-    the first counts[r] steps, one rank all of them."""
+    """Now and then a comm hook (the saving side's); then, where ``joinable``,
+    now and then uneven inputs under Join: rank r runs the first counts[r]
+    steps, one rank all of them."""
     import hypothesis.strategies as st
 
     out = dict(case.target_options)
+    # a comm hook, now and then: drawn once the device and dtype are known (bf16_compress_hook raises on CPU; the
+    # compressing hooks are not drawn for a low-precision model)
+    hooks = [h for h in HOOKS if not (h == "bf16" and case.device == "cpu")
+             and not (h in LOSSY and case.dtype not in ("float32", "float64"))]
+    if draw(st.integers(0, 3)) == 3:
+        hook = {"name": draw(st.sampled_from(hooks))}
+        if hook["name"] == "powersgd":
+            hook["rank"] = draw(st.integers(1, 2))
+            hook["feedback"] = draw(st.booleans())
+            hook["warm"] = draw(st.booleans())
+            # PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start (documented)
+            hook["start"] = draw(st.integers(2 if hook["feedback"] or hook["warm"] else 1, 3))
+            hook["min_rate"] = draw(st.sampled_from([0.0, 2.0]))  # 0: every matrix compressed, however small
+        out["hook"] = hook
+        case = dataclasses.replace(case, target_options=out)
     if joinable(case) and draw(st.integers(0, 3)) == 3:
         n_steps, world = len(case.schedule), case.world_size
         counts = [draw(st.integers(1, n_steps)) for _ in range(world)]
@@ -197,14 +204,7 @@ def check(case) -> str | None:
                 f"{case.world_size}, one of them {len(case.schedule)}")
     if uneven and not joinable(case):
         return "uneven inputs where Join does not apply (see kernel/targets/ddp.py joinable)"
-    managed = [n for n in _trainable(case) if n not in case.target_options.get("ignore", ())]
-    if not managed:
-        return "no param that requires grad left to DDP (DistributedDataParallel refuses the module)"
     return None
-
-
-def _trainable(case) -> list[str]:
-    return [n for n in param_shapes(case.model) if n not in case.frozen]
 
 
 def coverage(case) -> dict:
@@ -224,6 +224,28 @@ def facts(case) -> dict:
     o = case.target_options
     return {"hook": (o.get("hook") or {}).get("name", ""), "static_graph": bool(o.get("ddp", {}).get("static_graph")),
             "no_sync": o.get("microbatches", 1) > 1, "gate": bool(o.get("gate"))}
+
+
+class _JoinShadow(Joinable):
+    """A Joinable whose join hook runs ``fn``: a joined rank's part in the
+    collectives (and the step) the training loop runs after DDP's."""
+
+    def __init__(self, fn, group, model: nn.Module):
+        super().__init__()
+        self.fn, self.group, self.device = fn, group, next(model.parameters()).device
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        hook = JoinHook()
+        hook.main_hook = self.fn
+        return hook
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.group
 
 
 def _gated_forward(layer):
@@ -266,13 +288,26 @@ class DDPTarget(Target):
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
 
     @classmethod
+    def documented_refusal(cls, case: Case, error: dict) -> bool:
+        """DDP over a module with no param that requires grad (all frozen, or ignored): it raises, as documented."""
+        return "doesn't have any parameter that requires a gradient" in error.get("message", "")
+
+    @classmethod
     def microbatches(cls, options: dict) -> int:
         return options.get("microbatches", 1)
 
     @classmethod
     def reference_batch(cls, case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
-        """Uneven inputs: as zero's (only the ranks still running step k add their slices; DDP divides by W)."""
-        return ZeroTarget.reference_batch(case, k, x, y)
+        """With uneven inputs only the ranks that still run step k contribute
+        their slices, and DDP averages over the whole world (by its initial
+        size): the grad of the sum over active ranks of their mean loss / W."""
+        counts = case.target_options.get("uneven")
+        if not counts:
+            return x, y, 1.0
+        per = x.shape[0] // len(counts)
+        active = [r for r, n in enumerate(counts) if n > k]
+        pick = torch.cat([torch.arange(r * per, (r + 1) * per) for r in active]).to(x.device)
+        return x[pick], y[pick], len(active) / len(counts)
 
     @classmethod
     def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y,
@@ -442,8 +477,6 @@ class DDPTarget(Target):
         if not self.counts:
             yield lambda k: True
             return
-        from torch.distributed.algorithms.join import Join
-
         pending = {}
         device = next(model.parameters()).device
 
@@ -456,8 +489,8 @@ class DDPTarget(Target):
             record({**pending, **observe_step(), "trace": None})
 
         mine = self.counts[dist.get_rank(self.group)]
-        with Join([self.wrapper, _Shadow(after_backward, self.group, model), _Shadow(opt.step, self.group, model),
-                   _Shadow(after_step, self.group, model)]):
+        with Join([self.wrapper, _JoinShadow(after_backward, self.group, model), _JoinShadow(opt.step, self.group, model),
+                   _JoinShadow(after_step, self.group, model)]):
             yield lambda k: k < mine
             self.joined = True
 
