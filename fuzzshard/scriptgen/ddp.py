@@ -98,10 +98,15 @@ def _on_wrapper(lines: list[str]) -> list[str]:
     return [ln.replace("state_dict(model, ", "state_dict(ddp, ") for ln in lines]
 
 
+def _load_dsd(case: Case, group: str) -> list[str]:
+    lines = dsd.load(case, group)
+    return lines if case.checkpoint.target_options.get("plain") else _on_wrapper(lines)  # plain: into the model
+
+
 for _kind in dsd.KINDS:
     globals()[f"imports_{_kind}"] = dsd.imports
     globals()[f"save_{_kind}"] = lambda case, group: _on_wrapper(dsd.save(case, group))
-    globals()[f"load_{_kind}"] = lambda case, group: _on_wrapper(dsd.load(case, group))
+    globals()[f"load_{_kind}"] = _load_dsd
 
 
 def imports_module(case: Case) -> list[str]:

@@ -23,8 +23,9 @@ plain torch.optim one on every rank. ``target_options``:
   - ``uneven``: per rank, how many schedule steps it runs, under ``Join``;
   - ``replicate``: ``_composable.replicate(model, **ddp)`` in place of the wrapper
     (``set_requires_gradient_sync`` for no_sync);
-  - ``plain`` (loading side of the ``module`` checkpoint): the wrapper's state
-    dict loaded into the plain model, its ``module.`` prefix consumed.
+  - ``plain`` (a loading side): the checkpoint loaded into the plain model
+    (DSD's ``set_state_dict`` on it; the ``module`` kind: the wrapper's state
+    dict with its ``module.`` prefix consumed), not into the wrapper.
 What must hold beyond parity: every rank's grads and params are bit for bit the
 same (the replica oracle). Lossy comm hooks are compared within their rounding
 (``reference_loss_grads``); PowerSGD's grads (a low-rank approximation by
@@ -80,7 +81,7 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), model=
     import hypothesis.strategies as st
 
     out, ddp = {}, {}
-    if loading and kind == "module" and draw(st.booleans()):
+    if loading and draw(st.booleans()):  # the checkpoint loaded into the plain model, not the wrapper
         out["plain"] = True
     static = draw(st.booleans())
     unused = bool(model is not None and model.unused)
@@ -554,7 +555,8 @@ class DDPTarget(Target):
 
     def load(self, model: nn.Module, opt, path: str, group) -> None:
         if self.case.checkpoint.kind != "module":
-            load(self.case, self.wrapper, opt, path, group)
+            plain = self.case.target_options.get("plain")  # set_state_dict on the plain model, or the wrapper
+            load(self.case, model if plain else self.wrapper, opt, path, group)
             return
         from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
