@@ -110,7 +110,9 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), model=
             out["synced_first"] = 1
     if gate:
         out["gate"] = draw(st.sampled_from(gates))
-    trainable = sorted(n for n in shapes if not n.startswith("unused."))
+    # (not in the gated layer: a rank that skips it has no grad there to average by hand, the others do)
+    trainable = sorted(n for n in shapes if not n.startswith("unused.")
+                       and not (gate and n.startswith(out["gate"] + ".")))
     if len(trainable) > 1 and draw(st.integers(0, 5)) == 5:
         tied_names = {n for n in shapes if n.rsplit(".", 1)[0] in tied}
         pick = [n for n in trainable if n not in tied_names]
@@ -185,6 +187,8 @@ def check(case) -> str | None:
             return "an unused submodule without find_unused_parameters or static_graph (DDP's documented error)"
         if o.get("gate") and o["gate"] not in _residuals(case.model):
             return f"gate {o['gate']}: no top-level residual layer with params"
+        if o.get("gate") and any(n.startswith(o["gate"] + ".") for n in o.get("ignore", ())):
+            return "an ignored param in the gated layer: the ranks that skip it have no grad to average by hand"
         if o.get("replicate") and o.get("ignore"):
             return "replicate() ignores modules, not params"
         if hook.get("name") == "powersgd" and (hook.get("feedback") or hook.get("warm")) and hook.get("start", 1) <= 1:
