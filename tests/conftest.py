@@ -29,6 +29,9 @@ SLOW = {
     "test_redis.py::test_a_second_run_replays_the_first_runs_failure_from_redis":
         "a fuzz session, then a soak that replays it: every database write is checked by the other redis tests",
     "test_redis.py::test_a_soak_goes_on_when_redis_goes_away": "a soak of up to 3 minutes",
+    "test_ddp.py::test_no_sync_that_still_all_reduces_on_one_rank_is_caught":
+        "two replays, one of them a hang that waits out a 15 s case timeout (40-70 s): the other ddp plants are "
+        "caught in the default tier by test_ddp.py's replays, and hangs by test_planted.py's hang_in_adagrad",
     "test_soak.py::test_torchrun_soak_cells_span_nodes_and_a_lost_node_leaves_the_rest_going":
         "a torchrun soak over 3 processes (70 s and more): test_cells_share_findings... keeps soaks in the default tier",
     # moved on 2026-12-02 (CI at 2079 s against a 25-minute budget; times from a full run at load average 15 to

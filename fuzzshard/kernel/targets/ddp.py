@@ -1,0 +1,577 @@
+"""Target ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (or the
+composable ``torch.distributed._composable.replicate``) around the whole model.
+
+Every rank holds the whole model and trains on its slice of the global batch;
+DDP averages the grads in buckets during the backward. The optimizer is the
+plain torch.optim one on every rank. ``target_options``:
+  - ``ddp``: DDP's kwargs where they differ from its defaults: static_graph,
+    find_unused_parameters, gradient_as_bucket_view, bucket_cap_mb (tiny: each
+    param, or a few, a bucket of its own after the first iteration's rebuild),
+    broadcast_buffers, init_sync;
+  - ``microbatches``: gradient accumulation, the first m-1 forward/backwards of
+    every step (the first step's included) under ``no_sync()``;
+  - ``synced_first``: the wrapper's first this many steps sync every
+    microbatch (no no_sync): accumulation starts once DDP has seen a step;
+  - ``gate``: the FQN of a top-level residual layer whose inner part a rank
+    skips on a microbatch whose input sums above 0 (float inputs; tokens: an odd
+    sum): the graph changes between steps and between ranks, and the skipped
+    params go unused on some ranks only (find_unused_parameters, no static_graph);
+  - ``ignore``: params DDP ignores (``_set_params_and_buffers_to_ignore_for_model``),
+    whose grads the loop averages by hand, as a user who ignores them must;
+  - ``hook``: a comm hook: {"name": allreduce | fp16 | bf16 | fp16_wrapper |
+    powersgd, and PowerSGD's "rank", "start", "feedback", "warm", "min_rate"};
+  - ``uneven``: per rank, how many schedule steps it runs, under ``Join``;
+  - ``replicate``: ``_composable.replicate(model, **ddp)`` in place of the wrapper
+    (``set_requires_gradient_sync`` for no_sync);
+  - ``plain`` (a loading side): the checkpoint loaded into the plain model
+    (DSD's ``set_state_dict`` on it; the ``module`` kind: the wrapper's state
+    dict with its ``module.`` prefix consumed), not into the wrapper.
+What must hold beyond parity: every rank's grads and params are bit for bit the
+same (the replica oracle). Lossy comm hooks are compared within their rounding
+(``reference_loss_grads``); PowerSGD's grads (a low-rank approximation by
+design) only by the replica oracle, and the steps from them by parity.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ...case import Case
+from ..model import loss_fn
+from ..optim import param_order
+from ..oracles import mixed_precision_tolerance, reduction_tolerance
+from ..plain import sensitivity, torch_dtype
+from ..reference import reduction_length
+from ..state_io import STATE_DICT_KINDS, load, save
+from .base import Spec, Target
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+HOOKS = ("allreduce", "fp16", "bf16", "fp16_wrapper", "powersgd")
+LOSSY = {"fp16": "float16", "bf16": "bfloat16", "fp16_wrapper": "float16"}
+BUCKET_CAPS = (1e-6, 4e-5, 1e-3)  # MiB: 1 byte (a bucket per param), a few params, ~1000 floats
+MODULE_FILE = "ddp_module.pt"
+CHECKPOINT_KINDS = {**STATE_DICT_KINDS,
+                    "module": "the wrapper's state_dict() (module. prefix) and optimizer.state_dict(), torch.save on "
+                              "rank 0; load_state_dict into the wrapper, or into the plain model (plain)"}
+
+
+def _residuals(model) -> list[str]:
+    """Top-level residual layers with params: what ``gate`` may skip."""
+    if model is None or getattr(model, "factory", None):
+        return []
+    return [f"layers.{i}" for i, layer in enumerate(model.layers)
+            if layer.kind == "residual" and _has_params(layer)]
+
+
+def _has_params(layer) -> bool:
+    return layer.kind in ("linear", "embedding", "layernorm", "conv1d") or any(_has_params(c) for c in layer.children)
+
+
+def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), model=None, loading: bool = False,
+                 kind: str = "", **_) -> dict:
+    """DDP's flags (each its default first), then now and then grad
+    accumulation, a gated residual, ignored params, a comm hook, replicate()."""
+    import hypothesis.strategies as st
+
+    out, ddp = {}, {}
+    if loading and draw(st.booleans()):  # the checkpoint loaded into the plain model, not the wrapper
+        out["plain"] = True
+    static = draw(st.booleans())
+    unused = bool(model is not None and model.unused)
+    gates = _residuals(model)
+    gate = gates and not static and draw(st.integers(0, 3)) == 3
+    if static:
+        ddp["static_graph"] = True
+    # an unused submodule or a gated layer needs find_unused_parameters (or static_graph) : DDP's documented error
+    if gate or (unused and not static) or draw(st.booleans()):
+        ddp["find_unused_parameters"] = True
+    if draw(st.booleans()):
+        ddp["gradient_as_bucket_view"] = True
+    cap = draw(st.sampled_from((None,) + BUCKET_CAPS))
+    if cap is not None:
+        ddp["bucket_cap_mb"] = cap
+    if draw(st.booleans()):
+        ddp["broadcast_buffers"] = False
+    if draw(st.booleans()):
+        ddp["init_sync"] = False
+    if ddp:
+        out["ddp"] = ddp
+    m = draw(st.sampled_from([1, 1, 2, 3]))
+    if m > 1:
+        out["microbatches"] = m
+        if draw(st.booleans()):  # the wrapper's first step syncs every microbatch: no_sync from its second on
+            out["synced_first"] = 1
+    if gate:
+        out["gate"] = draw(st.sampled_from(gates))
+    # (not in the gated layer: a rank that skips it has no grad there to average by hand, the others do)
+    trainable = sorted(n for n in shapes if not n.startswith("unused.")
+                       and not (gate and n.startswith(out["gate"] + ".")))
+    if len(trainable) > 1 and draw(st.integers(0, 5)) == 5:
+        tied_names = {n for n in shapes if n.rsplit(".", 1)[0] in tied}
+        pick = [n for n in trainable if n not in tied_names]
+        if pick:
+            out["ignore"] = [draw(st.sampled_from(pick))]
+    if "ignore" not in out and draw(st.integers(0, 5)) == 5:
+        out["replicate"] = True
+    return out
+
+
+def joinable(case) -> bool:
+    """Join applies to DDP (it is Joinable; replicate() is not) with every
+    trainable param used (a joined rank cannot tell an unused param's zero grad
+    from a real one), no comm hook of the case's own (Join's DDP hook shadows
+    the default all-reduce; the kernel registers its own averaging), one
+    forward/backward a step, no checkpoint and no loop around the step."""
+    o = case.target_options
+    return (case.world_size > 1 and len(case.schedule) > 1 and case.checkpoint is None and not case.model.unused
+            and not any(k in o for k in ("replicate", "hook", "gate", "microbatches", "ignore")))
+
+
+def draw_late_options(draw, case) -> dict:
+    """Now and then a comm hook (the saving side's); then, where ``joinable``,
+    now and then uneven inputs under Join: rank r runs the first counts[r]
+    steps, one rank all of them."""
+    import hypothesis.strategies as st
+
+    out = dict(case.target_options)
+    # a comm hook, now and then: drawn once the device and dtype are known (bf16_compress_hook raises on CPU; the
+    # compressing hooks are not drawn for a low-precision model)
+    hooks = [h for h in HOOKS if not (h == "bf16" and case.device == "cpu")
+             and not (h in LOSSY and case.dtype not in ("float32", "float64"))]
+    if draw(st.integers(0, 3)) == 3:
+        hook = {"name": draw(st.sampled_from(hooks))}
+        if hook["name"] == "powersgd":
+            hook["rank"] = draw(st.integers(1, 2))
+            hook["feedback"] = draw(st.booleans())
+            hook["warm"] = draw(st.booleans())
+            # PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start (documented)
+            hook["start"] = draw(st.integers(2 if hook["feedback"] or hook["warm"] else 1, 3))
+            hook["min_rate"] = draw(st.sampled_from([0.0, 2.0]))  # 0: every matrix compressed, however small
+        out["hook"] = hook
+        case = dataclasses.replace(case, target_options=out)
+    if joinable(case) and draw(st.integers(0, 3)) == 3:
+        n_steps, world = len(case.schedule), case.world_size
+        counts = [draw(st.integers(1, n_steps)) for _ in range(world)]
+        counts[draw(st.integers(0, world - 1))] = n_steps
+        out["uneven"] = counts
+    return out
+
+
+def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
+    """uneven holds a step count per rank, one of them every step."""
+    world = math.prod(mesh_shape)
+    if "uneven" in options:
+        counts = (options["uneven"] + [n_steps] * world)[:world]
+        if max(counts) != n_steps:
+            counts[-1] = n_steps
+        options["uneven"] = counts
+    return options
+
+
+def check(case) -> str | None:
+    sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
+    for o in sides:
+        ddp, hook = o.get("ddp", {}), o.get("hook") or {}
+        if ddp.get("static_graph") and o.get("gate"):
+            return "static_graph with a graph that changes between steps (DDP's docs: the used params never change)"
+        if o.get("gate") and not ddp.get("find_unused_parameters"):
+            return "a gated layer without find_unused_parameters (DDP's documented error)"
+        if case.model.unused and not (ddp.get("find_unused_parameters") or ddp.get("static_graph")):
+            return "an unused submodule without find_unused_parameters or static_graph (DDP's documented error)"
+        if o.get("gate") and o["gate"] not in _residuals(case.model):
+            return f"gate {o['gate']}: no top-level residual layer with params"
+        if o.get("gate") and any(n.startswith(o["gate"] + ".") for n in o.get("ignore", ())):
+            return "an ignored param in the gated layer: the ranks that skip it have no grad to average by hand"
+        if o.get("replicate") and o.get("ignore"):
+            return "replicate() ignores modules, not params"
+        if hook.get("name") == "powersgd" and (hook.get("feedback") or hook.get("warm")) and hook.get("start", 1) <= 1:
+            return "PowerSGD with error feedback or warm start from iteration 1 (PowerSGDState refuses it)"
+        if hook.get("name") == "bf16" and case.device == "cpu":
+            return "bf16_compress_hook on CPU (it raises: it requires CUDA 11+ and NCCL 2.10+, as documented)"
+        if hook.get("name") in LOSSY and (case.dtype not in ("float32", "float64") or case.scaler):
+            return "a compressing comm hook on a low-precision model or under a grad scaler (its grads overflow float16)"
+    for world, o in [(case.world_size, case.target_options)] + \
+            ([(case.checkpoint.world_size, case.checkpoint.target_options)] if case.checkpoint else []):
+        if case.batch % (world * o.get("microbatches", 1)):
+            return f"batch {case.batch}: not {world} ranks' equal slices in {o.get('microbatches', 1)} equal microbatches"
+    uneven = case.target_options.get("uneven")
+    if uneven and (case.clip or case.lr_scheduler or case.scaler):
+        return "uneven inputs under Join: a joined rank's step is shadowed without the loop (clip, scaler, lr)"
+    if uneven is not None and (len(uneven) != case.world_size or max(uneven) != len(case.schedule) or min(uneven) < 1):
+        return (f"uneven inputs {uneven}: want one step count in 1..{len(case.schedule)} per rank of "
+                f"{case.world_size}, one of them {len(case.schedule)}")
+    if uneven and not joinable(case):
+        return "uneven inputs where Join does not apply (see kernel/targets/ddp.py joinable)"
+    return None
+
+
+def coverage(case) -> dict:
+    """DDP's features a case used: its flags, the comm hook, accumulation, gate, Join, replicate."""
+    from .fsdp1 import loop_coverage
+
+    o = case.target_options
+    used = sorted(o.get("ddp", {})) + [k for k in ("microbatches", "gate", "ignore", "uneven", "replicate") if o.get(k)]
+    if o.get("hook"):
+        used.append(f"hook {o['hook']['name']}")
+    out = loop_coverage(case, "replicate()" if o.get("replicate") else "DDP")
+    out["DDP features"] = used or ["defaults"]
+    return out
+
+
+def facts(case) -> dict:
+    o = case.target_options
+    return {"hook": (o.get("hook") or {}).get("name", ""), "static_graph": bool(o.get("ddp", {}).get("static_graph")),
+            "no_sync": o.get("microbatches", 1) > 1, "gate": bool(o.get("gate"))}
+
+
+class _JoinShadow(Joinable):
+    """A Joinable whose join hook runs ``fn``: a joined rank's part in the
+    collectives (and the step) the training loop runs after DDP's."""
+
+    def __init__(self, fn, group, model: nn.Module):
+        super().__init__()
+        self.fn, self.group, self.device = fn, group, next(model.parameters()).device
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        hook = JoinHook()
+        hook.main_hook = self.fn
+        return hook
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.group
+
+
+def _gated_forward(layer):
+    """A Residual whose inner part is skipped while ``layer._fuzz_skip`` is set."""
+    def forward(x):
+        return x if layer._fuzz_skip else x + layer.inner(x)
+    return forward
+
+
+def skips(x: torch.Tensor) -> bool:
+    """Whether a gated layer is skipped on this microbatch: a function of the input alone."""
+    return bool(x.sum() % 2 == 1) if not x.is_floating_point() else bool(x.double().sum() > 0)
+
+
+@contextlib.contextmanager
+def gated(model: nn.Module, fqn: str | None):
+    """The model with ``fqn`` gated (``layer._fuzz_skip``), back to itself on leaving."""
+    if not fqn:
+        yield None
+        return
+    layer = model.get_submodule(fqn)
+    layer._fuzz_skip = False
+    layer.forward = _gated_forward(layer)
+    try:
+        yield layer
+    finally:
+        del layer.forward
+        del layer._fuzz_skip
+
+
+class DDPTarget(Target):
+    name = "ddp"
+    spec = Spec(options=draw_options, data_parallel=True, flat_mesh=True, named_params=True,
+                late_options=draw_late_options, checkpoint_kinds=CHECKPOINT_KINDS,
+                flags_fixed=lambda options: True, check=check, fit_options=fit_options, facts=facts,
+                component="DDP", coverage=coverage,
+                # full grads on every rank before the step: torch.nn.utils' clips and a plain GradScaler see what
+                # a local model's would
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
+    freeze_before_shard = True  # DDP registers the params that require grad when it wraps
+
+    @classmethod
+    def documented_refusal(cls, case: Case, error: dict) -> bool:
+        """DDP over a module with no param that requires grad (all frozen, or ignored): it raises, as documented."""
+        return "doesn't have any parameter that requires a gradient" in error.get("message", "")
+
+    @classmethod
+    def microbatches(cls, options: dict) -> int:
+        return options.get("microbatches", 1)
+
+    @classmethod
+    def reference_batch(cls, case, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """With uneven inputs only the ranks that still run step k contribute
+        their slices, and DDP averages over the whole world (by its initial
+        size): the grad of the sum over active ranks of their mean loss / W."""
+        counts = case.target_options.get("uneven")
+        if not counts:
+            return x, y, 1.0
+        per = x.shape[0] // len(counts)
+        active = [r for r, n in enumerate(counts) if n > k]
+        pick = torch.cat([torch.arange(r * per, (r + 1) * per) for r in active]).to(x.device)
+        return x[pick], y[pick], len(active) / len(counts)
+
+    @classmethod
+    def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y,
+                             scale: float = 1.0) -> tuple | None:
+        """Where the math is not the plain model's on the whole batch: each
+        rank's microbatches on its slice, the gated layer skipped where that
+        microbatch's input says (the same function of the same data as the
+        sharded run's), the grads averaged in float64. A lossy comm hook rounds
+        each rank's grad to its dtype (float16, bfloat16), divides by W there
+        and sums W of them there, then casts back: 2(W+1) ulps of that dtype of
+        sum|rank grads|/W (oracles.mixed_precision_tolerance, plus half its
+        subnormal spacing per rounding), beside the float64 sum's own
+        reduction tolerance. PowerSGD's grads are a low-rank approximation by
+        design: any finite value passes here (the replica oracle compares them)."""
+        hook = (options.get("hook") or {}).get("name")
+        if not options.get("gate") and hook not in (*LOSSY, "powersgd"):
+            return None
+        orig = torch_dtype(case)
+        params = dict(model.named_parameters())
+        per, m = x.shape[0] // world, options.get("microbatches", 1)
+        loss, total, spread, sens = torch.zeros((), dtype=torch.float64), {}, {}, {}
+        before = {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
+        with gated(model, options.get("gate")) as layer:
+            for r in range(world):
+                acc = {}
+                for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
+                    if layer is not None:
+                        layer._fuzz_skip = skips(xm)
+                    objective = functools.partial(cls.objective, options=options)
+                    for key, v in sensitivity(model, params, xm, ym, objective, 1.0 / m).items():
+                        sens[key] = sens.get(key, 0.0) + v / world
+                    for p in params.values():
+                        p.grad = None
+                    local = objective(model, xm, ym) / m
+                    # GradScaler.scale: times its float32 scale tensor, cast back to the loss's dtype; unscaled below
+                    (local if scale == 1.0 else (local * torch.tensor(scale, dtype=torch.float32)).type(local.dtype)).backward()
+                    loss = loss + local.detach().double() / world
+                    for n, p in params.items():
+                        if p.grad is not None:
+                            acc[n] = acc[n] + p.grad if n in acc else p.grad.clone()
+                for n, g in acc.items():
+                    g = g.double() / scale
+                    total[n] = total.get(n, 0) + g
+                    spread[n] = spread.get(n, 0) + g.abs()
+        red = reduction_tolerance(case.dtype, reduction_length(case))
+        grads, extra = {}, {}
+        for n, p in params.items():
+            p.grad = before[n]
+            new = None if n not in total else (total[n] / world).to(orig)
+            grads[n] = before[n] if new is None else new if before[n] is None else before[n] + new
+        if hook in LOSSY:
+            low = mixed_precision_tolerance(case.dtype, LOSSY[hook], world)
+            for n in spread:
+                extra[n] = low["k_ulps"] * (low["u"] * spread[n] / world + low["eta"])
+            red = {**red, "why": f"{red['why']}; plus {low['why']} (comm hook {hook})"}
+            if LOSSY[hook] == "float16":  # past float16's range: inf, as the hook's sum gives
+                for n, t in total.items():
+                    compressed = [t / world]
+                    over = compressed[0].to(torch.float16).isinf() & t.isfinite()
+                    grads[n] = torch.where(over, t.sign() * torch.inf, grads[n].double()).to(orig)
+        elif hook == "powersgd":
+            for n in total:
+                extra[n] = torch.full_like(total[n], torch.inf)
+            red = {**red, "why": f"{red['why']}; PowerSGD's grads: any finite value (a low-rank approximation)"}
+        return loss.to(orig), grads, red, sens, extra
+
+    def __init__(self, case, mesh):
+        super().__init__(case, mesh)
+        self.group = mesh.get_group()
+        self.wrapper = None
+        self.joined = False
+        self.layer = None
+        self.steps_run = 0  # forward_backward calls so far (synced_first)
+
+    @property
+    def localizable(self) -> bool:
+        """Per-module traces line up with the reference's with one forward per
+        step on every rank (a joined rank has none; a gated layer's differ by rank)."""
+        o = self.case.target_options
+        return not self.counts and not o.get("gate") and self.microbatches(o) == 1
+
+    def full_activation(self, t: torch.Tensor, fqn: str = "") -> torch.Tensor:
+        """The global-batch activation from every rank's slice, in rank order."""
+        parts = [torch.empty_like(t) for _ in range(self._world())]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=0)
+
+    def full_activation_grad(self, g: torch.Tensor, fqn: str = "") -> torch.Tensor:
+        # each rank's loss is a mean over its slice: its output grads are world x the global ones
+        return self.full_activation(g, fqn) / self._world()
+
+    @property
+    def counts(self) -> list[int] | None:
+        return self.case.target_options.get("uneven")
+
+    def _world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        o = self.case.target_options
+        kwargs = dict(o.get("ddp", {}))
+        device = next(model.parameters()).device
+        if o.get("gate"):  # for the model's life (the reference gates its own model while it computes)
+            self.layer = model.get_submodule(o["gate"])
+            self.layer._fuzz_skip = False
+            self.layer.forward = _gated_forward(self.layer)
+        if o.get("replicate"):
+            from torch.distributed._composable.replicate import replicate
+
+            replicate(model, device_id=device, process_group=self.group, **kwargs)
+            self.wrapper = model
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            if o.get("ignore"):
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(o["ignore"]))
+            self.wrapper = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device],
+                                                   process_group=self.group, **kwargs)
+        self._register_hook()
+        return model  # the plain module: its FQNs; the forward goes through the wrapper
+
+    def _register_hook(self) -> None:
+        hook = self.case.target_options.get("hook")
+        if self.counts:
+            self.wrapper.register_comm_hook(None, self._allreduce_setting_joined_grads)
+            return
+        if not hook:
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+
+        name = hook["name"]
+        if name == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+            state = ps.PowerSGDState(process_group=self.group, matrix_approximation_rank=hook["rank"],
+                                     start_powerSGD_iter=hook["start"], min_compression_rate=hook["min_rate"],
+                                     use_error_feedback=hook["feedback"], warm_start=hook["warm"])
+            self.wrapper.register_comm_hook(state, ps.powerSGD_hook)
+            return
+        fn = {"allreduce": dh.allreduce_hook, "fp16": dh.fp16_compress_hook, "bf16": dh.bf16_compress_hook,
+              "fp16_wrapper": dh.fp16_compress_wrapper(dh.allreduce_hook)}[name]
+        self.wrapper.register_comm_hook(self.group, fn)
+
+    def _allreduce_setting_joined_grads(self, state, bucket):
+        """DDP's averaging as a comm hook; on a joined rank its result (the active ranks' grads) is made this
+        rank's grads, which its shadowed step then steps from (kernel/targets/zero.py's, the same)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        fut = allreduce_hook(self.group, bucket)
+        if not self.joined:
+            return fut
+
+        def set_grads(done):
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                p.grad = g.detach().clone()
+            return done.value()
+
+        return fut.then(set_grads)
+
+    @contextlib.contextmanager
+    def uneven(self, model: nn.Module, opt, observe_grads, observe_step, record):
+        """Uneven inputs under ``Join([ddp, ...])``: DDP's join hook shadows
+        the all-reduce (the comm hook makes its result a joined rank's grads),
+        and fuzzshard's own hooks shadow the loop's loss all-reduce, its
+        observation gathers and the step (the local optimizer, from those
+        grads: what keeps a joined rank's replica with the others')."""
+        if not self.counts:
+            yield lambda k: True
+            return
+        pending = {}
+        device = next(model.parameters()).device
+
+        def after_backward():
+            loss = torch.zeros((), dtype=next(model.parameters()).dtype, device=device)
+            dist.all_reduce(loss, group=self.group)
+            pending.update({"loss": loss / self._world(), **observe_grads()})
+
+        def after_step():
+            record({**pending, **observe_step(), "trace": None})
+
+        mine = self.counts[dist.get_rank(self.group)]
+        with Join([self.wrapper, _JoinShadow(after_backward, self.group, model), _JoinShadow(opt.step, self.group, model),
+                   _JoinShadow(after_step, self.group, model)]):
+            yield lambda k: k < mine
+            self.joined = True
+
+    def _sync(self, on: bool):
+        """no_sync() as the wrapper has it (replicate(): set_requires_gradient_sync)."""
+        if self.case.target_options.get("replicate"):
+            self.wrapper.set_requires_gradient_sync(on)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if on else self.wrapper.no_sync()
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This rank's slice in ``microbatches`` parts, all but the last under
+        no_sync (each loss / m); ignored params' grads averaged by hand."""
+        world, rank = self._world(), dist.get_rank(self.group)
+        m = self.microbatches(self.case.target_options)
+        per = x.shape[0] // world
+        xs, ys = x[rank * per:(rank + 1) * per].chunk(m), y[rank * per:(rank + 1) * per].chunk(m)
+        total = None
+        synced = self.steps_run < self.case.target_options.get("synced_first", 0)
+        self.steps_run += 1
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            if self.layer is not None:
+                self.layer._fuzz_skip = skips(xm)
+            with self._sync(synced or i == m - 1):
+                loss = loss_fn(self.wrapper(xm), ym) / m
+                self.backward(loss)
+            total = loss.detach().clone() if total is None else total + loss.detach()
+        if self.case.target_options.get("replicate"):
+            self.wrapper.set_requires_gradient_sync(True)
+        params = dict(model.named_parameters())
+        for n in self.case.target_options.get("ignore", ()):
+            g = params[n].grad
+            if g is not None:
+                dist.all_reduce(g, group=self.group)
+                g.div_(world)
+        dist.all_reduce(total, group=self.group)
+        return total / world
+
+    # ---- checkpoints: DSD on the wrapper, or the wrapper's own state_dict ----
+
+    def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
+        if self.case.checkpoint.kind != "module":
+            return save(self.case, self.wrapper, opt, path, group)  # DSD on the wrapper
+        rank = dist.get_rank(self.group)
+        file = os.path.join(path, MODULE_FILE)
+        if rank == 0:
+            torch.save({"model": self.wrapper.state_dict(), "optim": opt.state_dict()}, file)
+        dist.barrier(group=self.group)
+        if rank != 0:
+            return None
+        saved = torch.load(file, map_location="cpu")
+        from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+        msd = dict(saved["model"])
+        consume_prefix_in_state_dict_if_present(msd, "module.")
+        order = param_order(self.case)
+        osd = saved["optim"]
+        by_fqn = {"state": {order[i]: st for i, st in osd["state"].items()},
+                  "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in osd["param_groups"]]}
+        return {"model": msd, "optim": by_fqn}
+
+    def load(self, model: nn.Module, opt, path: str, group) -> None:
+        if self.case.checkpoint.kind != "module":
+            plain = self.case.target_options.get("plain")  # set_state_dict on the plain model, or the wrapper
+            load(self.case, model if plain else self.wrapper, opt, path, group)
+            return
+        from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+        saved = torch.load(os.path.join(path, MODULE_FILE), map_location="cpu")
+        msd = saved["model"]
+        into_wrapper = not self.case.target_options.get("plain") and not self.case.target_options.get("replicate")
+        prefixed = all(k.startswith("module.") for k in msd)
+        if into_wrapper and prefixed:
+            self.wrapper.load_state_dict(msd)  # as saved: DDP's module. prefix on both sides
+        else:
+            msd = dict(msd)
+            consume_prefix_in_state_dict_if_present(msd, "module.")
+            (self.wrapper.module if into_wrapper else model).load_state_dict(msd)
+        opt.load_state_dict(saved["optim"])

@@ -1,0 +1,100 @@
+"""The ddp target (kernel/targets/ddp.py): DistributedDataParallel and replicate() with their flags,
+no_sync accumulation, a gated residual, comm hooks, Join and the module state dict, replayed from
+hand-written cases (seconds each); its planted bugs found by their signatures; its straight-line
+script under torchrun with and without one."""
+import dataclasses
+
+import pytest
+
+from cases import simple_case
+from conftest import PLANTED, replay_clean_then_buggy, run_cli, torchrun
+from fuzzshard.case import CaseError, Checkpoint, Group, Layer, Model, Step
+from fuzzshard.scriptgen import fallback_reason, straight_script
+
+
+def ddp_case(**options):
+    case = simple_case(2, optim="Adam")
+    return dataclasses.replace(case, target="ddp", batch=4, schedule=(Step(),) * 3, target_options=options)
+
+
+def gated_case(**options):
+    """A residual block (layers.1) that each rank skips on a microbatch whose input sums above 0."""
+    model = Model("features", 4, (Layer("linear", 4, 4), Layer("residual", 4, 4, children=(
+        Layer("linear", 4, 4), Layer("act", act="tanh"))), Layer("linear", 4, 3)))
+    names = ("layers.0.weight", "layers.0.bias", "layers.1.inner.0.weight", "layers.1.inner.0.bias",
+             "layers.2.weight", "layers.2.bias")
+    return dataclasses.replace(ddp_case(**options), model=model, groups=(Group(names),), batch=8)
+
+
+CLEAN = {
+    # params unused on some ranks and steps (the gate), accumulated under no_sync from the first step on
+    "gate_no_sync": gated_case(ddp={"find_unused_parameters": True, "bucket_cap_mb": 1e-6}, gate="layers.1",
+                               microbatches=2),
+    "powersgd": ddp_case(hook={"name": "powersgd", "rank": 1, "start": 2, "feedback": True, "warm": True,
+                               "min_rate": 0.0}),
+    "uneven_join": ddp_case(ddp={"gradient_as_bucket_view": True}, uneven=[3, 1]),
+    # replicate() saves without the module. prefix; the DDP wrapper it loads into at world size 1 wants it
+    "replicate_module_ckpt": dataclasses.replace(ddp_case(replicate=True, microbatches=2),
+                                                 checkpoint=Checkpoint(0, "module", 1, (1,), {})),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLEAN))
+def test_ddp_features_train_in_parity(tmp_path, name):
+    path = tmp_path / "case.json"
+    path.write_text(CLEAN[name].to_json())
+    r = run_cli("replay", path)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_ddp_rules_refuse_what_ddp_documents():
+    with pytest.raises(CaseError, match="static_graph"):
+        gated_case(ddp={"static_graph": True, "find_unused_parameters": True}, gate="layers.1").check()
+    with pytest.raises(CaseError, match="bf16_compress_hook"):
+        ddp_case(hook={"name": "bf16"}).check()
+    with pytest.raises(CaseError, match="PowerSGD"):
+        ddp_case(hook={"name": "powersgd", "rank": 1, "start": 1, "feedback": True, "warm": False,
+                       "min_rate": 0.0}).check()
+    with pytest.raises(CaseError, match="equal microbatches"):
+        ddp_case(microbatches=3).check()
+
+
+def test_static_graph_bucket_that_skips_a_param_is_caught(tmp_path):
+    """Under static_graph, after the first iteration, one param keeps each rank's own grad."""
+    buggy = replay_clean_then_buggy(tmp_path, ddp_case(ddp={"static_graph": True}),
+                                    "ddp_static_bucket_skips_param.py")
+    assert "FAIL: ddp.parity.grad" in buggy and "grad of layers.0.weight after step 1" in buggy, buggy
+
+
+def test_compress_hook_that_casts_back_before_dividing_is_caught(tmp_path):
+    """fp16_compress_hook whose bucket keeps the sum: far past float16's derived rounding bound."""
+    buggy = replay_clean_then_buggy(tmp_path, ddp_case(hook={"name": "fp16"}),
+                                    "ddp_compress_cast_back_before_divide.py")
+    assert "FAIL: ddp.parity.grad" in buggy and "after step 0" in buggy and "(comm hook fp16)" in buggy, buggy
+
+
+def test_no_sync_that_still_all_reduces_on_one_rank_is_caught(tmp_path):
+    """Rank 1 all-reduces inside no_sync: its collectives no longer pair with rank 0's (a hang)."""
+    path = tmp_path / "case.json"
+    path.write_text(ddp_case(microbatches=2).to_json())
+    assert run_cli("replay", path).returncode == 0
+    buggy = run_cli("replay", path, "--case-timeout", 15, setup="ddp_no_sync_one_rank.py")
+    assert buggy.returncode == 1 and "FAIL: ddp.hang.fwdbwd." in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+
+
+def test_ddp_script_finds_the_planted_bucket_skip_and_passes_without(tmp_path):
+    case = ddp_case(ddp={"static_graph": True, "bucket_cap_mb": 1e-6}, microbatches=2, synced_first=1)
+    src = straight_script(case, "ddp")
+    assert src is not None and src.count("\n") < 150, fallback_reason(case)
+    assert "ddp.no_sync()" in src and "static_graph=True" in src
+    (tmp_path / "repro.py").write_text(src)
+    buggy = torchrun(tmp_path / "repro.py", 2, "--setup", PLANTED / "ddp_static_bucket_skips_param.py", cwd=tmp_path)
+    assert buggy.returncode == 1 and "step 1 grad layers.0.weight" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
+    ok = torchrun(tmp_path / "repro.py", 2, cwd=tmp_path)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+
+
+def test_ddp_script_falls_back_where_the_bound_is_the_kernels():
+    assert "fp16" in fallback_reason(ddp_case(hook={"name": "fp16"}))
+    assert "gate" in fallback_reason(gated_case(ddp={"find_unused_parameters": True}, gate="layers.1"))
+    assert fallback_reason(ddp_case(replicate=True, microbatches=2)) is None
