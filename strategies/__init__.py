@@ -274,6 +274,9 @@ def cases(
     split = _target_class(target).microbatches
     microbatches = max(split(options), split(ck.target_options) if ck else 1)
     ranks_per_sample = math.lcm(world, ck.world_size if ck else 1) * microbatches
+    # (and a multiple of each side's own ranks x microbatches: 2 microbatches on one side, 3 on the other)
+    ranks_per_sample = math.lcm(ranks_per_sample, world * split(options),
+                                ck.world_size * split(ck.target_options) if ck else 1)
     case = Case(
         target=target,
         world_size=world,
