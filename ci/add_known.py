@@ -3,11 +3,20 @@
     python ci/add_known.py FINDING.json "one-line diagnosis" [...pairs]
     python ci/add_known.py --trigger '{"checkpoint.kind": "broadcast"}' HANG.json "diagnosis"
     python ci/add_known.py --as-recorded --devices cuda GPU_FINDING.json "diagnosis"
+    python ci/add_known.py --suffix dropout --only-when '{"facts.dropout": true}' F.json "diagnosis"
 
 --as-recorded keeps the verdict and environment the finding file holds (a
 finding seen on a machine this one is not, e.g. a GPU node: replay it there
 first); --devices limits it to cases on those devices, so a torch bug seen
 only on CUDA never hides a new bug of the same signature on the CPU.
+
+--only-when makes it known only for cases that match (field paths and
+facts.NAME, as a trigger; a list value: any of these); recorded again
+without it, a known finding keeps the one it had. --suffix WORD records it
+as known/<signature>.WORD.json: another root cause under a signature a known
+finding has already; each of them needs an --only-when that tells it apart
+(a session tries <signature>.json first, then the suffixed ones in order,
+and the first whose only_when holds for the case is the hit).
 
 A trigger (known hangs only) lists the case fields that always hit the hang
 (a list value: any of these); sessions count a matching case as a hit
@@ -26,14 +35,14 @@ from fuzzshard.findings.judge import judge
 from fuzzshard.pool.runner import Pool
 
 
-def main(pairs, trigger=None, as_recorded=False, devices=()):
+def main(pairs, trigger=None, as_recorded=False, devices=(), only_when=None, suffix=""):
     items = [(load_finding(p), d) for p, d in zip(pairs[::2], pairs[1::2])]
     if as_recorded:
         for f, diagnosis in items:
             env = {**f.environment, "device": f.environment.get("device") or f.case.device}
             new = Finding(f.signature, f.case, f.verdict, environment=env, diagnosis=diagnosis,
-                          trigger=trigger or {}, devices=list(devices))
-            _replace(new)
+                          trigger=trigger or {}, only_when=only_when or {}, devices=list(devices))
+            _replace(new, suffix)
         (KNOWN_DIR / "README.md").write_text(known_markdown(load_known()) + "\n")
         return
     with Pool(max(f.case.ranks for f, _ in items), case_timeout=30) as pool:
@@ -45,18 +54,21 @@ def main(pairs, trigger=None, as_recorded=False, devices=()):
                 continue
             sig, v = j.signature, j.verdict
             _replace(Finding(sig, f.case, v, environment=env, diagnosis=diagnosis, trigger=trigger or {},
-                             devices=list(devices)))
+                             only_when=only_when or {}, devices=list(devices)), suffix)
     (KNOWN_DIR / "README.md").write_text(known_markdown(load_known()) + "\n")
 
 
-def _replace(finding) -> None:
-    path = KNOWN_DIR / f"{finding.signature}.json"
-    if path.exists() and not finding.root_cause:  # the root cause stays what it was
-        finding.root_cause = load_finding(path).root_cause
-    for old in KNOWN_DIR.glob(f"{finding.signature}.*"):
-        old.unlink()  # replace, even with a larger case: the diagnosis is new
-    write_finding(KNOWN_DIR, finding, None)
-    print(f"known: {finding.signature}")
+def _replace(finding, suffix: str = "") -> None:
+    name = f"{finding.signature}.{suffix}" if suffix else finding.signature
+    path = KNOWN_DIR / f"{name}.json"
+    if path.exists():  # the root cause and the conditions stay what they were
+        old = load_finding(path)
+        finding.root_cause = finding.root_cause or old.root_cause
+        finding.only_when = finding.only_when or old.only_when
+    for old in (path, path.with_suffix(".py")):  # (not a suffixed sibling: another root cause)
+        old.unlink(missing_ok=True)  # replace, even with a larger case: the diagnosis is new
+    write_finding(KNOWN_DIR, finding, None, name=name)
+    print(f"known: {name}")
 
 
 def _usage(code: int) -> None:
@@ -66,7 +78,7 @@ def _usage(code: int) -> None:
 
 
 if __name__ == "__main__":
-    args, trigger, as_recorded, devices = sys.argv[1:], None, False, ()
+    args, trigger, as_recorded, devices, only_when, suffix = sys.argv[1:], None, False, (), None, ""
     if {"-h", "--help"} & set(args):
         _usage(0)
     while args[:1] and args[0].startswith("--"):
@@ -74,10 +86,14 @@ if __name__ == "__main__":
             trigger, args = json.loads(args[1]), args[2:]
         elif args[0] == "--devices" and len(args) > 1:
             devices, args = args[1].split(","), args[2:]
+        elif args[0] == "--only-when" and len(args) > 1:
+            only_when, args = json.loads(args[1]), args[2:]
+        elif args[0] == "--suffix" and len(args) > 1:
+            suffix, args = args[1], args[2:]
         elif args[0] == "--as-recorded":
             as_recorded, args = True, args[1:]
         else:
             _usage(2)
     if len(args) < 2 or len(args) % 2:
         _usage(2)
-    main(args, trigger, as_recorded, devices)
+    main(args, trigger, as_recorded, devices, only_when, suffix)

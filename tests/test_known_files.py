@@ -59,3 +59,19 @@ def test_show_names_the_root_cause_by_its_short_title_and_the_known_table_says_i
     row = next(ln for ln in known_markdown(load_known()).splitlines()
                if ln.startswith("| `dsd-frozen-param-optim-state-dropped` |"))
     assert f"| {rc.what.replace('|', '/')}." in row, row  # the "what" column: the bug in full
+
+
+def test_a_known_files_name_is_its_signature_or_one_suffixed_and_those_sharing_one_have_conditions():
+    # several root causes under one signature: <sig>.json, <sig>.<suffix>.json, each with an only_when (without
+    # one the first would hide the others) that holds for its own case
+    from fuzzshard.findings.record import known_signature
+
+    known, by_sig = load_known(), {}
+    for name, f in known.items():
+        assert name == f.signature or name.startswith(f.signature + "."), name
+        by_sig.setdefault(f.signature, []).append(name)
+    shared = {sig: names for sig, names in by_sig.items() if len(names) > 1}
+    assert len(shared) >= 2
+    for sig, names in shared.items():
+        for name in names:
+            assert known[name].only_when and known_signature(sig, known[name].case, known) == name, name

@@ -82,7 +82,7 @@ def run(args) -> int:
                         status = "skipped"
                     else:
                         got = judge(pool, f.case).label
-                        status = "reproduces" if got == sig else "fixed" if got == "pass" else f"differs ({got})"
+                        status = "reproduces" if got == f.signature else "fixed" if got == "pass" else f"differs ({got})"
                     outcome.setdefault(rid or sig, []).append(status)
                     each[sig] = status
                 print(f"    {sig}" + (f"  {status}" if status else "") + ("" if rc else f"\n        {f.diagnosis}"),

@@ -427,7 +427,7 @@ class FindingBook:
         case, verdict = found
         self._as_known[sig] = known
         self.stats.known[known] += 1
-        rows = [f for f in self._tables.get(sig, []) if f.signature == known]
+        rows = [f for f in self._tables.get(sig, []) if f.signature == self.known[known].signature]
         how = f" with {rows[0].dimension} {rows[0].value}" if rows else " (another quantity of the same run)"
         record = {"signature": sig, "known": known, "root_cause": self.known[known].root_cause,
                   "generalization": [f.to_dict() for f in self._tables.get(sig, [])],

@@ -193,13 +193,15 @@ def load_finding(path: str | os.PathLike) -> Finding:
 
 
 def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str | None,
-                  replace: bool = False) -> tuple[Path, Path]:
+                  replace: bool = False, name: str | None = None) -> tuple[Path, Path]:
     """OUT/<signature>.json and, given a script, .py (the .py first: a .json in
-    place means both are whole). An existing file of the same signature is
+    place means both are whole; ``name``: another file name than the signature, a
+    known finding's ``<signature>.<suffix>``). An existing file of the same name is
     kept unless the new case is smaller (a simpler repro) or ``replace``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    jpath, ppath = out / f"{finding.signature}.json", out / f"{finding.signature}.py"
+    name = name or finding.signature
+    jpath, ppath = out / f"{name}.json", out / f"{name}.py"
     if jpath.exists() and not replace:
         try:
             old = load_finding(jpath)
@@ -254,9 +256,10 @@ def is_known(sig: str, case: Case, known: dict[str, Finding]) -> bool:
 
 
 def known_signature(sig: str, case: Case, known: dict[str, Finding]) -> str | None:
-    """The known finding ``sig`` is on this case's device: itself, or the
+    """The known finding ``sig`` is on this case's device, by its name in ``known``: itself, or the
     same bug under a built-in target the case's target is made of (a plugin's
-    parallelism on FSDP2 meets FSDP2's and DTensor's known bugs)."""
+    parallelism on FSDP2 meets FSDP2's and DTensor's known bugs); of several under one signature
+    (``under``), the first whose ``only_when`` holds for the case."""
     from .. import targets
 
     family = getattr(targets.get(case.target), "known_as", ()) if case.target in targets.names() else ()
@@ -271,10 +274,18 @@ def known_signature(sig: str, case: Case, known: dict[str, Finding]) -> str | No
         # API's), unless recorded as the async path's own
         sigs.append(sig.replace(".checkpoint.dcp_async.", ".checkpoint.dcp.", 1))
     for s in [x for one in sigs for x in [one] + _as_family(one, case.target, family)]:
-        f = known.get(s)
-        if f is not None and (not f.devices or case.device in f.devices) and _holds(case, f.only_when):
-            return s
+        for name in under(s, known):
+            f = known[name]
+            if (not f.devices or case.device in f.devices) and _holds(case, f.only_when):
+                return name
     return None
+
+
+def under(sig: str, known: dict[str, Finding]) -> list[str]:
+    """The names of the known findings of signature ``sig``, in the order they are tried: ``sig`` itself,
+    then ``sig.SUFFIX`` (another root cause under one signature, told apart by its ``only_when``)."""
+    return ([sig] if sig in known else []) + sorted(
+        k for k, f in known.items() if k.startswith(sig + ".") and f.signature == sig)
 
 
 def _holds(case: Case, conditions: dict) -> bool:
@@ -291,20 +302,23 @@ def _as_family(sig: str, target: str, family) -> list[str]:
 
 
 def triggered(case: Case, known: dict[str, Finding]) -> str | None:
-    """The signature of a known finding whose recorded trigger this case matches."""
-    for sig, f in known.items():
-        if f.trigger and is_known(sig, case, known) and _holds(case, f.trigger):
-            return sig
+    """The name of a known finding whose recorded trigger this case matches."""
+    for name, f in known.items():
+        if f.trigger and known_signature(f.signature or name, case, known) == name and _holds(case, f.trigger):
+            return name
     return None
 
 
 def facts(case: Case) -> dict:
     """What a case is beyond its fields, for triggers to name as ``facts.NAME``:
-    its target's derived facts (the target's spec says which)."""
+    whether it draws dropout masks, and its target's derived facts (the target's spec says which)."""
     from .. import targets
 
+    from ..kernel.dropout import has_dropout
+
     derive = targets.get(case.target).spec.facts if case.target in targets.names() else None
-    return derive(case) if derive else {}
+    # every target's: whether the model draws dropout masks (a dropout layer of p > 0, a decoder's dropout)
+    return {"dropout": has_dropout(case.model), **(derive(case) if derive else {})}
 
 
 def _field(data: dict, path: str):
@@ -321,13 +335,15 @@ def _matches(value, want) -> bool:
 
 
 def load_known(directory: str | os.PathLike = KNOWN_DIR) -> dict[str, Finding]:
-    """The known-findings list: signature -> finding (with its diagnosis)."""
+    """The known-findings list: name -> finding (with its diagnosis). A finding's name is its file's,
+    ``<signature>``, or ``<signature>.<suffix>`` for another root cause under a signature a known finding
+    has already (each told apart by its ``only_when``; ``known_signature`` tries them in order)."""
     known = {}
     for p in sorted(Path(directory).glob("*.json")):
         if p.name == ROOT_CAUSES:
             continue
         f = load_finding(p)
-        known[f.signature] = f
+        known[p.stem if p.stem.startswith(f.signature + ".") else f.signature] = f
     return known
 
 
