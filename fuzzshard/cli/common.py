@@ -93,6 +93,11 @@ def draw_args(p) -> None:
                    help="fsdp2 also draws torch.compile (inductor) of each block, before or after fully_shard as "
                         "torchtitan does, and of the optimizer step; the reference stays eager. Off by default: a "
                         "compile costs seconds a case")
+    p.add_argument("--ao", action="store_true",
+                   help="fsdp2 also draws torchao's float8 training (convert_to_float8_training: the tensorwise, "
+                        "rowwise and rowwise_with_gw_hp recipes over drawn Linears, the float8 all-gather, its "
+                        "precomputed scales; emulated on CPU). Needs pip install 'fuzzshard[ao]': without torchao "
+                        "these draws are off (one line says so)")
     p.add_argument("--loop", default="all", metavar="FEATURES",
                    help="the training loop drawn around the step, where the target takes it, comma-separated: "
                         "clip (clip_grad_norm_ in every norm type, torchtitan's get_total_norm + "
@@ -263,6 +268,13 @@ def strategy_kwargs(args) -> dict:
         out["models"] = model_families(args.models)
     if args.compile:
         out["compile"] = True
+    if getattr(args, "ao", False):
+        from ..kernel.float8 import OFF, available
+
+        if available():
+            out["ao"] = True
+        else:
+            print(OFF, file=sys.stderr)
     loop = loop_features(getattr(args, "loop", "none"))
     if loop:
         out["loop"] = loop

@@ -85,6 +85,12 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     if not tp and draw(st.sampled_from([False, False, True])):
         # (not with TP: its low-precision partial sums are not replayed yet)
         out["mp"] = draw(st.composite(draw_mp_policy)())
+    if context.get("ao") and not tp and "mp" not in out:  # --ao: torchao's float8 Linears (kernel/float8.py)
+        from ..float8 import draw_float8
+
+        f8 = draw(st.composite(draw_float8)(shapes, tied))
+        if f8:
+            out["float8"] = f8
     if context.get("compile"):  # --compile: each block compiled, before fully_shard (torchtitan's order) or after
         out["compile"] = draw(st.sampled_from(["before", "after"]))
         if draw(st.booleans()):
@@ -156,7 +162,7 @@ def draw_late_options(draw, case) -> dict:
     import hypothesis.strategies as st
 
     out = dict(case.target_options)
-    if draw(st.integers(0, 3)) == 3:
+    if draw(st.integers(0, 3)) == 3 and not out.get("float8"):
         out["built_as"] = "float64" if case.dtype == "float32" else "float32"
     if not case.model.factory and "layers.0" in out.get("wrap", ()) and draw(st.booleans()):
         out["nonroot"] = True
@@ -207,7 +213,9 @@ def check(case) -> str | None:
             return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
         if options.get("tp") and len(mesh) != 2:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
-        problem = tp_problem(case, mesh, options)
+        from ..float8 import problem as float8_problem
+
+        problem = tp_problem(case, mesh, options) or float8_problem(case, mesh, options)
         if problem:
             return what + problem
     return None
@@ -442,6 +450,10 @@ class FSDP2Target(Target):
     @classmethod
     def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y,
                              scale: float = 1.0) -> tuple | None:
+        if options.get("float8"):  # the same float8 model unsharded (kernel/float8.py)
+            from ..float8 import reference
+
+            return reference(case, model, options, world, x, y, cls.objective, scale)
         return mixed_precision_reference(case, model, options, world, x, y, scale) if options.get("mp") else None
 
     @classmethod
@@ -461,7 +473,8 @@ class FSDP2Target(Target):
         per step, and in the same dtype."""
         opts = self.case.target_options
         # (a compiled block's submodules run inside its graph: no hooks of their own)
-        return self.microbatches(opts) == 1 and not opts.get("mp") and not opts.get("compile")
+        return (self.microbatches(opts) == 1 and not opts.get("mp") and not opts.get("compile")
+                and not opts.get("float8"))
 
     @classmethod
     def trace_points(cls, case: Case):
@@ -508,6 +521,10 @@ class FSDP2Target(Target):
             kw["mp_policy"] = MixedPrecisionPolicy(
                 **{k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "output_dtype")},
                 cast_forward_inputs=mp["cast_forward_inputs"])
+        if opts.get("float8"):  # torchao's float8 Linears, before fully_shard (kernel/float8.py)
+            from ..float8 import convert
+
+            convert(model, opts["float8"], self.mesh.device_type)
         if opts.get("compile") == "before":
             self._compile_blocks(model)
         for fqn in sorted(opts.get("wrap", []), key=lambda n: (-n.count("."), n)):  # children before parents
@@ -528,6 +545,10 @@ class FSDP2Target(Target):
         r = self.dp_rank()
         xs, ys = x[r * per:(r + 1) * per].chunk(k), y[r * per:(r + 1) * per].chunk(k)
         losses = []
+        if self.case.target_options.get("float8"):  # the float8 all-gather's scales, once a step
+            from ..float8 import precompute
+
+            precompute(model, self.case.target_options["float8"])
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             if k > 1:
                 model.set_requires_gradient_sync(i == k - 1)
