@@ -492,6 +492,10 @@ class FSDP2Target(Target):
     def shard(self, model: nn.Module) -> nn.Module:
         opts = self.case.target_options
         mesh = self.mesh
+        if opts.get("float8"):  # torchao's float8 Linears first, by their FQNs (kernel/float8.py), as torchtitan
+            from ..float8 import convert  # converts before activation checkpointing and fully_shard
+
+            convert(model, opts["float8"], self.mesh.device_type)
         if opts.get("tp"):
             apply_tp(model, mesh["d1"], opts, self.case.model.factory)
             mesh = mesh["d0"]
@@ -521,10 +525,6 @@ class FSDP2Target(Target):
             kw["mp_policy"] = MixedPrecisionPolicy(
                 **{k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "output_dtype")},
                 cast_forward_inputs=mp["cast_forward_inputs"])
-        if opts.get("float8"):  # torchao's float8 Linears, before fully_shard (kernel/float8.py)
-            from ..float8 import convert
-
-            convert(model, opts["float8"], self.mesh.device_type)
         if opts.get("compile") == "before":
             self._compile_blocks(model)
         for fqn in sorted(opts.get("wrap", []), key=lambda n: (-n.count("."), n)):  # children before parents
