@@ -239,9 +239,9 @@ def cases(
     if compile and spec.compiled:  # the targets that draw torch.compile say how they name it
         context["compile"] = True
     if ao and target == "fsdp2":  # --ao: torchao's float8 (off where torchao is missing: one line at start)
-        from fuzzshard.kernel.float8 import available
+        from fuzzshard.kernel.float8 import float8_available
 
-        if available():
+        if float8_available():
             context["ao"] = True
     if spec.may_flatten:
         context["flat"] = flat

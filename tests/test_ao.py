@@ -60,3 +60,23 @@ def test_float8_recipes_replay_clean(tmp_path, cli, float8, options):
     path.write_text(_float8_case(float8, **options).to_json())
     r = cli("replay", path)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_a_float8_case_falls_back_to_the_flattened_kernel_which_finds_the_planted_bug(tmp_path, cli):
+    """The straight-line script's unsharded replay is not float8: a float8 case's repro is the flattened kernel,
+    saying so; under torchrun it passes clean and fails with the shard-local amax."""
+    from conftest import PLANTED, torchrun
+
+    case = tmp_path / "case.json"
+    case.write_text(_float8_case({"recipe": "tensorwise", "linears": ["layers.0", "layers.2"],
+                                  "all_gather": True}).to_json())
+    script = tmp_path / "repro.py"
+    assert cli("script", case, "-o", script).returncode == 0
+    assert "fallback: fsdp2 options ['float8']" in script.read_text()
+    clean = torchrun(script, 2, cwd=tmp_path)
+    assert clean.returncode == 0 and "PASS" in clean.stdout, clean.stdout + clean.stderr[-2000:]
+    buggy = tmp_path / "buggy.py"
+    buggy.write_text(f"import runpy, sys\nsys.path.insert(0, {str(PLANTED)!r})\nimport ao_float8_local_amax\n"
+                     f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    found = torchrun(buggy, 2, cwd=tmp_path)
+    assert found.returncode != 0 and '"oracle": "parity"' in found.stdout, found.stdout + found.stderr[-2000:]

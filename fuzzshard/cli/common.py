@@ -269,12 +269,12 @@ def strategy_kwargs(args) -> dict:
     if args.compile:
         out["compile"] = True
     if getattr(args, "ao", False):
-        from ..kernel.float8 import OFF, available
+        from ..kernel.float8 import FLOAT8_OFF, float8_available
 
-        if available():
+        if float8_available():
             out["ao"] = True
         else:
-            print(OFF, file=sys.stderr)
+            print(FLOAT8_OFF, file=sys.stderr)
     loop = loop_features(getattr(args, "loop", "none"))
     if loop:
         out["loop"] = loop

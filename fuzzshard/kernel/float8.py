@@ -20,18 +20,23 @@ boundary (one e4m3 spacing, 2^-3 of it): the one-ulp sensitivity measured on the
 does any rounding of a legitimate run (plain.sensitivity). A scale taken over one shard only is off by a factor
 (amax_global / amax_local), far past both.
 
-Standard library only at the top: torchao is imported inside the functions.
+torchao is imported inside the functions (the module imports without it); names prefixed float8_: the
+flattened kernel holds every module in one namespace.
 """
 from __future__ import annotations
 
 import importlib.util
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+from .model import param_shapes
+from .oracles import mixed_precision_tolerance
+from .plain import sensitivity
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # one line at session start where torchao is missing (cli/common.py)
-OFF = "fuzzshard: torchao is not installed: --ao's float8 draws are off (pip install 'fuzzshard[ao]')"
+FLOAT8_OFF = "fuzzshard: torchao is not installed: --ao's float8 draws are off (pip install 'fuzzshard[ao]')"
 
 
-def available() -> bool:
+def float8_available() -> bool:
     """torchao importable (found, not imported: importing it costs seconds)."""
     return importlib.util.find_spec("torchao") is not None
 
@@ -45,7 +50,7 @@ def draw_float8(draw, shapes: dict, tied: tuple = ()) -> dict | None:
     owners = [o for o in owners if o not in tied]
     if not owners or not draw(st.booleans()):  # asked for (--ao): half the cases
         return None
-    recipe = draw(st.sampled_from(RECIPES))
+    recipe = draw(st.sampled_from(FLOAT8_RECIPES))
     linears = [o for o in owners if draw(st.booleans())] or owners[:1]
     out = {"recipe": recipe, "linears": linears}
     if recipe == "tensorwise" and draw(st.booleans()):  # float8 all-gather: torchao takes it with tensorwise only
@@ -57,23 +62,21 @@ def draw_float8(draw, shapes: dict, tied: tuple = ()) -> dict | None:
     return out
 
 
-def problem(case, mesh: tuple, options: dict) -> str | None:
+def float8_problem(case, mesh: tuple, options: dict) -> str | None:
     """What a float8 option cannot be (Case.check, through fsdp2's check)."""
     f8 = options.get("float8")
     if not f8:
         return None
-    if not available():
+    if not float8_available():
         return "float8 needs torchao (pip install 'fuzzshard[ao]')"
-    if f8.get("recipe") not in RECIPES:
-        return f"float8 recipe {f8.get('recipe')!r}: want one of {', '.join(RECIPES)}"
+    if f8.get("recipe") not in FLOAT8_RECIPES:
+        return f"float8 recipe {f8.get('recipe')!r}: want one of {', '.join(FLOAT8_RECIPES)}"
     if f8.get("all_gather") and f8["recipe"] != "tensorwise":
         return "float8 all-gather: torchao takes it with the tensorwise recipe only"
     if f8.get("all_gather"):
         # torchao's WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather (the one-argument form, which FSDP2 does
         # not check for the padded shard size) returns an uneven shard unpadded: gloo aborts on the size mismatch
         # (a finding, docs/targets.md "float8 and low-bit (torchao)"); set apart until it is recorded as known
-        from .model import param_shapes
-
         shapes, shard = param_shapes(case.model), mesh[-1]
         uneven = [o for o in f8["linears"] if len(shapes.get(f"{o}.weight", ())) == 2
                   and shapes[f"{o}.weight"][0] % shard]
@@ -92,7 +95,7 @@ def problem(case, mesh: tuple, options: dict) -> str | None:
     return None
 
 
-def config(f8: dict, emulate: bool):
+def float8_config(f8: dict, emulate: bool):
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig
@@ -102,7 +105,7 @@ def config(f8: dict, emulate: bool):
                                force_recompute_fp8_weight_in_bwd=bool(f8.get("recompute_bwd")))
 
 
-def convert(model, f8: dict, device: str, all_gather: bool = True):
+def float8_convert(model, f8: dict, device: str, all_gather: bool = True):
     """``convert_to_float8_training`` in place on the drawn Linears (emulated on CPU; on a GPU the Linears that
     break torchao's multiples-of-16 rule stay high precision). ``all_gather`` False: the reference's copy."""
     import warnings
@@ -119,11 +122,11 @@ def convert(model, f8: dict, device: str, all_gather: bool = True):
 
     with warnings.catch_warnings():  # force_recompute_fp8_weight_in_bwd: torchao warns it is deprecated
         warnings.simplefilter("ignore")
-        cfg = config({**f8, "all_gather": f8.get("all_gather") and all_gather}, emulate)
+        cfg = float8_config({**f8, "all_gather": f8.get("all_gather") and all_gather}, emulate)
         return convert_to_float8_training(model, config=cfg, module_filter_fn=keep)
 
 
-def precompute(model, f8: dict) -> None:
+def float8_precompute(model, f8: dict) -> None:
     """``precompute_float8_dynamic_scale_for_fsdp``: once a step, before the forward (after the step before)."""
     if f8.get("precompute"):
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -131,7 +134,7 @@ def precompute(model, f8: dict) -> None:
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def reference(case, model, options: dict, world: int, x, y, objective, scale: float = 1.0) -> tuple:
+def float8_reference(case, model, options: dict, world: int, x, y, objective, scale: float = 1.0) -> tuple:
     """The same float8 model unsharded: a float8 copy of ``model`` runs each data-parallel rank's slice (in its
     microbatches, loss / m each, the grads added as FSDP2 accumulates them), and the W ranks' grads are averaged
     in float64. Returns (loss, grads, tolerance, sensitivity, elementwise allowance), as fsdp2's
@@ -141,11 +144,9 @@ def reference(case, model, options: dict, world: int, x, y, objective, scale: fl
 
     import torch
 
-    from .oracles import mixed_precision_tolerance
-    from .plain import sensitivity
 
     f8 = options["float8"]
-    low = convert(copy.deepcopy(model), f8, str(x.device.type), all_gather=False)
+    low = float8_convert(copy.deepcopy(model), f8, str(x.device.type), all_gather=False)
     params = dict(low.named_parameters())
     per, m = x.shape[0] // world, options.get("microbatches", 1)
     loss, total, spread, sens = 0.0, {}, {}, {}

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map_only
 
 from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
+from ..float8 import draw_float8, float8_convert, float8_precompute, float8_problem, float8_reference
 from ..gather import full_batched
 from ..model import loss_fn, param_shapes, submodule, tied_modules
 from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
@@ -86,8 +87,6 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
         # (not with TP: its low-precision partial sums are not replayed yet)
         out["mp"] = draw(st.composite(draw_mp_policy)())
     if context.get("ao") and not tp and "mp" not in out:  # --ao: torchao's float8 Linears (kernel/float8.py)
-        from ..float8 import draw_float8
-
         f8 = draw(st.composite(draw_float8)(shapes, tied))
         if f8:
             out["float8"] = f8
@@ -213,8 +212,6 @@ def check(case) -> str | None:
             return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
         if options.get("tp") and len(mesh) != 2:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
-        from ..float8 import problem as float8_problem
-
         problem = tp_problem(case, mesh, options) or float8_problem(case, mesh, options)
         if problem:
             return what + problem
@@ -451,9 +448,7 @@ class FSDP2Target(Target):
     def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y,
                              scale: float = 1.0) -> tuple | None:
         if options.get("float8"):  # the same float8 model unsharded (kernel/float8.py)
-            from ..float8 import reference
-
-            return reference(case, model, options, world, x, y, cls.objective, scale)
+            return float8_reference(case, model, options, world, x, y, cls.objective, scale)
         return mixed_precision_reference(case, model, options, world, x, y, scale) if options.get("mp") else None
 
     @classmethod
@@ -493,9 +488,8 @@ class FSDP2Target(Target):
         opts = self.case.target_options
         mesh = self.mesh
         if opts.get("float8"):  # torchao's float8 Linears first, by their FQNs (kernel/float8.py), as torchtitan
-            from ..float8 import convert  # converts before activation checkpointing and fully_shard
-
-            convert(model, opts["float8"], self.mesh.device_type)
+            # converts them: before activation checkpointing and fully_shard
+            float8_convert(model, opts["float8"], self.mesh.device_type)
         if opts.get("tp"):
             apply_tp(model, mesh["d1"], opts, self.case.model.factory)
             mesh = mesh["d0"]
@@ -546,9 +540,7 @@ class FSDP2Target(Target):
         xs, ys = x[r * per:(r + 1) * per].chunk(k), y[r * per:(r + 1) * per].chunk(k)
         losses = []
         if self.case.target_options.get("float8"):  # the float8 all-gather's scales, once a step
-            from ..float8 import precompute
-
-            precompute(model, self.case.target_options["float8"])
+            float8_precompute(model, self.case.target_options["float8"])
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             if k > 1:
                 model.set_requires_gradient_sync(i == k - 1)
