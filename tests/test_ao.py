@@ -80,3 +80,14 @@ def test_a_float8_case_falls_back_to_the_flattened_kernel_which_finds_the_plante
                      f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
     found = torchrun(buggy, 2, cwd=tmp_path)
     assert found.returncode != 0 and '"oracle": "parity"' in found.stdout, found.stdout + found.stderr[-2000:]
+
+
+def test_units_holding_float8_weights_only_are_named_for_the_gloo_rule():
+    """FSDP2 all-gathers a unit's inputs in their one dtype (float8, which gloo refuses) or as bytes: the check
+    names each unit (deepest first, the root last) whose own params are all converted Linears' weights."""
+    from fuzzshard.kernel.float8 import float8_only_units
+
+    shapes = {"a.x.weight": (2, 2), "a.y.weight": (2, 2), "b.weight": (2, 2), "b.bias": (2,)}
+    assert float8_only_units(shapes, [], ["a.x", "a.y", "b"]) == []  # the root holds b.bias too
+    assert float8_only_units(shapes, ["a", "a.x"], ["a.x", "b"]) == ["a.x"]  # a holds a.y (high precision)
+    assert float8_only_units(shapes, ["a", "b"], ["a.x", "a.y", "b"]) == ["a"]

@@ -73,16 +73,25 @@ def float8_problem(case, mesh: tuple, options: dict) -> str | None:
         return f"float8 recipe {f8.get('recipe')!r}: want one of {', '.join(FLOAT8_RECIPES)}"
     if f8.get("all_gather") and f8["recipe"] != "tensorwise":
         return "float8 all-gather: torchao takes it with the tensorwise recipe only"
+    shapes = param_shapes(case.model)
     if f8.get("all_gather"):
         # torchao's WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather (the one-argument form, which FSDP2 does
         # not check for the padded shard size) returns an uneven shard unpadded: gloo aborts on the size mismatch
         # (a finding, docs/targets.md "float8 and low-bit (torchao)"); set apart until it is recorded as known
-        shapes, shard = param_shapes(case.model), mesh[-1]
+        shard = mesh[-1]
         uneven = [o for o in f8["linears"] if len(shapes.get(f"{o}.weight", ())) == 2
                   and shapes[f"{o}.weight"][0] % shard]
         if uneven:
             return (f"float8 all-gather of {uneven}, unevenly sharded over {shard} ranks: torchao sends the shard "
                     "unpadded (a torchao finding, set apart)")
+    if f8.get("all_gather") and case.device == "cpu":
+        # FSDP2 all-gathers a unit's inputs in their dtype where they share one (else as uint8 bytes): a unit
+        # holding only float8 weights all-gathers float8, which gloo refuses ("RuntimeError: Invalid scalar
+        # type"; NCCL takes it). A backend limit, kept (docs/ao/gloo_float8_all_gather_invalid_scalar_type.json)
+        units = float8_only_units(shapes, options.get("wrap", ()), f8["linears"])
+        if units:
+            return (f"float8 all-gather on gloo of FSDP2 unit(s) {units} holding float8 weights only: gloo takes no "
+                    "float8 dtype (set apart)")
     if f8.get("precompute") and not f8.get("all_gather"):
         return "float8 precompute: the scales precomputed are the float8 all-gather's"
     for other in ("tp", "mp", "built_as", "compile", "compile_step"):
@@ -93,6 +102,18 @@ def float8_problem(case, mesh: tuple, options: dict) -> str | None:
     if case.dtype != "float32":
         return "float8 training takes float32 high-precision weights here"
     return None
+
+
+def float8_only_units(shapes: dict, wrap, linears) -> list[str]:
+    """The FSDP2 units (each wrapped FQN, "" the root) whose own params (those not under a deeper unit) are all
+    weights of converted Linears."""
+    units = sorted({"", *wrap}, key=lambda u: -u.count(".") - 1 if u else 0)  # deepest first, the root last
+    own = {u: [] for u in units}
+    for name in shapes:
+        owner = next(u for u in units if not u or name.startswith(u + "."))  # the deepest unit holding it
+        own[owner].append(name)
+    weights = {f"{fqn}.weight" for fqn in linears}
+    return [u or "(root)" for u in units if own[u] and all(n in weights for n in own[u])]
 
 
 def float8_config(f8: dict, emulate: bool):
