@@ -48,7 +48,8 @@ def draw_float8(draw, shapes: dict, tied: tuple = ()) -> dict | None:
 
     owners = [n.rsplit(".", 1)[0] for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2]
     owners = [o for o in owners if o not in tied]
-    if not owners or not draw(st.booleans()):  # asked for (--ao): half the cases
+    on = draw(st.booleans())  # asked for (--ao): half the cases (drawn first: a composite always draws)
+    if not owners or not on:
         return None
     recipe = draw(st.sampled_from(FLOAT8_RECIPES))
     linears = [o for o in owners if draw(st.booleans())] or owners[:1]

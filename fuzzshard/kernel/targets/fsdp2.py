@@ -171,13 +171,17 @@ def draw_late_options(draw, case) -> dict:
 def coverage(case) -> dict:
     """A decoder case's share of the TP plan: its elements' styles (heads, mlp,
     the embedding rowwise, the head colwise), sp, loss_parallel, a checkpoint;
-    "no TP" without a plan. Any case's training loop features (fsdp1.loop_coverage),
+    "no TP" without a plan. A float8 case's recipe and switches (--ao). Any case's training loop features (fsdp1.loop_coverage),
     apart under mixed precision and gradient accumulation."""
     from .fsdp1 import loop_coverage
 
     opts = case.target_options
     loop = loop_coverage(case, "mixed precision" if opts.get("mp") else "microbatches" if opts.get("microbatches")
                          else "")
+    f8 = opts.get("float8")
+    if f8:  # --ao: torchao's recipes and FSDP2 switches that passed
+        loop = {"float8 cases (torchao)": {f8["recipe"], *(k for k in ("all_gather", "precompute", "recompute_bwd")
+                                                              if f8.get(k))}, **loop}
     if case.model.factory != "decoder":
         return loop
     cells = {"cases"} | set((opts.get("tp") or {}).values()) | {k for k in ("sp", "loss_parallel") if opts.get(k)}
