@@ -204,6 +204,7 @@ def cases(
     implementation: str | None = None,
     models=("topologies",),
     compile: bool = False,
+    ao: bool = False,
     steer: dict | None = None,
     mesh_dims: int = 2,
     dims_up_to_world: bool = False,
@@ -216,6 +217,7 @@ def cases(
     ``implementation``: only for-loop, foreach or fused steps (where the optimizer has it).
     ``models``: the model families drawn ("topologies", "decoder"; strategies/models.py).
     ``compile``: targets that can (fsdp2) also draw torch.compile of blocks and of the optimizer step.
+    ``ao``: fsdp2 also draws torchao's float8 Linears where torchao is installed (fuzzshard/kernel/float8.py).
     ``steer``: a timed session's weighted choices for this round (fuzzshard/session/schedule.py): ``plan``, (world
     size, None or (checkpoint kind, its world size)); ``optimizer by world``, world size -> (name,
     implementation) (pairs: the world size is drawn first); ``mesh``, world size -> mesh shapes; ``dtype``.
@@ -260,6 +262,11 @@ def cases(
     context = {"model": model, "n_groups": n_groups}
     if compile and spec.compiled:  # the targets that draw torch.compile say how they name it
         context["compile"] = True
+    if ao and target == "fsdp2":  # --ao: torchao's float8 (off where torchao is missing: one line at start)
+        from fuzzshard.kernel.float8 import float8_available
+
+        if float8_available():
+            context["ao"] = True
     if spec.may_flatten:
         context["flat"] = flat
     options = draw(target_options(target, shapes, mesh_shape, tied, **context))

@@ -101,6 +101,11 @@ def draw_args(p) -> None:
                         "torch.utils.checkpoint reentrant or not, checkpoint_wrapper, apply_activation_checkpointing, "
                         "the composable checkpoint, torchtitan's per-op selective AC, per module or every k-th block; "
                         "the reference trains without it")
+    p.add_argument("--ao", action="store_true",
+                   help="fsdp2 also draws torchao's float8 training (convert_to_float8_training: the tensorwise, "
+                        "rowwise and rowwise_with_gw_hp recipes over drawn Linears, the float8 all-gather, its "
+                        "precomputed scales; emulated on CPU). Needs pip install 'fuzzshard[ao]': without torchao "
+                        "these draws are off (one line says so)")
     p.add_argument("--loop", default="all", metavar="FEATURES",
                    help="the training loop drawn around the step, where the target takes it, comma-separated: "
                         "clip (clip_grad_norm_ in every norm type, torchtitan's get_total_norm + "
@@ -280,6 +285,13 @@ def strategy_kwargs(args) -> dict:
         out["ac"] = True
     if getattr(args, "dropout", False):
         out["dropout"] = True
+    if getattr(args, "ao", False):
+        from ..kernel.float8 import FLOAT8_OFF, float8_available
+
+        if float8_available():
+            out["ao"] = True
+        else:
+            print(FLOAT8_OFF, file=sys.stderr)
     loop = loop_features(getattr(args, "loop", "none"))
     if loop:
         out["loop"] = loop

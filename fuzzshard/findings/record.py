@@ -63,10 +63,23 @@ def environment(pool_info: dict | None, backend: str, device: str | None = None)
         "device": info.get("device_name") or device,
         **{k: info[k] for k in ("cuda", "nccl") if info.get(k)},
         "hypothesis": hypothesis.__version__,
+        **_torchao(info.get("device_name") or device),
         "python": platform.python_version(),
         "backend": backend,
         "platform": platform.platform(),
     }
+
+
+def _torchao(device) -> dict:
+    """torchao's version where it is installed (--ao's float8, kernel/float8.py): on CPU its float8 matmuls are
+    emulated (emulate=True), which the finding says."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torchao")
+    except metadata.PackageNotFoundError:
+        return {}
+    return {"torchao": version + (" (float8 emulated on CPU)" if str(device or "cpu").startswith("cpu") else "")}
 
 
 class Stage(str, enum.Enum):

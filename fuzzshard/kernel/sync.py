@@ -71,7 +71,7 @@ def draw_sync(draw, case, *, fsdp2: bool) -> dict | None:
         return None
     from .moe import moe_configs_of
 
-    if moe_configs_of(case.model):  # (problem(): its reference's one forward is not the microbatches')
+    if moe_configs_of(case.model) or opts.get("float8"):  # (problem(), float8_problem(): their references)
         return None
     m, dp = opts.get("microbatches", 1), dp_of(case.mesh_shape, opts)
     hsdp = (len(case.mesh_shape) == 2 and not opts.get("tp")) if fsdp2 else opts.get("strategy") in (

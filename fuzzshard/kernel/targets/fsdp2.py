@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_map_only
 from ...case import Case
 from ..decoder import parallelize_decoder, plan_element
 from ..dropout import draws, has_dropout
+from ..float8 import draw_float8, float8_convert, float8_precompute, float8_problem, float8_reference
 from ..gather import full_batched
 from ..model import loss_fn, param_shapes, submodule, tie_uses, tied_modules
 from ..moe import Routing, moe_prefixes, set_aux_grad
@@ -94,6 +95,10 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     if not tp and draw(st.sampled_from([False, False, True])):
         # (not with TP: its low-precision partial sums are not replayed yet)
         out["mp"] = draw(st.composite(draw_mp_policy)())
+    if context.get("ao") and not tp and "mp" not in out:  # --ao: torchao's float8 Linears (kernel/float8.py)
+        f8 = draw(st.composite(draw_float8)(shapes, tied))
+        if f8:
+            out["float8"] = f8
     if context.get("compile"):  # --compile: each block compiled, before fully_shard (torchtitan's order) or after
         out["compile"] = draw(st.sampled_from(["before", "after"]))
         if draw(st.booleans()):
@@ -172,7 +177,7 @@ def draw_late_options(draw, case) -> dict:
     import hypothesis.strategies as st
 
     out = dict(case.target_options)
-    if draw(st.integers(0, 3)) == 3:
+    if draw(st.integers(0, 3)) == 3 and not out.get("float8"):
         out["built_as"] = "float64" if case.dtype == "float32" else "float32"
     if not case.model.factory and "layers.0" in out.get("wrap", ()) and draw(st.booleans()):
         out["nonroot"] = True
@@ -185,7 +190,7 @@ def draw_late_options(draw, case) -> dict:
 def coverage(case) -> dict:
     """A decoder case's share of the TP plan: its elements' styles (heads, mlp,
     the embedding rowwise, the head colwise), sp, loss_parallel, a checkpoint;
-    "no TP" without a plan. Any case's training loop features (fsdp1.loop_coverage),
+    "no TP" without a plan. A float8 case's recipe and switches (--ao). Any case's training loop features (fsdp1.loop_coverage),
     apart under mixed precision and gradient accumulation."""
     from .fsdp1 import loop_coverage
 
@@ -193,6 +198,10 @@ def coverage(case) -> dict:
     loop = loop_coverage(case, "mixed precision" if opts.get("mp") else "microbatches" if opts.get("microbatches")
                          else "")
     sync = {"gradient sync": sync_cells(opts)} if opts.get("sync") else {}
+    f8 = opts.get("float8")
+    if f8:  # --ao: torchao's recipes and FSDP2 switches that passed
+        loop = {"float8 cases (torchao)": {f8["recipe"], *(k for k in ("all_gather", "precompute", "recompute_bwd")
+                                                              if f8.get(k))}, **loop}
     if case.model.factory != "decoder":
         return {**loop, **sync}
     cells = {"cases"} | set((opts.get("tp") or {}).values()) | {k for k in ("sp", "loss_parallel") if opts.get(k)}
@@ -229,7 +238,8 @@ def check(case) -> str | None:
             return f"{what}nonroot calls layers.0 from outside the root: it needs its own fully_shard (wrap)"
         if options.get("tp") and len(mesh) != 2:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
-        problem = tp_problem(case, mesh, options) or sync_problem(case, mesh, options, fsdp2=True)
+        problem = (tp_problem(case, mesh, options) or sync_problem(case, mesh, options, fsdp2=True)
+                   or float8_problem(case, mesh, options))
         if problem:
             return what + problem
         if has_dropout(case.model) and (options.get("tp") or options.get("compile")):
@@ -508,6 +518,8 @@ class FSDP2Target(Target):
     @classmethod
     def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y,
                              scale: float = 1.0) -> tuple | None:
+        if options.get("float8"):  # the same float8 model unsharded (kernel/float8.py)
+            return float8_reference(case, model, options, world, x, y, cls.objective, scale)
         return mixed_precision_reference(case, model, options, world, x, y, scale) if options.get("mp") else None
 
     @classmethod
@@ -534,7 +546,8 @@ class FSDP2Target(Target):
         per step, and in the same dtype."""
         opts = self.case.target_options
         # (a compiled block's submodules run inside its graph: no hooks of their own)
-        return self.microbatches(opts) == 1 and not opts.get("mp") and not opts.get("compile") and not opts.get("sync")
+        return (self.microbatches(opts) == 1 and not opts.get("mp") and not opts.get("compile")
+                and not opts.get("sync") and not opts.get("float8"))
 
     @classmethod
     def trace_points(cls, case: Case):
@@ -555,6 +568,9 @@ class FSDP2Target(Target):
     def shard(self, model: nn.Module) -> nn.Module:
         opts = self.case.target_options
         mesh = self.mesh
+        if opts.get("float8"):  # torchao's float8 Linears first, by their FQNs (kernel/float8.py), as torchtitan
+            # converts them: before activation checkpointing and fully_shard
+            float8_convert(model, opts["float8"], self.mesh.device_type)
         if opts.get("tp"):
             apply_tp(model, mesh["d1"], opts, self.case.model.factory)
             mesh = mesh["d0"]
@@ -597,6 +613,8 @@ class FSDP2Target(Target):
         r = self.dp_rank()
         xs, ys = x[r * per:(r + 1) * per].chunk(k), y[r * per:(r + 1) * per].chunk(k)
         losses = []
+        if self.case.target_options.get("float8"):  # the float8 all-gather's scales, once a step
+            float8_precompute(model, self.case.target_options["float8"])
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             if k > 1:
                 model.set_requires_gradient_sync(i == k - 1)

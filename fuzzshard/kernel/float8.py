@@ -1,0 +1,211 @@
+"""float8 training through torchao (an optional extra: ``pip install 'fuzzshard[ao]'``), for the fsdp2 target.
+
+fsdp2's ``float8`` option: ``torchao.float8.convert_to_float8_training`` with one of the recipes torchao names
+(``Float8LinearConfig.from_recipe_name``: tensorwise, rowwise, rowwise_with_gw_hp) over the drawn Linears
+(``linears``, a module filter by FQN), before ``fully_shard``; with the tensorwise recipe FSDP2 may all-gather
+the weights in float8 (``all_gather``: ``enable_fsdp_float8_all_gather``), their scales precomputed once a step
+(``precompute``: ``precompute_float8_dynamic_scale_for_fsdp``), and ``recompute_bwd``
+(``force_recompute_fp8_weight_in_bwd``). On CPU the float8 matmuls are emulated (``emulate=True``: the operands
+are cast to float8 and back, then multiplied in high precision); on a GPU a Linear takes float8 only where
+torchao's hardware rule holds (both dims multiples of 16: torchao's auto filter), else it stays high precision.
+
+The reference (``reference``): the same float8 model unsharded, each data-parallel rank's slice run on its own
+(an activation's and a grad's scale are taken over that rank's slice, as FSDP2's ranks take it), the grads
+averaged exactly. The weight's scale is 448 / amax (e4m3's max over the weight's max |value|, in float64, then
+float32) on both sides: with the float8 all-gather each rank's amax is all-reduced with MAX, and a max is exact
+in any order, so each element is rounded to the same e4m3 value (3 mantissa bits: a rounding moves it by up to
+2^-4 of itself) on both sides. What remains is the grads' reduction (``mixed_precision_tolerance`` with the
+case's dtype for both) and kernel rounding upstream of a cast, which can move an element across an e4m3 rounding
+boundary (one e4m3 spacing, 2^-3 of it): the one-ulp sensitivity measured on the float8 model bounds that, as it
+does any rounding of a legitimate run (plain.sensitivity). A scale taken over one shard only is off by a factor
+(amax_global / amax_local), far past both.
+
+torchao is imported inside the functions (the module imports without it); names prefixed float8_: the
+flattened kernel holds every module in one namespace.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from .model import param_shapes
+from .oracles import mixed_precision_tolerance
+from .plain import sensitivity
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# one line at session start where torchao is missing (cli/common.py)
+FLOAT8_OFF = "fuzzshard: torchao is not installed: --ao's float8 draws are off (pip install 'fuzzshard[ao]')"
+
+
+def float8_available() -> bool:
+    """torchao importable (found, not imported: importing it costs seconds)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def draw_float8(draw, shapes: dict, tied: tuple = ()) -> dict | None:
+    """None (off, the simplest) half the time; else a recipe, the Linears it converts (a nonempty subset
+    of the 2-D weights' owners, tied ones left out), and the recipe's FSDP2 switches (all off first)."""
+    import hypothesis.strategies as st
+
+    owners = [n.rsplit(".", 1)[0] for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2]
+    owners = [o for o in owners if o not in tied and ".router." not in f".{o}."]  # (an MoE's gate: float8_problem)
+    on = draw(st.booleans())  # asked for (--ao): half the cases (drawn first: a composite always draws)
+    if not owners or not on:
+        return None
+    recipe = draw(st.sampled_from(FLOAT8_RECIPES))
+    linears = [o for o in owners if draw(st.booleans())] or owners[:1]
+    out = {"recipe": recipe, "linears": linears}
+    if recipe == "tensorwise" and draw(st.booleans()):  # float8 all-gather: torchao takes it with tensorwise only
+        out["all_gather"] = True
+        if draw(st.booleans()):
+            out["precompute"] = True
+    if draw(st.sampled_from([False, False, True])):
+        out["recompute_bwd"] = True
+    return out
+
+
+def float8_problem(case, mesh: tuple, options: dict) -> str | None:
+    """What a float8 option cannot be (Case.check, through fsdp2's check)."""
+    f8 = options.get("float8")
+    if not f8:
+        return None
+    if not float8_available():
+        return "float8 needs torchao (pip install 'fuzzshard[ao]')"
+    if options.get("sync"):
+        return "float8 with gradient-sync controls: its reference runs each rank's slice as plain microbatches do"
+    from .dropout import has_dropout
+
+    if has_dropout(case.model):
+        return "float8 with dropout: its reference does not replay the ranks' masks"
+    if any(".router." in f".{o}." for o in f8.get("linears", ())):
+        return "float8 on an MoE router's gate: a float8 cast decides the routing"
+    if f8.get("recipe") not in FLOAT8_RECIPES:
+        return f"float8 recipe {f8.get('recipe')!r}: want one of {', '.join(FLOAT8_RECIPES)}"
+    if f8.get("all_gather") and f8["recipe"] != "tensorwise":
+        return "float8 all-gather: torchao takes it with the tensorwise recipe only"
+    shapes = param_shapes(case.model)
+    if f8.get("all_gather"):
+        # torchao's WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather (the one-argument form, which FSDP2 does
+        # not check for the padded shard size) returns an uneven shard unpadded: gloo aborts on the size mismatch
+        # (a finding, docs/targets.md "float8 and low-bit (torchao)"); set apart until it is recorded as known
+        shard = mesh[-1]
+        uneven = [o for o in f8["linears"] if len(shapes.get(f"{o}.weight", ())) == 2
+                  and shapes[f"{o}.weight"][0] % shard]
+        if uneven:
+            return (f"float8 all-gather of {uneven}, unevenly sharded over {shard} ranks: torchao sends the shard "
+                    "unpadded (a torchao finding, set apart)")
+    if f8.get("all_gather") and case.device == "cpu":
+        # FSDP2 all-gathers a unit's inputs in their dtype where they share one (else as uint8 bytes): a unit
+        # holding only float8 weights all-gathers float8, which gloo refuses ("RuntimeError: Invalid scalar
+        # type"; NCCL takes it). A backend limit, kept (docs/ao/gloo_float8_all_gather_invalid_scalar_type.json)
+        units = float8_only_units(shapes, options.get("wrap", ()), f8["linears"])
+        if units:
+            return (f"float8 all-gather on gloo of FSDP2 unit(s) {units} holding float8 weights only: gloo takes no "
+                    "float8 dtype (set apart)")
+    if f8.get("precompute") and not f8.get("all_gather"):
+        return "float8 precompute: the scales precomputed are the float8 all-gather's"
+    for other in ("tp", "mp", "built_as", "compile", "compile_step"):
+        if options.get(other):
+            return f"float8 with {other}: not drawn yet (its reference does not replay both)"
+    if case.checkpoint:
+        return "float8 with a checkpoint: not drawn yet"
+    if case.dtype != "float32":
+        return "float8 training takes float32 high-precision weights here"
+    return None
+
+
+def float8_only_units(shapes: dict, wrap, linears) -> list[str]:
+    """The FSDP2 units (each wrapped FQN, "" the root) whose own params (those not under a deeper unit) are all
+    weights of converted Linears."""
+    units = sorted({"", *wrap}, key=lambda u: -u.count(".") - 1 if u else 0)  # deepest first, the root last
+    own = {u: [] for u in units}
+    for name in shapes:
+        owner = next(u for u in units if not u or name.startswith(u + "."))  # the deepest unit holding it
+        own[owner].append(name)
+    weights = {f"{fqn}.weight" for fqn in linears}
+    return [u or "(root)" for u in units if own[u] and all(n in weights for n in own[u])]
+
+
+def float8_config(f8: dict, emulate: bool):
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+
+    c = Float8LinearConfig.from_recipe_name(f8["recipe"])
+    return dataclasses.replace(c, emulate=emulate, enable_fsdp_float8_all_gather=bool(f8.get("all_gather")),
+                               force_recompute_fp8_weight_in_bwd=bool(f8.get("recompute_bwd")))
+
+
+def float8_convert(model, f8: dict, device: str, all_gather: bool = True):
+    """``convert_to_float8_training`` in place on the drawn Linears (emulated on CPU; on a GPU the Linears that
+    break torchao's multiples-of-16 rule stay high precision). ``all_gather`` False: the reference's copy."""
+    import warnings
+
+    import torch.nn as nn
+    from torchao.float8 import convert_to_float8_training
+
+    emulate = device == "cpu"
+    chosen = set(f8["linears"])
+
+    def keep(mod, fqn):
+        return (fqn in chosen and isinstance(mod, nn.Linear)
+                and (emulate or (mod.in_features % 16 == 0 and mod.out_features % 16 == 0)))
+
+    with warnings.catch_warnings():  # force_recompute_fp8_weight_in_bwd: torchao warns it is deprecated
+        warnings.simplefilter("ignore")
+        cfg = float8_config({**f8, "all_gather": f8.get("all_gather") and all_gather}, emulate)
+        return convert_to_float8_training(model, config=cfg, module_filter_fn=keep)
+
+
+def float8_precompute(model, f8: dict) -> None:
+    """``precompute_float8_dynamic_scale_for_fsdp``: once a step, before the forward (after the step before)."""
+    if f8.get("precompute"):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def float8_reference(case, model, options: dict, world: int, x, y, objective, scale: float = 1.0) -> tuple:
+    """The same float8 model unsharded: a float8 copy of ``model`` runs each data-parallel rank's slice (in its
+    microbatches, loss / m each, the grads added as FSDP2 accumulates them), and the W ranks' grads are averaged
+    in float64. Returns (loss, grads, tolerance, sensitivity, elementwise allowance), as fsdp2's
+    mixed_precision_reference does."""
+    import copy
+    import functools
+
+    import torch
+
+
+    f8 = options["float8"]
+    low = float8_convert(copy.deepcopy(model), f8, str(x.device.type), all_gather=False)
+    params = dict(low.named_parameters())
+    per, m = x.shape[0] // world, options.get("microbatches", 1)
+    loss, total, spread, sens = 0.0, {}, {}, {}
+    for r in range(world):
+        acc = {}
+        for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
+            for key, v in sensitivity(low, params, xm, ym, functools.partial(objective, options=options),
+                                      1.0 / m).items():
+                sens[key] = sens.get(key, 0.0) + v / world
+            for p in params.values():
+                p.grad = None
+            local = objective(low, xm, ym, options) / m
+            (local if scale == 1.0 else local * scale).backward()
+            loss += local.detach().double() / world
+            for n, p in params.items():
+                if p.grad is not None:
+                    acc[n] = acc[n] + p.grad if n in acc else p.grad.clone()
+                    spread[n] = spread.get(n, 0) + p.grad.double().abs() / scale
+        for n, g in acc.items():
+            total[n] = total.get(n, 0) + g.double()
+    tol = dict(mixed_precision_tolerance(case.dtype, case.dtype, world, m))
+    tol["why"] = ("float8 (torchao " + f8["recipe"] + "): the same e4m3 casts with the same scales on both sides "
+                  "(an amax is a max: exact in any order), so " + tol["why"].removeprefix("mixed precision: ")
+                  + "; an e4m3 rounding (3 mantissa bits) moved across a boundary by upstream kernel rounding is "
+                  "within the one-ulp sensitivity measured on the float8 model")
+    dtype = getattr(torch, case.dtype)
+    grads = {}
+    for n, p in model.named_parameters():
+        new = (total[n] / world).to(dtype) * (1.0 if scale == 1.0 else 1.0 / scale) if n in total else None
+        grads[n] = p.grad if new is None else new if p.grad is None else p.grad + new
+    extra = {n: tol["k_ulps"] * tol["u"] * spread[n] / world for n in spread}
+    return loss.to(dtype), grads, tol, sens, extra
