@@ -43,7 +43,7 @@ from .dropout import draw_from
 from .gather import gather_batch
 from .localize import Trace
 from .model import build_model, make_batch
-from .moe import moe_configs_of, observe_biases, update_expert_bias, wire
+from .moe import moe_configs_of, observe_biases, set_aux_grad, update_expert_bias, wire
 from .optim import RESUME_LR_SCALE, adds_groups_before
 from .plain import setup, torch_dtype
 from .reference import check_parity, reference_error
@@ -383,7 +383,7 @@ def _steps(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
         target.scale_loss = loop.scale_loss(k)  # the grad scaler's, else None
         draw_from(case, k, target.dropout_rank(), device)  # dropout: this rank's masks from its seed (dropout.py)
         if moe and loop.scaler:  # an aux loss's grad is scaled as the loss is (kernel/moe.py _AuxLoss)
-            moe_layer.set_aux_grad(model, loop.scale_kwargs()["scale"])
+            set_aux_grad(model, loop.scale_kwargs()["scale"])
         try:
             full_loss = target.forward_backward(model, x, y)
         finally:
