@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..gather import full_batched
-from ..model import loss_fn, tie_uses
+from ..model import loss_fn, named_params, tie_uses
 from ..state_io import STATE_DICT_KINDS
 from ..ac import AC_HOWS, apply_ac
 from .base import Spec, Target
@@ -119,7 +119,7 @@ class DTensorTarget(Target):
 
     def grad_spreads(self, model: nn.Module) -> dict:
         out = {}
-        for n, p in model.named_parameters():
+        for n, p in named_params(model).items():  # (plain FQNs, as grads(): an AC wrapper may sit in between)
             s = self._grad_spread(p.grad) if p.grad is not None else None
             if s is not None:
                 out[n] = s
