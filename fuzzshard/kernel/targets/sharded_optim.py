@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..state_io import as_tensor
-from ..model import loss_fn, plain_fqn, submodule
+from ..model import WRAPPERS, loss_fn, plain_fqn, submodule
 from ..optim import optimizer_class, optimizer_kwargs
 from ..ac import AC_HOWS, ac_how, apply_ac
 from .base import Spec, Target
@@ -62,6 +62,17 @@ def coverage(case) -> dict:
     from .fsdp1 import loop_coverage
 
     return loop_coverage(case)
+
+
+def _owner(model: nn.Module, module_name: str, attr: str) -> nn.Module:
+    """The module that holds param ``attr`` in its own ``_parameters``: ``submodule`` answers a CheckpointWrapper
+    (AC's wrapper forms) for the module it wraps, and shard_parameter on the wrapper fails (its hasattr sees the
+    wrapped module's param through the wrapper's __getattr__, its register_parameter then refuses the name:
+    "attribute 'weight' already exists"); the param is re-registered where it lives."""
+    mod = submodule(model, module_name)
+    while attr not in mod._parameters and any(w in mod._modules for w in WRAPPERS):
+        mod = next(mod._modules[w] for w in WRAPPERS if w in mod._modules)
+    return mod
 
 
 class ShardedParamsListed(AssertionError):
@@ -117,7 +128,7 @@ class ShardedOptimTarget(Target):
         for fqn, spec in sorted(self.case.target_options.get("shard", {}).items()):
             module_name, _, attr = fqn.rpartition(".")
             placements = [f"rank:{r}/{device}" for r in spec["ranks"]]
-            shard_parameter(submodule(model, module_name), attr, ChunkShardingSpec(spec["dim"], placements),
+            shard_parameter(_owner(model, module_name, attr), attr, ChunkShardingSpec(spec["dim"], placements),
                             process_group=self.group)
         return model
 
