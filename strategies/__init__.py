@@ -158,8 +158,9 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
 
 
 def moe_rules(spec) -> dict | None:
-    """What MoE layers the target takes (its Spec's ``moe``), as moe_configs' arguments; None: no MoE drawn."""
-    return spec.moe
+    """What MoE layers the target takes (its Spec's ``moe``), as moe_configs' arguments; None: no MoE drawn.
+    ("local" is the AC draw's, kernel/ac.py ac_moe_problem: no argument of the config's draw.)"""
+    return None if spec.moe is None else {k: v for k, v in spec.moe.items() if k != "local"}
 
 
 @st.composite

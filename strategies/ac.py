@@ -31,6 +31,7 @@ def ac_options(draw, spec, case, options: dict, forms=None) -> dict:
         chosen = [b for i, b in enumerate(kac.ac_blocks(shapes)) if (i + 1) % k == 0]
     else:
         chosen = [m for m in kac.ac_candidates(shapes) if draw(st.booleans())]
+    chosen = [m for m in chosen if kac.ac_moe_problem(case, spec, m) is None]  # an MoE run on full copies
     if how in kac.AC_REENTRANT:
         chosen = [m for m in chosen if kac.ac_reentrant_problem(case, m) is None]
     if not chosen:

@@ -2,6 +2,8 @@
 bit for bit what the plain forward computed, the rule draws only what torch supports, and a recomputation that
 differs from the forward (tests/planted/ac_recompute_perturbed.py) is caught as a grad parity finding."""
 import dataclasses
+import json
+import pathlib
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from fuzzshard.kernel import ac
 from fuzzshard.kernel.model import build_model, loss_fn, make_batch, named_params
 
 BUG = "ac_recompute_perturbed.py"
+DATA = pathlib.Path(__file__).parent / "data" / "ac"  # findings of a clean session, triaged as fuzzshard's own
 
 
 def _grads(case, options):
@@ -136,3 +139,36 @@ def test_a_timed_session_steers_the_ac_forms_least_drawn_first():
     forms = s.steer("dtensor", [1, 2], {"ac": True})["steer"]["ac"]
     assert set(forms) == set(ac.AC_HOWS) and forms[-1] == "sac" and forms.count("sac") < forms.count("utils"), forms
     assert "ac" not in s.steer("dtensor", [1, 2], {})["steer"]  # without --ac: no AC drawn, nothing steered
+
+
+def _finding_case(name):
+    from fuzzshard.case import Case
+
+    return Case.from_json(json.dumps(json.loads((DATA / name).read_text())["case"]))
+
+
+def test_ac_inside_an_moe_run_on_full_copies_is_not_drawn_the_moe_itself_runs(cli, tmp_path):
+    """A clean session's finding (dtensor, W=1, AC of layers.2.shared_experts.w1 inside an MoE: "aten.mm.default
+    got mixed torch.Tensor and DTensor"): MoE._forward_local swaps plain copies in for its forward only, the
+    recompute in backward saw the DTensor params. Refused where the MoE runs so (dtensor, tp: Spec.moe "local");
+    checkpointing the whole MoE (its recompute swaps again) replays clean."""
+    from fuzzshard import targets
+
+    case = _finding_case("dtensor_ac_inside_moe.json")
+    assert "inside the MoE at layers.2" in case.refusal()
+    assert "inside the MoE" in ac.ac_moe_problem(case, targets.get("tp").spec, "layers.2.shared_experts.w1")
+    assert ac.ac_moe_problem(case, targets.get("fsdp2").spec, "layers.2.shared_experts.w1") is None
+    whole = _with_ac(case, "composable", ("layers.2",))
+    assert whole.refusal() is None
+    path = tmp_path / "case.json"
+    path.write_text(whole.to_json())
+    out = cli("replay", path)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+
+
+def test_sharded_optim_shards_a_param_under_a_checkpoint_wrapper(cli):
+    """A clean session's finding (sharded_optim, AC "wrapper" of layers.0.attention_norm whose weight is sharded:
+    "KeyError: attribute 'weight' already exists" in shard): shard_parameter was handed the CheckpointWrapper,
+    not the module holding the param. Its replay passes."""
+    out = cli("replay", DATA / "sharded_optim_wrapper_shard.json")
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]

@@ -86,6 +86,24 @@ def ac_reentrant_problem(case, fqn: str) -> str | None:
     return None
 
 
+def ac_moe_problem(case, spec, fqn: str) -> str | None:
+    """Why checkpointing ``fqn`` would break an MoE that runs on full plain copies (None: it would not). Where a
+    target's MoE sees DTensor activations (its Spec's ``moe`` "local": dtensor, tp), MoE._forward_local swaps
+    plain copies in for the params for its forward only (kernel/moe.py); a module checkpointed inside it
+    recomputes in backward, outside that swap, on the DTensor params and a plain input ("aten.mm.default got
+    mixed torch.Tensor and DTensor"). Fuzzshard's own path, not torch's: checkpointing the MoE itself (its
+    recompute swaps again) or a module around it is drawn, a module strictly inside it is not."""
+    if not (spec.moe or {}).get("local"):
+        return None
+    from .moe import moe_prefixes
+
+    inside = [p for p in moe_prefixes(case.model) if fqn.startswith(p)]
+    if inside:
+        return (f"activation checkpointing of {fqn}, inside the MoE at {inside[0][:-1]}: {case.target}'s MoE runs "
+                f"on full copies swapped in for its forward only, the recompute would see the DTensor params")
+    return None
+
+
 def ac_problem(case, options: dict, spec) -> str | None:
     """Why these AC options are no case of this target (Case.check asks it of either side), or None."""
     h = ac_how(options)
@@ -105,6 +123,10 @@ def ac_problem(case, options: dict, spec) -> str | None:
     missing = [m for m in options["ac"] if m not in known]
     if missing:
         return f"activation checkpointing of {missing}: no such module owning params"
+    for fqn in options["ac"]:
+        why = ac_moe_problem(case, spec, fqn)
+        if why:
+            return why
     if h in AC_REENTRANT:
         for fqn in options["ac"]:
             why = ac_reentrant_problem(case, fqn)

@@ -90,7 +90,8 @@ class Spec:
     # the mixture-of-experts layers it takes (kernel/moe.py; strategies/models.py moe_configs' arguments): None,
     # none; {"whole_batch": every forward sees the whole global batch (capacity-factor dropping may be drawn),
     # "microbatched": a rank runs its slice in microbatches (no batch-wise aux loss), "aux": False (no aux loss),
-    # "bias": False (no routing bias)}
+    # "bias": False (no routing bias), "local": its MoE sees DTensor activations and runs on full plain copies
+    # (MoE._forward_local: no AC of a module inside it, kernel/ac.py ac_moe_problem)}
     moe: dict | None = None
 
 

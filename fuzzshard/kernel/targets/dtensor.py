@@ -86,7 +86,7 @@ def placements_options(layout: dict) -> dict:
 
 class DTensorTarget(Target):
     name = "dtensor"
-    spec = Spec(moe={"whole_batch": True}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
+    spec = Spec(moe={"whole_batch": True, "local": True}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
                 layout=placements_layout, place_as=placements_options, ac=tuple(AC_HOWS), dropout="replica",
                 tie=dtensor_tie)

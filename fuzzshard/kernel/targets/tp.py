@@ -89,7 +89,7 @@ class TPTarget(DTensorTarget):
     # (a step's refused in-place placement change) is DTensor's root cause. Not fsdp2's facts: its
     # tp_empty_shard trigger names fully_shard's bug with an empty TP shard, which TP alone does not meet
     known_as = ("dtensor", "fsdp2")
-    spec = Spec(moe={"whole_batch": True}, options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
+    spec = Spec(moe={"whole_batch": True, "local": True}, options=draw_tp_options, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, flat_mesh=True,
                 coverage=coverage, check=check_tp, seq_multiple=seq_multiple, component="TP",
                 clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
                 layout=tp_layout, ac=tuple(AC_HOWS), dropout="replica",
