@@ -69,7 +69,7 @@ def test_draws_with_ac_are_valid_and_reach_every_form():
     seen = set()
     for target in ("dtensor", "zero"):
         @hseed(2)
-        @settings(max_examples=60, database=None, phases=[Phase.generate], deadline=None,
+        @settings(max_examples=150, database=None, phases=[Phase.generate], deadline=None,
                   suppress_health_check=list(HealthCheck))
         @given(fst.cases(target=target, world_sizes=[1, 2], ac=True))
         def collect(case):
