@@ -174,7 +174,6 @@ def test_an_moe_aux_loss_is_averaged_over_the_replayed_ranks_slices(tmp_path):
     term: zero.parity.grad of layers.0.weight, 6/21 elements)."""
     from conftest import run_cli
 
-    from fuzzshard.case import Case
     case = Case.from_json(open("tests/data/moe/zero_dropout_aux_seq.json").read())
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
@@ -188,7 +187,6 @@ def test_a_batch_wise_moe_aux_loss_with_replayed_dropout_is_refused():
     more than one rank's slice is replayed, and takes it on one rank."""
     import json
 
-    from fuzzshard.case import Case
     d = json.loads(open("tests/data/moe/zero_dropout_aux_seq.json").read())
     d["model"]["layers"][3]["moe"]["aux"] = "batch"
     case = Case.from_json(json.dumps(d))
