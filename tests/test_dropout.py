@@ -164,3 +164,32 @@ def test_a_partial_dtensor_dropout_raises_on_cpu(tmp_path):
     if r.returncode == 0:
         pytest.skip("this torch's dropout takes a Partial DTensor: the bug is fixed here")
     assert "FAIL: dtensor.error.fwdbwd.RuntimeError" in r.stdout and "aten.bernoulli_.float" in r.stdout, r.stdout
+
+
+def test_an_moe_aux_loss_is_averaged_over_the_replayed_ranks_slices(tmp_path):
+    """zero on 2 ranks, [embedding, linear, linear, moe (aux "seq"), linear, dropout] (a fuzz finding's case,
+    tests/data/moe/zero_dropout_aux_seq.json): the reference replays each rank's slice in a forward of its own,
+    and each forward's aux loss takes its grad in the forward (moe.py _AuxLoss); it must take 1/world of it, as
+    the ranks' averaged grads do, not the whole (the router's and every earlier layer's grads were 2x the aux
+    term: zero.parity.grad of layers.0.weight, 6/21 elements)."""
+    from conftest import run_cli
+
+    case = Case.from_json(open("tests/data/moe/zero_dropout_aux_seq.json").read())
+    path = tmp_path / "case.json"
+    path.write_text(case.to_json())
+    r = run_cli("replay", path)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_a_batch_wise_moe_aux_loss_with_replayed_dropout_is_refused():
+    """A batch-wise aux loss's expert counts are the global batch's (all-reduced over the ranks); the replay
+    runs each rank's slice in its own forward, whose counts are that slice's: the rule refuses the case where
+    more than one rank's slice is replayed, and takes it on one rank."""
+    import json
+
+    d = json.loads(open("tests/data/moe/zero_dropout_aux_seq.json").read())
+    d["model"]["layers"][3]["moe"]["aux"] = "batch"
+    case = Case.from_json(json.dumps(d))
+    with pytest.raises(CaseError, match="batch-wise MoE aux loss with dropout"):
+        case.check()
+    dataclasses.replace(case, world_size=1, mesh_shape=(1,)).check()

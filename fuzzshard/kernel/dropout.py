@@ -82,6 +82,19 @@ def dropout_problem(case: Case) -> str | None:
         if case.target in targets.names():
             return (f"dropout under {case.target}: its ranks' draws are not replayed by the reference "
                     f"(kernel/dropout.py)")
+    if has_dropout(case.model) and mode(case) == "replay":
+        from . import moe
+        from .. import targets
+
+        if any(cfg.get("aux") == "batch" for cfg in moe.moe_configs_of(case.model)) and case.target in targets.names():
+            cls = targets.get(case.target)
+            sides = [(case.target_options, case.world_size)]
+            if case.checkpoint:
+                sides.append((case.checkpoint.target_options, case.checkpoint.world_size))
+            if any(cls.dropout_world(o, w) > 1 for o, w in sides):
+                return (f"a batch-wise MoE aux loss with dropout under {case.target}: the reference replays each "
+                        "rank's slice in a forward of its own, whose expert counts are that slice's, not the "
+                        "global batch's the ranks all-reduce")
     return None
 
 
@@ -178,13 +191,26 @@ def replayed(objective, world: int, microbatches: int):
         d = draws()
         if d is None:
             return objective(model, x, y, options)
+        from .moe import moe_modules
+
         per = x.shape[0] // world
         total = 0
-        for r in range(world):
-            d.rank(r)
-            for xm, ym in zip(x[r * per:(r + 1) * per].chunk(microbatches),
-                              y[r * per:(r + 1) * per].chunk(microbatches)):
-                total = total + objective(model, xm, ym, options) / microbatches
+        # an MoE's aux loss takes its grad in the forward (moe.py _AuxLoss), not through this mean: each of the
+        # world * microbatches forwards' aux losses gets 1 / (world * microbatches) of it, the mean of theirs,
+        # as the sharded ranks' averaged grads have (a sequence-wise aux loss is additive over sequences)
+        mods = moe_modules(model)
+        kept = [m.aux_grad for m in mods]
+        for m in mods:
+            m.aux_grad = m.aux_grad / (world * microbatches)
+        try:
+            for r in range(world):
+                d.rank(r)
+                for xm, ym in zip(x[r * per:(r + 1) * per].chunk(microbatches),
+                                  y[r * per:(r + 1) * per].chunk(microbatches)):
+                    total = total + objective(model, xm, ym, options) / microbatches
+        finally:
+            for m, g in zip(mods, kept):
+                m.aux_grad = g
         return total / world
 
     return run
