@@ -216,7 +216,7 @@ def replayed(objective, world: int, microbatches: int):
     return run
 
 
-def coverage(case: Case) -> dict:
+def dropout_coverage(case: Case) -> dict:
     """{title: cells} of a passing case's dropout, for the session's "passing" lines: how its masks were judged
     (replay, replica), where they were drawn (layer, residual or twice body, decoder), with activation
     checkpointing or grad accumulation around them."""

@@ -7,7 +7,7 @@ normalisation of the top-k scores and a scale), ``reorderer``
 (``GroupedExperts``: params ``w1`` [E, hidden, dim], ``w2`` [E, dim, hidden],
 ``w3`` [E, hidden, dim], SwiGLU per expert over tokens already sorted by
 expert: a for-loop over experts, or ``torch._grouped_mm``), an optional
-``shared_experts`` (a SwiGLU FeedForward every token goes through), the
+``shared_experts`` (a SwiGLU SharedExpert every token goes through), the
 auxiliary-loss-free load balancing of DeepSeek-V3 (a persistent
 ``expert_bias`` buffer added to the scores for the top-k choice only, moved
 outside the optimizer by ``update_expert_bias`` from the ``tokens_per_expert``
@@ -84,7 +84,7 @@ def grouped_mm_ok(dim: int, hidden: int, dtype: torch.dtype) -> bool:
     return dim % per == 0 and hidden % per == 0
 
 
-class FeedForward(nn.Module):
+class SharedExpert(nn.Module):
     """SwiGLU: the shared expert (torchtitan's MoE FeedForward)."""
 
     def __init__(self, dim: int, hidden: int):
@@ -252,7 +252,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, c["hidden"], E, c["grouped"])
         self.router = TokenChoiceTopKRouter(dim, E, c["top_k"], c["score"], c["route_norm"], c["route_scale"])
         self.reorderer = TokenReorderer(E, c["top_k"])
-        self.shared_experts = FeedForward(dim, c["shared"]) if c["shared"] else None
+        self.shared_experts = SharedExpert(dim, c["shared"]) if c["shared"] else None
         self.score_before_experts = c["score_before_experts"]
         self.load_balance_coeff = c["bias_coeff"]
         if self.load_balance_coeff is not None:
@@ -449,7 +449,7 @@ def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def _local(t):
+def _moe_local(t):
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
@@ -474,7 +474,7 @@ def expert_biases(model: nn.Module) -> dict:
     """{plain FQN of an MoE: a copy of its expert_bias} of the MoE layers this rank holds (with a bias)."""
     from .model import plain_fqn
 
-    return {plain_fqn(n): _local(m.expert_bias).detach().clone() for n, m in model.named_modules()
+    return {plain_fqn(n): _moe_local(m.expert_bias).detach().clone() for n, m in model.named_modules()
             if isinstance(m, MoE) and m.expert_bias is not None}
 
 
@@ -508,10 +508,10 @@ def set_biases(model: nn.Module, biases: dict | None, counts: dict | None = None
             if not isinstance(m, MoE):
                 continue
             n = plain_fqn(n)
-            held[n] = _local(m.tokens_per_expert).clone()
+            held[n] = _moe_local(m.tokens_per_expert).clone()
             if biases is not None and m.expert_bias is not None and n in biases:
-                _local(m.expert_bias).copy_(biases[n])
-            _local(m.tokens_per_expert).copy_(counts[n] if counts else torch.zeros_like(held[n]))
+                _moe_local(m.expert_bias).copy_(biases[n])
+            _moe_local(m.tokens_per_expert).copy_(counts[n] if counts else torch.zeros_like(held[n]))
     return held
 
 
@@ -557,12 +557,12 @@ def update_expert_bias(model: nn.Module, groups=()) -> None:
     mods = [m for m in moe_modules(model) if m.load_balance_coeff is not None]
     if not mods:
         return
-    counts = torch.vstack([_local(m.tokens_per_expert).float() for m in mods])
+    counts = torch.vstack([_moe_local(m.tokens_per_expert).float() for m in mods])
     for group in groups:
         import torch.distributed as dist
 
         dist.all_reduce(counts, group=group)
     for m, t in zip(mods, counts):
         delta = m.load_balance_coeff * torch.sign(t.mean() - t)
-        _local(m.expert_bias).add_((delta - delta.mean()).to(m.expert_bias.dtype))
-        _local(m.tokens_per_expert).zero_()
+        _moe_local(m.expert_bias).add_((delta - delta.mean()).to(m.expert_bias.dtype))
+        _moe_local(m.tokens_per_expert).zero_()

@@ -17,7 +17,7 @@ import torch
 from ..case import Case
 from ..verdict import Mismatch, error_record, finding, invalid, passing
 from .localize import Trace, localize_divergence
-from . import dropout
+from .dropout import compares_loss_and_grads, mode as dropout_mode, replay_step, replayed
 from .loop import Loop
 from .model import make_batch, out_dim, param_shapes
 from .moe import expert_biases, margin, moe_configs_of, set_biases, update_expert_bias
@@ -136,7 +136,7 @@ def check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool 
     try:
         return _check_parity(case, obs, device, target_cls, localize, clock)
     finally:
-        dropout.replay_step(None)
+        replay_step(None)
 
 
 def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool = False, clock=None) -> dict:
@@ -180,7 +180,7 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
             prev = {**prev, "grads": {n: None for n in params}, "state": loaded.get("state", prev["state"]),
                     "params": loaded.get("params", prev["params"])}  # a non-strict load may miss a param
         stepper = twins[step_device(options_at(case, k)[0], device)]
-        dropout.replay_step(case, k, device)
+        replay_step(case, k, device)
         try:
             for m, o in twins.values():
                 before_step(m, o, case, k)
@@ -200,9 +200,9 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
                 x, y, scale = target_cls.reference_batch(case, k, x, y)
                 sens = None  # measured below, only if a comparison fails without it
                 # dropout: each data-parallel rank's slice from its own seed (kernel/dropout.py), else the objective
-                objective = dropout.replayed(target_cls.objective, target_cls.dropout_world(options, world),
+                objective = replayed(target_cls.objective, target_cls.dropout_world(options, world),
                                              target_cls.microbatches(options))
-                traced_here = localize and rec["trace"] and not dropout.mode(case)  # one forward a step, not several
+                traced_here = localize and rec["trace"] and not dropout_mode(case)  # one forward a step, not several
                 trace = Trace(model, lambda t, fqn: t, lambda t, fqn: t, target_cls.trace_points(case)) if traced_here else None
                 loss = objective(model, x, y, options) * scale
                 loss.backward()
@@ -221,7 +221,7 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
             overflow = loops[device].overflows(k)  # the loss made infinite on purpose: no grads to compare
 
             def loss_and_grads(sens: dict) -> list:
-                if not dropout.compares_loss_and_grads(case):  # masks torch does not promise to be the reference's
+                if not compares_loss_and_grads(case):  # masks torch does not promise to be the reference's
                     return []
                 out = [compare("loss", k, "", rec["loss"], loss.detach(), tol, sens=sens.get("loss", 0.0))]
                 out += [compare("grad", k, n, rec["grads"][n], grads[n], tol, sens=sens.get(n, 0.0),

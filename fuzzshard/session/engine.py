@@ -61,7 +61,7 @@ from hypothesis.control import current_build_context
 
 from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from ..targets import get as target_class
-from ..kernel.dropout import coverage as dropout_coverage
+from ..kernel.dropout import dropout_coverage
 from ..findings.record import Finding, load_known, summary
 from ..findings.judge import judge_many
 from ..findings.life import FindingBook

@@ -116,7 +116,7 @@ def features(case) -> list[tuple[str, str]]:
     out.append(("frozen", ("frozen" if case.frozen else "none frozen") + (", flipped mid-run" if flips else "")))
     out.append(("steps", f"{len(case.schedule)} step(s)"))
     out += [("loop", f) for f in loop_cells(case)]
-    from fuzzshard.kernel.dropout import coverage as dropout_cells  # how its masks were judged, and where
+    from fuzzshard.kernel.dropout import dropout_coverage as dropout_cells  # how its masks were judged, and where
 
     out += [("dropout", c) for c in dropout_cells(case).get("dropout", {})]  # (none: no line in a session without)
     m = case.model

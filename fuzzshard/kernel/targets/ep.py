@@ -112,7 +112,7 @@ def ep_degree(mesh_shape) -> int:
     return mesh_shape[-1]
 
 
-def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
+def ep_draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
     """Which MoE submodules (the router, the shared experts) get their own fully_shard, and
     reshard_after_forward; off first (a shrunk case has neither)."""
     import hypothesis.strategies as st
@@ -132,7 +132,7 @@ def moe_configs(case: Case) -> list[dict]:
     return moe_configs_of(case.model)
 
 
-def check(case: Case) -> str | None:
+def ep_check(case: Case) -> str | None:
     """EP's rules: the model has an MoE layer, its experts divide evenly over the EP degree (torchtitan's
     num_experts % ep == 0), dropless routing (a capacity counts a rank's own tokens)."""
     sides = [("", case.mesh_shape, case.target_options)]
@@ -150,7 +150,7 @@ def check(case: Case) -> str | None:
     return None
 
 
-def coverage(case) -> dict:
+def ep_coverage(case) -> dict:
     """What an EP case covered: its mesh (1-D EP, or 2-D dp x ep with the experts FSDP-sharded over dp),
     shared experts, a routing bias, an aux loss, top-k > 1, grouped_mm, units of their own."""
     cfgs = moe_configs(case)
@@ -173,8 +173,8 @@ class EPTarget(FSDP2Target):
     known_as = ("fsdp2", "dtensor")
     # every model drawn has MoE, its experts a multiple of the EP degree (the mesh's last dim; strategies'
     # _model), dropless: a rank's forward sees its own slice
-    spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=draw_options,
-                data_parallel=True, named_params=True, check=check, coverage=coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout)
+    spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=ep_draw_options,
+                data_parallel=True, named_params=True, check=ep_check, coverage=ep_coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout)
     localizable = False  # inside an MoE the routed tokens are this rank's experts', in another order
 
     @classmethod
