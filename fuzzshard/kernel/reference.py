@@ -17,7 +17,7 @@ import torch
 from ..case import Case
 from ..verdict import Mismatch, error_record, finding, invalid, passing
 from .localize import Trace, localize_divergence
-from .dropout import compares_loss_and_grads, mode as dropout_mode, replay_step, replayed
+from .dropout import compares_loss_and_grads, mode, replay_step, replayed
 from .loop import Loop
 from .model import make_batch, out_dim, param_shapes
 from .moe import expert_biases, margin, moe_configs_of, set_biases, update_expert_bias
@@ -202,7 +202,7 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
                 # dropout: each data-parallel rank's slice from its own seed (kernel/dropout.py), else the objective
                 objective = replayed(target_cls.objective, target_cls.dropout_world(options, world),
                                              target_cls.microbatches(options))
-                traced_here = localize and rec["trace"] and not dropout_mode(case)  # one forward a step, not several
+                traced_here = localize and rec["trace"] and not mode(case)  # one forward a step, not several
                 trace = Trace(model, lambda t, fqn: t, lambda t, fqn: t, target_cls.trace_points(case)) if traced_here else None
                 loss = objective(model, x, y, options) * scale
                 loss.backward()
