@@ -88,7 +88,9 @@ def test_a_case_is_carried_to_the_kin_targets_that_place_its_params_alike():
     data-parallel target's batch made a multiple of its ranks; elsewhere not."""
     import dataclasses
 
-    assert kin("dtensor") == ("fsdp2", "tp") and kin("fsdp2") == ("dtensor", "tp") and kin("zero") == ()
+    # (ep is FSDP2 with expert parallelism: kin by its layout; a case it cannot take, e.g. one without an MoE layer,
+    # is not carried there: carry() asks Case.check)
+    assert kin("dtensor") == ("ep", "fsdp2", "tp") and kin("fsdp2") == ("dtensor", "ep", "tp") and kin("zero") == ()
     names = ["layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias"]
     case = simple_case(2, optim="Adam", placements={n: ["S0"] for n in names})  # batch 3
     fsdp2 = carry(case, "fsdp2")
