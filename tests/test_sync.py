@@ -75,7 +75,7 @@ def test_drawn_sync_cases_are_valid():
     @given(cases(target="fsdp2", world_sizes=[2, 4]))
     def drawn(case):
         assert case.refusal() is None
-        seen.update(sync.coverage_cells(case.target_options))
+        seen.update(sync.sync_cells(case.target_options))
 
     drawn()
     assert seen, "no sync drawn in 25 cases"

@@ -71,7 +71,7 @@ def draw_sync(draw, case, *, fsdp2: bool) -> dict | None:
         return None
     from .moe import moe_configs_of
 
-    if moe_configs_of(case.model) or opts.get("float8"):  # (problem(), float8_problem(): their references)
+    if moe_configs_of(case.model) or opts.get("float8"):  # (sync_problem(), float8_problem(): their references)
         return None
     m, dp = opts.get("microbatches", 1), dp_of(case.mesh_shape, opts)
     hsdp = (len(case.mesh_shape) == 2 and not opts.get("tp")) if fsdp2 else opts.get("strategy") in (
@@ -107,7 +107,7 @@ def draw_sync(draw, case, *, fsdp2: bool) -> dict | None:
     return out
 
 
-def problem(case, mesh_shape, options: dict, *, fsdp2: bool) -> str | None:
+def sync_problem(case, mesh_shape, options: dict, *, fsdp2: bool) -> str | None:
     """What a sync option cannot be (Case.check, through the target's check)."""
     sync = options.get("sync")
     if not sync:
@@ -273,7 +273,7 @@ def fsdp2_reduce_options(model, sync: dict) -> None:
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def coverage_cells(options: dict) -> set:
+def sync_cells(options: dict) -> set:
     """A sync case's cells: how it skips, each control, the loss scaling, a zero-weight block."""
     sync = options.get("sync")
     if not sync:

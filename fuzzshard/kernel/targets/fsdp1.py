@@ -48,7 +48,7 @@ from ..state_io import FULL_FILE, STATE_DICT_KINDS, as_tensor, load, save
 from ..model import loss_fn, plain_fqn
 from ..optim import build_optimizer, optimizer_class, optimizer_kwargs
 from ..ac import AC_REENTRANT, apply_ac
-from ..sync import coverage_cells as sync_cells, draw_sync, problem as sync_problem
+from ..sync import draw_sync, sync_cells, sync_problem
 from .base import Spec, Target
 
 

@@ -51,7 +51,7 @@ from ..plain import sensitivity, torch_dtype
 from ..reference import scalar_dtype
 from ..state_io import STATE_DICT_KINDS
 from ..ac import AC_NON_REENTRANT, ac_how, apply_ac
-from ..sync import coverage_cells as sync_cells, draw_sync, problem as sync_problem
+from ..sync import draw_sync, sync_cells, sync_problem
 from .base import Spec, Target
 
 
