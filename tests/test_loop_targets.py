@@ -193,7 +193,7 @@ def test_partial_overflows_are_drawn_in_place_of_a_whole_loss_overflow_only():
 
     seen = []
 
-    @settings(max_examples=80, database=None, deadline=None, derandomize=True,
+    @settings(max_examples=200, database=None, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(cases(target="dtensor", world_sizes=(2,), loop=("scaler",), checkpoint=False))
     def draw(case):
