@@ -29,6 +29,9 @@ SLOW = {
     "test_clean_session.py::test_clean_session_finds_nothing_new[fsdp2-RMSprop]":
         "meets fsdp2.parity.grad 'inf in one run only' under a float16 reduce with 2 microbatches (leads/open/: "
         "an overflow at float16's edge the mixed-precision tolerance may not predict, or torch's; not diagnosed)",
+    "test_planted.py::test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays[loop_sched_load_drops_epoch]":
+        "its session now meets the plant on two checkpoint kinds that do not fold into one file (to re-seed); the "
+        "plant shows under torchrun in test_scriptgen.py's loop script tests, the loop's oracles in test_loop_targets.py",
     "test_generalize.py::test_a_replica_drift_met_as_the_checkpoint_face_it_leaves_too_is_one_finding":
         "its session now meets the replica face first (dtensor.replica.param), not the checkpoint one it checks "
         "folding from (to re-seed); folding stays proven by test_two_planted_bugs... faces and test_generalize's pure tests",

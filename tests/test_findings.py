@@ -361,7 +361,7 @@ def test_two_root_causes_under_one_signature_are_told_apart_by_their_conditions(
     known = load_known()
     pairs = {"dtensor.error.fwdbwd.RuntimeError.61658fa9": "dropout", "pp.parity.grad": "tie-stages-scale-grads"}
     for sig, suffix in pairs.items():
-        assert under(sig, known) == [sig, f"{sig}.{suffix}"]
+        assert under(sig, known)[0] == sig and f"{sig}.{suffix}" in under(sig, known)  # (pp.parity.grad: 3 causes)
         assert known[f"{sig}.{suffix}"].signature == sig and known[sig].root_cause != known[f"{sig}.{suffix}"].root_cause
         for name in under(sig, known):
             assert known_signature(sig, known[name].case, known) == name

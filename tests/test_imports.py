@@ -32,8 +32,8 @@ LAZY_CYCLES = [
     # case.py asks kernel/state_io.py where an async save can run, kernel/ac.py which modules a form of
     # activation checkpointing may take and kernel/moe.py what MoE a target takes (Case.check): the rules live
     # beside the code they guard (issue 49's third pass moves them behind the target's Spec)
-    {"fuzzshard.case", "fuzzshard.kernel.ac", "fuzzshard.kernel.decoder", "fuzzshard.kernel.model", "fuzzshard.kernel.moe",
-     "fuzzshard.kernel.state_io"},
+    {"fuzzshard.case", "fuzzshard.kernel.ac", "fuzzshard.kernel.decoder", "fuzzshard.kernel.dropout", "fuzzshard.kernel.model",
+     "fuzzshard.kernel.moe", "fuzzshard.kernel.state_io"},
     # findings/releases.py writes known.md with cli/known.py's table and starts pools through cli/common.py
     {"fuzzshard.cli.known", "fuzzshard.findings.releases", "fuzzshard.findings.rootcause", "fuzzshard.report.upstream"},
 ]
