@@ -196,7 +196,7 @@ start
 # state, torch's: DTensor's sharding cache, emptied between cases by pool/worker.py on the releases that need
 # it.) 2.10 and later: all.
 CLEAN_ARGS=(--target all)
-case "$V" in 2.9.*) CLEAN_ARGS=(--target dtensor,fsdp1,fsdp2,sharded_optim,tp,zero) ;; esac
+case "$V" in 2.9.*) CLEAN_ARGS=(--target ddp,dtensor,ep,fsdp1,fsdp2,sharded_optim,tp,zero) ;; esac
 run "$PY" ci/smoke_session.py "${CLEAN_ARGS[@]}" --max-examples "$EXAMPLES" --world-sizes "$WORLDS" --seed 5 \
   --shrink-budget 10s --case-timeout 60 --out "$OUT/fuzz" > "$OUT/fuzz.log" 2>&1
 rc=$?
