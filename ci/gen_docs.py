@@ -134,8 +134,11 @@ def targets_table() -> str:
     rows = ["| target | module | what it is |", "|---|---|---|"]
     for name in targets.names():
         path = ROOT / "fuzzshard" / "kernel" / "targets" / f"{name}.py"
+        if not path.exists():  # a target that is a package (pp/): its __init__ says what it is
+            path = path.with_suffix("") / "__init__.py"
+        shown = _rel(path.parent) + "/" if path.name == "__init__.py" else _rel(path)
         doc = first_sentence(module_doc(path)).split(": ", 1)[-1]
-        rows.append(f"| `{name}` | `{_rel(path)}` | {doc} |")
+        rows.append(f"| `{name}` | `{shown}` | {doc} |")
     return "\n".join(rows)
 
 

@@ -7,8 +7,8 @@ Built-in targets are the modules of kernel/targets/, imported lazily
     from fuzzshard.targets import register_target
     register_target("mine", MyTarget)   # same interface as kernel/targets/dtensor.py
 
-A target is one module: its adapter class (kernel/targets/base.py's Target)
-and its ``spec`` (base.Spec: what it can do), which the strategies, the Case
+A target is one module (or one package, as pp/): its adapter class
+(kernel/targets/base.py's Target) and its ``spec`` (base.Spec: what it can do), which the strategies, the Case
 checks, ``show`` and the findings read; nothing else names a target.
 """
 from __future__ import annotations
@@ -17,8 +17,9 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-# kernel/targets/NAME.py is the built-in target NAME (its class says ``name = "NAME"``): adding a
-# target is adding its module. Not targets: the interface, and the adapter of a plugin's parallelism.
+# kernel/targets/NAME.py (or the package kernel/targets/NAME/) is the built-in target NAME (its class says
+# ``name = "NAME"``): adding a target is adding its module. Not targets: the interface, and the adapter of a
+# plugin's parallelism.
 _PACKAGE = "fuzzshard.kernel.targets"
 _NOT_TARGETS = {"base", "parallelize"}
 _BUILTIN = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent / "kernel" / "targets")])
@@ -50,8 +51,10 @@ def get(name: str) -> type:
     if name not in _BUILTIN:
         raise KeyError(f"unknown target {name!r} (known: {', '.join(names())})")
     module = importlib.import_module(f"{_PACKAGE}.{name}")  # imported when first asked for: FSDP costs time
+    # defined in the module, or (a target that is a package, as pp/) in one of its own modules, named in its __init__
     found = [c for c in vars(module).values()
-             if isinstance(c, type) and c.__module__ == module.__name__ and getattr(c, "name", None) == name]
+             if isinstance(c, type) and (c.__module__ + ".").startswith(module.__name__ + ".")
+             and getattr(c, "name", None) == name]
     if len(found) != 1:
         raise TypeError(f"{module.__name__} must define one target class with name = {name!r}, found {len(found)}")
     return found[0]

@@ -11,6 +11,7 @@ from conftest import PLANTED, run_cli, torchrun
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 from fuzzshard.kernel.model import param_shapes
 from fuzzshard.kernel.targets import pp
+from fuzzshard.kernel.targets.pp import describe, draws, schedules
 
 
 @settings(max_examples=60, database=None, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -21,12 +22,12 @@ def test_pp_draws_a_schedule_the_layers_can_fill(case):
     the batch; every drawn case passes the target's own check."""
     o = case.target_options
     assert case.mesh_shape == ((case.world_size,) if "dp" not in o else (case.world_size // o["dp"], o["dp"]))
-    assert o["schedule"] in pp.available()
+    assert o["schedule"] in schedules.available()
     assert set(o) <= {"schedule", "stages", "cuts", "scale_grads", "n_microbatches", "dp", "reshard_after_forward",
                       "wrap", "accum"}, o
-    assert len(o["cuts"]) == pp.n_stages(o, case.world_size) - 1
+    assert len(o["cuts"]) == schedules.n_stages(o, case.world_size) - 1
     assert 1 <= o["n_microbatches"] <= case.batch // o.get("dp", 1) + 1
-    assert pp.check(case) is None, pp.check(case)
+    assert draws.check(case) is None, draws.check(case)
     assert case.checkpoint is None or "n_microbatches" in case.checkpoint.target_options  # (test_pp_checkpoint.py)
 
 
@@ -38,9 +39,9 @@ def test_pp_stage_ranks_follow_torchs_mapping():
     for world in (1, 2, 3, 4):
         for name, stages in (("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 3), ("ZBVZeroBubble", 2)):
             o = {"schedule": name, "stages": stages}
-            style = pp.SCHEDULES[name][1]
+            style = schedules.SCHEDULES[name][1]
             want = generate_stage_to_rank_mapping(world, world * stages, style=style)
-            assert pp.stage_ranks(o, world) == [want[s] for s in range(world * stages)], (name, world)
+            assert schedules.stage_ranks(o, world) == [want[s] for s in range(world * stages)], (name, world)
 
 
 def _case(schedule="1F1B", world=2, n_microbatches=2, batch=2, layers=2, stages=1, scale_grads=True) -> Case:
@@ -54,10 +55,10 @@ def _case(schedule="1F1B", world=2, n_microbatches=2, batch=2, layers=2, stages=
 
 
 def test_pp_check_refuses_what_cannot_be_cut():
-    assert pp.check(_case()) is None
-    assert "top-level layers" in pp.check(_case(world=3, layers=2))
+    assert draws.check(_case()) is None
+    assert "top-level layers" in draws.check(_case(world=3, layers=2))
     bad = _case()
-    assert "cuts" in pp.check(dataclasses.replace(bad, target_options={**bad.target_options, "cuts": [0]}))
+    assert "cuts" in draws.check(dataclasses.replace(bad, target_options={**bad.target_options, "cuts": [0]}))
     # (a tied head is cut now, its grad all-reduced between the first and last stage's ranks: tests/test_tied.py)
 
 
@@ -137,7 +138,7 @@ def test_planted_zero_bubble_dw_twice_is_found_shrunk_and_replays(tmp_path):
     split-backward schedule on one rank, its two virtual stages (the fewest), one microbatch, one step."""
     case = hunt_shrink_replay(tmp_path, "pp_zero_bubble_dw_twice.py", 6, 25)["case"]
     o = case["target_options"]
-    assert o["schedule"] in pp.SPLIT_BACKWARD and pp.n_stages(o, case["world_size"]) == 2, case
+    assert o["schedule"] in schedules.SPLIT_BACKWARD and schedules.n_stages(o, case["world_size"]) == 2, case
     assert o["n_microbatches"] == 1 and len(case["schedule"]) == 1, case
 
 
@@ -147,7 +148,7 @@ def test_planted_looped_stage_scale_is_found_shrunk_and_replays(tmp_path):
     two microbatches (one would not be scaled), scale_grads on, one step."""
     case = hunt_shrink_replay(tmp_path, "pp_looped_stage_scale.py", 0, 20, "20s")["case"]
     o = case["target_options"]
-    assert o["schedule"] in ("Interleaved1F1B", "LoopedBFS") and pp.n_stages(o, case["world_size"]) == 2, case
+    assert o["schedule"] in ("Interleaved1F1B", "LoopedBFS") and schedules.n_stages(o, case["world_size"]) == 2, case
     assert o["n_microbatches"] == 2 and o["scale_grads"] is True and len(case["schedule"]) == 1, case
 
 
@@ -176,13 +177,13 @@ def test_pp_facts_see_a_stage_input_without_grad_from_a_steps_freeze():
     params, counts (a clean 2.15.0 session met it reported new), and an unfreeze before every step does not."""
     case = dataclasses.replace(_case(schedule="InterleavedZeroBubble", world=1, n_microbatches=1, batch=1, stages=2),
                                frozen=("layers.0.weight",))
-    assert not pp.facts(case)["split_backward_input_without_grad"]
+    assert not describe.facts(case)["split_backward_input_without_grad"]
     freeze = dataclasses.replace(case, schedule=(Step(freeze=("layers.0.bias",)),))
-    assert pp.facts(freeze)["split_backward_input_without_grad"]
+    assert describe.facts(freeze)["split_backward_input_without_grad"]
     thawed = dataclasses.replace(case, frozen=("layers.0.weight", "layers.0.bias"),
                                  schedule=(Step(unfreeze=("layers.0.bias",)),))
-    assert not pp.facts(thawed)["split_backward_input_without_grad"]
-    assert pp.facts(dataclasses.replace(freeze, target_options={**freeze.target_options, "schedule": "Interleaved1F1B"})
+    assert not describe.facts(thawed)["split_backward_input_without_grad"]
+    assert describe.facts(dataclasses.replace(freeze, target_options={**freeze.target_options, "schedule": "Interleaved1F1B"})
                     )["split_backward_input_without_grad"] is False
 
 

@@ -15,7 +15,7 @@ import fuzzshard.strategies as fst
 from conftest import run_cli
 from fuzzshard.case import Case, Checkpoint, Group, Layer, LRScheduler, Model, Optim, Step
 from fuzzshard.kernel.model import param_shapes
-from fuzzshard.kernel.targets import pp
+from fuzzshard.kernel.targets.pp import describe, draws, schedules
 
 
 @settings(max_examples=30, database=None, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -29,13 +29,13 @@ def test_pp_checkpoint_draws_a_loading_side_that_is_a_pp_case_of_its_own(case):
     assert ck is not None and ck.kind == "dcp"
     o = ck.target_options
     assert math.prod(ck.mesh_shape) == ck.world_size and o.get("dp") == (ck.mesh_shape[1:] or (None,))[0]
-    assert len(o["cuts"]) == pp.n_stages(o, ck.world_size) - 1 and 1 <= o["n_microbatches"] <= case.batch + 1
-    assert pp.check(case) is None, pp.check(case)
+    assert len(o["cuts"]) == schedules.n_stages(o, ck.world_size) - 1 and 1 <= o["n_microbatches"] <= case.batch + 1
+    assert draws.check(case) is None, draws.check(case)
     loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=ck.mesh_shape, target_options=o,
                                   checkpoint=None)
-    assert not pp.stateless_ranks(case) and not pp.stateless_ranks(loading)
-    assert "kind" in pp.check(dataclasses.replace(case, checkpoint=dataclasses.replace(ck, kind="full")))
-    assert "LR scheduler" in pp.check(dataclasses.replace(case, lr_scheduler=LRScheduler("StepLR", {"step_size": 1})))
+    assert not draws.stateless_ranks(case) and not draws.stateless_ranks(loading)
+    assert "kind" in draws.check(dataclasses.replace(case, checkpoint=dataclasses.replace(ck, kind="full")))
+    assert "LR scheduler" in draws.check(dataclasses.replace(case, lr_scheduler=LRScheduler("StepLR", {"step_size": 1})))
 
 
 def test_pp_facts_count_the_loading_sides_schedule_after_the_load():
@@ -51,11 +51,11 @@ def test_pp_facts_count_the_loading_sides_schedule_after_the_load():
                 batch=2, seq=2, target_options={"schedule": "GPipe", "cuts": [1], "scale_grads": False,
                                                 "n_microbatches": 2},
                 checkpoint=Checkpoint(after=0, kind="dcp", world_size=1, mesh_shape=(1,), target_options=loading))
-    assert pp.check(case) is None, pp.check(case)
-    assert not pp.facts(case)["split_backward_input_without_grad"]
-    assert pp.facts_with_checkpoint(case)["split_backward_input_without_grad"]
+    assert draws.check(case) is None, draws.check(case)
+    assert not describe.facts(case)["split_backward_input_without_grad"]
+    assert describe.facts_with_checkpoint(case)["split_backward_input_without_grad"]
     last = dataclasses.replace(case, checkpoint=dataclasses.replace(case.checkpoint, after=1))
-    assert not pp.facts_with_checkpoint(last)["split_backward_input_without_grad"]
+    assert not describe.facts_with_checkpoint(last)["split_backward_input_without_grad"]
 
 
 def test_pp_checkpoint_clean_session_reshards_across_pp_degrees(tmp_path):

@@ -7,7 +7,7 @@ import dataclasses
 from conftest import run_cli
 from fuzzshard.case import Case, Group, Model, Optim, Step
 from fuzzshard.kernel.model import param_shapes
-from fuzzshard.kernel.targets import pp
+from fuzzshard.kernel.targets.pp import describe, draws, schedules
 
 SIZES = {"d_in": 5, "n_layers": 4, "n_heads": 2, "n_kv_heads": 1, "head_dim": 2, "hidden": 3, "mlp": "swiglu",
          "norm": "rms", "causal": True, "tied": False}
@@ -23,15 +23,15 @@ def _case(**sizes) -> Case:
 
 def test_pp_cuts_the_decoders_blocks_and_a_tied_head_across_ranks():
     case = _case()
-    assert pp.n_units(case.model) == 4 and pp.check(case) is None
+    assert schedules.n_units(case.model) == 4 and draws.check(case) is None
     tied = _case(tied=True)  # the embedding on rank 0's stage 0, the tied head on rank 1's stage 3
-    assert pp.check(tied) is None and pp.tie_span(tied) == "ranks"
-    assert "cuts" in pp.check(dataclasses.replace(case, target_options={**case.target_options, "cuts": [1, 2]}))
+    assert draws.check(tied) is None and schedules.tie_span(tied) == "ranks"
+    assert "cuts" in draws.check(dataclasses.replace(case, target_options={**case.target_options, "cuts": [1, 2]}))
     # a stage after the first whose input needs no grad: the embedding and block 0 frozen
     frozen = tuple(n for n in param_shapes(case.model) if n.startswith(("tok_embeddings.", "layers.0.")))
     o = {**case.target_options, "schedule": "InterleavedZeroBubble"}
-    assert pp.facts(dataclasses.replace(case, frozen=frozen, target_options=o))["split_backward_input_without_grad"]
-    assert not pp.facts(dataclasses.replace(case, target_options=o))["split_backward_input_without_grad"]
+    assert describe.facts(dataclasses.replace(case, frozen=frozen, target_options=o))["split_backward_input_without_grad"]
+    assert not describe.facts(dataclasses.replace(case, target_options=o))["split_backward_input_without_grad"]
 
 
 def test_pp_decoder_trains_in_parity_and_a_planted_looped_bug_is_found(tmp_path):

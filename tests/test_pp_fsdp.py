@@ -9,7 +9,7 @@ from conftest import run_cli
 from test_pp import hunt_shrink_replay
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 from fuzzshard.kernel.model import param_shapes
-from fuzzshard.kernel.targets import pp
+from fuzzshard.kernel.targets.pp import draws, schedules
 
 
 def _case(schedule="GPipe", pp_degree=2, dp=2, n_microbatches=2, batch=4, accum=1, scale_grads=True) -> Case:
@@ -32,21 +32,21 @@ def test_pp_fsdp_check_and_objective():
     divides the whole p.grad, the earlier steps' part too), mean over the dp slices."""
     import torch
 
-    assert pp.check(_case()) is None and pp.check(_case(dp=1, accum=2)) is None
-    assert "second dim" in pp.check(dataclasses.replace(_case(), target_options={**_case().target_options, "dp": 3}))
-    assert "equal slice" in pp.check(dataclasses.replace(_case(), batch=3))
-    assert "accum" in pp.check(_case(dp=2, accum=3, n_microbatches=1))
-    assert pp.n_stages(_case().target_options, 4) == 2 and pp.stage_ranks(_case().target_options, 4) == [0, 1]
+    assert draws.check(_case()) is None and draws.check(_case(dp=1, accum=2)) is None
+    assert "second dim" in draws.check(dataclasses.replace(_case(), target_options={**_case().target_options, "dp": 3}))
+    assert "equal slice" in draws.check(dataclasses.replace(_case(), batch=3))
+    assert "accum" in draws.check(_case(dp=2, accum=3, n_microbatches=1))
+    assert schedules.n_stages(_case().target_options, 4) == 2 and schedules.stage_ranks(_case().target_options, 4) == [0, 1]
     # fitted to a 1-D mesh, FSDP2's options go; to a 2-D one, dp follows its second dim
-    assert "dp" not in pp.fit_options(dict(_case().target_options), [2], 1)
-    assert pp.fit_options(dict(_case(dp=1).target_options), [2, 2], 1)["dp"] == 2
+    assert "dp" not in draws.fit_options(dict(_case().target_options), [2], 1)
+    assert draws.fit_options(dict(_case(dp=1).target_options), [2, 2], 1)["dp"] == 2
     lin = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         lin.weight.fill_(1.0)
     x = torch.arange(8, dtype=torch.float32).view(8, 1)
     y = torch.zeros(8, 1)
     o = {"n_microbatches": 2, "scale_grads": True, "accum": 2, "dp": 2}
-    loss = pp.pp_objective(lin, x, y, o)
+    loss = schedules.pp_objective(lin, x, y, o)
     # dp slice [0..3]: steps [0,1] and [2,3], microbatches of one sample: ((0 + 1) / 2 + 4 + 9) / 2; [4..7] alike
     want = (((0 + 1) / 2 + 4 + 9) / 2 + ((16 + 25) / 2 + 36 + 49) / 2) / 2
     assert abs(loss.item() - want) < 1e-5, (loss.item(), want)

@@ -73,7 +73,7 @@ CKPT = Verdict("finding", "checkpoint", first=Mismatch("loaded.state.exp_avg", "
 
 
 def test_a_pp_checkpoint_is_written_as_torchtitans_at_each_sides_pp_degree():
-    """pp's dcp kind (kernel/targets/pp.py save / load): each rank's model part and its flattened optimizer state
+    """pp's dcp kind (kernel/targets/pp/checkpoint.py save / load): each rank's model part and its flattened optimizer state
     dict, by plain FQN, in one DCP checkpoint; the loading side's pipeline at its own world size (one rank: both
     stages), its part filled by dcp.load and set back (split or not)."""
     case = _ckpt_case()

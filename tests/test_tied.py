@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 
 from conftest import PLANTED, replay_clean_then_buggy, torchrun
 from fuzzshard import targets
-from fuzzshard.kernel.targets import pp
+from fuzzshard.kernel.targets.pp import schedules
 from fuzzshard.scriptgen import straight_script
 from tied_cases import tied_case, tied_decoder, tied_topology
 
@@ -48,11 +48,11 @@ def test_the_rules_keep_what_torch_takes_and_refuse_the_rest():
     assert "keeps the tie" in _refused(lambda: tied_case("tp", 2, tied_decoder(), {"tp": {"tok_embeddings": "rowwise"}}))
     fsdp = {"scale_grads": False, "n_microbatches": 2, "dp": 2, "reshard_after_forward": False}
     across = tied_case("pp", 4, tied_topology(), {"schedule": "GPipe", "cuts": [2], **fsdp}, mesh=(2, 2))
-    assert pp.tie_span(across) == "ranks" and across.check() is None  # FSDP2 stages, the tie across their ranks
+    assert schedules.tie_span(across) == "ranks" and across.check() is None  # FSDP2 stages, the tie across their ranks
     # a V schedule puts the first and the last stage on pp rank 0: one param in two fully_shard roots
     assert "two stages of one rank" in _refused(lambda: tied_case(
         "pp", 4, tied_topology(), {"schedule": "ZBVZeroBubble", "stages": 2, "cuts": [1, 2, 3], **fsdp}, mesh=(2, 2)))
-    assert pp.tie_span(_pp_across_ranks()) == "ranks"
+    assert schedules.tie_span(_pp_across_ranks()) == "ranks"
 
 
 def test_show_says_how_each_target_shards_the_tie():
@@ -75,7 +75,7 @@ def test_pp_draws_ties_across_ranks_and_across_stages_of_one_rank():
     @given(fst.cases(target="pp", world_sizes=[1, 2, 3], models=("topologies", "decoder")))
     def draw(case):
         assert case.check() is None
-        spans.add(pp.tie_span(case) if case.model.tie_head or case.model.sizes.get("tied") else "untied")
+        spans.add(schedules.tie_span(case) if case.model.tie_head or case.model.sizes.get("tied") else "untied")
 
     draw()
     assert {"ranks", "stages", "untied"} <= spans, spans

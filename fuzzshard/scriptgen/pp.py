@@ -3,7 +3,7 @@
 Every rank builds the whole model (the kernel's init) and cuts its top-level
 ``model.layers`` at the case's ``cuts``: stage s is ``model.layers[cuts[s]:cuts[s + 1]]``
 (the last one times the output ``scale`` buffer, where the model has one), a
-``PipelineStage`` on the rank the schedule puts it (kernel/targets/pp.py's
+``PipelineStage`` on the rank the schedule puts it (kernel/targets/pp/schedules.py's
 ``stage_ranks``: one a rank, looped, or V-shaped), and the schedule class runs
 ``n_microbatches`` with ``loss_fn`` and ``scale_grads``. Each rank's optimizer
 holds its own params (``own``: its stages' layers, and ``unused`` on the last
@@ -31,16 +31,16 @@ LR scheduler (ReduceLROnPlateau fed the last stage's loss); the checkpoint
 (``dcp``, torchtitan's: each rank's model ``part`` and its optimizer state
 dict flattened by plain FQN, in one DCP checkpoint, or dcp.async_save; loaded
 into the loading side's parts at its own pp degree, world size and mesh, as
-kernel/targets/pp.py's save / load). Anything else (cuda, groups added later)
+kernel/targets/pp/checkpoint.py's save / load). Anything else (cuda, groups added later)
 falls back to the flattened kernel and ``unsupported`` says what."""
 from __future__ import annotations
 
 from ..case import Case
 from ..kernel.model import param_shapes, tie_uses
-from ..kernel.targets import pp as target
+from ..kernel.targets.pp import draws, schedules
 from . import common
 
-KINDS = ("dcp",)  # torchtitan's pipeline checkpoint (kernel/targets/pp.py save / load): save_dcp, load_dcp
+KINDS = ("dcp",)  # torchtitan's pipeline checkpoint (kernel/targets/pp/checkpoint.py save / load): save_dcp, load_dcp
 FREEZE_BEFORE_SHARD = False  # the kernel sets requires_grad after cutting the stages
 REPLICAS = ()  # each param lives on one rank: nothing replicated to compare
 BATCH = "the whole batch, in the schedule's microbatches"  # what the plain model's replay trains on
@@ -60,8 +60,8 @@ def unsupported(case: Case, options: dict) -> str | None:
         return "on cuda (the script gathers the stages' tensors on the CPU)"
     if case.optim.added_groups:
         return "param groups added after the constructor (each rank adds only its own)"
-    if target.uncuttable(case.model) or target.check(case):
-        return target.check(case) or target.uncuttable(case.model)
+    if schedules.uncuttable(case.model) or draws.check(case):
+        return draws.check(case) or schedules.uncuttable(case.model)
     if tie_uses(case.model) and (options.get("dp") or case.checkpoint):  # (fully_shard renames a stage's tied
         # weight on the head's rank, and the kernel's part holds it under its owner's FQN there: not written yet)
         return "a tied weight with FSDP2 stages or a checkpoint"
@@ -89,14 +89,15 @@ def _world(case: Case, options: dict) -> int:
 
 def _layout(case: Case, options: dict) -> tuple[list[list[int]], list[int]]:
     """(each stage's top-level layers, each stage's rank): the kernel's own split."""
-    return target.stage_layers(options, target.n_units(case.model)), target.stage_ranks(options, _world(case, options))
+    return (schedules.stage_layers(options, schedules.n_units(case.model)),
+            schedules.stage_ranks(options, _world(case, options)))
 
 
 def owned(case: Case, options: dict) -> list[list[str]]:
     """Each rank's params, by plain FQN, in the model's order (what its optimizer may hold)."""
     layers, ranks = _layout(case, options)
     layer_rank = {i: r for s, ls in enumerate(layers) for i in ls for r in [ranks[s]]}
-    out = [[] for _ in range(target.pp_degree(options, _world(case, options)))]
+    out = [[] for _ in range(schedules.pp_degree(options, _world(case, options)))]
     for n in param_shapes(case.model):
         head, _, rest = n.partition(".")
         # (the decoder's embedding on the first stage's rank; its norm and head, unused, on the last stage's)
@@ -107,7 +108,7 @@ def owned(case: Case, options: dict) -> list[list[str]]:
 
 def kept(case: Case, options: dict) -> list[list[int]]:
     """Each rank's groups, as the case's indices: a group with none of its params left out, unless the case's
-    group is empty itself; a rank with none at all holds the first, empty (kernel/targets/pp.py optimizer)."""
+    group is empty itself; a rank with none at all holds the first, empty (kernel/targets/pp/target.py optimizer)."""
     out = []
     for mine in map(set, owned(case, options)):
         out.append([i for i, g in enumerate(case.groups) if not g.params or mine & set(g.params)] or [0])
@@ -117,9 +118,9 @@ def kept(case: Case, options: dict) -> list[list[int]]:
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
     layers, ranks = _layout(case, options)
     n, name = len(ranks), options["schedule"]
-    cuts = [ls[0] for ls in layers] + [target.n_units(case.model)]
+    cuts = [ls[0] for ls in layers] + [schedules.n_units(case.model)]
     style = {"single": "one a rank", "multi": f"{options.get('stages', 1)} a rank, looped",
-             "v": "two a rank, V-shaped"}[target.SCHEDULES[name][0]]
+             "v": "two a rank, V-shaped"}[schedules.SCHEDULES[name][0]]
     r, dp = _rank(options), options.get("dp")
     out = [*common.ac_lines(case, options),  # activation checkpointing before the stages take the layers
            f"cuts = {cuts!r}  # stage s: model.layers[cuts[s]:cuts[s + 1]]",
@@ -165,12 +166,12 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     out += [f"def loss_fn(out, y):  # each microbatch's loss",
             f"    return {common.loss(case, 'out', 'y')}"]
     kw = f"n_microbatches={options['n_microbatches']}, loss_fn=loss_fn, scale_grads={bool(options.get('scale_grads'))}"
-    out.append(f"schedule = Schedule{name}({'stages' if target.is_multi(name) else 'stages[0]'}, {kw})")
+    out.append(f"schedule = Schedule{name}({'stages' if schedules.is_multi(name) else 'stages[0]'}, {kw})")
     mine = "any(q is p for st in stages for p in st.submod.parameters())"
     if case.model.unused:  # never called: in no stage, on the last stage's rank
         mine += f" or n.startswith(\"unused.\") and {r} == {ranks[-1]}"
     out.append(f"own = {{n: q for n, q in model.named_parameters() if {mine}}}  # this rank's params")
-    if target.tie_span(case) == "ranks":  # Megatron-LM's embedding group: the first and the last stage's ranks
+    if schedules.tie_span(case) == "ranks":  # Megatron-LM's embedding group: the first and the last stage's ranks
         out.append(f"tie_group = dist.new_group([{ranks[0]}, {ranks[-1]}])  # the tied weight's two ranks")
     return out
 
@@ -223,7 +224,7 @@ def forward_backward(case: Case, options: dict, world: int, shape: tuple) -> lis
 def _tie_reduce(case: Case, options: dict) -> list[str]:
     """A tie across ranks: the tied weight's grad summed over the first and the last stage's ranks (each holds its
     use's part) before the step, as Megatron-LM all-reduces the word embeddings' grads."""
-    if target.tie_span(case) != "ranks":
+    if schedules.tie_span(case) != "ranks":
         return []
     ranks, w = _layout(case, options)[1], tie_uses(case.model)[0] + ".weight"
     return [f"if {_rank(options)} in ({ranks[0]}, {ranks[-1]}) and own[{w!r}].grad is not None:  # the embedding's "
@@ -237,7 +238,7 @@ def _plateau(case: Case) -> bool:
 def global_loss(case: Case, world: int) -> list[str]:
     """``full_loss``, as the kernel's pp target reports the step's loss: the last stage's microbatch losses summed
     in float64 (their mean with scale_grads) on its rank, sent to every rank, in the case's dtype."""
-    last, o = target.stage_ranks(case.target_options, world)[-1], case.target_options
+    last, o = schedules.stage_ranks(case.target_options, world)[-1], case.target_options
     r, dp = _rank(o), o.get("dp")
     send = [f"dist.broadcast(full_loss, group_src={last}, group=pp_group)",  # over dp: the slices' mean
             "dist.all_reduce(full_loss, group=mesh.get_group(\"d1\"))", f"full_loss = full_loss / {dp}"] if dp \
@@ -258,7 +259,7 @@ def global_loss(case: Case, world: int) -> list[str]:
 
 def objective(case: Case, net: str, x: str) -> str:
     """The plain model on the schedule's microbatches (tensor_split, as the schedule splits the batch): the sum of
-    their losses, their mean with scale_grads (kernel/targets/pp.py pp_objective); with accum, each step's on its
+    their losses, their mean with scale_grads (kernel/targets/pp/schedules.py pp_objective); with accum, each step's on its
     equal part; over dp, the mean of each dp rank's slice's."""
     dp = case.target_options.get("dp")
     if dp:
@@ -328,7 +329,7 @@ def grads(case: Case, options: dict) -> str | None:
     return "gather({n: q.grad for n, q in own.items()})"
 
 
-# ---- the checkpoint (kernel/targets/pp.py save / load): torchtitan's, each rank its own model part and optimizer,
+# ---- the checkpoint (kernel/targets/pp/checkpoint.py save / load): torchtitan's, each rank its own model part and optimizer,
 # by plain FQN (the optimizer state dict flattened: one key per param and state), in one DCP checkpoint ----
 
 def imports_dcp(case: Case) -> list[str]:
