@@ -28,7 +28,7 @@ from .. import oracle as oracles  # what a finding of each oracle is (no branch 
 from ..case import Case
 from .message import RunCase
 from .options import PoolOptions
-from ..verdict import ErrorRecord, Verdict, failure, finding
+from ..verdict import ErrorRecord, Status, Verdict, failure, finding
 
 START_TIMEOUT = 300.0
 # Once one rank has raised, the others are usually stuck in a collective
@@ -319,7 +319,7 @@ class Pool:
                 # the ranks send dicts (the kernel's)
                 verdict = Verdict.from_dict(done.verdict) if done.verdict is not None else None
                 job.answers[r - job.offset] = (verdict, done.timings)
-                if verdict is not None and (oracles.raised(verdict) or verdict.status == "invalid"):
+                if verdict is not None and (oracles.raised(verdict) or verdict.status == Status.INVALID):
                     job.raised_at = job.raised_at or time.monotonic()
                     job.deadline = min(job.deadline, time.monotonic() + GRACE_AFTER_ERROR)
             except (EOFError, OSError):  # the worker's socket closed: it died
@@ -365,10 +365,10 @@ class Pool:
                 **({"phase": phases} if phases else {})))
         verdicts = {r: v for r, (v, _) in answers.items() if v is not None}
         for r in sorted(verdicts):  # any fuzzshard-internal error surfaces as such
-            if verdicts[r].status == "error":
+            if verdicts[r].status == Status.ERROR:
                 return replace(verdicts[r], rank=r)
         for r in sorted(verdicts):  # the reference raising too makes the case invalid, stuck ranks or not
-            if verdicts[r].status == "invalid":
+            if verdicts[r].status == Status.INVALID:
                 return verdicts[r]
         # an exception on some ranks explains the others waiting, and a load that changed something
         # (seen by the reporting rank) explains an exception after it: the earliest divergence is the bug
