@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from ..case import Case
 from .message import RunCase
-from .options import PoolOptions
+from .options import CASE_TIMEOUT, PoolOptions
 from ..verdict import ErrorRecord, Status, Verdict, failure, finding
 
 START_TIMEOUT = 300.0
@@ -66,7 +66,7 @@ class Pool:
         device: str = "cpu",
         backend: str | None = None,
         worker_setup: str | list | None = None,
-        case_timeout: float = 120.0,
+        case_timeout: float = CASE_TIMEOUT,
         log_dir: str | None = None,
         spare: bool = True,
         device_offset: int = 0,
