@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from ..case import Case
-from .message import RunCase
+from .message import Exit, Ready, RunCase
 from .options import CASE_TIMEOUT, PoolOptions
 from ..verdict import ErrorRecord, Status, Verdict, failure, finding
 
@@ -298,7 +298,7 @@ class Pool:
         text = job.case.to_json()
         for r in range(offset, offset + self._ranks(job.case)):
             try:
-                self.conns[r].send(("case", RunCase(text, offset, localize, job.ckpt_dir, bare)))
+                self.conns[r].send(RunCase(text, offset, localize, job.ckpt_dir, bare))
                 job.waiting.add(r)
                 busy[r] = job
             except OSError:  # it died between cases
@@ -315,9 +315,8 @@ class Pool:
             job = busy.pop(r)
             job.waiting.discard(r)
             try:
-                _, done = conn.recv()
-                # the ranks send dicts (the kernel's)
-                verdict = Verdict.from_dict(done.verdict) if done.verdict is not None else None
+                done = conn.recv()  # a CaseDone (message.py)
+                verdict = done.verdict
                 job.answers[r - job.offset] = (verdict, done.timings)
                 if verdict is not None and (oracles.raised(verdict) or verdict.status == Status.INVALID):
                     job.raised_at = job.raised_at or time.monotonic()
@@ -454,8 +453,8 @@ class _Generation:
         try:
             for _ in range(self.size):
                 conn = self._accept()
-                _, rank, info = conn.recv()
-                self.conns[rank] = conn
+                ready: Ready = conn.recv()
+                self.conns[ready.rank], info = conn, ready.info
         except LostRank:
             self.stop(kill=True)
             raise
@@ -486,7 +485,7 @@ class _Generation:
         for conn in self.conns:
             if conn is not None and not kill:
                 try:
-                    conn.send(("exit",))
+                    conn.send(Exit())
                 except OSError:
                     pass
         for p in self.procs:
