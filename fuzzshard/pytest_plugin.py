@@ -26,12 +26,14 @@ Nothing here imports torch: the plugin loads in every pytest of an environment f
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.errors import InvalidArgument
+
+from .duration import parse_duration
+from .pool.options import CASE_TIMEOUT
 
 try:
     from hypothesis import is_hypothesis_test
@@ -51,7 +53,7 @@ settings.register_profile("fuzzshard-soak", _BASE, max_examples=100_000, deadlin
 MARKER = "fuzzshard"
 OUT_ENV = "FUZZSHARD_OUT"
 DEVICES = ("cpu", "cuda")
-DEFAULTS = {"world_size": 4, "device": "cpu", "case_timeout": 120.0, "out": "fuzzshard-findings"}
+DEFAULTS = {"world_size": 4, "device": "cpu", "case_timeout": CASE_TIMEOUT, "out": "fuzzshard-findings"}
 
 # (option, ini name, metavar, help): the one list --help, the ini file and options() read
 _OPTIONS = [
@@ -65,7 +67,7 @@ _OPTIONS = [
     ("--fuzzshard-device", "fuzzshard_device", "{cpu,cuda}",
      "where the worker ranks run: cpu (gloo) or cuda (NCCL, one GPU per rank) (default cpu)"),
     ("--fuzzshard-case-timeout", "fuzzshard_case_timeout", "DURATION",
-     "a case still running after this long is a hang: seconds, or 90s, 2m (default 120s)"),
+     f"a case still running after this long is a hang: seconds, or 90s, 2m (default {CASE_TIMEOUT:g}s)"),
     ("--fuzzshard-out", "fuzzshard_out", "DIR",
      f"where a failing example's <signature>.json + .py go (default: ${OUT_ENV}, else fuzzshard-findings)"),
 ]
@@ -83,10 +85,10 @@ def _ini_help(flag: str, text: str) -> str:
 
 
 def _seconds(text) -> float:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
-    if not m or float(m.group(1)) <= 0:
+    seconds = parse_duration(text)
+    if seconds <= 0:
         raise ValueError(f"cannot read duration {text!r}: use e.g. 120, 90s or 2m")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    return seconds
 
 
 def pytest_addoption(parser):

@@ -13,7 +13,7 @@ from hypothesis import reject
 from .findings.record import Finding, environment, load_known, summary
 from .findings.judge import judge
 from .findings.life import put_finding, rerun
-from .verdict import Verdict
+from .verdict import Status, Verdict
 
 # where a failing example's files go (the pytest plugin's --fuzzshard-out sets it): the same
 # <signature>.json + .py a fuzz session writes; each smaller example of it rewrites them
@@ -39,9 +39,9 @@ def check(pool, case, known: dict | None = None) -> Verdict:
     if case.refusal():  # the validity rule (Case.check) refuses it: no test, not run (a worker says so too)
         reject()
     j = judge(pool, case, known)
-    if j.verdict.status == "invalid":
+    if j.verdict.status == Status.INVALID:
         reject()
-    if j.verdict.status == "error":
+    if j.verdict.status == Status.ERROR:
         raise RuntimeError(f"fuzzshard could not run the case: {j.verdict.error}")
     if j.signature is None or j.known:
         return j.verdict

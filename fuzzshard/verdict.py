@@ -8,9 +8,22 @@ scripts may carry them. Keys a type does not name ride along in ``extra``.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
 
-STATUSES = ("pass", "finding", "invalid", "error")
+
+class Status(str, enum.Enum):
+    """What a case came to (a str: written to and read from JSON as its value, equal to it)."""
+    PASS = "pass"  # the sharded run behaves as the unsharded one
+    FINDING = "finding"  # an oracle says it does not
+    INVALID = "invalid"  # no test: the reference rejects or raises too, or a documented refusal
+    ERROR = "error"  # fuzzshard itself failed (a bug here or in a setup file), not the case
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STATUSES = tuple(s.value for s in Status)
 
 
 class _Record:
@@ -64,7 +77,7 @@ class ErrorRecord(_Record):
 
 @dataclass
 class Verdict(_Record):
-    status: str  # one of STATUSES
+    status: Status  # (a Status's value is taken for it)
     oracle: str | None = None  # which oracle found it (findings.ORACLES), for a finding
     first: Mismatch | None = None  # parity and checkpoint: the first mismatch ...
     mismatches: list[Mismatch] | None = None  # ... and all of them (as many as recorded)
@@ -76,13 +89,16 @@ class Verdict(_Record):
     extra: dict = field(default_factory=dict)  # count, stuck_ranks, where, reason, ...
     keys: tuple | None = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self.status = Status(self.status)
+
     @property
     def is_finding(self) -> bool:
-        return self.status == "finding"
+        return self.status == Status.FINDING
 
     @property
     def error_record(self) -> ErrorRecord:
-        """Its error as a record: an empty one where it has none, or only a message (status "error")."""
+        """Its error as a record: an empty one where it has none, or only a message (status ERROR)."""
         return self.error if isinstance(self.error, ErrorRecord) else ErrorRecord("", "")
 
     @property
@@ -118,26 +134,26 @@ class Verdict(_Record):
 # these (the kernel, the runner and the worker), so its shape is said once.
 
 def passing() -> dict:
-    return Verdict("pass").to_dict()
+    return Verdict(Status.PASS).to_dict()
 
 
 def invalid(reason: str, error: dict | None = None) -> dict:
     """The case is no test: the reference rejects or raises too, or a documented refusal."""
-    return Verdict("invalid", error=error, extra={"reason": reason}).to_dict()
+    return Verdict(Status.INVALID, error=error, extra={"reason": reason}).to_dict()
 
 
 def failure(message: str, traceback_text: str | None = None) -> dict:
     """fuzzshard itself failed (a bug here or in a setup file), not the case."""
-    return Verdict("error", error=message, extra={"traceback": traceback_text} if traceback_text else {}).to_dict()
+    return Verdict(Status.ERROR, error=message, extra={"traceback": traceback_text} if traceback_text else {}).to_dict()
 
 
 def finding(oracle: str, mismatches: list[dict] | None = None, error: dict | None = None, **extra) -> dict:
     """A finding of ``oracle`` (findings.ORACLES): its mismatches (the first,
     up to MAX_REPORTED of them and their count), or its error record."""
     if mismatches:
-        return Verdict("finding", oracle, first=mismatches[0], mismatches=mismatches[:MAX_REPORTED],
+        return Verdict(Status.FINDING, oracle, first=mismatches[0], mismatches=mismatches[:MAX_REPORTED],
                        extra={"count": len(mismatches), **extra}).to_dict()
-    return Verdict("finding", oracle, error=error, extra=extra).to_dict()
+    return Verdict(Status.FINDING, oracle, error=error, extra=extra).to_dict()
 
 
 MAX_REPORTED = 8  # mismatches a finding keeps (its count says how many there were)

@@ -229,6 +229,27 @@ def test_writers_are_found_as_targets_are():
         "a finding of the new_check oracle, whose check the script does not write"
 
 
+def test_oracles_are_found_by_file_name_and_carry_their_script(monkeypatch):
+    """oracle/NAME.py is the oracle NAME (no hand-kept list), and the script writer asks the verdict's oracle
+    for its plan (``script``) instead of branching on its name: a new oracle whose module plans a parity
+    replay gets the parity script, with nothing added to scriptgen."""
+    from fuzzshard import oracle
+
+    files = {p.stem for p in Path(oracle.__file__).parent.glob("*.py")} - {"__init__", "common", "source"}
+    assert set(oracle.ORACLES) == files and all(o.name == n for n, o in oracle.ORACLES.items())
+    assert {n for n, o in oracle.ORACLES.items() if o.script} == {"checkpoint", "parity", "replica"}
+    case = simple_case(2)
+    parity = Verdict("finding", "parity", first=Mismatch("param", "layers.0.weight", 0, ""))
+    new = dataclasses.replace(parity, oracle="new_check")
+    monkeypatch.setitem(oracle.ORACLES, "new_check", dataclasses.replace(oracle.ORACLES["parity"], name="new_check"))
+    assert fallback_reason(case, verdict=new) is None
+    assert straight_script(case, "h", verdict=new) == straight_script(case, "h", verdict=parity) is not None
+    # a case and not a finding: what its run checks (the round trip where it checkpoints, else parity)
+    ck = dataclasses.replace(case, checkpoint=Checkpoint(0, "full", 2))
+    assert oracle.checks(case, None).name == "parity" and oracle.checks(ck, None).name == "checkpoint"
+    assert oracle.checks(ck, parity).name == "parity"
+
+
 @settings(max_examples=2, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(cases(target="dtensor", world_sizes=[1, 2], checkpoint=False, optimizer_names=["SGD", "Adam", "AdamW", "RMSprop"],
              implementation="forloop"))

@@ -7,6 +7,9 @@ import os
 import re
 import sys
 
+from .. import duration
+from ..pool.options import CASE_TIMEOUT as DEFAULT_CASE_TIMEOUT
+
 
 class UsageError(Exception):
     pass
@@ -57,11 +60,12 @@ FILE_HELP = "a finding file (OUT/<signature>.json) or a bare case JSON"
 
 
 def parse_duration(text: str, flag: str = "") -> float:
-    """A duration (90s, 10m, 8h, 1d; a bare number is seconds) in seconds; ``flag`` names it in the error."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
-    if not m:
-        raise UsageError(f"{flag + ': ' if flag else ''}cannot read duration {text!r}: use e.g. 90s, 10m, 8h")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    """A duration (90s, 10m, 8h, 1d; a bare number is seconds) in seconds (fuzzshard/duration.py); ``flag``
+    names it in the usage error."""
+    try:
+        return duration.parse_duration(text, flag)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -78,7 +82,7 @@ def parse_world_sizes(text: str) -> list[int]:
 
 # the defaults of flags a mode may default otherwise (fuzz --simulate): the flag's default is None (not given)
 WORLD_SIZES = "1,2,3,4"
-CASE_TIMEOUT = "120s"
+CASE_TIMEOUT = f"{DEFAULT_CASE_TIMEOUT:g}s"  # (pool/options.py says it)
 
 
 def draw_args(p) -> None:
@@ -143,7 +147,7 @@ def pool_args(p, runs: str = "drawn") -> None:
                    help="Python file run in every worker before any case: patch torch, register_target(...)")
     p.add_argument("--case-timeout", default=None, metavar="DURATION",
                    help="a case still running after this is a hang finding: 90s, 5m (a bare number is seconds; "
-                        "default 120s)")
+                        f"default {CASE_TIMEOUT})")
 
 
 def out_dir(path: str) -> None:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..case import Case
-from ..verdict import error_record, finding, invalid, passing
+from ..verdict import Status, error_record, finding, invalid, passing
 from .checkpoint import check_loaded, check_loaded_loop, check_saved
 from .ac import ac_uses  # a recomputed forward traces its modules twice: not localized
 from .dropout import draw_from
@@ -98,7 +98,7 @@ def _replica_first(case: Case, obs: dict, verdict: dict) -> dict:
     if not found:
         return verdict
     step, mismatches = found
-    if verdict["status"] == "finding" and verdict.get("first", {}).get("step", -1) <= step:
+    if verdict["status"] == Status.FINDING and verdict.get("first", {}).get("step", -1) <= step:
         return verdict
     return finding("replica", mismatches)
 
@@ -191,7 +191,7 @@ def _documented_refusal(case: Case, error: dict) -> bool:
 
 
 def _fails_before_save(case: Case, verdict: dict) -> bool:
-    return verdict["status"] == "finding" and verdict["first"].get("step", -1) <= case.checkpoint.after
+    return verdict["status"] == Status.FINDING and verdict["first"].get("step", -1) <= case.checkpoint.after
 
 
 class _Phase:

@@ -7,10 +7,16 @@ instead of branching on its name.
 
 The comparisons themselves (what a mismatch is, the tolerances) run in the
 ranks: fuzzshard/kernel/oracles.py.
+
+oracle/NAME.py is the oracle NAME (its ``ORACLE = Oracle("NAME", ...)``), found by its file name as
+targets (fuzzshard/targets.py) and script writers (fuzzshard/scriptgen) are: adding an oracle is adding
+its module. Not oracles: the helpers they share (``_NOT_ORACLES``).
 """
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,18 +49,38 @@ class Oracle:
     localize: Callable | None = None
     # (verdict) -> its address names a module the localizer found (parity's forward and backward)
     localized: Callable | None = None
+    # (case, verdict, plan) -> what a straight-line script (fuzzshard/scriptgen) of such a finding runs and
+    # checks: ``plan``, scriptgen's defaults, updated with the script's mode ("checkpoint", "replica", "parity":
+    # the comparison scriptgen's Writer writes out) and its steps, or why no script can (a string). None: no
+    # script writes its check (the flattened kernel is its repro); a raised, crashing or hanging run's script
+    # is the run up to where it stopped, written for any oracle (``raised``, ``rerun``)
+    script: Callable | None = None
 
 
 # the oracle modules build Oracle objects: imported once the class exists
-from . import checkpoint, crash, error_parity, hang, parity, replica  # noqa: E402
 from .common import ranks_finish  # noqa: E402
 from .source import frame_source  # noqa: E402
+
+_NOT_ORACLES = {"common", "source"}
+
+
+def _found() -> dict[str, Oracle]:
+    """oracle/NAME.py's ORACLE, for each NAME: checked to be an Oracle named as its file."""
+    out = {}
+    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if m.name in _NOT_ORACLES:
+            continue
+        found = getattr(importlib.import_module(f"{__name__}.{m.name}"), "ORACLE", None)
+        if not (isinstance(found, Oracle) and found.name == m.name):
+            raise TypeError(f"{__name__}.{m.name} must define ORACLE = Oracle({m.name!r}, ...), as every oracle does")
+        out[m.name] = found
+    return out
+
 
 # every oracle a verdict can name (verdict.finding builds them: kernel/run.py and reference.py parity
 # and error_parity ones, checkpoint ones from checkpoint.py's mismatches, the runner hang and crash ones,
 # run.py replica ones from gather.py's replica comparison)
-ORACLES = {o.name: o for o in (parity.ORACLE, checkpoint.ORACLE, error_parity.ORACLE, hang.ORACLE, crash.ORACLE,
-                               replica.ORACLE)}
+ORACLES = _found()
 
 
 def _unknown_summary(verdict: Verdict) -> str:
@@ -98,3 +124,12 @@ def get(name: str) -> Oracle | None:
 def of(verdict: Verdict) -> Oracle:
     """The oracle behind ``verdict`` (UNKNOWN for a name none has)."""
     return ORACLES.get(verdict.oracle, UNKNOWN)
+
+
+def checks(case, verdict: Verdict | None) -> Oracle:
+    """The oracle whose check a straight-line script of ``case`` writes (its ``script``): the verdict's; for a
+    case and not a finding (no verdict, or one naming no oracle), what the case's own run checks: the round
+    trip where it checkpoints, else parity at every step."""
+    if verdict is not None and verdict.oracle:
+        return of(verdict)
+    return ORACLES["checkpoint" if case.checkpoint else "parity"]

@@ -115,5 +115,16 @@ def expected_actual(verdict: Verdict) -> list[str]:
     return rows + [""]
 
 
+def script(case, verdict: Verdict | None, plan: dict) -> dict:
+    """A straight-line script's plan (fuzzshard/scriptgen): the state right before the save against the state
+    right after the load, exactly; where a full save stored other values than the optimizer held ("saved"),
+    the stored optimizer state against the optimizer's, with no load."""
+    ck = case.checkpoint
+    quantity = verdict.quantity if verdict else ""
+    saved = quantity.startswith("saved") and ck.kind in ("full", "fsdp1_full", "fsdp1_legacy")
+    plan.update(mode="checkpoint", load_last=ck.after, saved=saved, load=not saved, quantity=quantity)
+    return plan
+
+
 ORACLE = Oracle("checkpoint", "silent (checkpoint)", signature, summary, address, title, expected_actual,
-                lambda case, v: frame_source(v), what, expected, phase=lambda q: q.split(".")[0])
+                lambda case, v: frame_source(v), what, expected, phase=lambda q: q.split(".")[0], script=script)

@@ -168,7 +168,32 @@ def source(case, verdict: Verdict) -> str:
     return ""
 
 
+def script(case, verdict: Verdict | None, plan: dict) -> dict | str:
+    """A straight-line script's plan (fuzzshard/scriptgen): a plain copy of the model replays the step that
+    diverged (every step, without a verdict), anchored on the sharded run's state, and compares what the
+    first mismatch is of ("what": the grads, the step's params, state or groups, the clip, the loop)."""
+    ck, n = case.checkpoint, len(case.schedule)
+    first = verdict.first if verdict else None
+    stateful = bool(case.lr_scheduler or case.scaler)  # the loop carries state from step to step (scriptgen/loop.py)
+    k = first.step if first else n - 1
+    resumed = bool(ck and k > ck.after)  # the steps checked run on the loading side, after the load
+    if resumed and (ck.world_size < case.ranks or stateful or not first):
+        return "a parity finding after a checkpoint load" + \
+            (" on fewer ranks than the script's" if ck.world_size < case.ranks else
+             " with the loop's state (the scheduler's, the scaler's)" if stateful else "")
+    q = first.quantity if first else ""  # what the replay compares: the grads (the forward) or what the step made
+    what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
+        "state" if q.startswith("state") else "group" if q.startswith("param_groups") else \
+        "clip" if q in ("clip_norm", "clipped_grad") else "loop" if q.startswith("loop.") else ""
+    if first and stateful and what not in ("grad", "clip"):
+        first = None  # the scheduler and the scaler carry state from step to step: each step replayed
+    plan.update(mode="parity", last=k, load=False, ckpt=False, steps=[k] if first else list(range(k + 1)), what=what)
+    if resumed:  # the saving side up to its save, the loading side from the load to step k, checked there
+        plan.update(last=ck.after, load=True, load_last=k, ckpt=True, resumed=True)
+    return plan
+
+
 ORACLE = Oracle("parity", "silent", signature, summary, address, title, expected_actual, source, what, expected,
                 phase=lambda q: q if q in ("loss", "grad", "forward", "backward") else "loop" if _loop(q) else "step",
                 localize=lambda v: v.quantity in ("loss", "grad"),  # a module's output or grad names it then
-                localized=lambda v: v.quantity in ("forward", "backward"))
+                localized=lambda v: v.quantity in ("forward", "backward"), script=script)

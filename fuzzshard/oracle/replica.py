@@ -78,5 +78,19 @@ def expected_actual(verdict: Verdict) -> list[str]:
     return rows + [""]
 
 
+def script(case, verdict: Verdict, plan: dict) -> dict:
+    """A straight-line script's plan (fuzzshard/scriptgen): the run up to the step (or the load) where the
+    ranks' copies differ, every rank's copy of the quantity gathered and checked after each."""
+    ck, q = case.checkpoint, verdict.first.quantity
+    loaded = q.startswith("loaded.")
+    k = ck.after if loaded else verdict.first.step
+    if ck and (loaded or k > ck.after):
+        plan.update(mode="replica", load_last=k)
+    else:
+        plan.update(mode="replica", last=k, load=False, ckpt=False)
+    plan["quantity"] = q.removeprefix("loaded.")
+    return plan
+
+
 ORACLE = Oracle("replica", "silent", signature, summary, address, title, expected_actual,
-                source=lambda case, v: frame_source(v), what=what, expected=expected)
+                source=lambda case, v: frame_source(v), what=what, expected=expected, script=script)

@@ -15,6 +15,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+CASE_TIMEOUT = 120.0  # seconds: the case timeout unless one is given (--case-timeout, --fuzzshard-case-timeout)
+
 
 @dataclass(frozen=True)
 class PoolOptions:
@@ -22,7 +24,7 @@ class PoolOptions:
     # the process group backend; None: gloo on CPU, nccl on CUDA ("fake" in a simulated pool: Pool resolves it)
     backend: str | None = None
     setup: tuple[str, ...] = ()  # files run in every worker before any case: --plugin ones, then --worker-setup
-    case_timeout: float = 120.0  # seconds: a case still running after this is a hang
+    case_timeout: float = CASE_TIMEOUT  # seconds: a case still running after this is a hang
     simulate: bool = False  # each worker runs a whole case alone, every rank (kernel/simulated.py)
     # -- what the pool decides (Pool.__init__ fills them in) ----------------------------------------------
     placed: bool = False  # subgroups for cases placed at any offset, so run_many runs them side by side

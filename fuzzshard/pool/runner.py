@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 
 from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
 from ..case import Case
-from .message import RunCase
-from .options import PoolOptions
-from ..verdict import ErrorRecord, Verdict, failure, finding
+from .message import Exit, Ready, RunCase
+from .options import CASE_TIMEOUT, PoolOptions
+from ..verdict import ErrorRecord, Status, Verdict, failure, finding
 
 START_TIMEOUT = 300.0
 # Once one rank has raised, the others are usually stuck in a collective
@@ -66,7 +66,7 @@ class Pool:
         device: str = "cpu",
         backend: str | None = None,
         worker_setup: str | list | None = None,
-        case_timeout: float = 120.0,
+        case_timeout: float = CASE_TIMEOUT,
         log_dir: str | None = None,
         spare: bool = True,
         device_offset: int = 0,
@@ -298,7 +298,7 @@ class Pool:
         text = job.case.to_json()
         for r in range(offset, offset + self._ranks(job.case)):
             try:
-                self.conns[r].send(("case", RunCase(text, offset, localize, job.ckpt_dir, bare)))
+                self.conns[r].send(RunCase(text, offset, localize, job.ckpt_dir, bare))
                 job.waiting.add(r)
                 busy[r] = job
             except OSError:  # it died between cases
@@ -315,11 +315,10 @@ class Pool:
             job = busy.pop(r)
             job.waiting.discard(r)
             try:
-                _, done = conn.recv()
-                # the ranks send dicts (the kernel's)
-                verdict = Verdict.from_dict(done.verdict) if done.verdict is not None else None
+                done = conn.recv()  # a CaseDone (message.py)
+                verdict = done.verdict
                 job.answers[r - job.offset] = (verdict, done.timings)
-                if verdict is not None and (oracles.raised(verdict) or verdict.status == "invalid"):
+                if verdict is not None and (oracles.raised(verdict) or verdict.status == Status.INVALID):
                     job.raised_at = job.raised_at or time.monotonic()
                     job.deadline = min(job.deadline, time.monotonic() + GRACE_AFTER_ERROR)
             except (EOFError, OSError):  # the worker's socket closed: it died
@@ -365,10 +364,10 @@ class Pool:
                 **({"phase": phases} if phases else {})))
         verdicts = {r: v for r, (v, _) in answers.items() if v is not None}
         for r in sorted(verdicts):  # any fuzzshard-internal error surfaces as such
-            if verdicts[r].status == "error":
+            if verdicts[r].status == Status.ERROR:
                 return replace(verdicts[r], rank=r)
         for r in sorted(verdicts):  # the reference raising too makes the case invalid, stuck ranks or not
-            if verdicts[r].status == "invalid":
+            if verdicts[r].status == Status.INVALID:
                 return verdicts[r]
         # an exception on some ranks explains the others waiting, and a load that changed something
         # (seen by the reporting rank) explains an exception after it: the earliest divergence is the bug
@@ -454,8 +453,8 @@ class _Generation:
         try:
             for _ in range(self.size):
                 conn = self._accept()
-                _, rank, info = conn.recv()
-                self.conns[rank] = conn
+                ready: Ready = conn.recv()
+                self.conns[ready.rank], info = conn, ready.info
         except LostRank:
             self.stop(kill=True)
             raise
@@ -486,7 +485,7 @@ class _Generation:
         for conn in self.conns:
             if conn is not None and not kill:
                 try:
-                    conn.send(("exit",))
+                    conn.send(Exit())
                 except OSError:
                     pass
         for p in self.procs:

@@ -46,8 +46,8 @@ def main() -> None:
     from ..case import Case
     from ..kernel.mesh import Meshes
     from ..kernel.run import report_phases, run_bare, run_case
-    from ..verdict import failure, invalid
-    from .message import CaseDone
+    from ..verdict import Verdict, failure, invalid
+    from .message import CaseDone, Exit, Ready
     from ..kernel.state_io import close_stagers
 
     if os.environ.get("FUZZSHARD_PHASE"):  # where this rank is (kernel/run.py), for the driver to read if it hangs
@@ -80,17 +80,17 @@ def main() -> None:
     if options["device"] == "cuda":
         info.update(device_name=torch.cuda.get_device_name(), cuda=torch.version.cuda,
                     nccl=".".join(map(str, torch.cuda.nccl.version())))
-    conn.send(("ready", rank, info))
+    conn.send(Ready(rank, info))
     while True:
         try:
             msg = conn.recv()
         except EOFError:
             return
-        if msg[0] == "exit":
+        if isinstance(msg, Exit):
             close_stagers()  # the DefaultStagers async saves keep: their threads end with them
             dist.destroy_process_group()
             return
-        order = msg[1]  # a RunCase (message.py)
+        order = msg  # a RunCase (message.py)
         offset = order.offset
         t0 = time.perf_counter()
         try:
@@ -114,7 +114,7 @@ def main() -> None:
             torch._dynamo.reset()  # graphs would stay with the process and reach the next case (10 us)
         _forget_sharding_decisions()  # torch <= 2.10 at least: DTensor's cache keyed without a shape argument
         print(f"case done in {time.perf_counter() - t0:.3f}s: {verdict and verdict.get('status')}", flush=True)
-        conn.send(("verdict", CaseDone(verdict, timings)))
+        conn.send(CaseDone(Verdict.from_dict(verdict) if verdict is not None else None, timings))
 
 
 _STALE_KEYS: bool | None = None  # whether this torch's sharding cache needs emptying (decided once)

@@ -187,9 +187,10 @@ def _step_tolerance(case: Case) -> dict:
 
 
 def _plan(case: Case, verdict: Verdict | None) -> dict | str:
-    """What the script runs and checks (or why it cannot: a string): mode (error, checkpoint, parity, all),
-    the last saving-side step, whether the loading side runs and its last step,
-    whether each step observes the full state (where the kernel's gathers raised)."""
+    """What the script runs and checks (or why it cannot: a string): mode (error, checkpoint, parity, replica,
+    all), the last saving-side step, whether the loading side runs and its last step,
+    whether each step observes the full state (where the kernel's gathers raised). An error's (a crash's, a
+    hang's) here; a silent finding's is its oracle's ``script`` (oracle/NAME.py), these defaults updated."""
     ck, n = case.checkpoint, len(case.schedule)
     oracle, first = (verdict.oracle or "", verdict.first) if verdict else ("", None)
     save_last = ck.after if ck else n - 1
@@ -215,40 +216,11 @@ def _plan(case: Case, verdict: Verdict | None) -> dict | str:
         elif phase.startswith("checkpoint load") or phase == "checkpoint barrier":
             plan["load_last"] = ck.after if ck else n - 1
         return plan
-    # the silent oracles by name: the script writes out that oracle's own comparison (docs/extending.md, An oracle)
-    if oracle == "checkpoint" or (ck and not oracle):
-        quantity = verdict.quantity if verdict else ""
-        saved = quantity.startswith("saved") and ck.kind in ("full", "fsdp1_full", "fsdp1_legacy")
-        plan.update(mode="checkpoint", load_last=ck.after, saved=saved, load=not saved, quantity=quantity)
-        return plan
-    if oracle == "replica":  # the run up to the step (or the load) where the ranks' copies differ, checked after each
-        q = first.quantity
-        loaded = q.startswith("loaded.")
-        k = ck.after if loaded else first.step
-        if ck and (loaded or k > ck.after):
-            plan.update(mode="replica", load_last=k)
-        else:
-            plan.update(mode="replica", last=k, load=False, ckpt=False)
-        plan["quantity"] = q.removeprefix("loaded.")
-        return plan
-    if oracle == "parity" or not oracle:
-        k = first.step if first else n - 1
-        resumed = bool(ck and k > ck.after)  # the steps checked run on the loading side, after the load
-        if resumed and (ck.world_size < case.ranks or loop.stateful(case) or not first):
-            return "a parity finding after a checkpoint load" + \
-                (" on fewer ranks than the script's" if ck.world_size < case.ranks else
-                 " with the loop's state (the scheduler's, the scaler's)" if loop.stateful(case) else "")
-        q = first.quantity if first else ""  # what the replay compares: the grads (the forward) or what the step made
-        what = "" if not first else "grad" if q in ("grad", "loss", "forward") else "param" if q == "param" else \
-            "state" if q.startswith("state") else "group" if q.startswith("param_groups") else \
-            "clip" if q in ("clip_norm", "clipped_grad") else "loop" if q.startswith("loop.") else ""
-        if first and loop.stateful(case) and what not in ("grad", "clip"):
-            first = None  # the scheduler and the scaler carry state from step to step: each step replayed
-        plan.update(mode="parity", last=k, load=False, ckpt=False, steps=[k] if first else list(range(k + 1)), what=what)
-        if resumed:  # the saving side up to its save, the loading side from the load to step k, checked there
-            plan.update(last=ck.after, load=True, load_last=k, ckpt=True, resumed=True)
-        return plan
-    return f"a finding of the {oracle} oracle, whose check the script does not write"
+    # a silent finding: the script writes out its oracle's own comparison (its ``script``: docs/extending.md, An oracle)
+    o = oracles.checks(case, verdict)
+    if o.script is None:
+        return f"a finding of the {oracle} oracle, whose check the script does not write"
+    return o.script(case, verdict, plan)
 
 
 class Writer:

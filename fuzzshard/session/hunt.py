@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..duration import parse_duration
+
 DEFAULT_SET = Path(__file__).resolve().parent.parent.parent / "tests" / "planted" / "hunt.json"
 DEFAULT_SEEDS = (1, 2, 3)
 DEFAULT_CAP = 90.0
@@ -233,13 +235,6 @@ def run_from_args(args, parse_duration) -> int:
     return 0
 
 
-def _seconds(text: str) -> float:
-    """90s, 2m or 90 (the cap without fuzzshard's CLI)."""
-    text = text.strip()
-    scale = {"s": 1, "m": 60, "h": 3600}.get(text[-1:], None)
-    return float(text[:-1]) * scale if scale else float(text)
-
-
 def main(argv=None) -> int:
     """``python -m fuzzshard.session.hunt``: the same as ``fuzzshard bench --hunt``."""
     ap = argparse.ArgumentParser(prog="fuzzshard bench --hunt", description=__doc__.split("\n\n")[0])
@@ -249,7 +244,7 @@ def main(argv=None) -> int:
     folder, bugs = load_set(args.hunt_set)
     bugs = pick(bugs, args.bugs)
     seeds = [int(s) for s in str(args.hunt_seeds).split(",") if s.strip()]
-    cap = _seconds(args.cap)
+    cap = parse_duration(args.cap, "--cap")
     rows = run_hunt(bugs, folder, seeds, cap, echo=lambda *a, **k: print(*a, **{"flush": True, **k}))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
