@@ -15,9 +15,6 @@ SLOW = {
     # controls, 3 microbatches; these seeded sessions met other cases than the ones they were picked for. Each is
     # to be re-seeded (or its new finding diagnosed: leads/open/); until then the oracle or target it proves keeps
     # a default-tier test named here
-    "test_pp.py::test_planted_1f1b_bug_is_found_shrunk_and_replays":
-        "seed 2 draws no case the 1F1B plant shows in since pp draws ties and MoE layers (to re-seed); pp's parity "
-        "oracle stays proven by test_planted_zero_bubble_dw_twice_is_caught_on_its_shrunk_case and test_pp_decoder.py",
     "test_pp_fsdp.py::test_pp_fsdp_and_accumulation_clean_session":
         "its 40 examples no longer pass an FSDP2 [2,2] case (to re-seed); pp+FSDP2 stays proven by "
         "test_planted_fsdp_reduce_sum_under_pp_is_caught_on_a_hand_written_case",
