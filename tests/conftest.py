@@ -15,9 +15,6 @@ SLOW = {
     # controls, 3 microbatches; these seeded sessions met other cases than the ones they were picked for. Each is
     # to be re-seeded (or its new finding diagnosed: leads/open/); until then the oracle or target it proves keeps
     # a default-tier test named here
-    "test_pp_fsdp.py::test_pp_fsdp_and_accumulation_clean_session":
-        "its 40 examples no longer pass an FSDP2 [2,2] case (to re-seed); pp+FSDP2 stays proven by "
-        "test_planted_fsdp_reduce_sum_under_pp_is_caught_on_a_hand_written_case",
     "test_trust.py::test_duration_bounds_the_session_and_every_finding_is_1_minimal_however_short_the_shrink":
         "its session now meets a dtensor SIGABRT under an MoE with Conv1d before the plant (leads/open/, not "
         "diagnosed); the 1-minimal reduction stays proven by test_reduce.py and test_life.py",
