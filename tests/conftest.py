@@ -21,9 +21,6 @@ SLOW = {
     "test_planted.py::test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays[loop_sched_load_drops_epoch]":
         "its session now meets the plant on two checkpoint kinds that do not fold into one file (to re-seed); the "
         "plant shows under torchrun in test_scriptgen.py's loop script tests, the loop's oracles in test_loop_targets.py",
-    "test_generalize.py::test_a_replica_drift_met_as_the_checkpoint_face_it_leaves_too_is_one_finding":
-        "its session now meets the replica face first (dtensor.replica.param), not the checkpoint one it checks "
-        "folding from (to re-seed); folding stays proven by test_two_planted_bugs... faces and test_generalize's pure tests",
     "test_planted.py::test_planted_tp_bug_in_the_decoder_is_found_shrunk_to_one_block_and_replays":
         "two decoder transformers at world size 4 on a 2x2 mesh, 4-6 min each: TP stays in the default tier through "
         "test_fsdp2_tensor_parallel_trains_in_parity_and_a_tp_grad_bug_is_caught (a hand-written TP case)",
