@@ -15,26 +15,12 @@ SLOW = {
     # controls, 3 microbatches; these seeded sessions met other cases than the ones they were picked for. Each is
     # to be re-seeded (or its new finding diagnosed: leads/open/); until then the oracle or target it proves keeps
     # a default-tier test named here
-    "test_pp.py::test_planted_1f1b_bug_is_found_shrunk_and_replays":
-        "seed 2 draws no case the 1F1B plant shows in since pp draws ties and MoE layers (to re-seed); pp's parity "
-        "oracle stays proven by test_planted_zero_bubble_dw_twice_is_caught_on_its_shrunk_case and test_pp_decoder.py",
-    "test_pp_fsdp.py::test_pp_fsdp_and_accumulation_clean_session":
-        "its 40 examples no longer pass an FSDP2 [2,2] case (to re-seed); pp+FSDP2 stays proven by "
-        "test_planted_fsdp_reduce_sum_under_pp_is_caught_on_a_hand_written_case",
     "test_trust.py::test_duration_bounds_the_session_and_every_finding_is_1_minimal_however_short_the_shrink":
         "its session now meets a dtensor SIGABRT under an MoE with Conv1d before the plant (leads/open/, not "
         "diagnosed); the 1-minimal reduction stays proven by test_reduce.py and test_life.py",
-    "test_clean_session.py::test_clean_session_finds_nothing_new[dtensor-Rprop]":
-        "its 15 cases all meet known Rprop bugs now (0 passing; to re-seed); the other optimizers' clean sessions stay",
-    "test_clean_session.py::test_clean_session_finds_nothing_new[fsdp2-RMSprop]":
-        "meets fsdp2.parity.grad 'inf in one run only' under a float16 reduce with 2 microbatches (leads/open/: "
-        "an overflow at float16's edge the mixed-precision tolerance may not predict, or torch's; not diagnosed)",
     "test_planted.py::test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays[loop_sched_load_drops_epoch]":
         "its session now meets the plant on two checkpoint kinds that do not fold into one file (to re-seed); the "
         "plant shows under torchrun in test_scriptgen.py's loop script tests, the loop's oracles in test_loop_targets.py",
-    "test_generalize.py::test_a_replica_drift_met_as_the_checkpoint_face_it_leaves_too_is_one_finding":
-        "its session now meets the replica face first (dtensor.replica.param), not the checkpoint one it checks "
-        "folding from (to re-seed); folding stays proven by test_two_planted_bugs... faces and test_generalize's pure tests",
     "test_planted.py::test_planted_tp_bug_in_the_decoder_is_found_shrunk_to_one_block_and_replays":
         "two decoder transformers at world size 4 on a 2x2 mesh, 4-6 min each: TP stays in the default tier through "
         "test_fsdp2_tensor_parallel_trains_in_parity_and_a_tp_grad_bug_is_caught (a hand-written TP case)",

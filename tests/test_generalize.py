@@ -313,11 +313,11 @@ def test_a_collective_bug_over_uneven_shards_from_6_ranks_met_in_two_modules_is_
 def test_a_replica_drift_met_as_the_checkpoint_face_it_leaves_too_is_one_finding(tmp_path):
     """tests/planted/dtensor_replica_step_twice.py with every case saved and loaded: a case saved after the
     step that made replicas drift is named by the checkpoint's oracle (DCP took rank 1's copy: loaded.param),
-    the others by the replica oracle. Seed 2 meets the checkpoint face first; its case run up to its save fails
+    the others by the replica oracle. Seed 0 meets the checkpoint face first; its case run up to its save fails
     earlier as dtensor.replica.param, so that signature is its face, and the cases met with it later are counted
     there: one file."""
     out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", "dtensor", "--checkpoints", "all", "--max-examples", 40, "--seed", 2,
+    r = run_cli("fuzz", "--target", "dtensor", "--checkpoints", "all", "--max-examples", 40, "--seed", 0,
                 "--world-sizes", "2", "--optimizers", "SGD", "--case-timeout", 60, "--out", out,
                 setup="dtensor_replica_step_twice.py")
     found = sorted(p.name for p in out.glob("*.json"))
