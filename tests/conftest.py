@@ -16,8 +16,9 @@ SLOW = {
     # to be re-seeded (or its new finding diagnosed: leads/open/); until then the oracle or target it proves keeps
     # a default-tier test named here
     "test_trust.py::test_duration_bounds_the_session_and_every_finding_is_1_minimal_however_short_the_shrink":
-        "its session now meets a dtensor SIGABRT under an MoE with Conv1d before the plant (leads/open/, not "
-        "diagnosed); the 1-minimal reduction stays proven by test_reduce.py and test_life.py",
+        "its session now meets a dtensor SIGABRT under an MoE with Conv1d before the plant (known since: "
+        "dtensor-conv-handlers-skip-redistribution, but its crash face varies with where the aborted rank was, a "
+        "SIGSEGV face not recorded; to re-seed); the 1-minimal reduction stays proven by test_reduce.py and test_life.py",
     "test_planted.py::test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays[loop_sched_load_drops_epoch]":
         "its session now meets the plant on two checkpoint kinds that do not fold into one file (to re-seed); the "
         "plant shows under torchrun in test_scriptgen.py's loop script tests, the loop's oracles in test_loop_targets.py",

@@ -66,6 +66,27 @@ def tie_uses(spec: Model) -> tuple[str, ...]:
     return ("layers.0", "head") if spec.tie_head and not spec.factory else ()
 
 
+def reused_modules(spec: Model) -> tuple[str, ...]:
+    """The FQNs of the modules one forward calls more than once, each later call on an earlier one's output:
+    a twice layer's inner (``Twice``: f(f(x))); a module under one of them is called as often."""
+    if spec.factory:
+        return ()
+    return tuple(f"layers.{i}.inner" for i, layer in enumerate(spec.layers) if layer.kind == "twice")
+
+
+def reused_unit_params(spec: Model, wrap) -> set[str]:
+    """The params whose unit (the deepest of the root and the ``wrap`` FQNs holding them, as fully_shard's
+    nested units) is a module ``reused_modules`` calls more than once a forward."""
+    reused = reused_modules(spec)
+    units = sorted({"", *wrap}, key=lambda u: -u.count(".") - 1 if u else 0)  # deepest first, the root last
+    out = set()
+    for name in param_shapes(spec) if reused else ():
+        owner = next(u for u in units if not u or name.startswith(u + "."))
+        if owner and any(owner == q or owner.startswith(q + ".") for q in reused):
+            out.add(name)
+    return out
+
+
 def _user_model(spec: Model) -> nn.Module:
     if spec.factory in BUILTIN_MODELS:
         return BUILTIN_MODELS[spec.factory](**spec.sizes)

@@ -61,7 +61,7 @@ import torch
 from ..case import Case
 from .. import targets
 from ..kernel import dropout
-from ..kernel.model import BUILTIN_MODELS, USER_MODELS, param_shapes
+from ..kernel.model import BUILTIN_MODELS, USER_MODELS, param_shapes, reused_unit_params
 from ..kernel.oracles import UNIT_ROUNDOFF, mixed_precision_tolerance, reduction_tolerance
 from ..kernel.reference import reduction_length, reduction_parts, step_tolerance_for  # the kernel's bounds
 from . import common, dsd, loop
@@ -583,6 +583,9 @@ class Writer:
         world, m = c.world_size, o.get("microbatches", 1)
         tol, per = mixed_precision_tolerance(compute, reduce, world, m), c.batch // world
         units = ", ".join(["low"] + [self.w.module(u, c).replace("model", "low", 1) for u in o.get("wrap", [])])
+        # a unit the forward calls twice: FSDP2 reduces its last microbatch's grad apart (fsdp2.split_reduced)
+        split = sorted(reused_unit_params(c.model, o.get("wrap", ()))) if m > 1 else []
+        box = "into" if split else "acc"
         hooks = []
         if mp.get("cast_forward_inputs", True) and mp.get("param_dtype"):
             hooks.append(f"        unit.register_forward_pre_hook(lambda m, a: tuple(t.to(torch.{compute}) "
@@ -598,8 +601,9 @@ class Writer:
                 *([f"    for unit in [{units}]:  # FSDP2's units: the casts at each"] + hooks if hooks else []),
                 "    lp, total, spread, sens = dict(low.named_parameters()), {}, {}, {}",
                 f"    for r in range({world}):",
-                "        acc = {}",
-                f"        for xm, ym in zip(x[{per} * r:{per} * (r + 1)].chunk({m}), y[{per} * r:{per} * (r + 1)].chunk({m})):"
+                "        acc = {}" if not split else "        acc, apart = {}, {}",
+                f"        for {'i, (xm, ym)' if split else 'xm, ym'} in {'enumerate(' * bool(split)}zip(x[{per} * r:{per} * "
+                f"(r + 1)].chunk({m}), y[{per} * r:{per} * (r + 1)].chunk({m})){')' * bool(split)}:"
                 + "  # its microbatches" * (m > 1),
                 f"            for n, v in sensitivity(low, xm, ym{f', 1 / {m}' if m > 1 else ''}).items():",
                 f"                sens[n] = sens.get(n, 0.0) + v / {world}",
@@ -608,13 +612,15 @@ class Writer:
                 f"            ({common.loss(c, 'low(xm)', 'ym')} / {m}).backward()" if m > 1 else
                 f"            {common.loss(c, 'low(xm)', 'ym')}.backward()",
                 "            for n, q in lp.items():",
-                "                if q.grad is not None and n in acc:",
-                "                    acc[n] += q.grad  # accumulated in place, rounded once per add",
+                *([f"                into = apart if n in {tuple(split)!r} and i == {m - 1} else acc  "
+                   "# FSDP2 reduces a twice-called unit's last microbatch apart"] if split else []),
+                f"                if q.grad is not None and n in {box}:",
+                f"                    {box}[n] += q.grad  # accumulated in place, rounded once per add",
                 "                elif q.grad is not None:",
-                f"                    acc[n] = q.grad.to(torch.{reduce})",
+                f"                    {box}[n] = q.grad.to(torch.{reduce})",
                 "                if q.grad is not None:",
                 "                    spread[n] = spread.get(n, 0) + q.grad.double().abs()",
-                "        for n, g in acc.items():",
+                "        for n, g in acc.items():" if not split else "        for n, g in [*acc.items(), *apart.items()]:",
                 "            total[n] = total.get(n, 0) + g.double()",
                 f"    return ({{n: (v / {world}).to(torch.{c.dtype}) for n, v in total.items()}}, sens,",
                 f"            {{n: MP_ULPS * MP_U * v / {world} for n, v in spread.items()}})"]

@@ -74,6 +74,16 @@ def dtensor_tie(case) -> str:
     return f"one DTensor, placements {'/'.join(spec)}"
 
 
+def dtensor_facts(case) -> dict:
+    """``conv_sharded``: a Conv1d's weight or bias placed other than Replicate (on either side of a checkpoint).
+    DTensor's convolution handler runs the local conv on the un-redistributed shards and labels the result
+    with the propagated spec (known root cause dtensor-conv-handlers-skip-redistribution): its local shape
+    disagrees with the spec, so its next collective gathers mismatched sizes (gloo aborts: SIGABRT)."""
+    sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
+    return {"conv_sharded": any(n.endswith((".conv.weight", ".conv.bias")) and any(s != "R" for s in spec)
+                                for options in sides for n, spec in options.get("placements", {}).items())}
+
+
 def placements_layout(mesh_shape, options: dict, names) -> dict:
     """Each param's placements: the drawn ones, Replicate where none is drawn (Spec.layout)."""
     return {n: list(options.get("placements", {}).get(n, ["R"] * len(mesh_shape))) for n in names}
@@ -89,7 +99,7 @@ class DTensorTarget(Target):
     spec = Spec(moe={"whole_batch": True, "local": True}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
                 layout=placements_layout, place_as=placements_options, ac=tuple(AC_HOWS), dropout="replica",
-                tie=dtensor_tie)
+                tie=dtensor_tie, facts=dtensor_facts)
     local_replicas = True  # a Replicate param's grad: each rank's own backward on replicated activations
 
     def shard(self, model: nn.Module) -> nn.Module:

@@ -44,7 +44,7 @@ from ..decoder import parallelize_decoder, plan_element
 from ..dropout import draws, has_dropout
 from ..float8 import draw_float8, float8_convert, float8_precompute, float8_problem, float8_reference
 from ..gather import full_batched
-from ..model import loss_fn, param_shapes, submodule, tie_uses, tied_modules
+from ..model import loss_fn, param_shapes, reused_unit_params, submodule, tie_uses, tied_modules
 from ..moe import Routing, moe_prefixes, set_aux_grad
 from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
 from ..plain import sensitivity, torch_dtype
@@ -380,6 +380,8 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
     where it overflows them, per rank or in a float16 reduction's sum after
     FSDP2's pre-divide), and unscaled in the original dtype, as
     ``unscale_`` does to the reduced grads (a power of two: exact).
+    A unit the forward calls twice (``split_reduced``) reduces its earlier
+    microbatches' sum and its last microbatch's grad apart, as FSDP2 does.
     Returns (loss, grads, tolerance, sensitivity, elementwise allowance)."""
     mp, orig = options["mp"], torch_dtype(case)
     compute_name = mp["param_dtype"] or case.dtype
@@ -401,14 +403,15 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
     params = dict(low.named_parameters())
     set_aux_grad(low, scale)  # an MoE aux loss's grad in the scaled backward below, as the sharded run's
     per, m = x.shape[0] // world, options.get("microbatches", 1)
-    loss, total, spread, sens = 0.0, {}, {}, {}
+    split = split_reduced(case, options)
+    loss, total, last, spread, sens = 0.0, {}, {}, {}, {}
     replay = draws()  # dropout: each rank's masks as it drew them (kernel/dropout.py)
     routing = Routing()  # an MoE's routing in param_dtype: the counts and margin of the passes below, not the nudged ones
     for r in range(world):
-        acc = {}
+        acc, apart = {}, {}
         if replay:
             replay.rank(r)
-        for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
+        for i, (xm, ym) in enumerate(zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m))):
             objective = functools.partial(FSDP2Target.objective, options=options)
             # the probe's forwards each draw this microbatch's masks, and leave the generator as it was
             with replay.kept() if replay else contextlib.nullcontext():
@@ -425,28 +428,47 @@ def mixed_precision_reference(case: Case, model, options: dict, world: int, x, y
             loss += local.detach().double() / world
             for n, p in params.items():
                 if p.grad is not None:
-                    if n in acc:
-                        acc[n] += p.grad  # in reduce_dtype, rounded once per add
+                    into = apart if n in split and i == m - 1 else acc
+                    if n in into:
+                        into[n] += p.grad  # in reduce_dtype, rounded once per add
                     else:
-                        acc[n] = p.grad.to(reduce)
+                        into[n] = p.grad.to(reduce)
                     spread[n] = spread.get(n, 0) + p.grad.double().abs() / scale
-        for n, g in acc.items():
-            total[n] = total.get(n, 0) + g.double()
+        for sums, part in ((total, acc), (last, apart)):
+            for n, g in part.items():
+                sums[n] = sums.get(n, 0) + g.double()
     tol = mixed_precision_tolerance(compute_name, reduce_name, world, m)
     grads = {}
     pre = _predivide(world) if reduce == torch.float16 else None
     for n, p in model.named_parameters():  # FSDP2 adds to a grad the param still holds (frozen, or zeroed not None)
         new = None
-        if n in total:
-            mean = total[n] / world
-            if pre is not None:  # FSDP2 sums g / pre in float16: a sum past its range is inf (nan stays nan)
-                over = (total[n] / pre).to(reduce).isinf() & total[n].isfinite()
-                mean = torch.where(over, total[n].sign() * torch.inf, mean)
+        if n in total or n in last:  # each reduce-scatter's output is added to the sharded grad in orig dtype
+            mean = sum(_reduced(sums[n], world, pre, reduce) for sums in (total, last) if n in sums)
             new = (mean.to(orig) if scale == 1.0 else mean.to(orig) * (1.0 / scale))  # unscale_: in orig dtype
         grads[n] = p.grad if new is None else new if p.grad is None else p.grad + new
     extra = {n: tol["k_ulps"] * tol["u"] * spread[n] / world for n in spread}
     routing.put(model)
     return loss.to(orig), grads, tol, sens, extra
+
+
+def _reduced(total: torch.Tensor, world: int, pre: int | None, reduce: torch.dtype) -> torch.Tensor:
+    """The average of the ranks' grads summed in ``total`` (float64), as FSDP2's reduction makes it."""
+    mean = total / world
+    if pre is not None:  # FSDP2 sums g / pre in float16: a sum past its range is inf (nan stays nan)
+        over = (total / pre).to(reduce).isinf() & total.isfinite()
+        mean = torch.where(over, total.sign() * torch.inf, mean)
+    return mean
+
+
+def split_reduced(case: Case, options: dict) -> set[str]:
+    """The params FSDP2 reduces twice a step under gradient accumulation: those of a unit the forward calls
+    twice (inside a twice layer's inner, model.reused_unit_params). Its post-backward hook runs at each call's input
+    grad; the later call's comes first, before autograd has accumulated the param's grad of both calls, so with
+    ``set_requires_gradient_sync(True)`` that hook reduce-scatters what the earlier microbatches accumulated alone
+    (FSDPParamGroup.post_backward), and the earlier call's hook the last microbatch's grad. Both outputs are
+    added to the sharded grad in the original dtype: the same average, but the float16 sum of all microbatches'
+    grads that a single reduction holds (and may overflow) is never made. (One call, or one microbatch: one.)"""
+    return reused_unit_params(case.model, options.get("wrap", ())) if options.get("microbatches", 1) > 1 else set()
 
 
 def _predivide(world: int) -> int:

@@ -1,0 +1,38 @@
+"""Two crash leads recorded as faces of known root causes (leads/README.md), each known only under the
+conditions its root cause needs, so the same generic crash signature elsewhere still reports as new."""
+import dataclasses
+import json
+
+from fuzzshard.case import Case
+from fuzzshard.findings.record import KNOWN_DIR, facts, is_known, load_known
+
+
+def _case(name: str) -> Case:
+    return Case.from_dict(json.loads((KNOWN_DIR / f"{name}.json").read_text())["case"])
+
+
+def test_a_dtensor_abort_is_known_only_with_a_sharded_conv_param():
+    """dtensor-conv-handlers-skip-redistribution: a Shard(2) Conv1d weight's malformed output aborts gloo at its
+    next collective; the dead rank's frame varies, so two faces are recorded, both only under conv_sharded."""
+    known = load_known()
+    case = _case("dtensor.crash.Killed_by_SIGABRT.fwdbwd")
+    assert facts(case)["conv_sharded"]
+    placements = {**case.target_options["placements"], "layers.1.conv.weight": ["R"]}
+    replicated = dataclasses.replace(case, target_options={**case.target_options, "placements": placements})
+    assert not facts(replicated)["conv_sharded"]
+    for sig in ("dtensor.crash.Killed_by_SIGABRT.fwdbwd", "dtensor.crash.Killed_by_SIGABRT.fwdbwd.redispatch"):
+        assert known[sig].root_cause == "dtensor-conv-handlers-skip-redistribution"
+        assert is_known(sig, case, known) and not is_known(sig, replicated, known)
+
+
+def test_a_ddp_abort_under_join_is_known_only_with_static_graph_and_find_unused():
+    """ddp-join-static-graph-unused-params-hang's crash face: the joined rank's extra all-reduce of the used map."""
+    known, sig = load_known(), "ddp.crash.Killed_by_SIGABRT.fwdbwd.all_reduce"
+    case = _case(sig)
+    assert known[sig].root_cause == "ddp-join-static-graph-unused-params-hang" and is_known(sig, case, known)
+    o = case.target_options
+    for change in ({"static_graph": False}, {"find_unused_parameters": False}):
+        other = dataclasses.replace(case, target_options={**o, "ddp": {**o["ddp"], **change}})
+        assert not is_known(sig, other, known)
+    even = dataclasses.replace(case, target_options={k: v for k, v in o.items() if k != "uneven"})
+    assert not is_known(sig, even, known)
