@@ -43,6 +43,9 @@ SLOW = {
     "test_ddp.py::test_no_sync_that_still_all_reduces_on_one_rank_is_caught":
         "two replays, one of them a hang that waits out a 15 s case timeout (40-70 s): the other ddp plants are "
         "caught in the default tier by test_ddp.py's replays, and hangs by test_planted.py's hang_in_adagrad",
+    "test_ddp.py::test_powersgd_resumed_run_that_leaves_the_uninterrupted_one_is_caught":
+        "two replays of a PowerSGD checkpoint case (20-50 s): the state round trip stays proven in the default tier "
+        "by test_powersgd_error_dict_dropped_at_load_is_caught (the same case, the loaded check)",
     "test_soak.py::test_torchrun_soak_cells_span_nodes_and_a_lost_node_leaves_the_rest_going":
         "a torchrun soak over 3 processes (70 s and more): test_cells_share_findings... keeps soaks in the default tier",
     # moved on 2026-12-02 (CI at 2079 s against a 25-minute budget; times from a full run at load average 15 to

@@ -98,3 +98,38 @@ def test_ddp_script_falls_back_where_the_bound_is_the_kernels():
     assert "fp16" in fallback_reason(ddp_case(hook={"name": "fp16"}))
     assert "gate" in fallback_reason(gated_case(ddp={"find_unused_parameters": True}, gate="layers.1"))
     assert fallback_reason(ddp_case(replicate=True, microbatches=2)) is None
+
+
+def powersgd_resume_case(kind="full"):
+    """PowerSGD with error feedback and warm start from step 2, its state saved after step 2 (two PowerSGD
+    iterations in: an error per bucket, P and Q) and loaded into a fresh state for steps 3-4."""
+    hook = {"name": "powersgd", "rank": 1, "start": 2, "feedback": True, "warm": True, "min_rate": 0.0,
+            "resume": True}
+    options = {"ddp": {"find_unused_parameters": True, "bucket_cap_mb": 4e-5}, "hook": hook}
+    case = dataclasses.replace(ddp_case(**options), schedule=(Step(),) * 5)
+    return dataclasses.replace(case, checkpoint=Checkpoint(2, kind, 2, (2,), {**options, "hook": dict(hook)}))
+
+
+def test_powersgd_state_round_trip_rules():
+    powersgd_resume_case().check()
+    case = powersgd_resume_case()
+    with pytest.raises(CaseError, match="PowerSGD's state round-tripped"):  # another world on the loading side
+        dataclasses.replace(case, checkpoint=dataclasses.replace(case.checkpoint, world_size=1, mesh_shape=(1,))).check()
+    with pytest.raises(CaseError, match="PowerSGD's state round-tripped"):  # buckets rebuilt after the first step
+        static = {**case.target_options, "ddp": {"static_graph": True}}
+        dataclasses.replace(case, target_options=static,
+                            checkpoint=dataclasses.replace(case.checkpoint, target_options=dict(static))).check()
+
+
+def test_powersgd_error_dict_dropped_at_load_is_caught(tmp_path):
+    """The resumed run's error feedback starts from zeros: the loaded state differs from the saved, and the
+    resumed run's reduction from the uninterrupted one's."""
+    buggy = replay_clean_then_buggy(tmp_path, powersgd_resume_case(), "ddp_powersgd_error_dropped_at_load.py")
+    assert "FAIL: ddp.checkpoint.full.loaded.powersgd.error_dict" in buggy, buggy
+
+
+def test_powersgd_resumed_run_that_leaves_the_uninterrupted_one_is_caught(tmp_path):
+    """The loaded state is the saved one, but the resumed run reduces otherwise (no warm start): the resumed
+    oracle, bucket by bucket against the uninterrupted state."""
+    buggy = replay_clean_then_buggy(tmp_path, powersgd_resume_case("dcp"), "ddp_powersgd_warm_start_off_at_load.py")
+    assert "FAIL: ddp.checkpoint.dcp.resumed.powersgd.grad" in buggy and "uninterrupted" in buggy, buggy

@@ -122,7 +122,8 @@ def _check_round_trip(case: Case, obs: dict, device: str) -> list[dict]:
     rec = obs["steps"][case.checkpoint.after]
     mismatches = check_saved(case, obs["saved"], rec, device) if obs["saved"] else []
     return mismatches + check_loaded(case, obs["loaded"], rec) + check_loaded_loop(case, obs.get("saved_loop"),
-                                                                                   obs["loaded"].get("loop"))
+                                                                                   obs["loaded"].get("loop")) \
+        + obs["loaded"].get("own", [])
 
 
 def run_bare(case: Case, meshes, target_cls, device: str, reporter: bool, timings: dict | None = None) -> dict | None:
@@ -294,6 +295,8 @@ def _resume(case: Case, meshes, target_cls, device: str, keep: bool, localize: b
         obs["loaded"] = loaded
     obs["steps"] += _train(meshes, lcase, target, model, opt, loop, range(ck.after + 1, len(case.schedule)), device,
                            keep, localize, phase, clock)
+    phase("other", "checkpoint: the target's own round-trip checks")
+    loaded["own"] = target.round_trip_mismatches()  # (ddp's PowerSGD state)
 
 
 def _sharded_model(meshes, target, case: Case, seed: int, device: str, flags) -> tuple:

@@ -79,6 +79,10 @@ SEARCH_TIMEOUT_FACTOR = 3.0  # ... a case searching, this many times
 SHRINK_TIMEOUT_FLOOR = 10.0  # ... and never less than this many seconds
 SEARCH_TIMEOUT_FLOOR = 15.0  # ... searching: a case of shapes torch has not seen yet may take a while on a busy machine
 PASSES_TO_DERIVE = 3  # passing cases of a kind before its own slowest is the measure (before: the slowest of all)
+# ... and before that many passed in all, once one has: a hang is seen past this many times the slowest passing
+# case, never under this many seconds (a plant or bug met by a round's first cases is not held for --case-timeout)
+EARLY_TIMEOUT_FACTOR = 10.0
+EARLY_TIMEOUT_FLOOR = 30.0
 GRACE_FRACTION = 0.1  # a --duration session may run over by this fraction of it (confirmations included) ...
 GRACE_FLOOR = 20.0  # ... or, a session shorter than 200 s, by this many seconds (a last case, a confirmation)
 # A round that found something goes on searching and shrinking (Hypothesis) for this fraction of the shrink
@@ -500,8 +504,9 @@ class Session:
         timeout in fresh workers confirms it); while a hang shrinks, a longer one."""
         if rnd.hang:
             limit = self._derived_timeout(case, SHRINK_TIMEOUT_FACTOR)
-        elif sum(self._passes.values()) < PASSES_TO_DERIVE:
-            return None
+        elif sum(self._passes.values()) < PASSES_TO_DERIVE:  # None before any passed: the full timeout
+            limit = self._derived_timeout(case, EARLY_TIMEOUT_FACTOR)
+            limit = max(EARLY_TIMEOUT_FLOOR, limit) if limit is not None else None
         else:
             limit = self._derived_timeout(case, SEARCH_TIMEOUT_FACTOR, PASSES_TO_DERIVE)
             limit = max(SEARCH_TIMEOUT_FLOOR, limit) if limit is not None else None

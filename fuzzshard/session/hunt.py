@@ -45,7 +45,7 @@ class Bug:
     name: str
     setup: str  # the --worker-setup file, relative to the set's folder
     target: str
-    expect: str  # the signature prefix of its finding's file
+    expect: str | tuple  # the signature prefix of its finding's file (a tuple: any of them)
     corner: str = ""
     flags: tuple = ()  # more `fuzzshard fuzz` arguments
     optimizer: str | None = None  # the finding's case must have it too (a hang's signature names no optimizer)
@@ -58,7 +58,9 @@ def load_set(path: str | Path = DEFAULT_SET) -> tuple[Path, list[Bug]]:
                          "come with fuzzshard's source tree, not with an installed package: run from a checkout "
                          "(pip install -e .), or pass --hunt-set FILE.json")
     data = json.loads(path.read_text())
-    bugs = [Bug(b["name"], b["setup"], b["target"], b["expect"], b.get("corner", ""), tuple(b.get("flags", ())),
+    # expect: a prefix, or a list of them (a planted collective mismatch shows as a hang or as a gloo abort)
+    bugs = [Bug(b["name"], b["setup"], b["target"], b["expect"] if isinstance(b["expect"], str) else tuple(b["expect"]),
+                b.get("corner", ""), tuple(b.get("flags", ())),
                 b.get("optimizer")) for b in data["bugs"]]
     return path.parent, bugs
 

@@ -370,3 +370,8 @@ class Target:
 
     def load(self, model: nn.Module, opt, path: str, group) -> None:
         load(self.case, model, opt, path, group)
+
+    def round_trip_mismatches(self) -> list[dict]:
+        """Collective over the loading job, after its steps: the target's own checks of what the checkpoint
+        carried beyond the model and optimizer (ddp's PowerSGD state), every rank's mismatches; none here."""
+        return []

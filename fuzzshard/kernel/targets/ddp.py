@@ -48,6 +48,8 @@ from ..model import loss_fn
 from ..optim import param_order
 from ..oracles import mixed_precision_tolerance, reduction_tolerance
 from ..plain import sensitivity, torch_dtype
+from ..powersgd import (gathered_mismatches, load_powersgd, powersgd_state, resumable, resume_ok, resume_sides,
+                        resumed_hook, save_powersgd)
 from ..reference import reduction_length
 from ..state_io import STATE_DICT_KINDS, load, save
 from .base import Spec, Target
@@ -154,7 +156,11 @@ def draw_late_options(draw, case) -> dict:
             # PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start (documented)
             hook["start"] = draw(st.integers(2 if hook["feedback"] or hook["warm"] else 1, 3))
             hook["min_rate"] = draw(st.sampled_from([0.0, 2.0]))  # 0: every matrix compressed, however small
+            if resumable(case) and draw(st.booleans()):
+                hook["resume"] = True
         out["hook"] = hook
+        if hook.get("resume"):
+            resume_sides(out, case.checkpoint.target_options)
         case = dataclasses.replace(case, target_options=out)
     if joinable(case) and draw(st.integers(0, 3)) == 3:
         n_steps, world = len(case.schedule), case.world_size
@@ -193,6 +199,9 @@ def check(case) -> str | None:
             return "replicate() ignores modules, not params"
         if hook.get("name") == "powersgd" and (hook.get("feedback") or hook.get("warm")) and hook.get("start", 1) <= 1:
             return "PowerSGD with error feedback or warm start from iteration 1 (PowerSGDState refuses it)"
+        if hook.get("resume") and o is case.target_options and not resume_ok(case):
+            return ("PowerSGD's state round-tripped: want a loading side on the same ranks wrapped as the saving side "
+                    "(DDP, find_unused_parameters without static_graph: the buckets the state is keyed by)")
         if hook.get("name") == "bf16" and case.device == "cpu":
             return "bf16_compress_hook on CPU (it raises: it requires CUDA 11+ and NCCL 2.10+, as documented)"
         if hook.get("name") in LOSSY and (case.dtype not in ("float32", "float64") or case.scaler):
@@ -219,7 +228,7 @@ def coverage(case) -> dict:
     o = case.target_options
     used = sorted(o.get("ddp", {})) + [k for k in ("microbatches", "gate", "ignore", "uneven", "replicate") if o.get(k)]
     if o.get("hook"):
-        used.append(f"hook {o['hook']['name']}")
+        used.append(f"hook {o['hook']['name']}" + " (state checkpointed)" * bool(o["hook"].get("resume")))
     out = loop_coverage(case, "replicate()" if o.get("replicate") else "DDP")
     out["DDP features"] = used or ["defaults"]
     return out
@@ -228,7 +237,8 @@ def coverage(case) -> dict:
 def facts(case) -> dict:
     o = case.target_options
     return {"hook": (o.get("hook") or {}).get("name", ""), "static_graph": bool(o.get("ddp", {}).get("static_graph")),
-            "no_sync": o.get("microbatches", 1) > 1, "gate": bool(o.get("gate"))}
+            "no_sync": o.get("microbatches", 1) > 1, "gate": bool(o.get("gate")),
+            "powersgd_resume": bool((o.get("hook") or {}).get("resume"))}
 
 
 class _JoinShadow(Joinable):
@@ -386,6 +396,7 @@ class DDPTarget(Target):
         self.joined = False
         self.layer = None
         self.steps_run = 0  # forward_backward calls so far (synced_first)
+        self.powersgd, self.resumed, self.round_trip_found = None, None, []  # PowerSGD's state (kernel/powersgd.py)
 
     @property
     def localizable(self) -> bool:
@@ -447,14 +458,26 @@ class DDPTarget(Target):
         if name == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
-            state = ps.PowerSGDState(process_group=self.group, matrix_approximation_rank=hook["rank"],
-                                     start_powerSGD_iter=hook["start"], min_compression_rate=hook["min_rate"],
-                                     use_error_feedback=hook["feedback"], warm_start=hook["warm"])
-            self.wrapper.register_comm_hook(state, ps.powerSGD_hook)
+            self.powersgd = powersgd_state(hook, self.group)
+            if hook.get("resume"):  # the state the hook reads is the target's: a load swaps it in (kernel/powersgd.py)
+                self.wrapper.register_comm_hook(None, self._powersgd_hook)
+            else:
+                self.wrapper.register_comm_hook(self.powersgd, ps.powerSGD_hook)
             return
         fn = {"allreduce": dh.allreduce_hook, "fp16": dh.fp16_compress_hook, "bf16": dh.bf16_compress_hook,
               "fp16_wrapper": dh.fp16_compress_wrapper(dh.allreduce_hook)}[name]
         self.wrapper.register_comm_hook(self.group, fn)
+
+    def _powersgd_hook(self, state, bucket):
+        """powerSGD_hook with the target's state, each bucket's reduction run to its end before the next
+        bucket's starts (kernel/powersgd.py); after a load, checked against the uninterrupted run's."""
+        return (self.resumed or resumed_hook(None, {}, None, []))(self.powersgd, bucket)
+
+    def round_trip_mismatches(self) -> list[dict]:
+        """PowerSGD's state: the loaded check's and the resumed run's mismatches, every rank's."""
+        if not (self.case.target_options.get("hook") or {}).get("resume"):
+            return []
+        return gathered_mismatches(self.round_trip_found, self.group)
 
     def _allreduce_setting_joined_grads(self, state, bucket):
         """DDP's averaging as a comm hook; on a joined rank its result (the active ranks' grads) is made this
@@ -537,6 +560,8 @@ class DDPTarget(Target):
     # ---- checkpoints: DSD on the wrapper, or the wrapper's own state_dict ----
 
     def save(self, model: nn.Module, opt, path: str, group) -> dict | None:
+        if (self.case.target_options.get("hook") or {}).get("resume"):  # every rank's PowerSGD state beside it
+            save_powersgd(self.powersgd, path, self.group)
         if self.case.checkpoint.kind != "module":
             return save(self.case, self.wrapper, opt, path, group)  # DSD on the wrapper
         rank = dist.get_rank(self.group)
@@ -558,6 +583,11 @@ class DDPTarget(Target):
         return {"model": msd, "optim": by_fqn}
 
     def load(self, model: nn.Module, opt, path: str, group) -> None:
+        if (self.case.target_options.get("hook") or {}).get("resume"):
+            after = self.case.checkpoint.after
+            self.powersgd, live, self.round_trip_found = load_powersgd(path, self.group, after)
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.resumed = resumed_hook(live, names, lambda: after + self.steps_run, self.round_trip_found)
         if self.case.checkpoint.kind != "module":
             plain = self.case.target_options.get("plain")  # set_state_dict on the plain model, or the wrapper
             load(self.case, model if plain else self.wrapper, opt, path, group)
