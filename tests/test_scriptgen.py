@@ -245,7 +245,7 @@ def test_oracles_are_found_by_file_name_and_carry_their_script(monkeypatch):
     assert fallback_reason(case, verdict=new) is None
     assert straight_script(case, "h", verdict=new) == straight_script(case, "h", verdict=parity) is not None
     # a case and not a finding: what its run checks (the round trip where it checkpoints, else parity)
-    ck = dataclasses.replace(case, checkpoint=Checkpoint(0, "full", 2))
+    ck = dataclasses.replace(case, checkpoint=Checkpoint(0, "full", 2, (2,)))
     assert oracle.checks(case, None).name == "parity" and oracle.checks(ck, None).name == "checkpoint"
     assert oracle.checks(ck, parity).name == "parity"
 
