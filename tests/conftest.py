@@ -15,9 +15,6 @@ SLOW = {
     # controls, 3 microbatches; these seeded sessions met other cases than the ones they were picked for. Each is
     # to be re-seeded (or its new finding diagnosed: leads/open/); until then the oracle or target it proves keeps
     # a default-tier test named here
-    "test_trust.py::test_duration_bounds_the_session_and_every_finding_is_1_minimal_however_short_the_shrink":
-        "its session now meets a dtensor SIGABRT under an MoE with Conv1d before the plant (leads/open/, not "
-        "diagnosed); the 1-minimal reduction stays proven by test_reduce.py and test_life.py",
     "test_planted.py::test_planted_tp_bug_in_the_decoder_is_found_shrunk_to_one_block_and_replays":
         "two decoder transformers at world size 4 on a 2x2 mesh, 4-6 min each: TP stays in the default tier through "
         "test_fsdp2_tensor_parallel_trains_in_parity_and_a_tp_grad_bug_is_caught (a hand-written TP case)",
