@@ -11,10 +11,6 @@ PLANTED = Path(__file__).parent / "planted"
 # runs, leaves it out to stay within its budget on 2 cores. Each entry says what in the default tier proves
 # the same thing. Keyed by node id (a prefix or a parametrized id), measured with --durations.
 SLOW = {
-    # moved on 2026-12-02 at the merge of issues 46-48's work: the draws now hold MoE layers, ties under pp, sync
-    # controls, 3 microbatches; these seeded sessions met other cases than the ones they were picked for. Each is
-    # to be re-seeded (or its new finding diagnosed: leads/open/); until then the oracle or target it proves keeps
-    # a default-tier test named here
     "test_planted.py::test_planted_tp_bug_in_the_decoder_is_found_shrunk_to_one_block_and_replays":
         "two decoder transformers at world size 4 on a 2x2 mesh, 4-6 min each: TP stays in the default tier through "
         "test_fsdp2_tensor_parallel_trains_in_parity_and_a_tp_grad_bug_is_caught (a hand-written TP case)",
