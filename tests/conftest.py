@@ -11,17 +11,6 @@ PLANTED = Path(__file__).parent / "planted"
 # runs, leaves it out to stay within its budget on 2 cores. Each entry says what in the default tier proves
 # the same thing. Keyed by node id (a prefix or a parametrized id), measured with --durations.
 SLOW = {
-    # moved on 2026-12-02 at the merge of issues 46-48's work: the draws now hold MoE layers, ties under pp, sync
-    # controls, 3 microbatches; these seeded sessions met other cases than the ones they were picked for. Each is
-    # to be re-seeded (or its new finding diagnosed: leads/open/); until then the oracle or target it proves keeps
-    # a default-tier test named here
-    "test_trust.py::test_duration_bounds_the_session_and_every_finding_is_1_minimal_however_short_the_shrink":
-        "its session now meets a dtensor SIGABRT under an MoE with Conv1d before the plant (known since: "
-        "dtensor-conv-handlers-skip-redistribution, but its crash face varies with where the aborted rank was, a "
-        "SIGSEGV face not recorded; to re-seed); the 1-minimal reduction stays proven by test_reduce.py and test_life.py",
-    "test_planted.py::test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays[loop_sched_load_drops_epoch]":
-        "its session now meets the plant on two checkpoint kinds that do not fold into one file (to re-seed); the "
-        "plant shows under torchrun in test_scriptgen.py's loop script tests, the loop's oracles in test_loop_targets.py",
     "test_planted.py::test_planted_tp_bug_in_the_decoder_is_found_shrunk_to_one_block_and_replays":
         "two decoder transformers at world size 4 on a 2x2 mesh, 4-6 min each: TP stays in the default tier through "
         "test_fsdp2_tensor_parallel_trains_in_parity_and_a_tp_grad_bug_is_caught (a hand-written TP case)",

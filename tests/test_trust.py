@@ -135,7 +135,7 @@ def test_duration_bounds_the_session_and_every_finding_is_1_minimal_however_shor
     least 20 s), as the session measures itself, and its files are confirmed."""
     monkeypatch.setenv("FUZZSHARD_HYPOTHESIS_SHRINK", "1")
     out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", "dtensor", "--world-sizes", "1,2", "--seed", 1, "--checkpoints", "none",
+    r = run_cli("fuzz", "--target", "dtensor", "--world-sizes", "1,2", "--seed", 2, "--checkpoints", "none",
                 "--duration", "40s", "--shrink-budget", "90s", "--case-timeout", 20, "--out", out,
                 setup="skip_weight_decay.py")
     assert r.returncode == 1, r.stderr[-3000:]
