@@ -34,8 +34,6 @@ LAZY_CYCLES = [
     # beside the code they guard (issue 49's third pass moves them behind the target's Spec)
     {"fuzzshard.case", "fuzzshard.kernel.ac", "fuzzshard.kernel.decoder", "fuzzshard.kernel.dropout", "fuzzshard.kernel.model",
      "fuzzshard.kernel.moe", "fuzzshard.kernel.state_io"},
-    # findings/releases.py writes known.md with cli/known.py's table and starts pools through cli/common.py
-    {"fuzzshard.cli.known", "fuzzshard.findings.releases", "fuzzshard.findings.rootcause", "fuzzshard.report.upstream"},
 ]
 
 

@@ -79,6 +79,7 @@ def releases_here() -> str:
 
 def run(args) -> int:
     from ..findings import releases
+    from ..findings.knownlist import record_known
     from ..findings.record import KNOWN_DIR, ROOT_CAUSES
     from .common import load_file
 
@@ -118,7 +119,7 @@ def run(args) -> int:
     if args.record:
         done = [{"torch": r["torch"], "results": {signatures[p]: s for p, s in r["results"].items()}}
                 for r in runs.values() if not r.get("failed")]
-        recorded = releases.record_known(done)
+        recorded = record_known(done)
         print(f"recorded {', '.join(recorded)} in the known findings' seen_on, fixed_in in {ROOT_CAUSES}, "
               f"and {KNOWN_DIR / 'README.md'}")
     print(f"results and logs: {work}")
