@@ -151,3 +151,19 @@ def test_the_graph_sees_a_lazy_import():
     """The reader counts an import inside a function: the worker's import of the simulated world."""
     assert "fuzzshard.kernel.simulated" in graph(function_level=True)["fuzzshard.pool.worker"]
     assert "fuzzshard.kernel.simulated" not in graph(function_level=False)["fuzzshard.pool.worker"]
+
+
+def test_nothing_below_the_cli_imports_argparse_or_the_cli():
+    """cli/ turns arguments into typed options once (issue 49): no module outside it imports argparse or
+    fuzzshard.cli, at any level (``__main__`` is the entry point above it; a string that holds a script's
+    ``import argparse``, findings/repro.py's template, is no import)."""
+    bad = []
+    for name, (path, _) in modules().items():
+        if name.startswith("fuzzshard.cli") or name == "fuzzshard.__main__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names)
+                    or isinstance(node, ast.ImportFrom) and node.module == "argparse" and not node.level):
+                bad.append(f"{name}: imports argparse")
+        bad += [f"{name}: imports {t}" for t in graph(function_level=True)[name] if t.startswith("fuzzshard.cli")]
+    assert bad == []
