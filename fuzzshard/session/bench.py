@@ -215,7 +215,7 @@ def run_soak_bench(seconds: float, workers: int, target: str, seed: int = 0, ech
     import subprocess
     import sys
     import tempfile
-    from ..report.page import load_cases
+    from .caselog import load_cases
 
     base = [sys.executable, "-m", "fuzzshard"]
     worlds = ",".join(str(w) for w in range(1, workers + 1))
