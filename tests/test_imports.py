@@ -147,6 +147,15 @@ def test_the_kernel_and_the_pool_import_nothing_above_them():
     assert {m: ts for m, ts in bad.items() if ts} == {}
 
 
+def test_a_session_imports_no_report_and_no_cli():
+    """session/ writes what report/ reads (session/caselog.py), never the other way: no session module imports
+    report/ or cli/, at any level."""
+    edges = graph(function_level=True)
+    bad = {m: sorted(t for t in ts if t.startswith(("fuzzshard.report", "fuzzshard.cli")))
+           for m, ts in edges.items() if m.startswith("fuzzshard.session")}
+    assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
 def test_the_graph_sees_a_lazy_import():
     """The reader counts an import inside a function: the worker's import of the simulated world."""
     assert "fuzzshard.kernel.simulated" in graph(function_level=True)["fuzzshard.pool.worker"]
