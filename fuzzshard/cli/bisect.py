@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from .common import FILE_HELP, UsageError, case_timeout, pool_args
+from .common import FILE_HELP, UsageError, case_timeout, pool_args, pool_flags
 
 HELP = """\
 Replay findings on several torch releases, one venv per release, and say which have the bug.
@@ -106,10 +106,7 @@ def run(args) -> int:
             pythons[v] = releases.build(v, venvs, work)
         except RuntimeError as e:
             raise UsageError(str(e)) from None
-    flags = [f"--case-timeout={args.case_timeout}"] + (["--device", args.device] if args.device else []) \
-        + (["--backend", args.backend] if args.backend else []) \
-        + [f"--plugin={p}" for p in args.plugin or []] \
-        + ([f"--worker-setup={args.worker_setup}"] if args.worker_setup else [])
+    flags = pool_flags(args)
     runs = releases.bisect(paths, pythons, flags, work)
     print()
     print("\n".join(releases.table(paths, signatures, runs)))
