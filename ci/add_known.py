@@ -32,6 +32,7 @@ import sys
 from fuzzshard.cli import known_markdown
 from fuzzshard.findings.record import KNOWN_DIR, Finding, environment, load_finding, load_known, write_finding
 from fuzzshard.findings.judge import judge
+from fuzzshard.pool.options import PoolOptions
 from fuzzshard.pool.runner import Pool
 
 
@@ -45,7 +46,7 @@ def main(pairs, trigger=None, as_recorded=False, devices=(), only_when=None, suf
             _replace(new, suffix)
         (KNOWN_DIR / "README.md").write_text(known_markdown(load_known()) + "\n")
         return
-    with Pool(max(f.case.ranks for f, _ in items), case_timeout=30) as pool:
+    with Pool(max(f.case.ranks for f, _ in items), options=PoolOptions(case_timeout=30)) as pool:
         env = environment(pool.info, "gloo", "cpu")
         for f, diagnosis in items:
             j = judge(pool, f.case)

@@ -24,12 +24,13 @@ import tempfile
 from pathlib import Path
 
 from fuzzshard.findings.record import KNOWN_DIR
-from fuzzshard.findings.releases import record_known, release_of  # noqa: F401 (release_of: this module's API)
+from fuzzshard.findings.knownlist import record_known
+from fuzzshard.findings.releases import release_of  # noqa: F401 (this module's API)
 
 
 def record(results: list[dict], known_dir: Path = KNOWN_DIR) -> list[str]:
     """Each result's outcomes into the known files' ``seen_on``, each root cause's ``fixed_in``, and the README
-    (fuzzshard/findings/releases.py's record_known, which `fuzzshard bisect --known --record` uses too)."""
+    (fuzzshard/findings/knownlist.py's record_known, which `fuzzshard bisect --known --record` uses too)."""
     return record_known(results, known_dir)
 
 

@@ -44,11 +44,12 @@ def main() -> int:
     args = ap.parse_args()
     from fuzzshard.findings.judge import judge, judge_many  # (torch: after --help)
     from fuzzshard.findings.reduce import reduce
+    from fuzzshard.pool.options import PoolOptions
     from fuzzshard.pool.runner import Pool
 
     paths = sorted(p for p in Path(args.known).glob("*.json") if p.name != "root_causes.json")
     before, after, rows = [], [], []
-    with Pool(args.workers, placed=True, case_timeout=60).start() as pool:
+    with Pool(args.workers, options=PoolOptions(case_timeout=60), placed=True).start() as pool:
         for path in paths:
             f = load_finding(path)
             if args.only and f.signature not in args.only:

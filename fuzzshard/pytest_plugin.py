@@ -113,6 +113,14 @@ class Options:
     out: str = DEFAULTS["out"]
     source: dict = field(default_factory=dict, compare=False)  # where each came from: the flag, the ini, $FUZZSHARD_OUT or "default"
 
+    def pool(self):
+        """The pool's options (pool/options.py), as the CLI makes them of the same flags: the plugins, then
+        the worker setup, run in every worker."""
+        from .pool.options import PoolOptions
+
+        return PoolOptions(device=self.device, setup=(*self.plugins, *[p for p in [self.worker_setup] if p]),
+                           case_timeout=self.case_timeout)
+
 
 def options(config) -> Options:
     """Each setting from the command line, else (``out`` only) $FUZZSHARD_OUT, else the ini file, else the
@@ -215,8 +223,7 @@ def fuzz_pool(request):
     testing.OUT_DIR = opts.out
     for path in opts.plugins:
         run_setup_file(path)  # here too: the strategies draw the plugin's optimizer
-    setups = list(opts.plugins) + [p for p in [opts.worker_setup] if p]
-    pool = Pool(opts.world_size, device=opts.device, worker_setup=setups, case_timeout=opts.case_timeout)
+    pool = Pool(opts.world_size, options=opts.pool())
     pool.start()
     yield pool
     pool.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzzshard.findings import releases
+from fuzzshard.findings import knownlist, releases
 from fuzzshard.findings.record import load_finding, load_known
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,9 +112,9 @@ def test_recording_a_fix_adds_only_fixed_in_to_root_causes_and_a_note_to_older_f
     before = (known_dir / "root_causes.json").read_text()
     res = [{"torch": "2.13.0+cpu", "results": {str(known_dir / f"{s}.json"): R for s in sigs}},
            {"torch": "2.15.0+cu130", "results": {s: P for s in sigs[:-1]}}]
-    releases.record_known(res, known_dir)
+    knownlist.record_known(res, known_dir)
     assert _fixed_in(known_dir) == {}  # one finding not checked on 2.15.0: no evidence for it
-    releases.record_known([{"torch": "2.15.0", "results": {sigs[-1]: P}}], known_dir)
+    knownlist.record_known([{"torch": "2.15.0", "results": {sigs[-1]: P}}], known_dir)
     after = (known_dir / "root_causes.json").read_text()
     changed = [d[:1] + d[2:] for d in difflib.ndiff(before.splitlines(), after.splitlines()) if d[:1] in "+-"]
     assert changed == ['+    "fixed_in": "2.15.0",']
@@ -124,12 +124,12 @@ def test_recording_a_fix_adds_only_fixed_in_to_root_causes_and_a_note_to_older_f
     readme = (known_dir / "README.md").read_text()
     assert f"| `{rid}` | reproduces {len(sigs)}/0/0 | passes 0/{len(sigs)}/0 | 2.13.0 | - | **2.15.0** |" in readme
     f.environment["torch"] = "2.14.1+cu130"
-    assert releases.fixed_in_note(f, known_dir=known_dir) == (
+    assert knownlist.fixed_in_note(f, known_dir=known_dir) == (
         f"fixed in torch 2.15.0 (root cause {rid}; this finding was made on 2.14.1)")
     f.root_cause = ""  # a new finding with a known signature: the known one's root cause
-    assert releases.fixed_in_note(f, known_dir=known_dir).startswith("fixed in torch 2.15.0")
+    assert knownlist.fixed_in_note(f, known_dir=known_dir).startswith("fixed in torch 2.15.0")
     f.environment["torch"] = "2.15.0"
-    assert releases.fixed_in_note(f, known_dir=known_dir) == ""
+    assert knownlist.fixed_in_note(f, known_dir=known_dir) == ""
 
 
 def _bisect(*args, timeout=120):

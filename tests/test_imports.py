@@ -34,8 +34,6 @@ LAZY_CYCLES = [
     # beside the code they guard (issue 49's third pass moves them behind the target's Spec)
     {"fuzzshard.case", "fuzzshard.kernel.ac", "fuzzshard.kernel.decoder", "fuzzshard.kernel.dropout", "fuzzshard.kernel.model",
      "fuzzshard.kernel.moe", "fuzzshard.kernel.state_io"},
-    # findings/releases.py writes known.md with cli/known.py's table and starts pools through cli/common.py
-    {"fuzzshard.cli.known", "fuzzshard.findings.releases", "fuzzshard.findings.rootcause", "fuzzshard.report.upstream"},
 ]
 
 
@@ -149,7 +147,32 @@ def test_the_kernel_and_the_pool_import_nothing_above_them():
     assert {m: ts for m, ts in bad.items() if ts} == {}
 
 
+def test_a_session_imports_no_report_and_no_cli():
+    """session/ writes what report/ reads (session/caselog.py), never the other way: no session module imports
+    report/ or cli/, at any level."""
+    edges = graph(function_level=True)
+    bad = {m: sorted(t for t in ts if t.startswith(("fuzzshard.report", "fuzzshard.cli")))
+           for m, ts in edges.items() if m.startswith("fuzzshard.session")}
+    assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
 def test_the_graph_sees_a_lazy_import():
     """The reader counts an import inside a function: the worker's import of the simulated world."""
     assert "fuzzshard.kernel.simulated" in graph(function_level=True)["fuzzshard.pool.worker"]
     assert "fuzzshard.kernel.simulated" not in graph(function_level=False)["fuzzshard.pool.worker"]
+
+
+def test_nothing_below_the_cli_imports_argparse_or_the_cli():
+    """cli/ turns arguments into typed options once (issue 49): no module outside it imports argparse or
+    fuzzshard.cli, at any level (``__main__`` is the entry point above it; a string that holds a script's
+    ``import argparse``, findings/repro.py's template, is no import)."""
+    bad = []
+    for name, (path, _) in modules().items():
+        if name.startswith("fuzzshard.cli") or name == "fuzzshard.__main__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names)
+                    or isinstance(node, ast.ImportFrom) and node.module == "argparse" and not node.level):
+                bad.append(f"{name}: imports argparse")
+        bad += [f"{name}: imports {t}" for t in graph(function_level=True)[name] if t.startswith("fuzzshard.cli")]
+    assert bad == []

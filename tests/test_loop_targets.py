@@ -8,6 +8,7 @@ import pytest
 
 from fuzzshard.case import Case, CaseError, Clip, Group, Layer, LRScheduler, Model, Optim, Overflow, Scaler, Step
 from fuzzshard import targets
+from fuzzshard.pool.options import PoolOptions
 from fuzzshard.pool.runner import Pool
 
 from conftest import PLANTED
@@ -85,7 +86,7 @@ CASES = {
 }
 
 def _run(names, setup=None) -> dict:
-    with Pool(2, placed=True, case_timeout=120, worker_setup=setup) as pool:
+    with Pool(2, options=PoolOptions(case_timeout=120, setup=[setup] if setup else ()), placed=True) as pool:
         return {n: pool.run(CASES[n]).verdict for n in names}
 
 def test_each_targets_loop_features_pass_on_stock_torch():

@@ -7,12 +7,13 @@ import pytest
 from cases import simple_case
 from conftest import PLANTED
 from fuzzshard.findings.record import signature
+from fuzzshard.pool.options import PoolOptions
 from fuzzshard.pool.runner import Pool
 
 
 @pytest.fixture(scope="module")
 def planted_pool():
-    with Pool(3, worker_setup=str(PLANTED / "hang_or_crash.py"), case_timeout=20) as pool:
+    with Pool(3, options=PoolOptions(setup=[str(PLANTED / "hang_or_crash.py")], case_timeout=20)) as pool:
         yield pool
 
 
@@ -71,7 +72,7 @@ def test_a_rank_that_raises_alone_costs_a_short_wait_and_a_restart_not_the_case_
 
 @pytest.fixture(scope="module")
 def side_by_side_pool():
-    with Pool(4, placed=True, worker_setup=str(PLANTED / "hang_or_crash.py"), case_timeout=20) as pool:
+    with Pool(4, options=PoolOptions(setup=[str(PLANTED / "hang_or_crash.py")], case_timeout=20), placed=True) as pool:
         yield pool
 
 

@@ -26,7 +26,7 @@ def wide_case(world: int) -> Case:
 @pytest.fixture(scope="module")
 def sim_pool():
     """One simulated worker with the planted bug that shows only on mesh dims of 5 or more ranks."""
-    with Pool(1, simulate=True, worker_setup=str(BUG), case_timeout=120) as pool:
+    with Pool(1, options=PoolOptions(simulate=True, setup=[str(BUG)], case_timeout=120)) as pool:
         yield pool
 
 
@@ -123,7 +123,7 @@ def test_the_shortcuts_through_localtensor_change_no_verdict(monkeypatch):
     verdicts = {}
     for shortcuts in ("1", "0"):
         monkeypatch.setenv("FUZZSHARD_SIMULATE_SHORTCUTS", shortcuts)
-        with Pool(1, simulate=True, case_timeout=120) as pool:
+        with Pool(1, options=PoolOptions(simulate=True, case_timeout=120)) as pool:
             verdicts[shortcuts] = [_untraced(pool.run(c).verdict.to_dict()) for c in cases]
     assert {v["status"] for v in verdicts["0"]} >= {"pass", "finding"}
     assert verdicts["1"] == verdicts["0"]
@@ -138,7 +138,7 @@ def test_localtensors_own_errors_are_recognised_up_front_and_judged_on_real_proc
     from fuzzshard.session.simulate import SimulatedSession
 
     case = simple_case(5, optim="Adafactor", foreach=True)
-    with Pool(1, simulate=True, case_timeout=120) as pool:
+    with Pool(1, options=PoolOptions(simulate=True, case_timeout=120)) as pool:
         j = judge(pool, case)
     assert "Non Tensor or int rank results must be equal" in j.verdict.error_record.message, j.verdict
     assert local_tensor_error(j.verdict)
@@ -247,7 +247,7 @@ def test_one_bug_met_in_two_modules_at_other_world_sizes_is_one_finding_at_the_l
     assert [w for w, _ in world_shrinks(big)][:3] == [["world size 16 -> 1", "mesh [2, 8] -> [1]"]] * 2 + \
         [["world size 16 -> 2", "mesh [2, 8] -> [2]"]]
     norm = Case.from_dict(LAYERNORM_FACE)
-    with Pool(1, simulate=True, worker_setup=str(BUG6), case_timeout=120) as pool:
+    with Pool(1, options=PoolOptions(simulate=True, setup=[str(BUG6)], case_timeout=120)) as pool:
         j, k = judge(pool, big), judge(pool, norm)
     # the LayerNorm's output grad is made by the backward of the Linear that read it (kernel/localize.py names that)
     assert (j.signature, k.signature) == ("dtensor.parity.forward.Linear", "dtensor.parity.backward.Linear")
@@ -284,7 +284,7 @@ def test_replay_runs_a_finding_larger_than_real_runs_here_simulated_never_as_32_
     from fuzzshard.cli import _parser, common, replay
 
     case = even_case(32)
-    with Pool(1, simulate=True, worker_setup=str(BUG6), case_timeout=120) as pool:
+    with Pool(1, options=PoolOptions(simulate=True, setup=[str(BUG6)], case_timeout=120)) as pool:
         j = judge(pool, case)
     assert j.signature == "dtensor.parity.forward.Linear", j.label
     path, _ = write_finding(tmp_path, Finding(j.signature, case, j.verdict, stage="simulated only"), None)
@@ -331,10 +331,10 @@ def test_the_replica_oracle_runs_simulated_each_rank_its_own_copy_and_finds_what
 
     cases = [replicated_case(5), replicated_case(8, (2, 4)), replicated_case(8, (2, 2, 2))]
     plateau = replicated_case(5, lr_scheduler=LRScheduler("ReduceLROnPlateau", {"patience": 0}))
-    with Pool(1, simulate=True, worker_setup=str(REPLICA_BUG), case_timeout=120) as pool:
+    with Pool(1, options=PoolOptions(simulate=True, setup=[str(REPLICA_BUG)], case_timeout=120)) as pool:
         judged = [judge(pool, c) for c in cases]
         late = judge(pool, plateau)
-    with Pool(5, worker_setup=str(REPLICA_BUG), case_timeout=120) as pool:
+    with Pool(5, options=PoolOptions(setup=[str(REPLICA_BUG)], case_timeout=120)) as pool:
         real, real_late = judge(pool, cases[0]), judge(pool, plateau)
     assert [j.signature for j in judged] == ["dtensor.replica.param"] * 3, [j.label for j in judged]
     for j, c in zip(judged, cases):

@@ -40,19 +40,19 @@ def add(sub) -> None:
                         "per core side by side) and real (a warm pool of W gloo processes) at W=2, 4, 8, and "
                         "simulated alone at W=16 and 64 (--max-examples per world size; docs/simulate.md)")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks run (default: cpu; cuda: NCCL, one GPU a rank)")
-    from ..session.hunt import add_arguments as hunt_arguments
+    from .hunt import add_arguments as hunt_arguments  # (here: `python -m fuzzshard.cli.hunt` imports no bench)
 
-    hunt_arguments(b)  # --hunt: time to first finding of planted bugs (fuzzshard/session/hunt.py)
+    hunt_arguments(b)  # --hunt: time to first finding of planted bugs (cli/hunt.py, session/hunt.py)
 
 
 def run(args) -> int:
     from ..session.bench import run_bench
 
     if args.hunt:
-        from ..session.hunt import run_from_args
+        from . import hunt
 
         try:
-            return run_from_args(args, lambda text: parse_duration(text, "--cap"))
+            return hunt.run(args, lambda text: parse_duration(text, "--cap"))
         except (ValueError, OSError) as e:
             raise UsageError(f"--hunt: {e}") from None
 

@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from .common import FILE_HELP, UsageError, case_timeout, pool_args
+from .common import FILE_HELP, UsageError, case_timeout, pool_args, pool_flags
 
 HELP = """\
 Replay findings on several torch releases, one venv per release, and say which have the bug.
@@ -79,6 +79,7 @@ def releases_here() -> str:
 
 def run(args) -> int:
     from ..findings import releases
+    from ..findings.knownlist import record_known
     from ..findings.record import KNOWN_DIR, ROOT_CAUSES
     from .common import load_file
 
@@ -105,10 +106,7 @@ def run(args) -> int:
             pythons[v] = releases.build(v, venvs, work)
         except RuntimeError as e:
             raise UsageError(str(e)) from None
-    flags = [f"--case-timeout={args.case_timeout}"] + (["--device", args.device] if args.device else []) \
-        + (["--backend", args.backend] if args.backend else []) \
-        + [f"--plugin={p}" for p in args.plugin or []] \
-        + ([f"--worker-setup={args.worker_setup}"] if args.worker_setup else [])
+    flags = pool_flags(args)
     runs = releases.bisect(paths, pythons, flags, work)
     print()
     print("\n".join(releases.table(paths, signatures, runs)))
@@ -118,7 +116,7 @@ def run(args) -> int:
     if args.record:
         done = [{"torch": r["torch"], "results": {signatures[p]: s for p, s in r["results"].items()}}
                 for r in runs.values() if not r.get("failed")]
-        recorded = releases.record_known(done)
+        recorded = record_known(done)
         print(f"recorded {', '.join(recorded)} in the known findings' seen_on, fixed_in in {ROOT_CAUSES}, "
               f"and {KNOWN_DIR / 'README.md'}")
     print(f"results and logs: {work}")

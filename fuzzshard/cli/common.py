@@ -150,6 +150,15 @@ def pool_args(p, runs: str = "drawn") -> None:
                         f"default {CASE_TIMEOUT})")
 
 
+def pool_flags(args) -> list[str]:
+    """The pool's flags as given (pool_args; --case-timeout once read), again as arguments: what `bisect` hands
+    each release's run (cli/release_run.py), so that a new pool flag is said here, beside pool_args, alone."""
+    return [f"--case-timeout={args.case_timeout}"] + (["--device", args.device] if args.device else []) \
+        + (["--backend", args.backend] if args.backend else []) \
+        + [f"--plugin={p}" for p in args.plugin or []] \
+        + ([f"--worker-setup={args.worker_setup}"] if args.worker_setup else [])
+
+
 def out_dir(path: str) -> None:
     """--out made (or there already), or one clear line: under a regular file, not writable, ..."""
     try:

@@ -61,10 +61,7 @@ def run(args) -> int:
 
     from ..session.engine import Session
 
-    if args.simulate:
-        from ..session.simulate import simulate_args
-
-        simulate_args(args)
+    workers, simulated = _simulate(args) if args.simulate else (0, {})
     sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
     duration = parse_duration(args.duration, "--duration") if args.duration else None
     shrink_budget = parse_duration(args.shrink_budget, "--shrink-budget") if args.shrink_budget else None
@@ -73,7 +70,7 @@ def run(args) -> int:
     check_pool_args(args)
     check_gpus(args, 1 if args.simulate else max(sizes))
     names = resolve_targets(args.target)
-    draws = {**strategy_kwargs(args), **getattr(args, "simulate_draws", {})}
+    draws = {**strategy_kwargs(args), **simulated}
     from .. import targets
 
     if args.compile and not any(targets.get(n).spec.compiled for n in names):
@@ -100,7 +97,7 @@ def run(args) -> int:
     # explicit handlers: a shell starts a background job with SIGINT ignored, and Python keeps that
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    pool = start_pool(args, args.simulate_workers if args.simulate else max(sizes), log_dir=os.path.join(args.out, "logs"),
+    pool = start_pool(args, workers if args.simulate else max(sizes), log_dir=os.path.join(args.out, "logs"),
                       spare=True, placed=not args.one_at_a_time)
     try:
         if args.simulate:  # its book sets LocalTensor's own errors aside unshrunk, for the real check (simulate.py)
@@ -128,7 +125,7 @@ def run(args) -> int:
         from ..pool.runner import PoolError
 
         try:  # on pools made from the session's own options, simulated and real
-            found = confirm(findings, args.out, pool.options, set_aside=set_aside, workers=args.simulate_workers,
+            found = confirm(findings, args.out, pool.options, set_aside=set_aside, workers=workers,
                             optimizer_names=draws.get("optimizer_names")).get("found", [])
         except PoolError as e:
             raise UsageError(f"could not start the workers that check the simulated findings: {e}") from None
@@ -137,6 +134,40 @@ def run(args) -> int:
     if findings:
         return 1
     return 128 + stops[0] if stops else 0
+
+
+def _simulate(args) -> tuple[int, dict]:
+    """``fuzz --simulate``: its checks, and its defaults into the flags not given (session/simulate.py's: world
+    sizes 5-64, no checkpoints, a longer case timeout); (the workers of its pool, the draws it adds)."""
+    from ..session.simulate import (
+        DEFAULT_WORLD_SIZES, SIMULATED_CASE_TIMEOUT, SIMULATED_TARGETS, available, simulated_draws, simulated_workers,
+    )
+
+    why = available()
+    if why:
+        raise UsageError(f"--simulate: {why}")
+    if (args.device or "cpu") != "cpu":
+        raise UsageError("--simulate runs on CPU (LocalTensorMode over a fake process group)")
+    names = resolve_targets(args.target)
+    if args.target == "all":
+        names = [n for n in names if n in SIMULATED_TARGETS]
+        args.target = ",".join(names)
+    other = [n for n in names if n not in SIMULATED_TARGETS]
+    if other:
+        raise UsageError(f"--simulate runs {', '.join(SIMULATED_TARGETS)}; not {', '.join(other)} "
+                         "(docs/simulate.md says why)")
+    if args.checkpoints == "all":
+        raise UsageError("--simulate draws no checkpoints: torch.save, broadcast_from_rank0 and DCP of LocalTensors "
+                         "fail under LocalTensorMode (docs/simulate.md)")
+    if args.checkpoints == "some":  # the default: said, not silent
+        print("fuzzshard: --simulate: no checkpoints (saving and loading LocalTensors is not simulated: "
+              "docs/simulate.md)", file=sys.stderr)
+        args.checkpoints = "none"
+    if args.world_sizes is None:  # not given: a simulated session is for the sizes a pool cannot reach
+        args.world_sizes = DEFAULT_WORLD_SIZES
+    if args.case_timeout is None:  # not given: a simulated case runs its W ranks one after the other
+        args.case_timeout = SIMULATED_CASE_TIMEOUT
+    return simulated_workers(), simulated_draws(names)
 
 
 def _print_session_report(session, findings, out) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from ..findings.knownlist import counts_text, headline, known_markdown, short_text  # noqa: F401 (ci/gen_docs.py)
+from ..findings.releases import regression_table  # noqa: F401 (the table of root cause x release; tests)
 from .common import UsageError, check_pool_args, count, pool_args, start_pool, torch_version
 
 
@@ -139,69 +141,3 @@ def _check_minimal(causes: dict, only: list) -> int:
         last = printed.strip().splitlines()[-1:] or [""]
         print(f"  {rc.id:55} {verdict:30} {last[0][:80]}", flush=True)
     return 0
-
-
-# ---- the known list's numbers, said in one place: this command's first line, known/README.md, and the docs'
-# generated regions (ci/gen_docs.py's known-counts and known-short) all take them from here
-
-def headline(known: dict, causes: dict) -> str:
-    """"N known findings (signatures) and M root causes in torch", the root causes without a finding of their own
-    (root_causes.json records a torch bug fuzzshard met outside a finding: a hand-reduced script shows it) named."""
-    alone = sorted(rc.id for rc in causes.values() if not rc.signatures)
-    return (f"{len(known)} known findings (signatures) and {len(causes)} root causes in torch"
-            + (f" ({len(alone)} of them with no finding of their own: {', '.join(alone)})" if alone else ""))
-
-
-def counts_text(known: dict, causes: dict) -> str:
-    """The headline, then the root causes by kind and upstream state, and the findings seen only on CUDA."""
-    from collections import Counter
-
-    kinds = Counter(rc.kind for rc in causes.values())
-    up = Counter((rc.upstream or {}).get("state", "not-reported") for rc in causes.values())
-    cuda = sum(1 for f in known.values() if f.devices == ["cuda"])
-    words = {"silent": "silent", "raises": "raise", "crash": "crash", "hang": "hang"}
-    kind_text = ", ".join(f"{kinds[k]} {w}" for k, w in words.items() if kinds[k])
-    return (f"{headline(known, causes)}. The root causes: {kind_text}; upstream {up['open']} open issues, "
-            f"{up['closed']} closed, {up['by-design']} by design, {up['not-reported']} not reported. "
-            f"{cuda} of the findings seen only on CUDA.")
-
-
-def short_text(known: dict, causes: dict) -> str:
-    silent = sum(1 for rc in causes.values() if rc.kind == "silent")
-    return f"{len(known)} findings and {len(causes)} torch root causes, {silent} of those silent"
-
-
-def known_markdown(known: dict) -> str:
-    from ..findings.record import ORACLES
-    from ..findings.rootcause import load_root_causes
-
-    causes = load_root_causes(known)
-    rows = ["# Known findings in PyTorch", "",
-            "Divergences fuzzshard found in torch itself, first by root cause (the torch bug: its id, how it "
-            "shows, where it stands upstream, and the findings it is behind), then one row per finding: the "
-            "signature, a one-line diagnosis, the shrunk repro (`fuzzshard replay X.json`; `fuzzshard script "
-            "X.json -o x.py` writes a standalone script for `torchrun --nproc-per-node W x.py`, torch alone). "
-            "Regenerate this page with `python ci/gen_docs.py` (or `fuzzshard known --markdown`; `ci/gen_docs.py "
-            "--check` says when it is stale); check the findings with `fuzzshard known --check`.", "",
-            counts_text(known, causes), "",
-            "## Root causes", "",
-            "| root cause | kind | upstream | findings | what |", "|---|---|---|---|---|"]
-    for rc in sorted(causes.values(), key=lambda rc: rc.id):
-        minimal = f". Hand-reduced: [`{rc.minimal.rsplit('/', 1)[-1]}`](minimal/{rc.minimal.rsplit('/', 1)[-1]})." \
-            if rc.minimal else ""
-        rows.append(f"| `{rc.id}` | {rc.kind} | {rc.upstream_text.replace('|', '/')} | {len(rc.signatures)} "
-                    f"| {(rc.what or rc.title).replace('|', '/')}{minimal} |")  # (the bug in full: a description)
-    rows += regression_table(known, causes)
-    rows += ["", "## Findings", "", "| signature | kind | root cause | torch, device | W | diagnosis |",
-             "|---|---|---|---|---|---|"]
-    for sig, f in sorted(known.items()):
-        oracle = ORACLES.get(f.verdict.oracle)
-        kind = "?" if oracle is None else oracle.kind.replace("silent", "**silent**")
-        where = ", ".join(f.devices) if f.devices else f.environment.get("device") or f.case.device
-        rows.append(f"| [`{sig}`]({sig}.json) | {kind} | `{f.root_cause or '?'}` | {f.environment.get('torch', '?')}, "
-                    f"{where} | {f.case.world_size} | {f.diagnosis} |")
-    return "\n".join(rows)
-
-
-# the table of root cause x torch release: `fuzzshard bisect`'s, with the rest of what releases say
-from ..findings.releases import regression_table  # noqa: E402,F401 (known_markdown's; tests import it here)

@@ -6,7 +6,7 @@ import os
 
 from .common import (
     WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, count, draw_args, out_dir, parse_duration,
-    parse_world_sizes, pool_args, redis_url, resolve_targets, strategy_kwargs, warn_cores, whole,
+    parse_world_sizes, pool_args, pool_options, redis_url, resolve_targets, strategy_kwargs, warn_cores, whole,
 )
 
 
@@ -39,7 +39,7 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
-    from ..session.soak import Soak
+    from ..session.soak import Soak, SoakOptions
 
     duration, epoch = parse_duration(args.duration, "--duration"), parse_duration(args.epoch, "--epoch")
     sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
@@ -66,10 +66,9 @@ def run(args) -> int:
     check_gpus(args, args.workers)
     if args.redis:
         redis_url(args.redis)
-    options = {"targets": resolve_targets(args.targets), "world_sizes": sizes, "device": args.device,
-               "backend": args.backend, "worker_setup": args.setups,
-               "plugins": [os.path.abspath(p) for p in args.plugin or []],  # recorded in each finding, for replay
-               "case_timeout": args.case_timeout, "strategy_kwargs": strategy_kwargs(args), "database": args.redis}
+    options = SoakOptions(tuple(resolve_targets(args.targets)), tuple(sizes), pool=pool_options(args),
+                          plugins=tuple(os.path.abspath(p) for p in args.plugin or []),  # each finding records them
+                          strategy_kwargs=strategy_kwargs(args), database=args.redis)
     return Soak(options, args.workers, duration, epoch, args.out, args.seed, cells=cells).run()
 
 

@@ -2,7 +2,7 @@
 release, and what that says (first bad, last good, fixed in).
 
 The driver (``fuzzshard bisect``) runs this module once per release, in that release's venv python
-(``python -m fuzzshard.findings.releases --json OUT FILE...``, fuzzshard's own code from this tree on
+(``python -m fuzzshard.cli.release_run --json OUT FILE...``, fuzzshard's own code from this tree on
 PYTHONPATH, so every release runs the same fuzzshard), which replays every file on one pool as `known
 --check` does and writes each one's outcome. Outcomes are stored in `known --check`'s words (a known
 finding's ``seen_on`` keeps them): "reproduces" (its recorded signature), "fixed" (passes: shown as
@@ -22,9 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .record import KNOWN_DIR, ROOT_CAUSES
-
 VENVS = Path(os.environ.get("VENVS") or Path.home() / ".cache/fuzzshard/venvs")  # as ci/version_smoke.sh
+RUN = "fuzzshard.cli.release_run"  # the per-release run, a command of its own (cli/release_run.py)
 SMOKE = Path(__file__).resolve().parents[2] / "ci" / "version_smoke.sh"  # makes a release's venv (a checkout's)
 
 
@@ -91,74 +90,6 @@ def root_cause_states(seen_ons: list[dict]) -> dict[str, str]:
     return states
 
 
-# ---- the known list: a fix recorded, and said about a finding made before it
-
-def fixed_in_note(finding, known: dict | None = None, known_dir: Path = KNOWN_DIR) -> str:
-    """"fixed in torch X (root cause R; this finding was made on V)" for a finding made on a torch older than
-    the recorded fix of its root cause (its own, or that of the known finding with its signature), else ""."""
-    from .record import load_known
-    from .rootcause import load_root_causes
-
-    rid = finding.root_cause
-    if not rid:
-        same = (known if known is not None else load_known(known_dir)).get(finding.signature)
-        rid = same.root_cause if same else ""
-    rc = load_root_causes(known_dir=known_dir).get(rid) if rid else None
-    made = str(finding.environment.get("torch", ""))
-    fixed = rc.fixed_after(made) if rc else ""
-    return f"{fixed} (root cause {rid}; this finding was made on {release_of(made)})" if fixed else ""
-
-
-def record_known(results: list[dict], known_dir: Path = KNOWN_DIR) -> list[str]:
-    """Each release's outcomes (``{"torch": V, "results": {signature: outcome}}``, as `known --check --json`
-    and the per-release run write them) into the known files' ``seen_on`` (skipped: not recorded; a
-    signature no longer in the list: ignored), each root cause's ``fixed_in`` derived again, and the
-    README regenerated; returns the releases recorded."""
-    from ..cli.known import known_markdown
-    from .record import load_known
-
-    releases, by_sig = [], {}
-    for res in results:
-        v = release_of(res["torch"])
-        releases.append(v)
-        for key, status in res["results"].items():
-            sig = Path(key).stem if key.endswith(".json") else key  # a per-release run keys its files by path
-            if status != "skipped":
-                by_sig.setdefault(sig, {})[v] = status
-    for sig, seen in sorted(by_sig.items()):
-        path = known_dir / f"{sig}.json"
-        if not path.exists():
-            continue
-        data = json.loads(path.read_text())
-        data["seen_on"] = dict(sorted({**data.get("seen_on", {}), **seen}.items()))
-        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    known = load_known(known_dir)
-    record_fixed_in(known, known_dir)
-    (known_dir / "README.md").write_text(known_markdown(known) + "\n")
-    return releases
-
-
-def record_fixed_in(known: dict, known_dir: Path = KNOWN_DIR) -> dict[str, str]:
-    """Set (or clear) each root cause's ``fixed_in`` in root_causes.json from its findings' ``seen_on``; only
-    that field changes (the file's key order and layout stay)."""
-    path = known_dir / ROOT_CAUSES
-    text = path.read_text()
-    data = json.loads(text)
-    fixes = {}
-    for rid, d in data.items():
-        fix = fixed_in(root_cause_states([f.seen_on for f in known.values() if f.root_cause == rid]))
-        if fix:
-            d["fixed_in"], fixes[rid] = fix, fix
-        else:
-            d.pop("fixed_in", None)
-    # the layout it has: sorted keys where the file round-trips with them (then fixed_in sits among them)
-    sort = json.dumps(json.loads(text), indent=2, sort_keys=True, ensure_ascii=False) + "\n" == text
-    new = json.dumps(data, indent=2, sort_keys=sort, ensure_ascii=False) + "\n"
-    if new != text:
-        path.write_text(new)
-    return fixes
-
-
 def regression_table(known: dict, causes: dict) -> list[str]:
     """known/README.md's regression table: root cause x release, from what each known finding gave there
     (``seen_on``), with the first release a root cause reproduces on and its fix (``fixed_in``). A cell:
@@ -196,53 +127,6 @@ def regression_table(known: dict, causes: dict) -> list[str]:
     return rows
 
 
-# ---- one release: every file replayed on one warm pool, in this process (the venv's python)
-
-def replay_here(paths: list[str], pool_args) -> dict:
-    """{"torch", "device", "results": {path: outcome}, "notes": {path: what went wrong}}: each file replayed
-    on one pool (big enough for the largest case), as `known --check` does."""
-    from ..cli.common import UsageError, load_file, start_pool, torch_version
-    from .judge import judge
-
-    findings, notes, results = {}, {}, {}
-    for p in paths:
-        try:
-            findings[p] = load_file(p)
-        except UsageError as e:  # a file this release's fuzzshard cannot read: that release's verdict
-            results[p], notes[p] = "differs (error)", str(e)
-    here = {p: f for p, f in findings.items() if f.case.device == pool_args.device}
-    results.update({p: "skipped" for p in findings if p not in here})
-    pool = start_pool(pool_args, max(f.case.ranks for f in here.values())) if here else None
-    try:
-        for p, f in here.items():
-            j = judge(pool, f.case)
-            got = j.label
-            if j.verdict.status in ("error", "invalid"):
-                notes[p] = str(j.verdict.error or j.verdict.extra.get("reason", ""))[:300]
-            results[p] = ("reproduces" if got == f.signature else "fixed" if got == "pass" else f"differs ({got})")
-            print(f"  {results[p]:12} {p}", flush=True)
-    finally:
-        if pool is not None:
-            pool.close()
-    return {"torch": torch_version(), "device": pool_args.device, "results": results, "notes": notes}
-
-
-def main(argv=None) -> int:
-    """The per-release run: ``python -m fuzzshard.findings.releases --json OUT [pool flags] FILE...``."""
-    import argparse
-
-    from ..cli.common import check_pool_args, pool_args
-
-    ap = argparse.ArgumentParser(prog="python -m fuzzshard.findings.releases", description=main.__doc__)
-    ap.add_argument("files", nargs="+")
-    ap.add_argument("--json", required=True)
-    pool_args(ap)
-    args = ap.parse_args(argv)
-    check_pool_args(args)
-    Path(args.json).write_text(json.dumps(replay_here(args.files, args), indent=1, sort_keys=True) + "\n")
-    return 0
-
-
 # ---- the driver: a venv per release, one run in each
 
 def cached(venvs: Path = VENVS) -> dict[str, str]:
@@ -277,7 +161,7 @@ def run_release(python: str, paths: list[str], flags: list[str], out: Path, log:
                                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     t0 = time.monotonic()
     with open(log, "w") as lf:
-        done = subprocess.run([python, "-m", "fuzzshard.findings.releases", "--json", str(out), *flags, *paths],
+        done = subprocess.run([python, "-m", RUN, "--json", str(out), *flags, *paths],
                               stdout=lf, stderr=subprocess.STDOUT, env=env)
     seconds = round(time.monotonic() - t0, 1)
     if done.returncode or not out.exists():
@@ -344,6 +228,3 @@ def bisect(paths: list[str], pythons: dict[str, str], flags: list[str], work: Pa
 def scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="fuzzshard-bisect-"))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,9 @@
 
 The CLI makes a ``PoolOptions`` of what the user said (cli/common.py,
 ``pool_options``: --device, --backend, --plugin and --worker-setup,
---case-timeout, --simulate); ``Pool(size, options=...)`` completes it with
+--case-timeout, --simulate; the pytest plugin of its settings, Options.pool;
+a soak hands it to each cell's process whole, session/soak.py SoakOptions);
+``Pool(size, options=...)``, the only way to say them, completes it with
 what the pool decides (its log folder, the collective timeout, whether cases
 are placed side by side, the zygote) as ``Pool.options``, and each worker gets
 it as JSON in its environment (``to_worker``). Anyone who needs a pool like
@@ -44,6 +46,10 @@ class PoolOptions:
         """The same options for a simulated pool (``on``) or one of real process groups."""
         return dataclasses.replace(self, simulate=on, backend=None if self.backend == "fake" else self.backend)
 
+    def to_json(self) -> dict:
+        """Plain JSON; ``PoolOptions(**it)`` is the same options (a soak's cell process reads them so)."""
+        return {**dataclasses.asdict(self), "setup": list(self.setup)}
+
     def to_worker(self) -> dict:
         """What a worker reads (pool/worker.py): plain JSON."""
-        return {**dataclasses.asdict(self), "setup": list(self.setup), "mesh_device": self.mesh_device}
+        return {**self.to_json(), "mesh_device": self.mesh_device}

@@ -63,10 +63,7 @@ class Pool:
     def __init__(
         self,
         size: int,
-        device: str = "cpu",
-        backend: str | None = None,
-        worker_setup: str | list | None = None,
-        case_timeout: float = CASE_TIMEOUT,
+        options: PoolOptions | None = None,
         log_dir: str | None = None,
         spare: bool = True,
         device_offset: int = 0,
@@ -74,16 +71,12 @@ class Pool:
         scratch: str | None = None,
         zygote: bool = True,
         placed: bool = False,
-        simulate: bool = False,
-        options: PoolOptions | None = None,
     ):
-        """``options`` (options.py: what the command line said) or, each on its own, ``device``, ``backend``,
-        ``worker_setup``, ``case_timeout`` and ``simulate``; the rest is the pool's to decide."""
+        """``options`` (options.py: what the command line said; None: PoolOptions()'s defaults); the rest is
+        the pool's to decide."""
         if size < 1:
             raise ValueError("a pool needs at least one worker")
-        if options is None:
-            options = PoolOptions(device=device, backend=backend, case_timeout=case_timeout, simulate=simulate,
-                                  setup=[worker_setup] if isinstance(worker_setup, str) else worker_setup or ())
+        options = options or PoolOptions()
         self.size = size
         self.case_timeout = options.case_timeout
         self._own_log_dir = log_dir is None

@@ -16,7 +16,7 @@ def render(finding: Finding) -> str:
             lines.append(f"diagnosis {finding.diagnosis}")
         if finding.root_cause:
             lines.append(f"root cause {_root_cause(finding.root_cause)}")
-        from ..findings.releases import fixed_in_note
+        from ..findings.knownlist import fixed_in_note
 
         fixed = fixed_in_note(finding)
         if fixed:

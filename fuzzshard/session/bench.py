@@ -19,6 +19,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 
+from ..pool.options import PoolOptions
 from ..pool.runner import Pool
 
 
@@ -83,7 +84,7 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
          "warm, bare, fresh")
 
     t0 = time.perf_counter()
-    pool = Pool(world, device=device).start()
+    pool = Pool(world, options=PoolOptions(device=device)).start()
     start_s = time.perf_counter() - t0
     try:
         measure(pool, spare)  # the process's own first-call costs (lazy imports, allocator): no case's
@@ -97,7 +98,7 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
 
     t0 = time.perf_counter()
     for case in cases:  # a fresh process group per case: spawn, import torch, init, run, tear down
-        fresh = Pool(world, device=device, spare=False, zygote=False).start()
+        fresh = Pool(world, options=PoolOptions(device=device), spare=False, zygote=False).start()
         try:
             fresh.run(case)
         finally:
@@ -137,7 +138,7 @@ def run_scaling(n: int, seed: int, target: str = "dtensor", echo=print, device: 
     runs by model depth (modules holding params) and by steps."""
     from ..kernel.model import param_shapes
 
-    pool = Pool(max(worlds), device=device).start()
+    pool = Pool(max(worlds), options=PoolOptions(device=device)).start()
     rows = []
     try:
         for w in worlds:
@@ -214,7 +215,7 @@ def run_soak_bench(seconds: float, workers: int, target: str, seed: int = 0, ech
     import subprocess
     import sys
     import tempfile
-    from ..report.page import load_cases
+    from .caselog import load_cases
 
     base = [sys.executable, "-m", "fuzzshard"]
     worlds = ",".join(str(w) for w in range(1, workers + 1))
@@ -255,7 +256,7 @@ def run_session_bench(n: int, seed: int, target: str = "dtensor", worlds=(1, 2, 
     rates = {}
     for mode, placed in (("one at a time", False), ("side by side", True)):
         with tempfile.TemporaryDirectory(prefix="fuzzshard-bench-") as tmp, \
-                Pool(max(worlds), device=device, placed=placed, spare=False) as pool:
+                Pool(max(worlds), options=PoolOptions(device=device), placed=placed, spare=False) as pool:
             session = Session(pool, [target], tmp, world_sizes=list(worlds), max_examples=n, seed=seed, device=device,
                               progress=io.StringIO(), shrink_budget=0.0, database=None)
             session.run()
@@ -287,12 +288,13 @@ def run_simulate_bench(n: int, seed: int, target: str = "dtensor", echo=print, r
     for w in sorted(set(real_worlds) | set(sim_worlds)):
         *cases, spare = fixed_cases(n + 1, w, seed, target)
         row: dict = {}
-        sides = ([("real", dict(size=w), False)] if w in real_worlds else []) + \
-                ([("sim1", dict(size=1, simulate=True), False)] + ([("simN", dict(size=workers, simulate=True), True)]
-                                                                    if workers > 1 else []) if w in sim_worlds else [])
-        for name, kwargs, side_by_side in sides:
-            with Pool(case_timeout=600, spare=False, placed=side_by_side, **kwargs) as pool:
-                pool.run_many([spare] * (pool.size if kwargs.get("simulate") else 1))  # every worker warm
+        sides = ([("real", w, False, False)] if w in real_worlds else []) + \
+                ([("sim1", 1, True, False)] + ([("simN", workers, True, True)]
+                                               if workers > 1 else []) if w in sim_worlds else [])
+        for name, size, simulate, side_by_side in sides:
+            with Pool(size, options=PoolOptions(case_timeout=600, simulate=simulate), spare=False,
+                      placed=side_by_side) as pool:
+                pool.run_many([spare] * (pool.size if simulate else 1))  # every worker warm
                 t0, cpu0 = time.perf_counter(), _cpu_seconds(pool)
                 results = pool.run_many(cases) if side_by_side else [pool.run(c) for c in cases]
                 seconds, cpu1 = time.perf_counter() - t0, _cpu_seconds(pool)

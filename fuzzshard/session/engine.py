@@ -422,7 +422,7 @@ class Session:
         """Called once per case run (``sig``: its finding's signature, known or new): its line in ``log``."""
         if self.log is None:
             return
-        from ..report.page import case_line
+        from .caselog import case_line
 
         line = case_line(case, verdict, sig, known=bool(sig and sig in self.known), procs=self.procs)
         with open(self.log, "a") as f:  # one short line per write: O_APPEND keeps lines whole

@@ -14,11 +14,11 @@ counts as the cap in the median and the worst and is marked ``>cap``.
 
 A benchmark, never a test: the times move with the machine's load, so
 compare tables taken one after the other on one machine, and say what else
-ran (docs/search.md).
+ran (docs/search.md). Its flags, and ``python -m fuzzshard.cli.hunt`` (the same
+without the rest of bench), are cli/hunt.py's.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..duration import parse_duration
 
 DEFAULT_SET = Path(__file__).resolve().parent.parent.parent / "tests" / "planted" / "hunt.json"
 DEFAULT_SEEDS = (1, 2, 3)
@@ -211,47 +210,3 @@ def table(bugs: list[Bug], rows: list[dict], seeds, cap: float) -> str:
 def _median_of(xs) -> str:
     xs = [x for x in xs if x is not None]
     return f"{statistics.median(xs):.1f}" if xs else "?"
-
-
-def add_arguments(p) -> None:
-    """bench's --hunt options (cli/bench.py adds them to bench)."""
-    p.add_argument("--hunt", action="store_true",
-                   help="instead: time to first finding of each planted bug in a hunt set, over --hunt-seeds, one "
-                        "table with the median and the worst (docs/search.md)")
-    p.add_argument("--bugs", default=None, metavar="NAMES",
-                   help="--hunt: only these planted bugs of the set, comma-separated (a name's prefix will do)")
-    p.add_argument("--hunt-seeds", default=",".join(map(str, DEFAULT_SEEDS)), metavar="SEEDS",
-                   help="--hunt: the session seeds, comma-separated (default 1,2,3)")
-    p.add_argument("--cap", default=f"{DEFAULT_CAP:.0f}s", metavar="DURATION",
-                   help=f"--hunt: stop a session not done in this long; the bug counts as not seen (default {DEFAULT_CAP:.0f}s)")
-    p.add_argument("--hunt-set", default=str(DEFAULT_SET), metavar="FILE.json",
-                   help="--hunt: the set of planted bugs (default tests/planted/hunt.json, in fuzzshard's source tree: "
-                        "a checkout installed with pip install -e .)")
-
-
-def run_from_args(args, parse_duration) -> int:
-    folder, bugs = load_set(args.hunt_set)
-    bugs = pick(bugs, args.bugs)
-    seeds = [int(s) for s in str(args.hunt_seeds).split(",") if s.strip()]
-    run_hunt(bugs, folder, seeds, parse_duration(args.cap))
-    return 0
-
-
-def main(argv=None) -> int:
-    """``python -m fuzzshard.session.hunt``: the same as ``fuzzshard bench --hunt``."""
-    ap = argparse.ArgumentParser(prog="fuzzshard bench --hunt", description=__doc__.split("\n\n")[0])
-    add_arguments(ap)
-    ap.add_argument("--json", default=None, help="also write the rows here")
-    args = ap.parse_args(argv)
-    folder, bugs = load_set(args.hunt_set)
-    bugs = pick(bugs, args.bugs)
-    seeds = [int(s) for s in str(args.hunt_seeds).split(",") if s.strip()]
-    cap = parse_duration(args.cap, "--cap")
-    rows = run_hunt(bugs, folder, seeds, cap, echo=lambda *a, **k: print(*a, **{"flush": True, **k}))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

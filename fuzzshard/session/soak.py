@@ -34,13 +34,34 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..findings.life import SoakBook
+from ..pool.options import PoolOptions
 from ..pool.runner import LostRank, Pool, PoolError
 from .engine import Session
 
 STATUS_EVERY = 10.0
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    """What every cell of a soak runs (cli/soak.py makes it of the flags): its targets and world sizes, its
+    pools' options, the plugins each finding records (for replay), the draws, the shared example database."""
+    targets: tuple[str, ...]
+    world_sizes: tuple[int, ...]
+    pool: PoolOptions = PoolOptions()
+    plugins: tuple[str, ...] = ()
+    strategy_kwargs: dict = field(default_factory=dict)  # the strategies' keywords (cli/common.py strategy_kwargs)
+    database: str | None = None  # a redis URL; None: OUT/db
+
+    def spec(self) -> dict:
+        """What a cell's process reads (JSON, run_cell): the pool's options whole (a new one travels without
+        a change here), its device and case timeout also apart (the session's and a member process's)."""
+        return {"targets": list(self.targets), "world_sizes": list(self.world_sizes), "pool": self.pool.to_json(),
+                "device": self.pool.device, "case_timeout": self.pool.case_timeout, "plugins": list(self.plugins),
+                "strategy_kwargs": self.strategy_kwargs, "database": self.database}
 
 
 def layout(workers: int, rnd: random.Random, first: bool, cell_max: int) -> list[int]:
@@ -69,7 +90,7 @@ def torchrun_slot() -> dict | None:
 class Soak:
     """The supervisor on one machine (or one torchrun process): epochs of cells."""
 
-    def __init__(self, options: dict, workers: int, duration: float, epoch: float, out: str, seed: int,
+    def __init__(self, options: SoakOptions, workers: int, duration: float, epoch: float, out: str, seed: int,
                  cells: list[int] | None = None, progress=None):
         self.options, self.workers, self.duration, self.epoch = options, workers, duration, epoch
         # (sys.stderr when called, not when imported: pytest's capture swaps it, and closes the one it swapped out)
@@ -136,7 +157,7 @@ class Soak:
         slots = [[p, j] for p in procs for j in range(self.workers)]
         rnd = random.Random(f"{self.seed}/{epoch}")
         sizes = (self.fixed if self.fixed and sum(self.fixed) == len(slots)
-                 else layout(len(slots), rnd, first, max(self.options["world_sizes"])))
+                 else layout(len(slots), rnd, first, max(self.options.world_sizes)))
         cells, k = [], 0
         for j, size in enumerate(sizes):
             cells.append({"name": f"e{epoch}c{j}", "seed": rnd.randrange(2**31), "slots": slots[k:k + size]})
@@ -166,7 +187,7 @@ class Soak:
         first_gpu = self.slot["local_rank"] * self.workers if self.slot else 0
         procs = sorted({p for p, _ in slots})
         if slots[0][0] == self.me:
-            spec = {**self.options, "name": name, "size": len(slots), "seed": cell["seed"], "deadline": deadline,
+            spec = {**self.options.spec(), "name": name, "size": len(slots), "seed": cell["seed"], "deadline": deadline,
                     "out": str(self.out), "device_offset": first_gpu + slots[0][1], "procs": len(procs),
                     "origin": {"host": socket.gethostname(), **(self.slot or {})}}
             if len(procs) > 1:
@@ -175,7 +196,7 @@ class Soak:
         else:
             spec = {"name": name, "ranks": mine, "gpus": {str(k): first_gpu + slots[k][1] for k in mine},
                     "leader": slots[0][0], "out": str(self.out), "store": self.coord.where, "deadline": deadline,
-                    "case_timeout": self.options["case_timeout"]}
+                    "case_timeout": self.options.pool.case_timeout}
             module, log = "fuzzshard.pool.span", f"member-r{self.me}.log"
         log_dir = self.out / "logs" / name
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -264,18 +285,17 @@ class SoakSession(Session):
 def run_cell(spec: dict) -> int:
     """One cell, in its own process (``python -m fuzzshard.session.soak SPEC``): its pool, its session."""
     out = Path(spec["out"])
-    device = spec["device"]
     from ..pool.worker import run_setup_file
 
-    for path in spec["worker_setup"] or []:  # here too: a plugin's optimizer is drawn in this process
+    options = PoolOptions(**spec["pool"])
+    for path in options.setup:  # here too: a plugin's optimizer is drawn in this process
         run_setup_file(path)
     link = None
     if "span" in spec:  # ranks on other torchrun processes too
         from ..pool.span import Link
 
         link = Link(spec["span"]["store"], spec["name"], spec["span"]["local"], spec["span"].get("members", []))
-    pool = Pool(spec["size"], device=device, backend=spec["backend"], worker_setup=spec["worker_setup"],
-                case_timeout=spec["case_timeout"], log_dir=str(out / "logs" / spec["name"]), spare=True,
+    pool = Pool(spec["size"], options=options, log_dir=str(out / "logs" / spec["name"]), spare=True,
                 device_offset=spec.get("device_offset", 0), link=link, scratch=str(out / "scratch"))
     try:
         pool.start()
