@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fuzzshard.case import Case
 from fuzzshard.kernel.targets.fsdp2 import split_reduced
+from fuzzshard.pool.options import PoolOptions
 from fuzzshard.pool.runner import Pool
 
 from conftest import PLANTED
@@ -34,11 +35,11 @@ def test_only_a_twice_called_unit_under_accumulation_is_reduced_apart():
 
 
 def test_a_twice_called_units_float16_reduce_passes_and_an_early_reduce_that_drops_it_is_caught():
-    with Pool(2, placed=True, case_timeout=120) as pool:
+    with Pool(2, placed=True, options=PoolOptions(case_timeout=120)) as pool:
         clean = [r.verdict for r in pool.run_many([LEAD, TWO])]
     assert [v.status for v in clean] == ["pass", "pass"], [(v.status, v.first or v.error) for v in clean]
-    with Pool(2, placed=True, case_timeout=120,
-              worker_setup=str(PLANTED / "fsdp2_early_reduce_drops_accumulated.py")) as pool:
+    with Pool(2, placed=True, options=PoolOptions(
+            case_timeout=120, setup=(str(PLANTED / "fsdp2_early_reduce_drops_accumulated.py"),))) as pool:
         buggy = [r.verdict for r in pool.run_many([LEAD, TWO])]
     for v in buggy:
         assert v.is_finding and v.oracle == "parity", (v.status, v.first or v.error)
