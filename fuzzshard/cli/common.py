@@ -368,13 +368,15 @@ def case_problem(case) -> str | None:
     import torch
 
     from ..kernel.model import BUILTIN_MODELS, USER_MODELS, ACTIVATIONS
+    from ..kernel.lowbit import LOWBIT_OPTIMIZERS
     from ..kernel.optim import USER_OPTIMIZERS
     from ..kernel.oracles import UNIT_ROUNDOFF
     from .. import targets
 
     opt = case.optim.name
     cls = getattr(torch.optim, opt, None)
-    if opt not in USER_OPTIMIZERS and not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+    if opt not in USER_OPTIMIZERS and opt not in LOWBIT_OPTIMIZERS \
+            and not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):  # (torchao's: fsdp2's check)
         from fuzzshard.strategies.optimizers import available
 
         return f"unknown optimizer {opt!r}: not a torch.optim class nor a plugin's (known: {', '.join(available())})"
