@@ -270,7 +270,7 @@ def cases(
     context = {"model": model, "n_groups": n_groups}
     if compile and spec.compiled:  # the targets that draw torch.compile say how they name it
         context["compile"] = True
-    if ao and target == "fsdp2":  # --ao: torchao's float8 (off where torchao is missing: one line at start)
+    if ao and target in ("fsdp2", "tp"):  # --ao: torchao's float8 (off where torchao is missing: one line at start)
         from fuzzshard.kernel.float8 import float8_available
 
         if float8_available():

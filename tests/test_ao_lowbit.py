@@ -98,3 +98,37 @@ def test_lowbit_fsdp2_is_in_parity_and_a_neighbour_blocks_scale_is_caught(tmp_pa
     buggy = replay_clean_then_buggy(tmp_path, _lowbit_case("AdamW8bit"), "ao_lowbit_neighbour_scale.py")
     assert "FAIL: fsdp2.parity.AdamW8bit" in buggy and "state.exp_avg of layers.1.weight after step 0" in buggy, buggy
     assert "one code interval" in buggy, buggy
+
+
+def test_the_layout_rules_set_apart_torchaos_checkpoint_findings():
+    """fully_shard's dim-0 shards as torchao quantizes them, and the two checkpoint layouts torchao fails on
+    (docs/ao/lowbit_full_state_dict_mixed.py, docs/ao/lowbit_dcp_reshard_unaligned.py)."""
+    from fuzzshard.case import Checkpoint
+    from fuzzshard.kernel.lowbit import lowbit_chunks, lowbit_cuts_blocks, lowbit_layout, lowbit_problem
+
+    assert lowbit_chunks(3, 2) == [(0, 2), (2, 3)] and lowbit_chunks(1, 3) == [(0, 1), (1, 1), (1, 1)]
+    assert lowbit_layout((3, 3072), 2, 256) == [True, False]  # 6144 and 3072 elements
+    assert lowbit_layout((1024, 8), 2, 256) == [True, True]
+    assert lowbit_cuts_blocks((1024, 8), 2, 3, 256)  # rows 342 | 342 | 340 cut the saved 512-row shards
+    assert not lowbit_cuts_blocks((1024, 8), 2, 1, 256) and not lowbit_cuts_blocks((1024, 8), 2, 4, 256)
+    case = _lowbit_case("AdamW8bit")  # its layers.3.weight (3, 3072): quantized on rank 0 only
+    full = dataclasses.replace(case, checkpoint=Checkpoint(0, "full", 2, (2,), dict(case.target_options)))
+    assert "torchao all-gathers codes beside float32" in lowbit_problem(full, (2,), case.target_options)
+    dcp = dataclasses.replace(case, checkpoint=Checkpoint(0, "dcp", 1, (1,), dict(case.target_options)))
+    assert lowbit_problem(dcp, (2,), case.target_options) is None
+
+
+@pytest.mark.slow
+def test_a_dcp_load_at_another_world_size_requantizes_within_the_bound(tmp_path, cli):
+    """Saved over 2 ranks (layers.3.weight: rank 0's shard quantized, rank 1's float32), loaded over 1 (the whole
+    weight quantized: rank 1's part requantized): the loaded state within one code interval of the loading side's
+    blocks, and the run after it in parity."""
+    from fuzzshard.case import Checkpoint, Step
+
+    case = _lowbit_case("AdamW8bit")
+    case = dataclasses.replace(case, checkpoint=Checkpoint(0, "dcp", 1, (1,), dict(case.target_options)),
+                               schedule=(Step(), Step(), Step()), batch=4)
+    path = tmp_path / "case.json"
+    path.write_text(case.to_json())
+    r = cli("replay", path)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]

@@ -99,7 +99,55 @@ def lowbit_problem(case, mesh: tuple, options: dict) -> str | None:
     for other in ("tp", "compile_step"):
         if options.get(other):
             return f"{case.optim.name} with {other}: not drawn yet (its state's layout is fully_shard's dim-0 shards)"
+    ck = case.checkpoint
+    if not ck:
+        return None
+    from .model import param_shapes
+
+    shapes, block = param_shapes(case.model), LOWBIT_OPTIMIZERS[case.optim.name]
+    if ck.kind in ("full", "broadcast"):
+        mixed = [n for n, s in shapes.items() for w in (case.mesh_shape[-1], ck.mesh_shape[-1])
+                 if len(set(lowbit_layout(s, w, block))) > 1]
+        if mixed:
+            return (f"a full state dict of {case.optim.name}'s state quantized on some ranks only ({sorted(set(mixed))}): "
+                    "torchao all-gathers codes beside float32 and gloo aborts (a torchao finding, "
+                    "docs/ao/lowbit_full_state_dict_mixed.py; set apart)")
+    if ck.kind == "dcp":
+        cut = [n for n, s in shapes.items() if lowbit_cuts_blocks(s, case.mesh_shape[-1], ck.mesh_shape[-1], block)]
+        if cut:
+            return (f"a DCP load of {case.optim.name}'s quantized state into shards that cut its blocks ({cut}): "
+                    "OptimState's slice refuses them (a torchao finding, docs/ao/lowbit_dcp_reshard_unaligned.py; "
+                    "set apart)")
     return None
+
+
+def lowbit_chunks(rows: int, shards: int) -> list[tuple[int, int]]:
+    """fully_shard's dim-0 shards: (start, end) rows of each rank (torch.chunk's sizes; empty past the end)."""
+    per = -(-rows // shards) if rows else 0
+    return [(min(i * per, rows), min((i + 1) * per, rows)) for i in range(shards)]
+
+
+def lowbit_layout(shape: tuple, shards: int, block: int) -> list[bool]:
+    """Whether torchao quantizes each rank's shard of a param of ``shape`` (_AdamBase._new_buffer's rule)."""
+    if not shape:
+        return [False] * shards
+    stride = math.prod(shape[1:])
+    sizes = [(e - s) * stride for s, e in lowbit_chunks(shape[0], shards)]
+    return [n >= LOWBIT_MIN and n % block == 0 for n in sizes]
+
+
+def lowbit_cuts_blocks(shape: tuple, saved: int, loading: int, block: int) -> bool:
+    """Whether a loading rank's shard takes part of a saved quantized shard at a row that is not a block boundary
+    of it (DCP narrows the saved OptimState to the overlap: its aten.slice wants block-aligned ends)."""
+    if not shape:
+        return False
+    stride = math.prod(shape[1:])
+    for (a, b), quantized in zip(lowbit_chunks(shape[0], saved), lowbit_layout(shape, saved, block)):
+        for c, d in lowbit_chunks(shape[0], loading):
+            lo, hi = max(a, c), min(b, d)
+            if quantized and lo < hi and (((lo - a) * stride) % block or ((hi - a) * stride) % block):
+                return True
+    return False
 
 
 @contextlib.contextmanager

@@ -340,8 +340,15 @@ def apply_tp(model: nn.Module, tp_mesh, options: dict, factory: str) -> None:
         return
     style = {"colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
              "rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
+    float8 = set((options.get("float8") or {}).get("linears", ()))
+    if float8:  # the tp target's float8 Linears (--ao): torchao's float8 styles, same layouts (kernel/float8.py)
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        style8 = {"colwise": lambda: Float8ColwiseParallel(output_layouts=Replicate()),
+                  "rowwise": lambda: Float8RowwiseParallel(input_layouts=Replicate())}
     if options.get("tp"):
-        parallelize_module(model, tp_mesh, {fqn: style[s]() for fqn, s in options["tp"].items()})
+        parallelize_module(model, tp_mesh, {fqn: (style8 if fqn in float8 else style)[s]()
+                                            for fqn, s in options["tp"].items()})
 
 
 def loss_context(options: dict):
