@@ -104,7 +104,9 @@ def draw_args(p) -> None:
     p.add_argument("--ao", action="store_true",
                    help="fsdp2 also draws torchao's float8 training (convert_to_float8_training: the tensorwise, "
                         "rowwise and rowwise_with_gw_hp recipes over drawn Linears, the float8 all-gather, its "
-                        "precomputed scales; emulated on CPU). Needs pip install 'fuzzshard[ao]': without torchao "
+                        "precomputed scales; emulated on CPU) and torchao's low-bit AdamW (AdamW8bit, AdamW4bit, "
+                        "AdamWFp8, stepped eagerly); tp draws float8 under torchao's float8 TP styles. "
+                        "Needs pip install 'fuzzshard[ao]': without torchao "
                         "these draws are off (one line says so)")
     p.add_argument("--loop", default="all", metavar="FEATURES",
                    help="the training loop drawn around the step, where the target takes it, comma-separated: "
