@@ -96,6 +96,10 @@ def lowbit_problem(case, mesh: tuple, options: dict) -> str | None:
         return f"{case.optim.name} takes no {extra}"
     if case.optim.tensor_lr:
         return f"{case.optim.name} makes its own tensor lr"
+    if case.dtype == "float64":  # (met by an --ao session: a lead, docs/ao/README.md)
+        return (f"{case.optim.name} on float64 params: over a DTensor its quantized state's .float() keeps a float64 "
+                "spec and lerp refuses it (a torchao lead, set apart; torchao's low-bit AdamW is for float32 and "
+                "bfloat16 params)")
     for other in ("tp", "compile_step"):
         if options.get(other):
             return f"{case.optim.name} with {other}: not drawn yet (its state's layout is fully_shard's dim-0 shards)"
