@@ -94,7 +94,14 @@ def float8_tp_problem(case, options: dict) -> str | None:
     plan = options.get("tp") or {}
     if case.model.factory or set(f8.get("linears", ())) - set(plan):
         return "float8 under TP: on Linears the plan parallelizes, of a drawn topology"
-    biased = [f for f in f8.get("linears", ()) if f"{f}.bias" in param_shapes(case.model)]
+    shapes = param_shapes(case.model)
+    # colwise splits a weight's rows, rowwise its columns: a rank whose shard is empty fails torchao's amax (a full
+    # torch.max of a DTensor with an empty local shard raises: a torch lead, docs/ao/dtensor_max_empty_local_shard.py)
+    empty = [f for f in f8.get("linears", ()) if shapes[f"{f}.weight"][plan[f] == "rowwise"] < case.world_size]
+    if empty:
+        return (f"float8 under TP on {empty}, narrower than the TP degree: a rank's empty shard fails torchao's amax "
+                "(torch.max of a DTensor with an empty local shard raises; set apart)")
+    biased = [f for f in f8.get("linears", ()) if f"{f}.bias" in shapes]
     if biased:
         return (f"float8 under TP on {biased}, Linears with a bias: torchao's float8 TP styles cast the output's grad "
                 "to e5m2 before the bias's grad reads it (a torchao finding, docs/ao/float8_tp_bias_grad.py; set apart)")
