@@ -252,6 +252,13 @@ def cases(
         name, implementation = draw(st.sampled_from(turns))
         optimizer_names = [name]
     optim = draw(optimizers(optimizer_names, device, implementation))
+    if ao and target == "fsdp2":  # --ao: now and then torchao's low-bit AdamW, on a widened model
+        from fuzzshard.kernel.float8 import float8_available
+        from fuzzshard.kernel.lowbit import draw_lowbit
+
+        if float8_available():
+            optim, model = draw(st.composite(draw_lowbit)(optim, model, mesh_shape))
+            shapes = param_shapes(model)
     if not spec.named_params:
         optim = dataclasses.replace(optim, named=False)
     names = [n for n, s in shapes.items() if len(s) == 2] if optim.name in ONLY_2D else list(shapes)
@@ -263,7 +270,7 @@ def cases(
     context = {"model": model, "n_groups": n_groups}
     if compile and spec.compiled:  # the targets that draw torch.compile say how they name it
         context["compile"] = True
-    if ao and target == "fsdp2":  # --ao: torchao's float8 (off where torchao is missing: one line at start)
+    if ao and target in ("fsdp2", "tp"):  # --ao: torchao's float8 (off where torchao is missing: one line at start)
         from fuzzshard.kernel.float8 import float8_available
 
         if float8_available():

@@ -175,7 +175,10 @@ def optimizer_kwargs(draw, name: str, device: str = "cpu", implementation: str |
 def group_overrides(name: str):
     @st.composite
     def draw_overrides(draw) -> dict:
-        full = CATALOG[name](draw, name)
+        from fuzzshard.kernel.lowbit import LOWBIT_OPTIMIZERS
+
+        base = "AdamW" if name in LOWBIT_OPTIMIZERS else name  # torchao's low-bit AdamW (--ao): AdamW's own
+        full = CATALOG[base](draw, base)
         keys = sorted(k for k in full if k in ("lr", "weight_decay", "betas", "momentum", "eps", "alpha", "lambd"))
         chosen = draw(st.lists(st.sampled_from(keys), unique=True, max_size=3)) if keys else []
         return {k: full[k] for k in sorted(chosen)}

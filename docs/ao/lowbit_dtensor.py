@@ -1,7 +1,8 @@
-"""Leads, not yet triaged (torch vs torchao): torchao 0.18.0's low-bit AdamW on a DTensor param (Shard(0) over
+"""torchao findings (pytorch/ao; docs/ao/README.md): torchao 0.18.0's low-bit AdamW on a DTensor param (Shard(0) over
 2 ranks, a 128 x 64 param: each local shard 64 x 64 = 4096 elements, so its state is quantized) on CPU, torch
 2.13.0. Each optimizer alone in its process:
   AdamW8bit: steps (40 s for two steps: torch.compile of single_param_adam, fullgraph, dynamic=False)
+All three step eagerly (torch.compile the identity inside torchao.optim.adam), as fuzzshard runs them.
   AdamW4bit: AssertionError: wrong number of dimensions1 for op: input (inside the compiled step; on 1 rank it steps)
   AdamWFp8:  AttributeError: 'OptimStateFp8' object has no attribute 'qmap' (in AOT autograd's subclass wrapper:
              OptimStateFp8's tensor_attrs are codes, scale; OptimState8bit/4bit's hold qmap)

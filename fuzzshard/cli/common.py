@@ -108,7 +108,9 @@ def draw_args(p) -> None:
     p.add_argument("--ao", action="store_true",
                    help="fsdp2 also draws torchao's float8 training (convert_to_float8_training: the tensorwise, "
                         "rowwise and rowwise_with_gw_hp recipes over drawn Linears, the float8 all-gather, its "
-                        "precomputed scales; emulated on CPU). Needs pip install 'fuzzshard[ao]': without torchao "
+                        "precomputed scales; emulated on CPU) and torchao's low-bit AdamW (AdamW8bit, AdamW4bit, "
+                        "AdamWFp8, stepped eagerly); tp draws float8 under torchao's float8 TP styles. "
+                        "Needs pip install 'fuzzshard[ao]': without torchao "
                         "these draws are off (one line says so)")
     p.add_argument("--loop", default="all", metavar="FEATURES",
                    help="the training loop drawn around the step, where the target takes it, comma-separated: "
@@ -381,13 +383,15 @@ def case_problem(case) -> str | None:
     import torch
 
     from ..kernel.model import BUILTIN_MODELS, USER_MODELS, ACTIVATIONS
+    from ..kernel.lowbit import LOWBIT_OPTIMIZERS
     from ..kernel.optim import USER_OPTIMIZERS
     from ..kernel.oracles import UNIT_ROUNDOFF
     from .. import targets
 
     opt = case.optim.name
     cls = getattr(torch.optim, opt, None)
-    if opt not in USER_OPTIMIZERS and not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+    if opt not in USER_OPTIMIZERS and opt not in LOWBIT_OPTIMIZERS \
+            and not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):  # (torchao's: fsdp2's check)
         from fuzzshard.strategies.optimizers import available
 
         return f"unknown optimizer {opt!r}: not a torch.optim class nor a plugin's (known: {', '.join(available())})"

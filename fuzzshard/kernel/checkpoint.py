@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..case import Case
 from ..verdict import Mismatch
+from .lowbit import lowbit_allowance, lowbit_plain
 from .moe import set_biases
 from .optim import add_late_groups, group_values
 from .oracles import compare, compare_hparams
@@ -49,7 +50,9 @@ def check_saved(case: Case, saved: dict, rec: dict, device: str) -> list[dict]:
     index = {id(p): n for n, p in model.named_parameters()}
     by_index = [index[id(p)] for g in opt.param_groups for p in g["params"]]
     want_state = {by_index[i]: {k: as_tensor(v) for k, v in st.items()} for i, st in want["state"].items()}
-    got_state = {n: {k: as_tensor(v) for k, v in st.items()} for n, st in saved["optim"].get("state", {}).items()}
+    # (a low-bit optimizer's saved state: the values its codes stand for, kernel/lowbit.py)
+    got_state = {n: {k: lowbit_plain(as_tensor(v)) for k, v in st.items()}
+                 for n, st in saved["optim"].get("state", {}).items()}
     out += _compare_states("saved.optim.state", step, got_state, want_state)
     want_groups = [{**grp, "params": [by_index[i] for i in grp["params"]]} for grp in want["param_groups"]]
     got_groups = saved["optim"].get("param_groups", [])
@@ -73,14 +76,17 @@ def check_loaded(case: Case, loaded: dict, rec: dict) -> list[dict]:
     # a non-strict load leaves a missing param as the fresh model had it
     want = {**rec["params"], **loaded.get("fresh", {})}
     out = [compare("loaded.param", step, n, loaded["params"][n], want[n], EXACT) for n in rec["params"]]
-    out += _compare_states("loaded.state", step, loaded["state"], rec["state"])
+    # a low-bit optimizer's state loads into the loading side's blocks: requantized where they are not the saved
+    # ones (kernel/lowbit.py), within one code interval of the loading side's layout
+    out += _compare_states("loaded.state", step, loaded["state"], rec["state"], lowbit_allowance(case, step + 1,
+                                                                                                 rec["state"]))
     out.append(_prefixed("loaded.", compare_hparams(step, loaded["groups"], rec["groups"])))
     return [m for m in out if m]
 
 
-def _compare_states(what: str, step: int, got: dict, want: dict) -> list[dict]:
-    """{fqn: {name: tensor}} both sides, exactly; a param whose whole state
-    appeared or vanished is one ``.extra`` / ``.missing`` mismatch."""
+def _compare_states(what: str, step: int, got: dict, want: dict, allowance: dict | None = None) -> list[dict]:
+    """{fqn: {name: tensor}} both sides, exactly (but ``allowance``, {fqn: name -> elementwise allowance or
+    None}); a param whose whole state appeared or vanished is one ``.extra`` / ``.missing`` mismatch."""
     out = []
     for n in sorted(set(got) | set(want)):
         g, w = got.get(n, {}), want.get(n, {})
@@ -88,7 +94,9 @@ def _compare_states(what: str, step: int, got: dict, want: dict) -> list[dict]:
             out.append(Mismatch(f"{what}.{'missing' if w else 'extra'}", n, step,
                                 f"expected state {sorted(w)}, got {sorted(g)}").to_dict())
             continue
-        out += [compare(f"{what}.{key}", step, n, g.get(key), w.get(key), EXACT) for key in sorted(set(g) | set(w))]
+        allow = (allowance or {}).get(n, lambda key: None)
+        out += [compare(f"{what}.{key}", step, n, g.get(key), w.get(key), EXACT, extra=allow(key))
+                for key in sorted(set(g) | set(w))]
     return out
 
 

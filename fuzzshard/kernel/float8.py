@@ -63,6 +63,62 @@ def draw_float8(draw, shapes: dict, tied: tuple = ()) -> dict | None:
     return out
 
 
+def draw_float8_tp(draw, plan: dict, model, shapes: dict) -> dict | None:
+    """The tp target's float8 (--ao): None half the time; else tensorwise float8 on a nonempty subset of the plan's
+    bias-free Linears, which take torchao's Float8ColwiseParallel / Float8RowwiseParallel (torchao's float8 TP
+    styles cast with dynamic tensorwise scales only). A Linear with a bias is set apart: those styles cast its
+    output's grad to e5m2 before the bias's grad reads it (a torchao finding, docs/ao/float8_tp_bias_grad.py)."""
+    import hypothesis.strategies as st
+
+    on = draw(st.booleans())
+    owners = sorted(f for f in plan if not (f == "layers.0" and model.input == "tokens")  # (an Embedding)
+                    and f"{f}.bias" not in shapes)
+    if not on or not owners or model.factory:
+        return None
+    linears = [o for o in owners if draw(st.booleans())] or owners[:1]
+    out = {"recipe": "tensorwise", "linears": linears}
+    if draw(st.sampled_from([False, False, True])):
+        out["recompute_bwd"] = True
+    return out
+
+
+def float8_tp_problem(case, options: dict) -> str | None:
+    """What the tp target's float8 option cannot be (its check)."""
+    f8 = options.get("float8")
+    if not f8:
+        return None
+    if not float8_available():
+        return "float8 needs torchao (pip install 'fuzzshard[ao]')"
+    if f8.get("recipe") != "tensorwise" or f8.get("all_gather") or f8.get("precompute"):
+        return "float8 under TP: torchao's Float8ColwiseParallel / Float8RowwiseParallel take the tensorwise recipe"
+    plan = options.get("tp") or {}
+    if case.model.factory or set(f8.get("linears", ())) - set(plan):
+        return "float8 under TP: on Linears the plan parallelizes, of a drawn topology"
+    shapes = param_shapes(case.model)
+    # colwise splits a weight's rows, rowwise its columns: a rank whose shard is empty fails torchao's amax (a full
+    # torch.max of a DTensor with an empty local shard raises: a torch lead, docs/ao/dtensor_max_empty_local_shard.py)
+    empty = [f for f in f8.get("linears", ()) if shapes[f"{f}.weight"][plan[f] == "rowwise"] < case.world_size]
+    if empty:
+        return (f"float8 under TP on {empty}, narrower than the TP degree: a rank's empty shard fails torchao's amax "
+                "(torch.max of a DTensor with an empty local shard raises; set apart)")
+    biased = [f for f in f8.get("linears", ()) if f"{f}.bias" in shapes]
+    if biased:
+        return (f"float8 under TP on {biased}, Linears with a bias: torchao's float8 TP styles cast the output's grad "
+                "to e5m2 before the bias's grad reads it (a torchao finding, docs/ao/float8_tp_bias_grad.py; set apart)")
+    from .dropout import has_dropout
+    from .moe import moe_configs_of
+
+    if has_dropout(case.model):
+        return "float8 with dropout: its reference does not replay the ranks' masks"
+    if moe_configs_of(case.model):  # (met by the 10-minute --ao session: expert_bias from the reference's own routing)
+        return "float8 with an MoE layer: its reference does not replay the routing counts (not drawn yet)"
+    if case.checkpoint:
+        return "float8 with a checkpoint: not drawn yet"
+    if case.dtype != "float32":
+        return "float8 training takes float32 high-precision weights here"
+    return None
+
+
 def float8_problem(case, mesh: tuple, options: dict) -> str | None:
     """What a float8 option cannot be (Case.check, through fsdp2's check)."""
     f8 = options.get("float8")
@@ -76,6 +132,10 @@ def float8_problem(case, mesh: tuple, options: dict) -> str | None:
 
     if has_dropout(case.model):
         return "float8 with dropout: its reference does not replay the ranks' masks"
+    from .moe import moe_configs_of
+
+    if moe_configs_of(case.model):  # (float8_reference keeps no routing counts: the expert bias is the reference's own)
+        return "float8 with an MoE layer: its reference does not replay the routing counts (not drawn yet)"
     if any(".router." in f".{o}." for o in f8.get("linears", ())):
         return "float8 on an MoE router's gate: a float8 cast decides the routing"
     if f8.get("recipe") not in FLOAT8_RECIPES:

@@ -5,6 +5,7 @@ import torch
 
 from ..case import Case
 from .gather import owned_copy
+from .lowbit import LOWBIT_OPTIMIZERS, lowbit_class
 from .model import named_params
 
 # optimizers a plugin brings (fuzzshard.plugin.optimizer): name -> class, beside torch.optim's
@@ -12,7 +13,10 @@ USER_OPTIMIZERS: dict = {}
 
 
 def optimizer_class(name: str):
-    """The optimizer class a Case names: a plugin's, else torch.optim's."""
+    """The optimizer class a Case names: a plugin's, else torchao's low-bit AdamW's reference twin (--ao: its state
+    never quantized, kernel/lowbit.py; the sharded side builds torchao's own), else torch.optim's."""
+    if name not in USER_OPTIMIZERS and name in LOWBIT_OPTIMIZERS:
+        return lowbit_class(name, reference=True)
     return USER_OPTIMIZERS.get(name) or getattr(torch.optim, name)
 
 

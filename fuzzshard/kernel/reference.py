@@ -275,8 +275,10 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
                         case.optim.name, group, key, allow)
                     extra = allow + (0 if extra is None else extra)
                 stepped.append(compare("param", k, n, rec["params"][n], p.detach(), step_tol, extra=extra))
-            stepped += _compare_state(k, rec["state"], state_by_fqn(opt_s, model_s, lambda t: t), step_tol, rel,
-                                      state_extra)
+            want_state = state_by_fqn(opt_s, model_s, lambda t: t)
+            # a target's own elementwise allowance for its state (fsdp2: a low-bit optimizer's quantization)
+            state_extra = state_extra or target_cls.state_allowance(case, k, want_state)
+            stepped += _compare_state(k, rec["state"], want_state, step_tol, rel, state_extra)
             stepped.append(compare_hparams(k, rec["groups"], group_hparams(opt_s)))
             loop_checks = _compare_loop(k, rec.get("loop") or {}, loops[step_device(options_at(case, k)[0], device)])
             # whether the scaler skipped the step comes first: a wrong decision is what the params then show

@@ -133,6 +133,12 @@ class Target:
         target runs the step otherwise (fsdp2's compiled step)."""
         return tol
 
+    @classmethod
+    def state_allowance(cls, case: Case, k: int, state: dict) -> dict:
+        """{fqn: state name -> an elementwise allowance or None} for the reference's optimizer state after step
+        ``k``, where the target keeps it otherwise (fsdp2: a low-bit optimizer's quantized state); none here."""
+        return {}
+
     def build_dtype(self) -> str:
         """The dtype the model is built in, before ``shard``: the case's, unless
         the target moves it there after sharding (fsdp2's built_as)."""

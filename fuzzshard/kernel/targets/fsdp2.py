@@ -44,6 +44,7 @@ from ..decoder import parallelize_decoder, plan_element
 from ..dropout import draws, has_dropout
 from ..float8 import draw_float8, float8_convert, float8_precompute, float8_problem, float8_reference
 from ..gather import full_batched
+from ..lowbit import lowbit_allowance, lowbit_class, lowbit_plain, lowbit_problem, LOWBIT_OPTIMIZERS
 from ..model import loss_fn, param_shapes, reused_unit_params, submodule, tie_uses, tied_modules
 from ..moe import Routing, moe_prefixes, set_aux_grad
 from ..oracles import compiled_step_tolerance, mixed_precision_tolerance
@@ -239,7 +240,7 @@ def check(case) -> str | None:
         if options.get("tp") and len(mesh) != 2:
             return f"{what}tensor parallel needs a 2-D mesh (data parallel x TP), not {list(mesh)}"
         problem = (tp_problem(case, mesh, options) or sync_problem(case, mesh, options, fsdp2=True)
-                   or float8_problem(case, mesh, options))
+                   or float8_problem(case, mesh, options) or lowbit_problem(case, mesh, options))
         if problem:
             return what + problem
         if has_dropout(case.model) and (options.get("tp") or options.get("compile")):
@@ -339,8 +340,15 @@ def apply_tp(model: nn.Module, tp_mesh, options: dict, factory: str) -> None:
         return
     style = {"colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
              "rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
+    float8 = set((options.get("float8") or {}).get("linears", ()))
+    if float8:  # the tp target's float8 Linears (--ao): torchao's float8 styles, same layouts (kernel/float8.py)
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        style8 = {"colwise": lambda: Float8ColwiseParallel(output_layouts=Replicate()),
+                  "rowwise": lambda: Float8RowwiseParallel(input_layouts=Replicate())}
     if options.get("tp"):
-        parallelize_module(model, tp_mesh, {fqn: style[s]() for fqn, s in options["tp"].items()})
+        parallelize_module(model, tp_mesh, {fqn: (style8 if fqn in float8 else style)[s]()
+                                            for fqn, s in options["tp"].items()})
 
 
 def loss_context(options: dict):
@@ -529,6 +537,9 @@ class FSDP2Target(Target):
     @classmethod
     def step_tolerance(cls, case: Case, tol: dict) -> dict:
         """``compile_step``: the compiled step's bound (oracles.compiled_step_tolerance)."""
+        if case.optim.name in LOWBIT_OPTIMIZERS:  # the state's allowance is its own (state_allowance)
+            return {**tol, "why": tol["why"] + "; a low-bit state also one code interval of its format at the "
+                    "element's block, times the block's amax (kernel/lowbit.py)"}
         if not case.target_options.get("compile_step"):
             return tol
         return compiled_step_tolerance(tol, case.dtype, case.optim.kwargs.get("betas", ()), scalar_dtype(case))
@@ -686,6 +697,10 @@ class FSDP2Target(Target):
         return ShardedGradScaler(self.mesh.device_type, process_group=group, **kwargs)
 
     def optimizer(self, model: nn.Module, lr_scale: float = 1.0):
+        if self.case.optim.name in LOWBIT_OPTIMIZERS:  # torchao's own (--ao; the reference's keeps float32 state)
+            from ..optim import build_optimizer
+
+            return build_optimizer(model, self.case, lr_scale, construct=lowbit_class(self.case.optim.name))
         opt = super().optimizer(model, lr_scale)
         if self.case.target_options.get("compile_step"):  # the step compiled, as torch's compiled-optimizer recipe
             eager = opt.step
@@ -694,6 +709,19 @@ class FSDP2Target(Target):
             # there raised AttributeError in the scheduler's constructor (fuzzshard's own, not torch's)
             opt.step = types.MethodType(lambda self, closure=None: compiled_step(), opt)
         return opt
+
+    def optimizer_state(self, opt, model: nn.Module) -> dict:
+        """A low-bit optimizer's quantized state as the float32 values it stands for (kernel/lowbit.py)."""
+        if self.case.optim.name not in LOWBIT_OPTIMIZERS:
+            return super().optimizer_state(opt, model)
+        from ..optim import state_by_fqn
+
+        return state_by_fqn(opt, model, lambda t: self.full(lowbit_plain(t)))
+
+    @classmethod
+    def state_allowance(cls, case: Case, k: int, state: dict) -> dict:
+        """A low-bit optimizer's state: its quantization error, per element (kernel/lowbit.py)."""
+        return lowbit_allowance(case, k, state)
 
     def _loss_context(self):
         return loss_context(self.case.target_options)

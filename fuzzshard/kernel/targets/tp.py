@@ -23,6 +23,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_map_only
 
 from ..decoder import plan_element
+from ..float8 import draw_float8_tp, float8_convert, float8_reference, float8_tp_problem
 from ..model import loss_fn, tie_uses
 from ..moe import MoE
 from ..state_io import STATE_DICT_KINDS
@@ -41,7 +42,12 @@ def draw_tp_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **c
     model = context["model"]
     if model.factory == "decoder":
         return draw(st.composite(draw_decoder_tp)(model.sizes, mesh_shape[-1]))
-    return {"tp": draw(st.composite(draw_tp_plan)(shapes, tied, model))}
+    out = {"tp": draw(st.composite(draw_tp_plan)(shapes, tied, model))}
+    if context.get("ao"):  # --ao: torchao's float8 Linears under its float8 TP styles (kernel/float8.py)
+        f8 = draw(st.composite(draw_float8_tp)(out["tp"], model, shapes))
+        if f8:
+            out["float8"] = f8
+    return out
 
 
 def check_tp(case) -> str | None:
@@ -52,7 +58,7 @@ def check_tp(case) -> str | None:
     for what, mesh, options in sides:
         if len(mesh) != 1:
             return f"{what}tp runs on a 1-D mesh of all the ranks, not {list(mesh)}"
-        problem = tp_problem(case, mesh, options)
+        problem = tp_problem(case, mesh, options) or float8_tp_problem(case, options)
         if problem:
             return what + problem
     return None
@@ -99,7 +105,7 @@ class TPTarget(DTensorTarget):
     def localizable(self) -> bool:
         """Between modules the activations are whole plain tensors, but under sequence parallelism (each
         rank's part of the sequence)."""
-        return not self.case.target_options.get("sp")
+        return not self.case.target_options.get("sp") and not self.case.target_options.get("float8")
 
     @classmethod
     def trace_points(cls, case):
@@ -108,7 +114,16 @@ class TPTarget(DTensorTarget):
         localizer would take for a wrong whole tensor), at their boundaries whole on every rank."""
         return plan_element if case.model.factory == "decoder" else None
 
+    @classmethod
+    def reference_loss_grads(cls, case, model: nn.Module, options: dict, world: int, x, y, scale: float = 1.0):
+        """float8 (--ao): the same float8 model unsharded, on the whole batch (TP is not data parallel)."""
+        if options.get("float8"):
+            return float8_reference(case, model, options, 1, x, y, cls.objective, scale)
+        return super().reference_loss_grads(case, model, options, world, x, y, scale)
+
     def shard(self, model: nn.Module) -> nn.Module:
+        if self.case.target_options.get("float8"):  # torchao's float8 Linears first, then the plan (kernel/float8.py)
+            float8_convert(model, self.case.target_options["float8"], self.mesh.device_type)
         apply_tp(model, self.mesh, self.case.target_options, self.case.model.factory)
         apply_ac(model, self.case.target_options)  # after the plan (its FQNs name plain modules): kernel/ac.py
         moes = [m for m in model.modules() if isinstance(m, MoE)]
