@@ -109,3 +109,26 @@ def test_the_seed_34_faces_are_named_at_the_conv1d_and_are_its_known_root_cause(
     # the same module's divergence on fsdp2 (plain activations, other code) is no hit of DTensor's bug
     assert matcher.known_hit(Case.from_dict({**BACKWARD_FACE, "target": "fsdp2", "target_options": {}}),
                              bwd.verdict) is None
+
+
+# the 2.9.1 smoke's dtensor case with SGD: a Linear whose bias is Shard(0) over 2 ranks (9 over 2: uneven), a grad
+# scaler at 65536
+_SCALED_CASE = (
+    '{"batch": 1, "checkpoint": null, "device": "cpu", "dtype": "float32", "format": 1, "frozen": [], "groups": '
+    '[{"overrides": {}, "params": ["layers.0.weight", "layers.0.bias"]}], "mesh_shape": [2], "model": {"buffer": '
+    'false, "d_in": 9, "input": "features", "layers": [{"act": "", "bias": true, "children": [], "d_in": 9, '
+    '"d_out": 9, "kernel": 1, "kind": "linear"}], "tie_head": false, "unused": false}, "optim": {"added_at": 0, '
+    '"added_groups": 0, "kwargs": {"lr": 0.1}, "name": "SGD", "named": false, "tensor_lr": ""}, "scaler": '
+    '{"backoff_factor": 0.5, "growth_factor": 2.0, "growth_interval": 1, "init_scale": 65536.0, "overflow": []}, '
+    '"schedule": [{"freeze": [], "set_to_none": false, "unfreeze": []}], "seed": 445, "seq": 1, "target": "dtensor", '
+    '"target_options": {"placements": {"layers.0.bias": ["S0"]}}, "world_size": 2}')
+
+
+def test_a_loss_divergence_under_a_grad_scaler_names_no_module_from_the_scaled_output_grads(tmp_path):
+    """The sharded run's traced output grads are of the scaled loss: the reference's are scaled alike before they
+    are compared. A mean with a wrong value and a right grad (torch 2.9.1's uneven-shard mean) is a loss finding;
+    unscaled, the Linear's output grad read 65536x the reference's and was named (a false culprit)."""
+    from conftest import replay_clean_then_buggy
+
+    buggy = replay_clean_then_buggy(tmp_path, Case.from_json(_SCALED_CASE), "dtensor_mean_value_off.py")
+    assert "FAIL: dtensor.parity.loss" in buggy and "backward" not in buggy, buggy

@@ -203,7 +203,11 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
                 objective = replayed(target_cls.objective, target_cls.dropout_world(options, world),
                                              target_cls.microbatches(options))
                 traced_here = localize and rec["trace"] and not mode(case)  # one forward a step, not several
-                trace = Trace(model, lambda t, fqn: t, lambda t, fqn: t, target_cls.trace_points(case)) if traced_here else None
+                # the sharded run's output grads are of the scaled loss (its grad scaler): the reference's are
+                # scaled alike, by the same power of two (exact)
+                s = loops[step_device(options, device)].scale_kwargs().get("scale", 1.0)
+                trace = Trace(model, lambda t, fqn: t, lambda t, fqn: t * s if s != 1.0 else t,
+                              target_cls.trace_points(case)) if traced_here else None
                 loss = objective(model, x, y, options) * scale
                 loss.backward()
                 grads, tol = {n: p.grad for n, p in params.items()}, red_tol
@@ -214,11 +218,12 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
             # an overflow in some grads only: the same non-finite value in the same element of the full grad
             loops[device].inject_full(k, grads)
             traced = None
+            overflow = loops[device].overflows(k)  # the loss made infinite on purpose: no grads to compare
             if trace:  # its hooks are done with this step: off before any nudged pass below could add to it
                 traced = trace.take()
                 trace.remove()
-
-            overflow = loops[device].overflows(k)  # the loss made infinite on purpose: no grads to compare
+                if overflow:  # the sharded run's output grads are infinite on purpose: none to compare
+                    traced["bwd"] = []
 
             def loss_and_grads(sens: dict) -> list:
                 if not compares_loss_and_grads(case):  # masks torch does not promise to be the reference's
