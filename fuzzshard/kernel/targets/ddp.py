@@ -137,7 +137,7 @@ def joinable(case) -> bool:
 
 
 def draw_late_options(draw, case) -> dict:
-    """Now and then a comm hook (the saving side's); then, where ``joinable``,
+    """One case in two a comm hook (the saving side's); then, where ``joinable``,
     now and then uneven inputs under Join: rank r runs the first counts[r]
     steps, one rank all of them."""
     import hypothesis.strategies as st
@@ -147,7 +147,7 @@ def draw_late_options(draw, case) -> dict:
     # compressing hooks are not drawn for a low-precision model)
     hooks = [h for h in HOOKS if not (h == "bf16" and case.device == "cpu")
              and not (h in LOSSY and case.dtype not in ("float32", "float64"))]
-    if draw(st.integers(0, 3)) == 3:
+    if draw(st.booleans()):  # (one case in two: one in four reached the compressing hooks too rarely in a hunt)
         hook = {"name": draw(st.sampled_from(hooks))}
         if hook["name"] == "powersgd":
             hook["rank"] = draw(st.integers(1, 2))
@@ -456,13 +456,11 @@ class DDPTarget(Target):
 
         name = hook["name"]
         if name == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
+            # powerSGD_hook, each bucket's reduction waited for (on gloo its callbacks' all-reduces race the next
+            # bucket's: leads/ddp_powersgd_gloo_callback_race.py); the state it reads is the target's, which a
+            # load of PowerSGD's state swaps (kernel/powersgd.py)
             self.powersgd = powersgd_state(hook, self.group)
-            if hook.get("resume"):  # the state the hook reads is the target's: a load swaps it in (kernel/powersgd.py)
-                self.wrapper.register_comm_hook(None, self._powersgd_hook)
-            else:
-                self.wrapper.register_comm_hook(self.powersgd, ps.powerSGD_hook)
+            self.wrapper.register_comm_hook(None, self._powersgd_hook)
             return
         fn = {"allreduce": dh.allreduce_hook, "fp16": dh.fp16_compress_hook, "bf16": dh.bf16_compress_hook,
               "fp16_wrapper": dh.fp16_compress_wrapper(dh.allreduce_hook)}[name]
