@@ -334,7 +334,8 @@ class DDPTarget(Target):
         each rank's grad to its dtype (float16, bfloat16), divides by W there
         and sums W of them there, then casts back: 2(W+1) ulps of that dtype of
         sum|rank grads|/W (oracles.mixed_precision_tolerance, plus half its
-        subnormal spacing per rounding), beside the float64 sum's own
+        subnormal spacing per rounding; with microbatches, of every running
+        grad a sync may round: synced_first syncs each microbatch), beside the float64 sum's own
         reduction tolerance. PowerSGD's grads are a low-rank approximation by
         design: any finite value passes here (the replica oracle compares them)."""
         hook = (options.get("hook") or {}).get("name")
@@ -345,9 +346,10 @@ class DDPTarget(Target):
         per, m = x.shape[0] // world, options.get("microbatches", 1)
         loss, total, spread, sens = torch.zeros((), dtype=torch.float64), {}, {}, {}
         before = {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
+        rounded = {}  # over microbatches i and ranks r: sum_{j<=i} |g_rj| (the running grads a sync may round)
         with gated(model, options.get("gate")) as layer:
             for r in range(world):
-                acc = {}
+                acc, seen = {}, {}
                 for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
                     if layer is not None:
                         layer._fuzz_skip = skips(xm)
@@ -363,6 +365,9 @@ class DDPTarget(Target):
                     for n, p in params.items():
                         if p.grad is not None:
                             acc[n] = acc[n] + p.grad if n in acc else p.grad.clone()
+                            seen[n] = seen.get(n, 0) + p.grad.double().abs() / scale  # this rank's |g| so far
+                    for n, g in seen.items():
+                        rounded[n] = rounded.get(n, 0) + g
                 for n, g in acc.items():
                     g = g.double() / scale
                     total[n] = total.get(n, 0) + g
@@ -376,7 +381,10 @@ class DDPTarget(Target):
         if hook in LOSSY:
             low = mixed_precision_tolerance(case.dtype, LOSSY[hook], world)
             for n in spread:
-                extra[n] = low["k_ulps"] * (low["u"] * spread[n] / world + low["eta"])
+                # a sync every microbatch (synced_first) rounds each running grad, not the total: the sum over
+                # microbatches i of every rank's |g| up to i bounds what the syncs' roundings were taken of
+                over = rounded[n] if m > 1 else spread[n]
+                extra[n] = low["k_ulps"] * (low["u"] * over / world + m * low["eta"])
             red = {**red, "why": f"{red['why']}; plus {low['why']} (comm hook {hook})"}
             if LOSSY[hook] == "float16":  # past float16's range: inf, as the hook's sum gives
                 for n, t in total.items():
