@@ -141,3 +141,10 @@ def test_fp16_hook_over_synced_microbatches_is_held_to_every_syncs_rounding(tmp_
     the running grad to float16, not only the step's total; the bound covers every such rounding."""
     r = run_cli("replay", Path(__file__).parent / "data" / "ddp_fp16_synced_microbatches.json")
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_a_lossy_hook_leaves_an_ignored_params_grad_uncompressed(tmp_path):
+    """A 2.9.1 session's false positive (fuzzshard's own, on 2.13 too): the reference overflowed an ignored param's
+    grad to inf as if fp16_compress_wrapper had compressed it; DDP never hands it to the hook."""
+    r = run_cli("replay", Path(__file__).parent / "data" / "ddp_fp16_ignored_param_overflow.json")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]

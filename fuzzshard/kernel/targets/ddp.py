@@ -378,9 +378,10 @@ class DDPTarget(Target):
             p.grad = before[n]
             new = None if n not in total else (total[n] / world).to(orig)
             grads[n] = before[n] if new is None else new if before[n] is None else before[n] + new
+        ignored = set(options.get("ignore", ()))  # DDP leaves them alone: averaged by hand, never compressed
         if hook in LOSSY:
             low = mixed_precision_tolerance(case.dtype, LOSSY[hook], world)
-            for n in spread:
+            for n in set(spread) - ignored:
                 # a sync every microbatch (synced_first) rounds each running grad, not the total: the sum over
                 # microbatches i of every rank's |g| up to i bounds what the syncs' roundings were taken of
                 over = rounded[n] if m > 1 else spread[n]
@@ -388,11 +389,13 @@ class DDPTarget(Target):
             red = {**red, "why": f"{red['why']}; plus {low['why']} (comm hook {hook})"}
             if LOSSY[hook] == "float16":  # past float16's range: inf, as the hook's sum gives
                 for n, t in total.items():
+                    if n in ignored:
+                        continue
                     compressed = [t / world]
                     over = compressed[0].to(torch.float16).isinf() & t.isfinite()
                     grads[n] = torch.where(over, t.sign() * torch.inf, grads[n].double()).to(orig)
         elif hook == "powersgd":
-            for n in total:
+            for n in set(total) - ignored:
                 extra[n] = torch.full_like(total[n], torch.inf)
             red = {**red, "why": f"{red['why']}; PowerSGD's grads: any finite value (a low-rank approximation)"}
         return loss.to(orig), grads, red, sens, extra
