@@ -3,6 +3,7 @@ no_sync accumulation, a gated residual, comm hooks, Join and the module state di
 hand-written cases (seconds each); its planted bugs found by their signatures; its straight-line
 script under torchrun with and without one."""
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,17 @@ def test_powersgd_resumed_run_that_leaves_the_uninterrupted_one_is_caught(tmp_pa
     oracle, bucket by bucket against the uninterrupted state."""
     buggy = replay_clean_then_buggy(tmp_path, powersgd_resume_case("dcp"), "ddp_powersgd_warm_start_off_at_load.py")
     assert "FAIL: ddp.checkpoint.dcp.resumed.powersgd.grad" in buggy and "uninterrupted" in buggy, buggy
+
+
+def test_fp16_hook_over_synced_microbatches_is_held_to_every_syncs_rounding(tmp_path):
+    """A 4-minute session's false positive (fuzzshard's own): with synced_first, each microbatch's sync rounds
+    the running grad to float16, not only the step's total; the bound covers every such rounding."""
+    r = run_cli("replay", Path(__file__).parent / "data" / "ddp_fp16_synced_microbatches.json")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_a_lossy_hook_leaves_an_ignored_params_grad_uncompressed(tmp_path):
+    """A 2.9.1 session's false positive (fuzzshard's own, on 2.13 too): the reference overflowed an ignored param's
+    grad to inf as if fp16_compress_wrapper had compressed it; DDP never hands it to the hook."""
+    r = run_cli("replay", Path(__file__).parent / "data" / "ddp_fp16_ignored_param_overflow.json")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]

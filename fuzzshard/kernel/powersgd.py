@@ -16,11 +16,12 @@ Two checks, every rank's mismatches gathered (the error is rank-local):
     same (quantity ``resumed.powersgd.grad``, per param). Both reductions run to completion in turn, the
     same on every rank, so their collectives pair. Bucket indices key the state: the case keeps DDP's
     first bucket assignment on both sides (find_unused_parameters without static_graph: no rebuild).
-On both sides of such a case the hook waits for each bucket's reduction before it returns: powerSGD_hook
-launches its P and Q all-reduces from future callbacks, which gloo runs on its worker thread while the
-backward launches the next bucket's all-reduce, so with two buckets or more the ranks' collectives may
-pair in another order (gloo's "Received data size doesn't match expected size", or a hang); a wait per
-bucket keeps one order on every rank, and the math is powerSGD_hook's.
+In every PowerSGD case (kernel/targets/ddp.py) the hook waits for each bucket's reduction before it
+returns: powerSGD_hook launches its P and Q all-reduces from future callbacks, which gloo runs on its worker
+thread while the backward launches the next bucket's all-reduce, so with two buckets or more the ranks'
+collectives may pair in another order (gloo's "Received data size doesn't match expected size", or a hang;
+leads/ddp_powersgd_gloo_callback_race.py); a wait per bucket keeps one order on every rank, and the math is
+powerSGD_hook's.
 """
 from __future__ import annotations
 
