@@ -39,6 +39,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from ...case import Case
 from ..model import submodule
 from ..moe import MoE, moe_configs_of
+from ..state_io import STATE_DICT_KINDS
 from .base import Spec
 from .fsdp2 import FSDP2Target
 
@@ -174,6 +175,7 @@ class EPTarget(FSDP2Target):
     # every model drawn has MoE, its experts a multiple of the EP degree (the mesh's last dim; strategies'
     # _model), dropless: a rank's forward sees its own slice
     spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=ep_draw_options,
+                checkpoint_kinds=STATE_DICT_KINDS,
                 data_parallel=True, named_params=True, check=ep_check, coverage=ep_coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout)
     localizable = False  # inside an MoE the routed tokens are this rank's experts', in another order
 
