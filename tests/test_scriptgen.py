@@ -477,7 +477,9 @@ def test_drawn_loop_cases_give_a_script_that_builds_the_kernels_model_and_data(c
                                       "ReduceLROnPlateau fed", "fsdp1's grads are not observable",  # (flat params)
                                       "fsdp1 resumed without FSDP (local) with its own clip",
                                       "sync options beside a checkpoint", "an MoE layer under", "an MoE with",
-                                      "fsdp2 an MoE layer under TP", "fsdp2 a shared expert")), why
+                                      "fsdp2 an MoE layer under TP", "fsdp2 a shared expert",
+                                      "fsdp1 sync options beside a checkpoint",  # (a writer's reason: its target first)
+                                      "fsdp2 sync options beside a checkpoint")), why
     src = straight_script(case, "drawn")
     if src is not None:
         compile(src, "repro.py", "exec")
