@@ -48,7 +48,7 @@ def test_the_straight_line_script_saves_and_loads_the_experts_and_finds_the_plan
     assert fallback_reason(case, {}, verdict) is None
     src = straight_script(case, "ep checkpoint", {}, verdict)
     assert src.count("\n") < 150 and "import fuzzshard" not in src, src.count("\n")
-    assert src.count("class ExpertParallel") == 1 and src.count("expert_parallel(model, mesh)") == 2, src
+    assert src.count("class ExpertParallel") == 1 and src.count("in expert_parallel(model, mesh)") == 2, src
     (tmp_path / "repro.py").write_text(src)
     buggy = torchrun(tmp_path / "repro.py", 2, "--setup", PLANTED / BUG, cwd=tmp_path)
     assert buggy.returncode == 1 and "param layers.0.experts.w1: saved" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
