@@ -153,7 +153,8 @@ def ep_check(case: Case) -> str | None:
 
 def ep_coverage(case) -> dict:
     """What an EP case covered: its mesh (1-D EP, or 2-D dp x ep with the experts FSDP-sharded over dp),
-    shared experts, a routing bias, an aux loss, top-k > 1, grouped_mm, units of their own."""
+    shared experts, a routing bias, an aux loss, top-k > 1, grouped_mm, units of their own, a checkpoint (of each
+    kind, and to another EP degree)."""
     cfgs = moe_configs(case)
     cells = {"1-D ep" if len(case.mesh_shape) == 1 else "2-D dp x ep"}
     for c in cfgs:
@@ -162,6 +163,10 @@ def ep_coverage(case) -> dict:
                                   ("grouped_mm", c.get("grouped"))) if on}
     if case.target_options.get("wrap"):
         cells.add("own units")
+    if case.checkpoint:  # the experts' state through a round trip, at another EP degree where it reshards them
+        ck = case.checkpoint
+        cells.add(f"{ck.kind} checkpoint" + (" to another EP degree" if ep_degree(ck.mesh_shape) != ep_degree(
+            case.mesh_shape) else ""))
     return {"ep cases": cells}
 
 
