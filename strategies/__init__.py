@@ -124,6 +124,19 @@ def _flips_allowed(spec, options: dict, ck) -> bool:
     return not fixed(options) and not (ck and fixed(ck.target_options))
 
 
+def _loading_meshes(spec, world: int, mesh_dims: int, model) -> list[tuple[int, ...]]:
+    """The meshes a checkpoint may load on: ``_meshes``, less those where an MoE's experts do not divide over the
+    mesh dim the target shards them on (ep's Spec.moe "experts_over": the EP degree, its last dim)."""
+    meshes = _meshes(spec, world, mesh_dims)
+    over = (spec.moe or {}).get("experts_over")
+    if over is None or model is None:
+        return meshes
+    from fuzzshard.kernel.moe import moe_configs_of
+
+    experts = [c["experts"] for c in moe_configs_of(model)]
+    return [m for m in meshes if all(e % m[over] == 0 for e in experts)]
+
+
 @st.composite
 def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied: tuple = (), kinds=None,
                 mesh_dims: int = 2, async_saves: bool = False, **context) -> Checkpoint:
@@ -134,8 +147,9 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
     drawn last, so the draws without it stay as they were; on CPU only: the
     pool's groups on CUDA hold no CPU backend, which async_save needs)."""
     spec = spec_of(target)
-    world = draw(st.sampled_from(sorted(world_sizes)))
-    mesh_shape = draw(st.sampled_from(_meshes(spec, world, mesh_dims)))
+    meshes = {w: _loading_meshes(spec, w, mesh_dims, context.get("model")) for w in sorted(world_sizes)}
+    world = draw(st.sampled_from([w for w in sorted(world_sizes) if meshes[w]] or sorted(world_sizes)))
+    mesh_shape = draw(st.sampled_from(meshes[world] or _meshes(spec, world, mesh_dims)))
     kind = draw(st.sampled_from(list(kinds or spec.checkpoint_kinds)))  # kinds: a session's schedule picks
     dsd = kind in STATE_DICT_KINDS
     rarely = st.sampled_from([False] * 5 + [True])

@@ -243,6 +243,8 @@ class Writer:
                                   p["load_last"], save=False)
         body += self.verdict_lines()
         parts = [self.header(), self.imports(), self.prologue(), "\n".join(common.model(c, 2)), "\n".join(common.batch(c))]
+        if hasattr(self.w, "definitions"):  # what the writer's shard lines call, written once for both sides (ep's)
+            parts.insert(4, "\n".join(self.w.definitions(c)))
         if p["mode"] in ("parity", "checkpoint", "replica") or p["observe"]:
             parts.append("\n".join(self.w.snapshot(c, c.target_options)))
         if self.reads_grads() and hasattr(self.w, "grads_def"):  # (what a writer's grads expression calls)
@@ -294,7 +296,8 @@ class Writer:
                "import torch, torch.distributed as dist, torch.nn as nn"]
         out += ["import torch.nn.functional as F"] * (c.model.factory in BUILTIN_MODELS)
         out += ["import copy"] * bool(self.plan["mode"] == "parity" and self.mixed_precision())
-        own = list(self.w.imports(c, c.target_options)) + loop.imports(c) + common.ac_imports(c)
+        own = ["import math"] * common.has_moe(c) + list(self.w.imports(c, c.target_options)) + loop.imports(c) + \
+            common.ac_imports(c)  # (math: the MoE's init)
         if self.plan["ckpt"]:
             own += self.w.imports(c, c.checkpoint.target_options)
             own += ["import tempfile"] + (getattr(self.w, "imports_" + c.checkpoint.kind)(c) if self.own_kind() else

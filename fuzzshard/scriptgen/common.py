@@ -94,19 +94,16 @@ _CLASSES["moe"] = [
     "            setattr(self, n, nn.Parameter(nn.init.uniform_(torch.empty(s), -1 / math.sqrt(fan), 1 / math.sqrt(fan))))",
     "    def forward(self, x, counts):  # SwiGLU per expert over its run of tokens (under EP: this rank's experts)",
     "        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))",
-    "        return torch.cat([(nn.functional.silu(xe @ w1[e].mT) * (xe @ w3[e].mT)) @ w2[e].mT",
-    "                          for e, xe in enumerate(x.split(counts.tolist()))])",
+    "        return torch.cat([(nn.functional.silu(xe @ w1[e].mT) * (xe @ w3[e].mT)) @ w2[e].mT for e, xe in enumerate(x.split(counts.tolist()))])",
     "class MoE(nn.Module):  # torchtitan's MoE (fuzzshard's kernel/moe.py), dropless: top-k router, experts, shared expert",
     "    def __init__(self, dim, experts=2, hidden=1, top_k=1, score=\"softmax\", route_norm=False, route_scale=1.0, shared=0):",
     "        super().__init__()",
     "        self.experts, self.router = Experts(dim, hidden, experts), nn.Sequential()",
     "        self.router.add_module(\"gate\", nn.Linear(dim, experts, bias=False))  # router(x): the gate's logits",
-    "        self.shared_experts = nn.ModuleDict({\"w1\": nn.Linear(dim, shared, bias=False), \"w2\": nn.Linear(shared, dim, bias=False),",
-    "                                             \"w3\": nn.Linear(dim, shared, bias=False)}) if shared else None  # SwiGLU",
+    "        self.shared_experts = nn.ModuleDict({n: nn.Linear(*d, bias=False) for n, d in ((\"w1\", (dim, shared)), (\"w2\", (shared, dim)), (\"w3\", (dim, shared)))}) if shared else None",
     "        self.E, self.k, self.score, self.norm, self.scale = experts, top_k, score, route_norm, route_scale",
-    "    def forward(self, x):",
-    "        B, L, D = x.shape",
-    "        x = x.reshape(-1, D)",
+    "    def forward(self, h):",
+    "        x = h.reshape(-1, D := h.shape[-1])",
     "        s = self.router(x).to(torch.float64 if x.dtype == torch.float64 else torch.float32)",
     "        s = torch.sigmoid(s) if self.score == \"sigmoid\" else torch.softmax(s, dim=-1)",
     "        top = s.gather(-1, idx := torch.topk(s, k=self.k, dim=-1, sorted=False)[1])",
@@ -114,9 +111,35 @@ _CLASSES["moe"] = [
     "        sc = top.reshape(-1)[order := torch.argsort(idx.reshape(-1), stable=True)]  # the (token, k) slots by expert",
     "        routed = (x[order // self.k].to(sc.dtype) * sc.reshape(-1, 1)).to(x.dtype)  # scored before the experts",
     "        out = self.experts(routed, torch.bincount(idx.reshape(-1), minlength=self.E))  # EP: there and back",
-    "        y = out.new_zeros(B * L * self.k, D).index_put((order,), out).reshape(-1, self.k, D).sum(dim=1)",
+    "        y = out.new_zeros(x.shape[0] * self.k, D).index_put((order,), out).reshape(-1, self.k, D).sum(dim=1)",
     "        y = y if (f := self.shared_experts) is None else f[\"w2\"](nn.functional.silu(f[\"w1\"](x)) * f[\"w3\"](x)) + y",
-    "        return y.reshape(B, L, D)"]
+    "        return y.reshape(h.shape)"]
+
+
+# where the MoE sees DTensor activations (a target whose Spec.moe says "local": the kernel's MoE._forward_local), the
+# layer runs on full plain copies of its params and input, its output a replicated DTensor
+_MOE_LOCAL = [
+    "        if isinstance(h, DTensor):  # DTensor params and input: the layer on full plain copies, its output replicated",
+    "            full = {n: q.full_tensor() if isinstance(q, DTensor) else q for n, q in self.named_parameters()}",
+    "            return DTensor.from_local(torch.func.functional_call(self, full, (h.full_tensor(),)), h.device_mesh, run_check=False)"]
+
+
+def has_moe(case: Case) -> bool:
+    """Whether the case's model holds an MoE layer (a topology's, or the decoder's blocks')."""
+    return any(layer.kind == "moe" for layer in walk(case.model.layers)) or bool(case.model.sizes.get("moe"))
+
+
+def moe_local(case: Case) -> bool:
+    """Whether the case's MoE layers see DTensor activations (MoE._forward_local): its target's Spec.moe "local"."""
+    from .. import targets
+
+    return bool((targets.get(case.target).spec.moe or {}).get("local"))
+
+
+def _moe_class(case: Case) -> list[str]:
+    lines = _CLASSES["moe"]
+    at = lines.index("    def forward(self, h):") + 1
+    return lines[:at] + (_MOE_LOCAL if moe_local(case) else []) + lines[at:]
 
 
 def model(case: Case, builds: int) -> list[str]:
@@ -132,7 +155,7 @@ def model(case: Case, builds: int) -> list[str]:
     out = []
     for k in ("conv1d", "residual", "twice", "moe"):
         if k in kinds or (k == "residual" and "twice" in kinds):
-            out += _CLASSES[k] + [""]
+            out += (_moe_class(case) if k == "moe" else _CLASSES[k]) + [""]
     out += ["class Net(nn.Module):", "    def __init__(self):", "        super().__init__()",
             "        self.layers = nn.Sequential(" + ", ".join(_layer(x) for x in spec.layers) + ")"]
     result = "self.layers(x)"
@@ -345,6 +368,11 @@ def ac_unsupported(case: Case, options: dict, w) -> str | None:
     h = ac.ac_how(options)
     if h in ac.AC_WRAPPED and not getattr(w, "AC_WRAPPERS", False):
         return f"activation checkpointing {h!r} (a CheckpointWrapper renames the params the script reads)"
+    if h and moe_local(case):
+        from ..kernel.moe import moe_prefixes
+
+        if {f + "." for f in options["ac"]} & set(moe_prefixes(case.model)):
+            return "activation checkpointing of an MoE that runs on full copies (its recompute would enter it twice)"
     return None
 
 

@@ -9,6 +9,7 @@ KINDS = dsd.KINDS
 LOOP = True  # its scripts write the training loop around the step (loop.py)
 DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
 FREEZE_BEFORE_SHARD = False
+MOE = True  # it writes the case's MoE layers (common.py's MoE class: on full copies of its DTensor params)
 
 
 def imports(case: Case, options: dict) -> list[str]:

@@ -5,32 +5,39 @@ the experts ``fully_shard``ed over dp, the rest HSDP), every reduction a sum div
 trains on its slice of the batch."""
 from __future__ import annotations
 
+import math
+
 from ..case import Case
-from . import common
+from . import common, dsd
 from .dtensor import SNAPSHOT
 
-KINDS: dict = {}  # (ep draws no checkpoint)
+KINDS = dsd.KINDS  # DSD's state dicts: the experts' params and optimizer state are DTensors on the ep mesh
 LOOP = True  # its scripts write the training loop around the step (loop.py)
 DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
 FREEZE_BEFORE_SHARD = False
 MOE = True  # it writes the case's MoE layers (common.py's MoE class)
 _OPTIONS = {"wrap", "reshard_after_forward"}
 
-# torchtitan's ExpertParallel (kernel/targets/ep.py), its dispatch and combine
+# torchtitan's ExpertParallel (kernel/targets/ep.py), its dispatch and combine; expert_parallel applies it to every MoE
 _EP = [
     "class ExpertParallel:  # torchtitan's: the experts Shard(0) over the ep mesh, the tokens sent by all-to-all",
     "    def partition(self, name, mod, mesh):",
     "        [mod.register_parameter(n, nn.Parameter(distribute_tensor(q, mesh, [Shard(0)]))) for n, q in list(mod.named_parameters())]",
     "    def dispatch(self, mod, inputs, mesh):  # the counts exchanged first, then the tokens (uneven splits)",
     "        (x, counts), ep, group = inputs, mesh.shape[0], mesh.get_group()",
-    "        got = torch.ops._c10d_functional.wait_tensor(funcol.all_to_all_single(counts, None, None, group=group))",
-    "        self.ins, self.outs = counts.view(ep, -1).sum(1).tolist(), got.view(ep, -1).sum(1).tolist()",
-    "        lens = got.view(ep, -1).t().reshape(-1)  # rank-major -> expert-major order",
-    "        starts, seg = (got.cumsum(0) - got).view(ep, -1).t().reshape(-1), torch.arange(lens.numel()).repeat_interleave(lens)",
-    "        self.perm, self.shape = starts[seg] + torch.arange(int(got.sum())) - (lens.cumsum(0) - lens)[seg], (sum(self.outs), x.shape[1])",
-    "        return funcol.all_to_all_single_autograd(x, self.outs, self.ins, group)[self.perm], got.view(ep, -1).sum(0)",
+    "        got = torch.ops._c10d_functional.wait_tensor(funcol.all_to_all_single(counts, None, None, group=group)).view(ep, -1)",
+    "        self.ins, self.outs = counts.view(ep, -1).sum(1).tolist(), got.sum(1).tolist()",
+    "        blocks = torch.arange(sum(self.outs)).split(got.reshape(-1).tolist())  # received: rank-major, by expert within",
+    "        self.perm = torch.cat([blocks[r * got.shape[1] + e] for e in range(got.shape[1]) for r in range(ep)])  # expert-major",
+    "        return funcol.all_to_all_single_autograd(x, self.outs, self.ins, group)[self.perm], got.sum(0)",
     "    def combine(self, mod, out, mesh):  # back to the tokens' ranks",
-    "        return funcol.all_to_all_single_autograd(out.new_empty(self.shape).index_put((self.perm,), out), self.ins, self.outs, mesh.get_group())"]
+    "        return funcol.all_to_all_single_autograd(out.new_empty(len(self.perm), out.shape[1]).index_put((self.perm,), out), self.ins, self.outs, mesh.get_group())",
+    "def expert_parallel(model, mesh):  # every MoE's experts: ExpertParallel over the ep mesh",
+    "    return [distribute_module(m.experts, mesh, (ep := ExpertParallel()).partition, ep.dispatch, ep.combine) for m in model.modules() if isinstance(m, MoE)]"]
+
+
+def definitions(case: Case) -> list[str]:
+    return _EP
 
 
 def unsupported(case: Case, options: dict) -> str | None:
@@ -53,21 +60,19 @@ def _module(fqn: str) -> str:
 
 
 def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> list[str]:
-    two = len(shape) == 2
+    two, world = len(shape) == 2, math.prod(shape)  # (this side's: a checkpoint may load on another mesh)
     kw = "" if options.get("reshard_after_forward", True) is True else \
         f", reshard_after_forward={options['reshard_after_forward']!r}"
-    ep_mesh = 'mesh["d1"]' if two else "mesh"
-    out = _EP + [f"mesh = {mesh}", "for m in (moes := [m for m in model.modules() if isinstance(m, MoE)]):",
-                 f"    ep = ExpertParallel(); distribute_module(m.experts, {ep_mesh}, ep.partition, ep.dispatch, ep.combine)",
-                 "experts = {q for m in moes for q in m.experts.parameters()}"]
-    units = ["*[fully_shard(m.experts, mesh=mesh[\"d0\"]%s) for m in moes]" % kw] if two else []
+    out = [f"mesh = {mesh}"] + ([] if two else
+                                ["experts = {q for e in expert_parallel(model, mesh) for q in e.parameters()}  # outside FSDP"])
+    units = ["*[fully_shard(e, mesh=mesh[\"d0\"]%s) for e in expert_parallel(model, mesh[\"d1\"])]" % kw] if two else []
     units += [f"fully_shard({_module(u)}, mesh=mesh{kw})" for u in
               sorted(options.get("wrap", []), key=lambda n: (-n.count("."), n))]
     units.append(f"fully_shard(model, mesh=mesh{kw}{'' if two else ', ignored_params=experts'})")
-    out += [f"for u in [{', '.join(units)}]:  # every reduction a sum, then / the dp degree (gloo: no PREMUL_SUM)",
-            f"    u.set_gradient_divide_factor({float(case.world_size)}); u.set_force_sum_reduction_for_comms(True)"]
+    out.append(f"[(u.set_gradient_divide_factor({float(world)}), u.set_force_sum_reduction_for_comms(True)) for u in "
+               f"[{', '.join(units)}]]  # each reduction a sum, then / the dp degree (gloo: no PREMUL_SUM)")
     if not two:
-        out.append(f"[q.register_hook(lambda g: g / {case.world_size}) for q in experts]  # averaged, outside FSDP")
+        out.append(f"[q.register_hook(lambda g: g / {world}) for q in experts]  # averaged, outside FSDP")
     return out
 
 

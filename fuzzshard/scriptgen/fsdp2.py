@@ -18,6 +18,7 @@ LOOP = True  # its scripts write the training loop around the step (loop.py)
 DTENSOR_GRADS = True  # its grads are DTensors: a total norm over them is one
 SHARDED_SCALER = True  # its grad scaler is ShardedGradScaler (amp's where the case draws it), as the kernel's
 FREEZE_BEFORE_SHARD = False
+MOE = True  # it writes the case's MoE layers (common.py's MoE class), but not under TP
 _OPTIONS = {"wrap", "reshard_after_forward", "offload", "mp", "ac", "ac_wrapper", "tp", "microbatches", "nonroot",
             "built_as", "compile", "compile_step", "tie_unit", "sync"}
 
@@ -54,7 +55,13 @@ def _decoder_tp(case: Case, plan: dict) -> list[str]:
 
 def unsupported(case: Case, options: dict) -> str | None:
     extra = set(options) - _OPTIONS
-    return f"options {sorted(extra)}" if extra else sync.unsupported(case, options)
+    if extra:
+        return f"options {sorted(extra)}"
+    if common.has_moe(case) and options.get("tp"):
+        return "an MoE layer under TP (the layer sees DTensor activations: the kernel's MoE._forward_local)"
+    if common.has_moe(case) and any(u.endswith("shared_experts") for u in options.get("wrap", ())):
+        return "a shared expert with a fully_shard of its own (the script's shared expert has no forward)"
+    return sync.unsupported(case, options)
 
 
 def imports(case: Case, options: dict) -> list[str]:

@@ -39,6 +39,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from ...case import Case
 from ..model import submodule
 from ..moe import MoE, moe_configs_of
+from ..state_io import STATE_DICT_KINDS
 from .base import Spec
 from .fsdp2 import FSDP2Target
 
@@ -152,7 +153,8 @@ def ep_check(case: Case) -> str | None:
 
 def ep_coverage(case) -> dict:
     """What an EP case covered: its mesh (1-D EP, or 2-D dp x ep with the experts FSDP-sharded over dp),
-    shared experts, a routing bias, an aux loss, top-k > 1, grouped_mm, units of their own."""
+    shared experts, a routing bias, an aux loss, top-k > 1, grouped_mm, units of their own, a checkpoint (of each
+    kind, and to another EP degree)."""
     cfgs = moe_configs(case)
     cells = {"1-D ep" if len(case.mesh_shape) == 1 else "2-D dp x ep"}
     for c in cfgs:
@@ -161,6 +163,10 @@ def ep_coverage(case) -> dict:
                                   ("grouped_mm", c.get("grouped"))) if on}
     if case.target_options.get("wrap"):
         cells.add("own units")
+    if case.checkpoint:  # the experts' state through a round trip, at another EP degree where it reshards them
+        ck = case.checkpoint
+        cells.add(f"{ck.kind} checkpoint" + (" to another EP degree" if ep_degree(ck.mesh_shape) != ep_degree(
+            case.mesh_shape) else ""))
     return {"ep cases": cells}
 
 
@@ -174,6 +180,7 @@ class EPTarget(FSDP2Target):
     # every model drawn has MoE, its experts a multiple of the EP degree (the mesh's last dim; strategies'
     # _model), dropless: a rank's forward sees its own slice
     spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=ep_draw_options,
+                checkpoint_kinds=STATE_DICT_KINDS,
                 data_parallel=True, named_params=True, check=ep_check, coverage=ep_coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout)
     localizable = False  # inside an MoE the routed tokens are this rank's experts', in another order
 
