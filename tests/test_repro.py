@@ -34,3 +34,19 @@ def test_flattened_modules_define_each_top_level_name_once(target):
                     clashes.append(f"{d}: {owner[d]} and {name}")
                 owner[d] = name
     assert not clashes, clashes
+
+
+@pytest.mark.parametrize("target", targets.builtin())
+def test_a_functions_relative_import_in_the_flat_script_binds_or_is_of_a_module_left_out(target):
+    """A relative import inside a function cannot run in the flat script (no package): one of a flattened
+    module's names becomes ``pass`` (or an alias, or the flat namespace for a module); the modules functions
+    import are flattened too, so a flattened repro reaches them (moe.py's ``from .oracles import ...`` once
+    failed pp.parity.grad.uneven's flat script with an ImportError under torchrun)."""
+    modules = repro.kernel_modules(target)
+    assert "fuzzshard.kernel.sync" in repro.kernel_modules("fsdp2") and "fuzzshard.kernel.oracles" in modules
+    text = repro.flatten(modules)
+    compile(text, f"<flat {target}>", "exec")
+    left = [ln.strip() for ln in text.splitlines() if ln.startswith((" ", "\t")) and ln.strip().startswith("from .")]
+    kernel_left = [ln for ln in left if ln.startswith(("from .model ", "from .oracles ", "from .moe ", "from ..sync "))]
+    assert not kernel_left, kernel_left
+    assert "pass  # (flattened: from .oracles import compare_replicas)" in text or "compare_replicas" not in text

@@ -24,8 +24,9 @@ _RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import [^(]*$")
 def kernel_modules(target: str) -> list[str]:
     """The modules a target's flattened script holds, each after the modules it
     imports: the target's own modules and the kernel's entry point (run.py),
-    and what their top-level relative imports reach, read from their source
-    (no hand-kept list to forget a new module in), plus mesh.py for the script's main."""
+    and what their relative imports reach, top-level or inside a function, read from their source
+    (no hand-kept list to forget a new module in), plus mesh.py for the script's main. Order follows the
+    top-level imports only: a function's import runs when it is called, after every module is defined."""
     order: list[str] = []
 
     def visit(name: str) -> None:
@@ -37,22 +38,55 @@ def kernel_modules(target: str) -> list[str]:
     # mesh.py: the script's own main builds the meshes (Meshes), as a worker does
     for root in ["fuzzshard.kernel.mesh", "fuzzshard.kernel.targets.base", *targets.module_of(target), "fuzzshard.kernel.run"]:
         visit(root)
+    seen = 0
+    while seen < len(order):  # then the kernel modules functions import, until nothing new is reached (not
+        for dep in _imports(order[seen], nested=True):  # another target's module: two specs in one namespace)
+            if dep.startswith("fuzzshard.kernel.") and not dep.startswith("fuzzshard.kernel.targets."):
+                visit(dep)
+        seen += 1
     return order
 
 
-def _imports(name: str) -> list[str]:
-    """The fuzzshard modules ``name`` imports at its top level, relatively."""
+def _imports(name: str, nested: bool = False) -> list[str]:
+    """The fuzzshard modules ``name`` imports relatively: at its top level, or (``nested``) inside its functions."""
     import ast
     import importlib.util
 
     module = importlib.import_module(name)
     package = name if hasattr(module, "__path__") else name.rpartition(".")[0]
+    tree = ast.parse(inspect.getsource(module))
+    nodes = [n for n in ast.walk(tree) if n not in tree.body] if nested else tree.body
     out = []
-    for node in ast.parse(inspect.getsource(module)).body:
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.level:
             base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
             out += [base] if node.module else [f"{base}.{a.name}" for a in node.names]
     return out
+
+
+def _nested_import(line: str, name: str, flat: list[str]) -> str | None:
+    """A relative import inside a function of ``name``, as the flat script of ``flat`` says it: the names of a
+    flattened module are the script's globals already, so it binds only an alias, or a module as the one flat
+    namespace; None: not such an import, or one of a module left out (kept: it raises if it is ever reached)."""
+    import ast
+    import importlib.util
+
+    m = re.match(r"^(\s+)(from \.+[\w.]* import [^(]*)$", line)
+    if not m:
+        return None
+    indent, stmt = m.groups()
+    node = ast.parse(stmt.split("#")[0].strip()).body[0]
+    package = name if hasattr(importlib.import_module(name), "__path__") else name.rpartition(".")[0]
+    base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+    binds = []
+    for a in node.names:
+        if f"{base}.{a.name}" in flat:  # a module: in the flat script, the script itself
+            binds.append(f"{a.asname or a.name} = sys.modules[__name__]")
+        elif base not in flat:
+            return None
+        elif a.asname:
+            binds.append(f"{a.asname} = {a.name}")
+    return indent + ("; ".join(binds) or "pass") + f"  # (flattened: {stmt.strip()})"
 
 
 def _joined(src: str) -> list[str]:
@@ -81,7 +115,8 @@ def flatten(modules: list[str]) -> str:
         aliased = [ln for ln in src if _RELATIVE_IMPORT.match(ln) and " as " in ln]
         if aliased:  # a dropped line cannot bind the alias in the one flat namespace
             raise ValueError(f"{name}: an aliased relative import cannot be flattened: {aliased[0]}")
-        lines = [ln for ln in src if not _RELATIVE_IMPORT.match(ln) and ln != "from __future__ import annotations"]
+        lines = [_nested_import(ln, name, modules) or ln for ln in src
+                 if not _RELATIVE_IMPORT.match(ln) and ln != "from __future__ import annotations"]
         parts.append(f"# ---- {name} " + "-" * max(0, 70 - len(name)) + "\n" + "\n".join(lines).strip() + "\n")
     return "\n\n".join(parts)
 
