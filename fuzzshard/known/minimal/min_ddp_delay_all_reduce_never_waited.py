@@ -6,9 +6,10 @@
 # no Reducer), so on gloo (a worker thread reducing in place) backward can return, and the optimizer read the
 # grads, before the all-reduce has written them: some iterations' delayed grads are this rank's own (divided by
 # the world size) or half-reduced. Here the hook param is the first layer's weight (its grad comes last), the
-# later 512-wide layers delayed: a few of 30 iterations per rank mismatch (a race: the rate varies with load).
-# `small` (4-wide layers: the all-reduce wins the race) usually shows 0; `in` (the hook param delayed too: its
-# grad accumulates into the buffer while the all-reduce reads it) gets most grads wrong.
+# later 512-wide layers delayed: a few (param, iteration) grads of 30 iterations per rank mismatch (a race: the
+# rate varies with load; 0-10 per rank on torch 2.13.0 CPU). `small` (4-wide layers) showed 0 on a quiet machine
+# and 19 per rank under load; `in` (the hook param delayed too: its grad accumulates into the buffer while the
+# all-reduce reads it) gets most grads wrong.
 import os, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -49,7 +50,7 @@ if __name__ == "__main__":
     out = mp.get_context("spawn").SimpleQueue()
     mp.spawn(run, args=("in" in sys.argv, 4 if "small" in sys.argv else 512, out), nprocs=2)
     bad = dict(out.get() for _ in range(2))
-    print(f"mismatching grads over 30 iterations, per rank: {bad}")
+    print(f"mismatching (param, iteration) grads over 30 iterations, per rank: {bad}")
     if any(bad.values()):
         print("BUG REPRODUCED: grads read after backward are not the delayed all-reduce's result")
         sys.exit(1)
