@@ -20,8 +20,8 @@ In every PowerSGD case (kernel/targets/ddp.py) the hook waits for each bucket's 
 returns: powerSGD_hook launches its P and Q all-reduces from future callbacks, which gloo runs on its worker
 thread while the backward launches the next bucket's all-reduce, so with two buckets or more the ranks'
 collectives may pair in another order (gloo's "Received data size doesn't match expected size", or a hang;
-leads/ddp_powersgd_gloo_callback_race.py); a wait per bucket keeps one order on every rank, and the math is
-powerSGD_hook's.
+root cause ddp-powersgd-gloo-callback-collective-order, known/minimal/min_ddp_powersgd_gloo_callback_race.py);
+a wait per bucket keeps one order on every rank, and the math is powerSGD_hook's.
 """
 from __future__ import annotations
 

@@ -468,8 +468,8 @@ class DDPTarget(Target):
         name = hook["name"]
         if name == "powersgd":
             # powerSGD_hook, each bucket's reduction waited for (on gloo its callbacks' all-reduces race the next
-            # bucket's: leads/ddp_powersgd_gloo_callback_race.py); the state it reads is the target's, which a
-            # load of PowerSGD's state swaps (kernel/powersgd.py)
+            # bucket's: root cause ddp-powersgd-gloo-callback-collective-order); the state it reads is the
+            # target's, which a load of PowerSGD's state swaps (kernel/powersgd.py)
             self.powersgd = powersgd_state(hook, self.group)
             self.wrapper.register_comm_hook(None, self._powersgd_hook)
             return
