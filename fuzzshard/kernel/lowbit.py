@@ -73,14 +73,14 @@ def lowbit_rows(d: int, shards: int, block: int) -> int:
 
 def lowbit_model(model, shards: int, block: int, short: int = 0):
     """``model`` with Linear(d, R), tanh, Linear(R, d) appended (d its output width), R = ``lowbit_rows``
-    less ``short``."""
+    less ``short`` (over more than one shard: one shard a row short is no shard at all quantized)."""
     import dataclasses
 
     from ..case import Layer
     from .model import out_dim
 
     d = out_dim(model)
-    rows = lowbit_rows(d, shards, block) - short
+    rows = lowbit_rows(d, shards, block) - (short if shards > 1 else 0)
     wide = (Layer("linear", d, rows), Layer("act", act="tanh"), Layer("linear", rows, d))
     return dataclasses.replace(model, layers=tuple(model.layers) + wide)
 
