@@ -12,7 +12,7 @@ def _float8_case(float8: dict, world: int = 2, **options):
     from cases import simple_case
     from fuzzshard.case import Group, Layer, Model
 
-    # widths that shard evenly over 2 ranks (an uneven float8 all-gather is a torchao finding, set apart)
+    # widths that shard evenly over 2 ranks (uneven: a known torchao bug, torchao-float8-uneven-all-gather)
     model = Model("features", 5, (Layer("linear", 5, 8), Layer("act", act="tanh"), Layer("linear", 8, 4)))
     case = simple_case(world, optim="Adam")
     return dataclasses.replace(case, target="fsdp2", batch=4, model=model,

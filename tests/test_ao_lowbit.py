@@ -101,9 +101,10 @@ def test_lowbit_fsdp2_is_in_parity_and_a_neighbour_blocks_scale_is_caught(tmp_pa
     assert "one code interval" in buggy, buggy
 
 
-def test_the_layout_rules_set_apart_torchaos_checkpoint_findings():
+def test_the_layout_rules_say_where_torchaos_checkpoint_bugs_show_and_the_cases_are_drawn():
     """fully_shard's dim-0 shards as torchao quantizes them, and the two checkpoint layouts torchao fails on
-    (docs/ao/lowbit_full_state_dict_mixed.py, docs/ao/lowbit_dcp_reshard_unaligned.py)."""
+    (docs/ao/lowbit_full_state_dict_mixed.py, docs/ao/lowbit_dcp_reshard_unaligned.py): known torchao bugs now,
+    not refused (nor float64 params)."""
     from fuzzshard.case import Checkpoint
     from fuzzshard.kernel.lowbit import lowbit_chunks, lowbit_cuts_blocks, lowbit_layout, lowbit_problem
 
@@ -114,10 +115,10 @@ def test_the_layout_rules_set_apart_torchaos_checkpoint_findings():
     assert not lowbit_cuts_blocks((1024, 8), 2, 1, 256) and not lowbit_cuts_blocks((1024, 8), 2, 4, 256)
     case = _lowbit_case("AdamW8bit")  # its layers.3.weight (3, 3072): quantized on rank 0 only
     full = dataclasses.replace(case, checkpoint=Checkpoint(0, "full", 2, (2,), dict(case.target_options)))
-    assert "torchao all-gathers codes beside float32" in lowbit_problem(full, (2,), case.target_options)
+    assert lowbit_problem(full, (2,), case.target_options) is None
     dcp = dataclasses.replace(case, checkpoint=Checkpoint(0, "dcp", 1, (1,), dict(case.target_options)))
     assert lowbit_problem(dcp, (2,), case.target_options) is None
-    assert "float64 params" in lowbit_problem(dataclasses.replace(case, dtype="float64"), (2,), case.target_options)
+    assert lowbit_problem(dataclasses.replace(case, dtype="float64"), (2,), case.target_options) is None
 
 
 @pytest.mark.slow

@@ -60,8 +60,9 @@ def known_markdown(known: dict) -> str:
             "## Root causes", "",
             "| root cause | kind | upstream | findings | what |", "|---|---|---|---|---|"]
     for rc in sorted(causes.values(), key=lambda rc: rc.id):
-        minimal = f". Hand-reduced: [`{rc.minimal.rsplit('/', 1)[-1]}`](minimal/{rc.minimal.rsplit('/', 1)[-1]})." \
-            if rc.minimal else ""
+        name = (rc.minimal or "").rsplit("/", 1)[-1]  # known/minimal/'s, else a path from the repository (docs/ao/)
+        link = f"minimal/{name}" if (rc.minimal or "").startswith("fuzzshard/known/minimal/") else f"../../{rc.minimal}"
+        minimal = f". Hand-reduced: [`{name}`]({link})." if rc.minimal else ""
         rows.append(f"| `{rc.id}` | {rc.kind} | {rc.upstream_text.replace('|', '/')} | {len(rc.signatures)} "
                     f"| {(rc.what or rc.title).replace('|', '/')}{minimal} |")  # (the bug in full: a description)
     rows += regression_table(known, causes)
