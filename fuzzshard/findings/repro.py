@@ -47,19 +47,24 @@ def kernel_modules(target: str) -> list[str]:
     return order
 
 
+def _base(node, name: str) -> str:
+    """The module a relative ``from ... import`` in module ``name`` reads from."""
+    import importlib.util
+
+    package = name if hasattr(importlib.import_module(name), "__path__") else name.rpartition(".")[0]
+    return importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+
+
 def _imports(name: str, nested: bool = False) -> list[str]:
     """The fuzzshard modules ``name`` imports relatively: at its top level, or (``nested``) inside its functions."""
     import ast
-    import importlib.util
 
-    module = importlib.import_module(name)
-    package = name if hasattr(module, "__path__") else name.rpartition(".")[0]
-    tree = ast.parse(inspect.getsource(module))
+    tree = ast.parse(inspect.getsource(importlib.import_module(name)))
     nodes = [n for n in ast.walk(tree) if n not in tree.body] if nested else tree.body
     out = []
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.level:
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            base = _base(node, name)
             out += [base] if node.module else [f"{base}.{a.name}" for a in node.names]
     return out
 
@@ -69,15 +74,13 @@ def _nested_import(line: str, name: str, flat: list[str]) -> str | None:
     flattened module are the script's globals already, so it binds only an alias, or a module as the one flat
     namespace; None: not such an import, or one of a module left out (kept: it raises if it is ever reached)."""
     import ast
-    import importlib.util
 
     m = re.match(r"^(\s+)(from \.+[\w.]* import [^(]*)$", line)
     if not m:
         return None
     indent, stmt = m.groups()
     node = ast.parse(stmt.split("#")[0].strip()).body[0]
-    package = name if hasattr(importlib.import_module(name), "__path__") else name.rpartition(".")[0]
-    base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+    base = _base(node, name)
     binds = []
     for a in node.names:
         if f"{base}.{a.name}" in flat:  # a module: in the flat script, the script itself
