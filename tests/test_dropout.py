@@ -110,14 +110,20 @@ def test_the_replay_is_each_ranks_slice_from_its_own_seed():
 @pytest.mark.parametrize("target, options", [
     ("fsdp2", {"wrap": ["layers.2"], "ac": ["layers.2"]}),  # the composable checkpoint (non-reentrant)
     ("fsdp1", {"ac": ["layers.2"], "ac_how": "utils_reentrant"}),  # torch.utils.checkpoint's reentrant form
-], ids=["fsdp2-composable", "fsdp1-reentrant"])
+    # DDP under a compressing hook, 2 microbatches: ddp's own reference (each rank's microbatches by hand) replays
+    ("ddp", {"ac": ["layers.2"], "ac_how": "utils", "microbatches": 2, "hook": {"name": "fp16"}}),
+], ids=["fsdp2-composable", "fsdp1-reentrant", "ddp-fp16-hook-microbatches"])
 def test_a_recomputation_that_draws_a_new_mask_is_caught(tmp_path, target, options):
     """2 ranks, the residual block (its dropout inside) checkpointed: the clean run keeps parity with the
     reference that replays each rank's masks; a checkpoint that ignores preserve_rng_state recomputes the
     block with another mask, and the grads of the block and of the layer in front of it diverge (the layer
-    after it, outside the checkpoint, does not)."""
+    after it, outside the checkpoint, does not). With 2 microbatches (ddp) the generator the recompute moved
+    gives the second microbatch other masks too: its loss differs first, and every grad with it."""
     case = dropout_case(target, **options)
     buggy = replay_clean_then_buggy(tmp_path, case, "dropout_recompute_new_mask.py")
+    if options.get("microbatches"):
+        assert f"FAIL: {target}.parity.loss" in buggy and "grad layers.2.inner" in buggy, buggy
+        return
     assert f"FAIL: {target}.parity.grad" in buggy and "grad of layers.0.weight after step 0" in buggy, buggy
     assert "layers.3.weight step 0" not in buggy, buggy
 

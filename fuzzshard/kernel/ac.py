@@ -5,7 +5,7 @@ The spec: ``ac``, the plain FQNs of the modules checkpointed (each one's forward
 and ``ac_how``, how (AC_HOWS). fsdp2's first spelling stays: ``ac`` without ``ac_how`` is the composable
 ``checkpoint`` (or, with ``ac_wrapper``, ``apply_activation_checkpointing``'s non-reentrant wrapper).
 A target says which hows it takes in its Spec (``ac``) and calls ``apply`` where its sharding puts it
-(fsdp2, zero, dtensor, tp, pp, sharded_optim: before or after their wrapping as each module's doc says).
+(fsdp2, zero, ddp, dtensor, tp, pp, sharded_optim: before or after their wrapping as each module's doc says).
 The reference trains the same model without any checkpointing: the recomputation must give the grads
 the plain forward gives, bit for bit where the ops are deterministic (each op recomputed on the same
 inputs), so the sharded run's tolerances stay what they were.

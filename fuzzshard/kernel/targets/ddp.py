@@ -44,7 +44,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...case import Case
-from ..model import loss_fn
+from ..ac import AC_NON_REENTRANT, apply_ac
+from ..dropout import draws, has_dropout
+from ..model import loss_fn, named_params, plain_fqn, submodule
 from ..optim import param_order
 from ..oracles import mixed_precision_tolerance, reduction_tolerance
 from ..plain import sensitivity, torch_dtype
@@ -218,6 +220,17 @@ def check(case) -> str | None:
                 f"{case.world_size}, one of them {len(case.schedule)}")
     if uneven and not joinable(case):
         return "uneven inputs where Join does not apply (see kernel/targets/ddp.py joinable)"
+    if uneven and has_dropout(case.model):
+        return "dropout with uneven inputs under Join: a joined rank's shadowed steps are not replayed"
+    return None
+
+
+def ac_rule(options: dict, how: str) -> str | None:
+    """Non-reentrant forms only (the Spec): DDP's docs allow reentrant checkpointing only without unused
+    params and with each layer checkpointed at most once. A gated layer's forward is fuzzshard's own (the
+    gate replaces it): that layer itself is not checkpointed, its children and parents may be."""
+    if options.get("gate") and options.get("gate") in options.get("ac", ()):
+        return f"activation checkpointing of the gated layer {options['gate']} (the gate replaces its forward)"
     return None
 
 
@@ -299,7 +312,10 @@ class DDPTarget(Target):
                 component="DDP", coverage=coverage,
                 # full grads on every rank before the step: torch.nn.utils' clips and a plain GradScaler see what
                 # a local model's would
-                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True)
+                clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
+                # checkpointing before DDP wraps (as zero's DDP), non-reentrant: DDP's docs limit the reentrant
+                # forms; each rank's dropout masks replayed by the reference on its slice (kernel/dropout.py)
+                ac=AC_NON_REENTRANT, ac_rule=ac_rule, dropout="replay")
     freeze_before_shard = True  # DDP registers the params that require grad when it wraps
 
     @classmethod
@@ -347,15 +363,20 @@ class DDPTarget(Target):
         loss, total, spread, sens = torch.zeros((), dtype=torch.float64), {}, {}, {}
         before = {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
         rounded = {}  # over microbatches i and ranks r: sum_{j<=i} |g_rj| (the running grads a sync may round)
+        replay = draws()  # dropout: rank r's masks from r's seed, its microbatches in order (kernel/dropout.py)
         with gated(model, options.get("gate")) as layer:
             for r in range(world):
                 acc, seen = {}, {}
+                if replay is not None:
+                    replay.rank(r)
                 for xm, ym in zip(x[r * per:(r + 1) * per].chunk(m), y[r * per:(r + 1) * per].chunk(m)):
                     if layer is not None:
                         layer._fuzz_skip = skips(xm)
                     objective = functools.partial(cls.objective, options=options)
-                    for key, v in sensitivity(model, params, xm, ym, objective, 1.0 / m).items():
-                        sens[key] = sens.get(key, 0.0) + v / world
+                    probe = objective if replay is None else replay.same_masks(objective)
+                    with replay.kept() if replay is not None else contextlib.nullcontext():
+                        for key, v in sensitivity(model, params, xm, ym, probe, 1.0 / m).items():
+                            sens[key] = sens.get(key, 0.0) + v / world
                     for p in params.values():
                         p.grad = None
                     local = objective(model, xm, ym) / m
@@ -437,8 +458,9 @@ class DDPTarget(Target):
         o = self.case.target_options
         kwargs = dict(o.get("ddp", {}))
         device = next(model.parameters()).device
+        apply_ac(model, o)  # activation checkpointing before DDP wraps (kernel/ac.py)
         if o.get("gate"):  # for the model's life (the reference gates its own model while it computes)
-            self.layer = model.get_submodule(o["gate"])
+            self.layer = submodule(model, o["gate"])
             self.layer._fuzz_skip = False
             self.layer.forward = _gated_forward(self.layer)
         if o.get("replicate"):
@@ -449,8 +471,9 @@ class DDPTarget(Target):
         else:
             from torch.nn.parallel import DistributedDataParallel
 
-            if o.get("ignore"):
-                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(o["ignore"]))
+            if o.get("ignore"):  # by the FQNs DDP sees (a CheckpointWrapper's in between: kernel/ac.py)
+                real = {plain_fqn(n): n for n, _ in model.named_parameters()}
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [real[n] for n in o["ignore"]])
             self.wrapper = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device],
                                                    process_group=self.group, **kwargs)
         self._register_hook()
@@ -557,7 +580,7 @@ class DDPTarget(Target):
             total = loss.detach().clone() if total is None else total + loss.detach()
         if self.case.target_options.get("replicate"):
             self.wrapper.set_requires_gradient_sync(True)
-        params = dict(model.named_parameters())
+        params = named_params(model)
         for n in self.case.target_options.get("ignore", ()):
             g = params[n].grad
             if g is not None:
@@ -595,7 +618,7 @@ class DDPTarget(Target):
         if (self.case.target_options.get("hook") or {}).get("resume"):
             after = self.case.checkpoint.after
             self.powersgd, live, self.round_trip_found = load_powersgd(path, self.group, after)
-            names = {id(p): n for n, p in model.named_parameters()}
+            names = {id(p): n for n, p in named_params(model).items()}
             self.resumed = resumed_hook(live, names, lambda: after + self.steps_run, self.round_trip_found)
         if self.case.checkpoint.kind != "module":
             plain = self.case.target_options.get("plain")  # set_state_dict on the plain model, or the wrapper
