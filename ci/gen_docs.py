@@ -1,6 +1,6 @@
 """Rewrite the generated regions of the docs from the code, so numbers and
 lists that change (known findings and root causes, targets, oracles, planted
-bugs, tests, commands, the code map) are never typed by hand.
+bugs, tests, commands, the code map, the floors of the architecture) are never typed by hand.
 
 A region is marked in README.md, docs/*.md or tests/README.md as
 
@@ -16,7 +16,8 @@ region); the same NAME may appear in several places.
 Files generated whole (WHOLE): fuzzshard/known/README.md, `fuzzshard known --markdown`'s page.
 
 Reads files and imports only torch-free modules (fuzzshard.cli, .oracle,
-.targets): it runs in well under a second.
+.targets; tests/test_imports.py, whose FLOORS the architecture's regions show):
+it runs in a few seconds.
 """
 from __future__ import annotations
 
@@ -326,7 +327,68 @@ def folders() -> str:
     return "\n".join(rows)
 
 
+# ---- the architecture: the floors, defined once in tests/test_imports.py (FLOORS, APART, UPWARD), and the arrows
+# between rooms the code has today (that test's reader of the import graph: every import, at any level)
+
+@functools.lru_cache(maxsize=None)
+def _floors():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fuzzshard_floors", ROOT / "tests" / "test_imports.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _room_path(room: str) -> str:
+    """A room's place in the repository: fuzzshard/kernel/, fuzzshard/case.py, strategies/ (fuzzshard.strategies),
+    fuzzshard/__init__.py (the package's face), fuzzshard/known/ (a folder of no module)."""
+    mods = _floors().modules()
+    if room == "fuzzshard" or room not in mods:
+        return "fuzzshard/__init__.py" if room == "fuzzshard" else room.replace(".", "/") + "/"
+    path, package = mods[room]
+    return _rel(path.parent) + "/" if package else _rel(path)
+
+
+def _room_short(room: str) -> str:
+    return _room_path(room).removeprefix("fuzzshard/")
+
+
+def architecture_floors() -> str:
+    """docs/architecture.md's floors: each room, what it holds (its docstring) and the rooms it imports today."""
+    fl = _floors()
+    edges = fl.graph(function_level=True)
+    uses: dict = {}
+    for a, ts in edges.items():
+        uses.setdefault(fl.room(a), set()).update(fl.room(b) for b in ts if fl.room(b) != fl.room(a))
+    order = [r for _, rooms in fl.FLOORS for r in rooms]
+    rows = ["| floor | room | what it holds | imports today |", "|---|---|---|---|"]
+    for i, (what, rooms) in enumerate(fl.FLOORS):
+        for j, r in enumerate(rooms):
+            first = f"**{len(fl.FLOORS) - i}**: {what}" if j == 0 else ""
+            imported = sorted(uses.get(r, ()), key=lambda u: (order.index(u) if u in order else len(order), u))
+            doc = first_sentence(module_doc(fl.modules()[r][0]), 110).replace("`", "")
+            up = [f"{_room_short(u)} (up, see below)" if any(fl.room(a) == r and fl.room(b) == u for a, b in fl.UPWARD) else
+                  _room_short(u) for u in imported]
+            rows.append(f"| {first} | `{_room_path(r)}` | {doc} | {', '.join(up) or '-'} |")
+    return "\n".join(rows)
+
+
+def architecture_exceptions() -> str:
+    """docs/architecture.md's arrows that go up a floor (UPWARD, by reason) and the rooms on no floor (APART)."""
+    fl = _floors()
+    by_reason: dict = {}
+    for (a, b), why in fl.UPWARD.items():
+        by_reason.setdefault((a, why), []).append(b)
+    rows = [f"- up: `{_rel(fl.modules()[a][0])}` -> {', '.join(f'`{_rel(fl.modules()[b][0])}`' for b in sorted(bs))}: {why}"
+            for (a, why), bs in sorted(by_reason.items())] or ["- up: none"]
+    rows += [f"- apart: `{_room_path(r)}`: {why}" for r, why in fl.APART.items()]
+    return "\n".join(rows)
+
+
 GENERATORS = {
+    "architecture-floors": architecture_floors,
+    "architecture-exceptions": architecture_exceptions,
     "folders": folders,
     "known-counts": known_counts,
     "known-short": known_short,

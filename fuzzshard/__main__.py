@@ -1,3 +1,4 @@
+"""python -m fuzzshard: the command line (fuzzshard/cli/)."""
 import sys
 
 from .cli import main

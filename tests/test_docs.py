@@ -1,5 +1,5 @@
 """The docs' generated regions (counts of known findings, targets, oracles,
-planted bugs, tests; the command tables; the code map) are what the code gives
+planted bugs, tests; the command tables; the code map; the architecture's floors) are what the code gives
 now, and the README keeps its promises: the test command CI runs, and a link
 for every docs page. Pure: reads files and builds the parser, no torch."""
 import importlib.util
@@ -64,3 +64,17 @@ def test_the_known_lists_readme_is_generated_whole_and_a_stale_one_is_caught():
     stale_page = ROOT / "tests" / "no-such-file.md"  # a generated file that is missing or differs is stale
     gen.WHOLE[stale_page] = lambda: "new\n"
     assert "tests/no-such-file.md (generated whole)" in gen.stale()
+
+
+def test_the_architecture_page_shows_every_floor_and_room():
+    """docs/architecture.md holds the floors' generated regions, and its table names every room of
+    tests/test_imports.py's FLOORS, each on its floor."""
+    gen = _gen_docs()
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert "<!-- generated: architecture-floors -->" in page and "<!-- generated: architecture-exceptions -->" in page
+    fl = gen._floors()
+    table = gen.architecture_floors()
+    for rooms in (rooms for _, rooms in fl.FLOORS):
+        for r in rooms:
+            assert f"| `{gen._room_path(r)}` |" in table, r
+    assert table in page  # (current: test_every_generated_region_is_current)

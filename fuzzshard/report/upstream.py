@@ -5,7 +5,7 @@ The shape of PyTorch's bug template: a title "[Component] what goes wrong",
 script, what it prints, expected against actual and the torch source
 suspected, then "### Versions". The script is the root cause's hand-reduced
 one where it has one, else the straight-line script generated from the case
-(scriptgen.py), else the flattened kernel, attached by file name (as is a
+(scriptgen/), else the flattened kernel, attached by file name (as is a
 generated script too long for an issue body, past INLINE_LIMIT); "To
 reproduce" says what it runs on (CPU and gloo, N GPUs and NCCL, no process
 group: ``runs_on``). With ``run``, that script runs here under torchrun on
@@ -44,7 +44,7 @@ _ROOT = Path(__file__).resolve().parent.parent.parent  # a root cause's minimal 
 @dataclass
 class Script:
     """The one script a report shows: ``kind`` is "minimal" (the root cause's hand-reduced one),
-    "straight" (scriptgen.py's, inlined) or "flat" (the flattened kernel, attached)."""
+    "straight" (scriptgen/'s, inlined) or "flat" (the flattened kernel, attached)."""
     text: str
     name: str
     ranks: int  # torchrun's --nproc-per-node; 0: a plain `python name`

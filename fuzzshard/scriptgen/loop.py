@@ -16,13 +16,12 @@ import re
 from ..case import Case, LRScheduler
 from .. import targets
 from . import common
+from .registry import writer
 
 SCHED = "torch.optim.lr_scheduler."
 
 
 def _writer(case: Case):
-    from . import writer
-
     return writer(case.target)
 
 
@@ -270,7 +269,6 @@ def record(case: Case, grads: str | None) -> list[str]:
     if case.scaler:
         parts.append("\"scale\": scaler.get_scale()")
     if case.lr_scheduler:  # (a writer's LAST_LR where a rank's scheduler steps only some of the case's groups: pp)
-        from . import writer
         parts.append(f"\"lr\": {getattr(writer(case.target), 'LAST_LR', '[float(v) for v in sched.get_last_lr()]')}")
     if plateau(case):
         parts.append("\"loss\": full_loss")

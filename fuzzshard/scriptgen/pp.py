@@ -14,7 +14,7 @@ and the targets everywhere. Params, grads and optimizer state each live on one
 rank: ``snapshot`` and ``gather`` merge every rank's own with one
 ``all_gather_object``, the param groups in the case's order (each from the
 lowest rank that holds its params), as the target's observations do. The plain
-model's replay (scriptgen/__init__.py) trains on the same microbatches:
+model's replay (scriptgen/checks.py) trains on the same microbatches:
 ``objective`` is the kernel's (the sum of the microbatch losses, their mean
 with ``scale_grads``), with the kernel's bounds.
 
