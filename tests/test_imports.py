@@ -12,9 +12,8 @@ before any of its submodules, and a package that imports its submodules to
 register them (oracle/, scriptgen/) is the idiom, not a cycle between layers.
 
 Module-level imports alone: 0 cycles. With function-level imports: 0 cycles
-but the ones listed in ``LAZY_CYCLES`` (each a lazy import of a helper across
-layers, left for a later change); a new cycle, or a listed one that grows,
-fails here.
+too (the last, Case.check's lazy imports of the kernel's rules, went behind the
+target registry: targets.py ``case_problem``); a new one fails here.
 """
 from __future__ import annotations
 
@@ -26,16 +25,6 @@ from pathlib import Path
 import fuzzshard
 
 ROOT = Path(fuzzshard.__file__).parent
-
-# the function-level cycles still there, each a set of modules: remove an entry once its cycle is gone
-LAZY_CYCLES = [
-    # case.py asks kernel/state_io.py where an async save can run, kernel/ac.py which modules a form of
-    # activation checkpointing may take and kernel/moe.py what MoE a target takes (Case.check): the rules live
-    # beside the code they guard (issue 49's third pass moves them behind the target's Spec)
-    {"fuzzshard.case", "fuzzshard.kernel.ac", "fuzzshard.kernel.decoder", "fuzzshard.kernel.dropout", "fuzzshard.kernel.model",
-     "fuzzshard.kernel.moe", "fuzzshard.kernel.state_io"},
-]
-
 
 def modules() -> dict[str, tuple[Path, bool]]:
     """module name -> (its file, whether it is a package's __init__)."""
@@ -131,10 +120,9 @@ def test_no_import_cycle_at_module_level():
     assert cycles(graph(function_level=False)) == []
 
 
-def test_no_import_cycle_with_function_level_imports_but_the_listed_ones():
-    found = cycles(graph(function_level=True))
-    new = [sorted(c) for c in found if c not in LAZY_CYCLES]
-    assert new == [], f"import cycle(s) through function-level imports: {new}"
+def test_no_import_cycle_with_function_level_imports():
+    found = [sorted(c) for c in cycles(graph(function_level=True))]
+    assert found == [], f"import cycle(s) through function-level imports: {found}"
 
 
 def test_the_kernel_and_the_pool_import_nothing_above_them():
