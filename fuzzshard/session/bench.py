@@ -252,13 +252,14 @@ def run_session_bench(n: int, seed: int, target: str = "dtensor", worlds=(1, 2, 
     import tempfile
 
     from .engine import Session
+    from .options import Draws, SessionOptions
 
     rates = {}
     for mode, placed in (("one at a time", False), ("side by side", True)):
         with tempfile.TemporaryDirectory(prefix="fuzzshard-bench-") as tmp, \
                 Pool(max(worlds), options=PoolOptions(device=device), placed=placed, spare=False) as pool:
-            session = Session(pool, [target], tmp, world_sizes=list(worlds), max_examples=n, seed=seed, device=device,
-                              progress=io.StringIO(), shrink_budget=0.0, database=None)
+            session = Session(pool, Draws((target,), tuple(worlds), device=device),
+                              SessionOptions(out=tmp, max_examples=n, seed=seed, shrink_budget=0.0), progress=io.StringIO())
             session.run()
             st = session.stats
             rates[mode] = st.cases / session.elapsed
