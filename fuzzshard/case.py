@@ -201,9 +201,10 @@ class Case:
         ``show``/``replay``/``script``/``bisect`` (cli/common.py's load_file), the pytest plugin's
         ``fuzzshard.testing.check`` and every worker before it runs a case (a refused case is an
         ``invalid`` verdict, never a finding). It covers every world size and mesh of the case, the added
-        param groups, the loop's features against the schedule, where an async save can run
-        (kernel/state_io.py) and the target's own refusals (its Spec's ``check``, e.g. ZeRO's uneven
-        inputs under Join with a clip, scaler or LR scheduler)."""
+        param groups, the loop's features against the schedule; then the kernel's rules, said beside the code
+        they guard and asked through the target registry (targets.py ``case_problem``; kernel/targets/base.py):
+        where an async save can run, dropout, activation checkpointing, MoE, and the target's own refusals
+        (its Spec's ``check``, e.g. ZeRO's uneven inputs under Join with a clip, scaler or LR scheduler)."""
         sides = [("", self.world_size, self.mesh_shape, self.target_options)]
         if self.checkpoint:
             sides.append(("checkpoint ", self.checkpoint.world_size, self.checkpoint.mesh_shape,
@@ -228,45 +229,14 @@ class Case:
             raise CaseError("a grad scaler with param groups added mid-run: their params' grads stay scaled")
         if self.scaler and not all(0 <= k < len(self.schedule) for k in self.scaler.overflow):
             raise CaseError(f"an overflow at steps {list(self.scaler.overflow)}: the schedule has {len(self.schedule)} steps")
-        if self.scaler and self.scaler.overflow_at:
+        if self.scaler and self.scaler.overflow_at and not 0 <= self.scaler.overflow_at.step < len(self.schedule):
             at = self.scaler.overflow_at
-            from .kernel.model import param_shapes
-
-            shape = param_shapes(self.model).get(at.param)
-            if not 0 <= at.step < len(self.schedule):
-                raise CaseError(f"an overflow in {at.param}'s grad at step {at.step}: the schedule has {len(self.schedule)} steps")
-            if shape is None:
-                raise CaseError(f"an overflow in {at.param}'s grad: the model has no such param")
-            if not 0 <= at.index < max(math.prod(shape), 1) or at.value not in ("inf", "-inf", "nan"):
-                raise CaseError(f"an overflow of {at.value!r} at element {at.index} of {at.param} "
-                                f"({math.prod(shape)} elements; inf, -inf or nan)")
+            raise CaseError(f"an overflow in {at.param}'s grad at step {at.step}: the schedule has {len(self.schedule)} steps")
         if self.checkpoint and not 0 <= self.checkpoint.after < len(self.schedule):
             raise CaseError(f"checkpoint after step {self.checkpoint.after}: the schedule has {len(self.schedule)} steps")
-        from .kernel.state_io import async_save_problem  # where an async save can run is said beside it
+        from . import targets  # the rules said beside the code they guard: the kernel's and the target's own
 
-        problem = async_save_problem(self)
-        if problem:
-            raise CaseError(problem)
-        from . import targets  # what this target's options may be is said in its module
-        from .kernel.dropout import dropout_problem  # which targets draw dropout, and how it is judged
-
-        problem = dropout_problem(self)
-        if problem:
-            raise CaseError(problem)
-        spec = targets.get(self.target).spec if self.target in targets.names() else None
-        from .kernel.ac import ac_problem  # activation checkpointing: what torch supports, said once for every target
-
-        for what, _, _, options in sides:
-            problem = ac_problem(self, options, spec) if spec else None
-            if problem:
-                raise CaseError(what + problem)
-        if spec:  # mixture-of-experts layers: what the target takes of them
-            from .kernel.moe import moe_problem
-
-            problem = moe_problem(self, spec, targets.get(self.target).microbatches)
-            if problem:
-                raise CaseError(problem)
-        problem = spec.check(self) if spec and spec.check else None
+        problem = targets.case_problem(self)
         if problem:
             raise CaseError(problem)
 

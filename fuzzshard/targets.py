@@ -70,3 +70,11 @@ def module_of(name: str) -> list[str]:
         if m.startswith("fuzzshard.kernel.targets.") and m != "fuzzshard.kernel.targets.base" and m not in out:
             out.append(m)
     return out
+
+
+def case_problem(case) -> str | None:
+    """What the kernel's rules refuse in ``case`` (Case.check asks, after its own): those of every target and its
+    target's own (kernel/targets/base.py ``case_problem``), reached through the registry as a target's module is,
+    so the case format imports no kernel module; None where they take it."""
+    base = importlib.import_module(f"{_PACKAGE}.base")
+    return base.case_problem(case, get(case.target) if case.target in names() else None)

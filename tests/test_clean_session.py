@@ -6,6 +6,7 @@ suite keeps its case stream, and its time, within CI's budget."""
 import pytest
 
 from fuzzshard.session.engine import Session
+from fuzzshard.session.options import Draws, SessionOptions
 from fuzzshard.strategies.optimizers import default_optimizers
 
 
@@ -24,9 +25,8 @@ SEEDS = {("dtensor", "Rprop"): 2}
 @pytest.mark.parametrize("optimizer", default_optimizers())
 @pytest.mark.parametrize("target", ["dtensor", "fsdp2"])
 def test_clean_session_finds_nothing_new(fuzz_pool, tmp_path, target, optimizer):
-    session = Session(fuzz_pool, [target], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=15,
-                      seed=SEEDS.get((target, optimizer), 2024),
-                      strategy_kwargs={"optimizer_names": [optimizer], "checkpoint": False})
+    session = Session(fuzz_pool, Draws((target,), optimizer_names=(optimizer,), checkpoint=False),
+                      SessionOptions(out=str(tmp_path), max_examples=15, seed=SEEDS.get((target, optimizer), 2024)))
     findings = session.run()
     assert not findings, "\n".join(f"{f.signature}: {f.verdict.first or f.verdict.error}" for f in findings)
     st = session.stats
@@ -41,8 +41,8 @@ def test_clean_session_over_every_optimizer_finds_nothing_new(fuzz_pool, tmp_pat
     and fsdp1: one session over all the optimizers each draws. fsdp1's
     checkpoint kinds crash often on CPU (known offload bugs): its round trips
     run in their own sessions, not in CI's budget."""
-    session = Session(fuzz_pool, [target], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=60, seed=2024,
-                      strategy_kwargs={"checkpoint": checkpoint})
+    session = Session(fuzz_pool, Draws((target,), checkpoint=checkpoint),
+                      SessionOptions(out=str(tmp_path), max_examples=60, seed=2024))
     findings = session.run()
     assert not findings, "\n".join(f"{f.signature}: {f.verdict.first or f.verdict.error}" for f in findings)
     st = session.stats

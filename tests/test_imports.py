@@ -13,9 +13,8 @@ before any of its submodules, and a package that imports its submodules to
 register them (oracle/, scriptgen/) is the idiom, not a cycle between layers.
 
 Module-level imports alone: 0 cycles. With function-level imports: 0 cycles
-but the ones listed in ``LAZY_CYCLES`` (each a lazy import of a helper across
-layers, left for a later change); a new cycle, or a listed one that grows,
-fails here.
+too (the last, Case.check's lazy imports of the kernel's rules, went behind the
+target registry: targets.py ``case_problem``); a new one fails here.
 
 The floors (``FLOORS``, defined here once): every room (a package of fuzzshard,
 or one of its top-level modules) stands on a floor, and imports only rooms on
@@ -34,15 +33,6 @@ from pathlib import Path
 import fuzzshard
 
 ROOT = Path(fuzzshard.__file__).parent
-
-# the function-level cycles still there, each a set of modules: remove an entry once its cycle is gone
-LAZY_CYCLES = [
-    # case.py asks kernel/state_io.py where an async save can run, kernel/ac.py which modules a form of
-    # activation checkpointing may take and kernel/moe.py what MoE a target takes (Case.check): the rules live
-    # beside the code they guard (issue 49's third pass moves them behind the target's Spec)
-    {"fuzzshard.case", "fuzzshard.kernel.ac", "fuzzshard.kernel.decoder", "fuzzshard.kernel.dropout", "fuzzshard.kernel.model",
-     "fuzzshard.kernel.moe", "fuzzshard.kernel.state_io"},
-]
 
 # The floors, top to bottom: (what the floor is, its rooms). A room is a package of fuzzshard (and all its modules)
 # or one top-level module; it imports only rooms on floors below its own (the kernel and the pool import no
@@ -70,11 +60,7 @@ APART = {
 }
 # the arrows that go up a floor, (importer, imported) module by module, each with its reason; remove one once it
 # is gone (test_no_import_goes_up_a_floor asks that too)
-_CASE_CHECK = ("Case.check asks the kernel's rules where they live (which modules a form of activation "
-               "checkpointing takes, dropout's, the MoE a target takes, where an async save can run, the params' "
-               "shapes), imported inside its functions: the cycle LAZY_CYCLES lists; issue 49's third pass moves "
-               "them behind the target's Spec")
-UPWARD = {("fuzzshard.case", f"fuzzshard.kernel.{m}"): _CASE_CHECK for m in ("ac", "dropout", "model", "moe", "state_io")}
+UPWARD: dict = {}
 
 
 def modules() -> dict[str, tuple[Path, bool]]:
@@ -176,10 +162,9 @@ def test_no_import_cycle_at_module_level():
     assert cycles(graph(function_level=False)) == []
 
 
-def test_no_import_cycle_with_function_level_imports_but_the_listed_ones():
-    found = cycles(graph(function_level=True))
-    new = [sorted(c) for c in found if c not in LAZY_CYCLES]
-    assert new == [], f"import cycle(s) through function-level imports: {new}"
+def test_no_import_cycle_with_function_level_imports():
+    found = [sorted(c) for c in cycles(graph(function_level=True))]
+    assert found == [], f"import cycle(s) through function-level imports: {found}"
 
 
 def room(module: str) -> str:

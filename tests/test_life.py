@@ -332,11 +332,12 @@ def test_a_finding_met_as_the_duration_ends_is_made_1_minimal_past_it(tmp_path):
     reduction, which runs right after the round, past the duration (the progress line says so), and the
     file's reduction record says 1-minimal."""
     from fuzzshard.session.engine import Session
+    from fuzzshard.session.options import Draws, SessionOptions
 
     progress, pool = io.StringIO(), SlowPool()
-    session = Session(pool, ["dtensor"], tmp_path, world_sizes=[1, 2, 3], duration=600.0, seed=0, known={},
-                      progress=progress, strategy_kwargs={"optimizer_names": ["SGD"]}, database=None,
-                      shrink_budget=120.0, hypothesis_shrink=0.1, pack=1)
+    session = Session(pool, Draws(("dtensor",), (1, 2, 3), optimizer_names=("SGD",)),
+                      SessionOptions(out=str(tmp_path), duration=600.0, seed=0, shrink_budget=120.0,
+                                     hypothesis_shrink=0.1, pack=1), known={}, progress=progress)
     pool.on_failure = lambda: setattr(session, "_deadline", min(session._deadline, time.monotonic()))
     (finding,) = session.run()
     data = json.loads((tmp_path / f"{finding.signature}.json").read_text())

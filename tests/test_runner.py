@@ -114,9 +114,10 @@ def test_a_hang_beside_other_cases_costs_them_nothing(side_by_side_pool):
 def test_a_session_on_a_placed_pool_draws_packs_and_counts_cases(side_by_side_pool, tmp_path):
     """--side-by-side: packs of up to four cases over world sizes 1-4, max_examples counting cases, not packs."""
     from fuzzshard.session.engine import Session
+    from fuzzshard.session.options import Draws, SessionOptions
 
-    session = Session(side_by_side_pool, ["dtensor"], tmp_path, world_sizes=[1, 2, 3, 4], max_examples=12, seed=3,
-                      strategy_kwargs={"optimizer_names": ["SGD"], "checkpoint": False})
+    session = Session(side_by_side_pool, Draws(optimizer_names=("SGD",), checkpoint=False),
+                      SessionOptions(out=str(tmp_path), max_examples=12, seed=3))
     assert session.pack == 4
     assert not session.run()
     st = session.stats

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 from fuzzshard.case import Layer
 from fuzzshard.session.engine import Session, Stats
+from fuzzshard.session.options import Draws, SessionOptions
 from fuzzshard.findings.record import signature
 from fuzzshard.findings.life import FindingBook
 from fuzzshard.pool.options import PoolOptions
@@ -28,8 +29,8 @@ def test_weights_give_the_least_covered_cells_the_most_draws_and_keep_every_cell
 
 
 def test_a_timed_session_steers_each_round_to_what_it_covered_least(tmp_path):
-    session = Session(None, ["dtensor"], tmp_path, duration=60.0, seed=7)
-    assert Session(None, ["dtensor"], tmp_path, max_examples=10)._steer("dtensor") == {}  # a count-bound one: free
+    session = Session(None, Draws(), SessionOptions(out=str(tmp_path), duration=60.0, seed=7))
+    assert Session(None, Draws(), SessionOptions(out=str(tmp_path), max_examples=10))._steer("dtensor") == {}  # a count-bound one: free
     session._deadline = 1.0  # as run() sets it
     first = session._steer("dtensor")["steer"]
     for turns in first["optimizer by world"].values():  # nothing covered: every cell once, at each world size
@@ -192,7 +193,8 @@ def test_a_case_drawn_again_is_answered_with_its_verdict_not_run_again(tmp_path,
     monkeypatch.setattr(fst, "cases", lambda **kw: st.integers(0, 9).map(lambda i: two[i % 2]))
     pool = HangPool(finishes=True)
     pool.generation, pool.restarts, pool.stuck_seconds, pool.restart_seconds = 1, 0, 0.0, 0.0  # every case passes
-    session = Session(pool, ["dtensor"], tmp_path, world_sizes=[1], max_examples=20, seed=1, progress=io.StringIO())
+    session = Session(pool, Draws(world_sizes=(1,)), SessionOptions(out=str(tmp_path), max_examples=20, seed=1),
+                      progress=io.StringIO())
     session.run()
     ran = [c.to_json() for c, _ in pool.history]
     assert sorted(ran) == sorted(c.to_json() for c in two)  # each once

@@ -181,8 +181,8 @@ def test_a_cells_session_says_what_it_changes_through_the_sessions_hooks(tmp_pat
 
     (tmp_path / "cells").mkdir()
     spec = {"out": str(tmp_path), "origin": {"host": "h"}, "name": "e0c1", "size": 2, "seed": 5, "procs": 2,
-            "world_sizes": [1, 2, 3], "deadline": time.time() + 60, "device": "cpu", "targets": ["dtensor"],
-            "strategy_kwargs": {}, "database": None, "plugins": []}
+            "draws": {"world_sizes": [1, 2, 3], "targets": ["dtensor"]}, "deadline": time.time() + 60,
+            "database": None, "plugins": []}
     s = SoakSession(spec, None, progress=io.StringIO(), known={})
     assert type(s.book) is SoakBook and s.book.origin == {"host": "h", "cell": "e0c1", "ranks": 2, "seed": 5}
     assert s.book.findings_dir == tmp_path / "findings" and s.world_sizes == [1, 2] and s.seed == 5

@@ -62,7 +62,10 @@ def run(args) -> int:
     names = resolve_targets(args.target)
     if len(names) != 1:
         raise UsageError("bench measures one target at a time")
-    models = tuple(model_families(args.models)) if args.models else ("topologies",)
+    from ..session.options import Draws
+
+    draws = Draws(tuple(names), tuple(worlds), device=args.device or "cpu",
+                  models=tuple(model_families(args.models)) if args.models else None)
     if args.simulate:
         from ..session.bench import run_simulate_bench
 
@@ -89,9 +92,9 @@ def run(args) -> int:
     if args.scaling:
         from ..session.bench import run_scaling
 
-        run_scaling(args.cases, args.seed, names[0], device=args.device, models=models)
+        run_scaling(args.cases, args.seed, draws.replace(world_sizes=(1, 2, 3, 4)))  # (whatever --world-sizes says)
         return 0
     for world in worlds:
-        run_bench(args.cases, world, args.seed, names[0], device=args.device, models=models)
+        run_bench(args.cases, args.seed, draws.replace(world_sizes=(world,)))
     return 0
 

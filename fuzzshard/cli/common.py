@@ -86,47 +86,11 @@ CASE_TIMEOUT = f"{DEFAULT_CASE_TIMEOUT:g}s"  # (pool/options.py says it)
 
 
 def draw_args(p) -> None:
-    p.add_argument("--world-sizes", default=None, help="comma-separated world sizes to draw from (default 1,2,3,4)")
-    p.add_argument("--optimizers", default=None, help="restrict to these torch.optim classes, comma-separated")
-    p.add_argument("--models", default=None, metavar="FAMILIES",
-                   help="model families to draw, comma-separated: topologies (random trees of Linear, Embedding, "
-                        "LayerNorm, Conv1d; the default), decoder (a Llama-style transformer: SDPA attention with "
-                        "rotary embeddings and grouped-query heads, SwiGLU or GELU MLP, RMSNorm or LayerNorm, tied "
-                        "head or not, cross-entropy on token targets; fsdp2 draws torchtitan-style TP plans for it), "
-                        "moe (every case of the other families named, topologies where none is, with a "
-                        "torchtitan-style mixture-of-experts layer: routing, experts, load balancing; without it "
-                        "one topology or decoder in 8 has one)")
-    p.add_argument("--compile", action="store_true",
-                   help="fsdp2 also draws torch.compile (inductor) of each block, before or after fully_shard as "
-                        "torchtitan does, and of the optimizer step; the reference stays eager. Off by default: a "
-                        "compile costs seconds a case")
-    p.add_argument("--ac", action="store_true",
-                   help="also draws activation checkpointing on every target that takes it (a quarter of the cases): "
-                        "torch.utils.checkpoint reentrant or not, checkpoint_wrapper, apply_activation_checkpointing, "
-                        "the composable checkpoint, torchtitan's per-op selective AC, per module or every k-th block; "
-                        "the reference trains without it")
-    p.add_argument("--ao", action="store_true",
-                   help="fsdp2 also draws torchao's float8 training (convert_to_float8_training: the tensorwise, "
-                        "rowwise and rowwise_with_gw_hp recipes over drawn Linears, the float8 all-gather, its "
-                        "precomputed scales; emulated on CPU) and torchao's low-bit AdamW (AdamW8bit, AdamW4bit, "
-                        "AdamWFp8, stepped eagerly); tp draws float8 under torchao's float8 TP styles. "
-                        "Needs pip install 'fuzzshard[ao]': without torchao "
-                        "these draws are off (one line says so)")
-    p.add_argument("--loop", default="all", metavar="FEATURES",
-                   help="the training loop drawn around the step, where the target takes it, comma-separated: "
-                        "clip (clip_grad_norm_ in every norm type, torchtitan's get_total_norm + "
-                        "clip_grads_with_norm_, clip_grad_value_, FSDP1's own), lr_scheduler (torch.optim.lr_scheduler, "
-                        "stepped every step and checkpointed), scaler (GradScaler / ShardedGradScaler with steps that "
-                        "overflow on purpose), async_save (dcp.async_save while training goes on); all (the "
-                        "default) or none. Each shrinks to not used")
-    p.add_argument("--dropout", action="store_true",
-                   help="also draw dropout (nn.Dropout layers, the decoder's attention and residual dropout) in one "
-                        "case in 3, where the target takes it; each rank's masks are seeded per step and the "
-                        "reference replays them, or loss and grads go uncompared where torch promises no mask "
-                        "(docs/oracles.md, Dropout). Off by default: the draws stay as they were")
-    p.add_argument("--checkpoints", choices=["some", "all", "none"], default="some",
-                   help="save mid-schedule and resume from a fresh model (full state dict, broadcast from rank 0, or "
-                        "DCP files, at any of the world sizes) in some cases (default), every case, or none")
+    """fuzz's and soak's draw flags, each said once, beside its field (session/options.py Draws)."""
+    from ..session.options import flags
+
+    for f in flags():  # an opt-in is read into its field by name (draws)
+        p.add_argument(f.metadata["flag"], **f.metadata["argparse"], **({} if f.metadata["parsed"] else {"dest": f.name}))
 
 
 def pool_args(p, runs: str = "drawn") -> None:
@@ -282,35 +246,36 @@ def redis_url(url: str) -> str:
     return url
 
 
-def strategy_kwargs(args) -> dict:
-    out = {"checkpoint": {"some": None, "all": True, "none": False}[args.checkpoints]}
-    if args.optimizers:
-        from fuzzshard.strategies.optimizers import available
+def draws(args, targets, world_sizes, **more):
+    """The draw flags (draw_args) as the typed record a session draws by (session/options.py Draws): those
+    whose text is read here, the opt-ins (--ac, --dropout, ...) as they are; ``more``: what a mode adds."""
+    from ..session.options import Draws, flags
 
-        opts = [o.strip() for o in args.optimizers.split(",")]
-        bad = [o for o in opts if o not in available()]
-        if bad:
-            raise UsageError(f"unknown optimizer(s) {bad} (known: {', '.join(available())})")
-        out["optimizer_names"] = opts
-    if args.models:
-        out["models"] = model_families(args.models)
-    if args.compile:
-        out["compile"] = True
-    if getattr(args, "ac", False):
-        out["ac"] = True
-    if getattr(args, "dropout", False):
-        out["dropout"] = True
-    if getattr(args, "ao", False):
+    read = {"world_sizes": tuple(world_sizes), "optimizer_names": optimizer_names(args.optimizers),
+            "models": tuple(model_families(args.models)) if args.models else None,
+            "loop": loop_features(args.loop),
+            "checkpoint": {"some": None, "all": True, "none": False}[args.checkpoints]}
+    given = {f.name: read[f.name] if f.metadata["parsed"] else bool(getattr(args, f.name)) for f in flags()}
+    if given["ao"]:
         from ..kernel.float8 import FLOAT8_OFF, float8_available
 
-        if float8_available():
-            out["ao"] = True
-        else:
+        if not float8_available():
             print(FLOAT8_OFF, file=sys.stderr)
-    loop = loop_features(getattr(args, "loop", "none"))
-    if loop:
-        out["loop"] = loop
-    return out
+            given["ao"] = False
+    return Draws(targets=tuple(targets), device=args.device, **given, **more)
+
+
+def optimizer_names(text: str | None) -> tuple[str, ...] | None:
+    """``--optimizers``: torch.optim classes (or a plugin's), comma-separated; None: every one."""
+    if not text:
+        return None
+    from fuzzshard.strategies.optimizers import available
+
+    opts = [o.strip() for o in text.split(",")]
+    bad = [o for o in opts if o not in available()]
+    if bad:
+        raise UsageError(f"unknown optimizer(s) {bad} (known: {', '.join(available())})")
+    return tuple(opts)
 
 
 def loop_features(text: str) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ import sys
 
 from .common import (
     WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, count, draw_args, out_dir, parse_duration,
-    parse_world_sizes, pool_args, redis_url, resolve_targets, start_pool, strategy_kwargs, torch_version, warn_cores,
+    parse_world_sizes, pool_args, redis_url, resolve_targets, start_pool, draws as read_draws, torch_version, warn_cores,
     whole,
 )
 
@@ -60,6 +60,7 @@ def run(args) -> int:
     import signal
 
     from ..session.engine import Session
+    from ..session.options import SessionOptions
 
     workers, simulated = _simulate(args) if args.simulate else (0, {})
     sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
@@ -70,7 +71,7 @@ def run(args) -> int:
     check_pool_args(args)
     check_gpus(args, 1 if args.simulate else max(sizes))
     names = resolve_targets(args.target)
-    draws = {**strategy_kwargs(args), **simulated}
+    draws = read_draws(args, names, sizes, **simulated)
     from .. import targets
 
     if args.compile and not any(targets.get(n).spec.compiled for n in names):
@@ -102,10 +103,10 @@ def run(args) -> int:
     try:
         if args.simulate:  # its book sets LocalTensor's own errors aside unshrunk, for the real check (simulate.py)
             from ..session.simulate import SimulatedSession as Session
-        session = Session(pool, names, args.out, world_sizes=sizes, max_examples=args.max_examples or 100,
-                          duration=duration, seed=seed, device=args.device, strategy_kwargs=draws,
-                          database=database, shrink_budget=shrink_budget, plugins=args.plugin or (),
-                          **({"pack": pool.size} if args.simulate and not args.one_at_a_time else {}))
+        options = SessionOptions(out=args.out, max_examples=args.max_examples or 100, duration=duration, seed=seed,
+                                 shrink_budget=shrink_budget, database=database, plugins=tuple(args.plugin or ()),
+                                 pack=pool.size if args.simulate and not args.one_at_a_time else None)
+        session = Session(pool, draws, options)
         session.log = Path(args.out, "cells", "fuzz.jsonl")  # a line per case: `fuzzshard report OUT` reads them
         session.log.parent.mkdir(parents=True, exist_ok=True)
         if session.pack > 1:
@@ -126,7 +127,7 @@ def run(args) -> int:
 
         try:  # on pools made from the session's own options, simulated and real
             found = confirm(findings, args.out, pool.options, set_aside=set_aside, workers=workers,
-                            optimizer_names=draws.get("optimizer_names")).get("found", [])
+                            optimizer_names=draws.strategy_kwargs().get("optimizer_names")).get("found", [])
         except PoolError as e:
             raise UsageError(f"could not start the workers that check the simulated findings: {e}") from None
         findings = [f for f in findings + found if os.path.exists(os.path.join(args.out, f"{f.signature}.json"))]

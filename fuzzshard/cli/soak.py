@@ -6,7 +6,7 @@ import os
 
 from .common import (
     WORLD_SIZES, Renamed, UsageError, check_gpus, check_pool_args, count, draw_args, out_dir, parse_duration,
-    parse_world_sizes, pool_args, pool_options, redis_url, resolve_targets, strategy_kwargs, warn_cores, whole,
+    parse_world_sizes, pool_args, pool_options, redis_url, resolve_targets, draws, warn_cores, whole,
 )
 
 
@@ -66,9 +66,9 @@ def run(args) -> int:
     check_gpus(args, args.workers)
     if args.redis:
         redis_url(args.redis)
-    options = SoakOptions(tuple(resolve_targets(args.targets)), tuple(sizes), pool=pool_options(args),
+    options = SoakOptions(draws(args, resolve_targets(args.targets), sizes), pool=pool_options(args),
                           plugins=tuple(os.path.abspath(p) for p in args.plugin or []),  # each finding records them
-                          strategy_kwargs=strategy_kwargs(args), database=args.redis)
+                          database=args.redis)
     return Soak(options, args.workers, duration, epoch, args.out, args.seed, cells=cells).run()
 
 

@@ -11,16 +11,8 @@ import torch.nn.functional as F
 
 from ..case import Layer, Model
 from .decoder import decoder
+from .fqn import WRAPPERS, plain_fqn  # noqa: F401 (named here too: targets and scripts import them from here)
 from .moe import MoE, moe_param_shapes
-
-# modules torch puts between a module and its children (FSDP1's unit, the
-# activation-checkpoint wrapper); FQNs leave them out, as DSD's state dicts do
-WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-
-
-def plain_fqn(name: str) -> str:
-    """A name in a wrapped model as the plain model has it."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
 
 
 def named_params(model: nn.Module) -> dict[str, nn.Parameter]:

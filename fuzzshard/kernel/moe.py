@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .fqn import plain_fqn
+
 # the keys of an MoE config, and what each is (the off-value first: what a draw shrinks to)
 MOE_KEYS = {
     "experts": "routed experts E",
@@ -472,8 +474,6 @@ def set_aux_grad(model: nn.Module, scale: float) -> None:
 
 def expert_biases(model: nn.Module) -> dict:
     """{plain FQN of an MoE: a copy of its expert_bias} of the MoE layers this rank holds (with a bias)."""
-    from .model import plain_fqn
-
     return {plain_fqn(n): _moe_local(m.expert_bias).detach().clone() for n, m in model.named_modules()
             if isinstance(m, MoE) and m.expert_bias is not None}
 
@@ -500,8 +500,6 @@ def observe_biases(model: nn.Module, group, step: int) -> tuple[dict, list]:
 def set_biases(model: nn.Module, biases: dict | None, counts: dict | None = None) -> dict:
     """Set every MoE's expert_bias to ``biases`` ({fqn: tensor}; None: leave them) and its tokens_per_expert to
     ``counts`` (None: zeros); returns the counts it held."""
-    from .model import plain_fqn
-
     held = {}
     with torch.no_grad():
         for n, m in model.named_modules():

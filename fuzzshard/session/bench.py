@@ -20,20 +20,23 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 
 from ..pool.options import PoolOptions
+from .options import Draws
 from ..pool.runner import Pool
 
 
-def fixed_cases(n: int, world: int, seed: int, target: str = "dtensor", device: str = "cpu",
-                models=("topologies",)) -> list:
-    """The same n cases for a given seed, drawn by the fuzzer's own strategy (``models``: its families)."""
+def fixed_cases(n: int, seed: int, draws: Draws) -> list:
+    """The same n cases for a given seed, drawn by the fuzzer's own strategy as ``draws`` say (their first
+    target, their world sizes, their families), without checkpoints."""
     import fuzzshard.strategies as fst
+
+    kwargs = draws.replace(checkpoint=False).strategy_kwargs()
 
     out = []
 
     @hseed(seed)
     @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(fst.cases(target=target, world_sizes=[world], checkpoint=False, device=device, models=models))
+    @given(fst.cases(target=draws.targets[0], world_sizes=list(draws.world_sizes), device=draws.device, **kwargs))
     def collect(case):
         if len(out) < n:
             out.append(case)
@@ -74,12 +77,12 @@ def measure(pool, case) -> dict:
     return row
 
 
-def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print, device: str = "cpu",
-              models=("topologies",)) -> dict:
-    """On the same cases: the warm pool (fuzzshard's case), the bare loop in
-    the same pool (the case's sharded training alone: the floor) and a fresh
-    process group per case (what a unittest-style harness pays)."""
-    *cases, spare = fixed_cases(n + 1, world, seed, target, device, models)
+def run_bench(n: int, seed: int, draws: Draws, echo=print) -> dict:
+    """On the same cases (``draws``: one target, one world size): the warm pool (fuzzshard's case), the bare
+    loop in the same pool (the case's sharded training alone: the floor) and a fresh process group per case
+    (what a unittest-style harness pays)."""
+    target, world, device, models = draws.targets[0], draws.world_sizes[0], draws.device, draws.models or ("topologies",)
+    *cases, spare = fixed_cases(n + 1, seed, draws)
     echo(f"bench: {len(cases)} {target} cases ({','.join(models)}) at world size {world} on {device} (seed {seed}): "
          "warm, bare, fresh")
 
@@ -131,18 +134,18 @@ def run_bench(n: int, world: int, seed: int, target: str = "dtensor", echo=print
             "checkpoint_ms": {kind: ms for kind, (ms, _) in ckpt_ms.items()}}
 
 
-def run_scaling(n: int, seed: int, target: str = "dtensor", echo=print, device: str = "cpu",
-                worlds=(1, 2, 3, 4), models=("topologies",)) -> list[dict]:
-    """How a case's cost grows: ``n`` cases per world size on one warm pool
+def run_scaling(n: int, seed: int, draws: Draws, echo=print) -> list[dict]:
+    """How a case's cost grows: ``n`` cases per world size of ``draws`` on one warm pool
     of max(worlds) ranks, each measured as bench measures it; then the same
     runs by model depth (modules holding params) and by steps."""
     from ..kernel.model import param_shapes
 
+    target, worlds, device = draws.targets[0], draws.world_sizes, draws.device
     pool = Pool(max(worlds), options=PoolOptions(device=device)).start()
     rows = []
     try:
         for w in worlds:
-            *cases, spare = fixed_cases(n + 1, w, seed, target, device, models)
+            *cases, spare = fixed_cases(n + 1, seed, draws.replace(world_sizes=(w,)))
             measure(pool, spare)  # first-call costs of this world size (its subgroup, lazy imports)
             for case in cases:
                 depth = len({fqn.rsplit(".", 1)[0] for fqn in param_shapes(case.model)})
@@ -252,13 +255,14 @@ def run_session_bench(n: int, seed: int, target: str = "dtensor", worlds=(1, 2, 
     import tempfile
 
     from .engine import Session
+    from .options import SessionOptions
 
     rates = {}
     for mode, placed in (("one at a time", False), ("side by side", True)):
         with tempfile.TemporaryDirectory(prefix="fuzzshard-bench-") as tmp, \
                 Pool(max(worlds), options=PoolOptions(device=device), placed=placed, spare=False) as pool:
-            session = Session(pool, [target], tmp, world_sizes=list(worlds), max_examples=n, seed=seed, device=device,
-                              progress=io.StringIO(), shrink_budget=0.0, database=None)
+            session = Session(pool, Draws((target,), tuple(worlds), device=device),
+                              SessionOptions(out=tmp, max_examples=n, seed=seed, shrink_budget=0.0), progress=io.StringIO())
             session.run()
             st = session.stats
             rates[mode] = st.cases / session.elapsed
@@ -286,7 +290,7 @@ def run_simulate_bench(n: int, seed: int, target: str = "dtensor", echo=print, r
     echo(f"bench --simulate: {n} {target} cases per world size (seed {seed}); real: a warm pool of W gloo "
          f"processes; simulated: LocalTensorMode in one worker, and in {workers} side by side")
     for w in sorted(set(real_worlds) | set(sim_worlds)):
-        *cases, spare = fixed_cases(n + 1, w, seed, target)
+        *cases, spare = fixed_cases(n + 1, seed, Draws((target,), (w,)))
         row: dict = {}
         sides = ([("real", w, False, False)] if w in real_worlds else []) + \
                 ([("sim1", 1, True, False)] + ([("simN", workers, True, True)]

@@ -47,7 +47,6 @@ from __future__ import annotations
 import collections
 import json
 import hashlib
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -66,6 +65,7 @@ from ..findings.record import Finding, load_known, summary
 from ..findings.judge import judge_many
 from ..findings.life import FindingBook
 from ..pool.runner import Pool, PoolError
+from .options import Draws, SessionOptions
 from .schedule import Scheduler
 from ..verdict import Verdict
 
@@ -85,12 +85,6 @@ EARLY_TIMEOUT_FACTOR = 10.0
 EARLY_TIMEOUT_FLOOR = 30.0
 GRACE_FRACTION = 0.1  # a --duration session may run over by this fraction of it (confirmations included) ...
 GRACE_FLOOR = 20.0  # ... or, a session shorter than 200 s, by this many seconds (a last case, a confirmation)
-# A round that found something goes on searching and shrinking (Hypothesis) for this fraction of the shrink
-# budget at most, then ends, and the reducer (reduce.py) has the whole budget for the round's findings: its edits
-# take big steps (a whole feature, the ranks) where Hypothesis's later passes polish widths and seeds, and a
-# shrink left to run for the whole budget (a busy machine, slow cases) left the reducer nothing (issue 45)
-HYPOTHESIS_SHRINK_FRACTION = 1 / 3
-HYPOTHESIS_SHRINK_ENV = "FUZZSHARD_HYPOTHESIS_SHRINK"  # seconds: the bound set outright (tests make it small)
 
 
 class _RoundOver(KeyboardInterrupt):
@@ -166,46 +160,24 @@ class Session:
     fallback_db = ".hypothesis"  # the directory database under OUT that a redis database also writes
     book_class: Callable[..., FindingBook] = FindingBook
 
-    def __init__(
-        self,
-        pool: Pool,
-        targets: list[str],
-        out_dir: str | Path,
-        world_sizes=(1, 2, 3, 4),
-        max_examples: int | None = 100,
-        duration: float | None = None,
-        seed: int = 0,
-        device: str = "cpu",
-        known: dict | None = None,
-        progress=None,
-        strategy_kwargs: dict | None = None,
-        database=None,
-        shrink_budget: float | None = None,
-        findings_dir: str | Path | None = None,
-        plugins=(),
-        pack: int | None = None,
-        book_class: Callable[..., FindingBook] | None = None,
-        hypothesis_shrink: float | None = None,
-    ):
-        self.pool = pool
+    def __init__(self, pool: Pool, draws: Draws, options: SessionOptions = SessionOptions(), known: dict | None = None,
+                 progress=None, book_class: Callable[..., FindingBook] | None = None):
+        """``draws``: what the session draws (targets, world sizes, the opt-in families); ``options``: its bounds
+        and places (session/options.py); ``known``: the known findings (None: the known list's)."""
+        self.pool, self.draws, self.options = pool, draws, options
         # (read off the class, never bound: a plain function a subclass names is called as it is)
         self.book_class = book_class if book_class is not None else type(self).book_class
-        self.targets = targets
-        self.out = Path(out_dir)
-        self.findings_dir = Path(findings_dir) if findings_dir else self.out
-        self.world_sizes = list(world_sizes)
-        self.max_examples = max_examples
-        self.duration = duration
-        self.shrink_budget = default_shrink_budget(duration) if shrink_budget is None else shrink_budget
-        # how long a round that found something goes on searching and shrinking (Hypothesis) before it ends
-        self.hypothesis_shrink = hypothesis_shrink_bound(self.shrink_budget) if hypothesis_shrink is None \
-            else hypothesis_shrink
+        self.targets = list(draws.targets)
+        self.out = Path(options.out)
+        self.findings_dir = Path(options.findings_dir or options.out)
+        self.world_sizes = list(draws.world_sizes)
+        self.max_examples, self.duration, self.seed = options.max_examples, options.duration, options.seed
+        self.shrink_budget = options.budget()
+        self.hypothesis_shrink = options.hypothesis_bound()  # a round that found something: searching, shrinking
         self._reducing_until: float | None = None  # while a round's findings are reduced: the end of their budget
-        self.seed = seed
-        self.device = device
+        self.device = draws.device
         self.progress = progress = progress or sys.stderr  # when called, not imported (pytest swaps stderr)
-        self.strategy_kwargs = strategy_kwargs or {}
-        self.database = database if database is not None else str(self.out / ".hypothesis")
+        self.database = options.database if options.database is not None else str(self.out / ".hypothesis")
         self.stats = Stats()
         self.stop_reason: str | None = None
         self._failing: dict[str, tuple] = {}  # case JSON -> (signature, verdict) of new findings run
@@ -219,12 +191,12 @@ class Session:
         self._last_print = 0.0
         self._deadline: float | None = None
         self.elapsed = 0.0  # the session's length, confirmations included
-        self.plugins = [str(Path(p).resolve()) for p in plugins]  # --plugin files: recorded, so replay loads them
+        self.plugins = list(options.plugins)  # --plugin files: recorded, so replay loads them
         # cases drawn together and run side by side (at most): 1 draws and runs one at a time
-        self.pack = pack_size(pool, self.world_sizes) if pack is None else pack
+        self.pack = pack_size(pool, self.world_sizes) if options.pack is None else options.pack
         self.book = self.book_class(
             pool, self.out, self.stats, findings_dir=self.findings_dir, known=load_known() if known is None else known,
-            progress=progress, optimizer_names=self.strategy_kwargs.get("optimizer_names"), plugins=self.plugins,
+            progress=progress, optimizer_names=draws.strategy_kwargs().get("optimizer_names"), plugins=self.plugins,
             pack=self.pack, shrink_budget=self.shrink_budget, variant_timeout=self._derived_timeout)
         self.book.tick = self._report_progress  # progress lines while a reduction runs (no case of the search does)
 
@@ -323,7 +295,7 @@ class Session:
         Shrinking is unchanged: the weights are fixed for the round, which is one Hypothesis run."""
         if not self._deadline:
             return {}
-        return self.schedule.steer(target, self.world_sizes, self.strategy_kwargs)
+        return self.schedule.steer(target, self.world_sizes, self.draws.strategy_kwargs())
 
     def _run_round(self, target: str, n: int, seed: int, reuse: bool = True, pin: dict | None = None) -> _Round:
         """One Hypothesis run over ``target``; ``reuse``: replay the example
@@ -333,7 +305,7 @@ class Session:
         import fuzzshard.strategies as fst
 
         strategy = fst.cases(target=target, world_sizes=self.world_sizes, device=self.device,
-                             **{**self.strategy_kwargs, **(pin or {})})
+                             **{**self.draws.strategy_kwargs(), **(pin or {})})
         if self.pack > 1:  # cases that run side by side: Hypothesis draws and shrinks them as one example
             strategy = st.lists(strategy, min_size=1, max_size=self.pack)
         rnd = _Round(valid_before=self.stats.valid)
@@ -574,23 +546,6 @@ def pack_size(pool, world_sizes) -> int:
     if pool is None or not pool.options.placed:
         return 1
     return max(1, pool.size // min(world_sizes))
-
-
-def default_shrink_budget(duration: float | None) -> float:
-    """A round that found something shrinks for a third of this at most
-    (Hypothesis), then the reducer has this long to make its findings
-    1-minimal: a quarter of the session (at least 30 s), never more than 5
-    minutes (Hypothesis's own limit)."""
-    return 300.0 if not duration else min(300.0, max(30.0, 0.25 * duration))
-
-
-def hypothesis_shrink_bound(shrink_budget: float) -> float:
-    """How long Hypothesis's shrink may take of a round's ``shrink_budget`` (HYPOTHESIS_SHRINK_FRACTION),
-    the rest going to the reducer; $FUZZSHARD_HYPOTHESIS_SHRINK (seconds) sets it outright."""
-    env = os.environ.get(HYPOTHESIS_SHRINK_ENV)
-    if env:
-        return min(float(env), shrink_budget)
-    return HYPOTHESIS_SHRINK_FRACTION * shrink_budget
 
 
 def _pool_error(e: BaseException) -> PoolError | None:

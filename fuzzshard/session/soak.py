@@ -34,34 +34,37 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..findings.life import SoakBook
 from ..pool.options import PoolOptions
 from ..pool.runner import LostRank, Pool, PoolError
 from .engine import Session
+from .options import Draws, SessionOptions
 
 STATUS_EVERY = 10.0
 
 
 @dataclass(frozen=True)
 class SoakOptions:
-    """What every cell of a soak runs (cli/soak.py makes it of the flags): its targets and world sizes, its
-    pools' options, the plugins each finding records (for replay), the draws, the shared example database."""
-    targets: tuple[str, ...]
-    world_sizes: tuple[int, ...]
+    """What every cell of a soak runs (cli/soak.py makes it of the flags): its draws (targets, world sizes, the
+    opt-in families: session/options.py Draws), its pools' options, the plugins each finding records (for
+    replay), the shared example database."""
+    draws: Draws
     pool: PoolOptions = PoolOptions()
     plugins: tuple[str, ...] = ()
-    strategy_kwargs: dict = field(default_factory=dict)  # the strategies' keywords (cli/common.py strategy_kwargs)
     database: str | None = None  # a redis URL; None: OUT/db
 
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return self.draws.world_sizes
+
     def spec(self) -> dict:
-        """What a cell's process reads (JSON, run_cell): the pool's options whole (a new one travels without
-        a change here), its device and case timeout also apart (the session's and a member process's)."""
-        return {"targets": list(self.targets), "world_sizes": list(self.world_sizes), "pool": self.pool.to_json(),
-                "device": self.pool.device, "case_timeout": self.pool.case_timeout, "plugins": list(self.plugins),
-                "strategy_kwargs": self.strategy_kwargs, "database": self.database}
+        """What a cell's process reads (JSON, run_cell): the draws and the pool's options whole (a new one
+        travels without a change here), the pool's case timeout also apart (a member process's, span.py)."""
+        return {"draws": self.draws.to_json(), "pool": self.pool.to_json(), "case_timeout": self.pool.case_timeout,
+                "plugins": list(self.plugins), "database": self.database}
 
 
 def layout(workers: int, rnd: random.Random, first: bool, cell_max: int) -> list[int]:
@@ -270,12 +273,12 @@ class SoakSession(Session):
     def __init__(self, spec: dict, pool, **kwargs):
         out = Path(spec["out"])
         origin = {**spec["origin"], "cell": spec["name"], "ranks": spec["size"], "seed": spec["seed"]}
-        sizes = [w for w in spec["world_sizes"] if w <= spec["size"]] or [1]
-        super().__init__(pool, spec["targets"], out, world_sizes=sizes,
-                         duration=max(1.0, spec["deadline"] - time.time()), seed=spec["seed"], device=spec["device"],
-                         strategy_kwargs=spec["strategy_kwargs"], database=spec["database"] or str(out / "db"),
-                         plugins=spec.get("plugins") or (), findings_dir=out / "findings",
-                         book_class=functools.partial(SoakBook, origin=origin), **kwargs)
+        draws = Draws(**spec["draws"])
+        draws = draws.replace(world_sizes=[w for w in draws.world_sizes if w <= spec["size"]] or [1])
+        options = SessionOptions(out=str(out), duration=max(1.0, spec["deadline"] - time.time()), seed=spec["seed"],
+                                 database=spec["database"] or str(out / "db"), plugins=spec.get("plugins") or (),
+                                 findings_dir=str(out / "findings"))
+        super().__init__(pool, draws, options, book_class=functools.partial(SoakBook, origin=origin), **kwargs)
         self.procs = spec.get("procs", 1)  # the processes its ranks run in (a cell spanning torchrun processes)
         self.log = out / "cells" / f"{spec['name']}.jsonl"
         self.log.touch()

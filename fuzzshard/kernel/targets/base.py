@@ -19,9 +19,12 @@ import torch
 import torch.nn as nn
 
 from ...case import Case
+from ..ac import ac_problem
+from ..dropout import dropout_problem
 from ..gather import owned_copy
-from ..state_io import load, save
-from ..model import loss_fn, named_params
+from ..moe import moe_problem
+from ..state_io import async_save_problem, load, save
+from ..model import loss_fn, named_params, param_shapes
 from ..loop import Loop
 from ..optim import add_late_groups, build_optimizer, group_hparams, state_by_fqn
 
@@ -93,6 +96,31 @@ class Spec:
     # "bias": False (no routing bias), "local": its MoE sees DTensor activations and runs on full plain copies
     # (MoE._forward_local: no AC of a module inside it, kernel/ac.py ac_moe_problem)}
     moe: dict | None = None
+
+
+def case_problem(case: Case, target: type | None) -> str | None:
+    """The validity rules said beside the kernel code they guard (Case.check asks them through targets.py, in
+    this order): a scaler's overflow in a param the model has, where an async save can run (state_io.py),
+    dropout (dropout.py), then, for a known ``target`` (its class), activation checkpointing (ac.py), MoE
+    (moe.py) and the target's own refusals (its Spec's ``check``); None where they take the case."""
+    at = case.scaler.overflow_at if case.scaler else None
+    if at:
+        shape = param_shapes(case.model).get(at.param)
+        if shape is None:
+            return f"an overflow in {at.param}'s grad: the model has no such param"
+        if not 0 <= at.index < max(math.prod(shape), 1) or at.value not in ("inf", "-inf", "nan"):
+            return (f"an overflow of {at.value!r} at element {at.index} of {at.param} "
+                    f"({math.prod(shape)} elements; inf, -inf or nan)")
+    problem = async_save_problem(case) or dropout_problem(case)
+    if problem or target is None:
+        return problem
+    spec = target.spec
+    sides = [("", case.target_options)] + ([("checkpoint ", case.checkpoint.target_options)] if case.checkpoint else [])
+    for what, options in sides:
+        problem = ac_problem(case, options, spec)
+        if problem:
+            return what + problem
+    return moe_problem(case, spec, target.microbatches) or (spec.check(case) if spec.check else None)
 
 
 class Target:
