@@ -256,7 +256,7 @@ def test_a_pass_tries_each_edit_once_not_once_per_edit_kept():
 
 
 def _on_mesh_dim_of_6_or_more(case) -> bool:
-    """A bug as the planted partial_averaged_from_6_ranks.py makes it: layers.0.weight's input dim sharded
+    """A bug as the planted 6-rank Partial bug of test_simulate.py makes it: layers.0.weight's input dim sharded
     (Shard(1): a Partial sum) over a mesh dim of 6 ranks or more."""
     placement = case.target_options.get("placements", {}).get("layers.0.weight", [])
     return any(p == "S1" and case.mesh_shape[d] >= 6 for d, p in enumerate(placement))

@@ -529,31 +529,22 @@ def smaller_case(a, b) -> bool:
 # -- a simulated finding's last step: real processes ----------------------------------------------------
 def confirm_on_real(findings: list, out: str | Path, pools, progress=None, set_aside: dict | None = None,
                     optimizer_names: list | None = None) -> dict:
-    """The last step of a simulated session's findings (``fuzz --simulate``): each one's case run on real
-    gloo process groups (fresh workers, its own world size) where it fits this machine (real.REAL_MAX):
-      * the same signature: confirmed, its file says so (``simulation``);
-      * anything else: a LocalTensor limitation (or a harness one), its files
-        moved to OUT/simulation_limits/ with what the real run said;
-      * larger than REAL_MAX: "simulated only", its file says so.
-    Returns {"confirmed": [...], "limits": [...], "simulated_only": [...]} (signatures).
-
-    Before that, each finding's world size and mesh are shrunk, simulated, as far as its signature allows
-    (onset.least_worlds: the one shrinker's world pass; its file's case is then the least case that fails,
-    and what it checked on real processes); after it, findings that are one bug met in several modules are
-    folded into one file (onset.fold_one_bug: then the result also holds "folded", signature -> the finding
-    it is a face of).
+    """The last step of a simulated session's findings (``fuzz --simulate``): each one shrunk, simulated, to
+    the least world its signature allows (onset.least_worlds: the one shrinker's world pass), then run on real
+    gloo process groups (fresh workers, its own world size) where it fits this machine (real.REAL_MAX): the
+    same signature confirms it (its file's ``simulation`` says so); anything else makes it a LocalTensor
+    limitation (or a harness one), its files moved to OUT/simulation_limits/ with what the real run said (a
+    real run that fails otherwise, with no known bug, is written as a finding of its own); more ranks than
+    REAL_MAX: "simulated only". Then findings that are one bug met in several modules fold into one file
+    (onset.fold_one_bug). Returns {"confirmed", "limits", "simulated_only": [signatures]}, and "folded"
+    (signature -> the finding it is a face of), "found" (Findings written), "met" (signature -> a finding
+    already written that its real run gave) where any.
 
     ``set_aside`` (localtensor.SimulatedBook's: signature -> (case, verdict, why, hits)): LocalTensor's own
-    errors, unshrunk, each run on real processes too (real.confirm_set_aside): the same signature there
-    makes it a finding after all; another finding there that is not a known one is written as a finding of
-    its own (a real bug the simulated run only stumbled over); else (a pass, a known bug) it goes to
-    OUT/simulation_limits/. Then the result also holds "set_aside" (signatures) and "found" (the Findings
-    written). A real run that gives a finding already written in ``out`` leaves its file as it is (shrunk,
-    confirmed): "met" says signature -> that finding.
-
-    ``pools``: the caller's (session/simulate.py's CheckPools): ``pools.simulated()`` and ``pools.real(n)``
-    give started pools, simulated and of n fresh gloo processes, closed at the end of their ``with``; nothing
-    here starts one. ``optimizer_names``: what generalizing may swap in (the session's --optimizers)."""
+    errors, unshrunk, judged on real processes too (real.confirm_set_aside; the result then holds
+    "set_aside"). ``pools``: the caller's (session/simulate.py's CheckPools): ``pools.simulated()`` and
+    ``pools.real(n)`` give started pools for a ``with``; nothing here starts one. ``optimizer_names``: what
+    generalizing may swap in (the session's --optimizers)."""
     from .files import amend_finding, set_apart
     from .onset import fold_one_bug, least_worlds
     from .real import LIMITS, REAL_MAX, confirm_set_aside, judge_for_real, write_real
