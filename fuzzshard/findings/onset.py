@@ -25,7 +25,8 @@ from .shrink_world import MESH_PARTS, resized
 ONSET_ABOVE = 2  # a bug that begins at more ranks than this on a 1-D mesh, and at no fewer, has an onset (fold_one_bug)
 
 
-def least_worlds(findings: list, out: Path, pools, known: dict, progress=None, optimizer_names: list | None = None) -> dict:
+def least_worlds(findings: list, out: Path, pools, known: dict, progress=None,
+                 optimizer_names: list | None = None) -> dict:
     """Each finding's world size and mesh shrunk on ``pools.simulated()`` (the caller's), to the least that
     gives its signature (the world pass of the one shrinker, judged side by side), its files rewritten so
     (case, verdict, script, ``removed``) and its generalization table made anew for that case
