@@ -12,7 +12,8 @@ from hypothesis import reject
 
 from .findings.record import Finding, environment, load_known, summary
 from .findings.judge import judge
-from .findings.life import put_finding, rerun
+from .findings.files import put_finding
+from .findings.life import rerun
 from .verdict import Status, Verdict
 
 # where a failing example's files go (the pytest plugin's --fuzzshard-out sets it): the same
@@ -60,5 +61,5 @@ def _write(pool, sig: str, case, verdict: Verdict):
     """OUT_DIR/<sig>.json + .py, as a fuzz session writes them; a smaller case of the same signature
     (Hypothesis shrinking) replaces a larger one, a larger one never a smaller."""
     f = Finding(sig, case, verdict, environment=environment(pool.info, pool.options.backend, pool.options.device))
-    path, _ = put_finding(OUT_DIR, f, replace=False)  # the one writer of finding files (findings/life.py)
+    path, _ = put_finding(OUT_DIR, f, replace=False)  # the one writer of finding files (findings/files.py)
     return path

@@ -280,7 +280,7 @@ def test_a_collective_bug_over_uneven_shards_from_6_ranks_met_in_two_modules_is_
 
     from fuzzshard.case import Group, Layer, Model
     from fuzzshard.findings.record import Finding, write_finding
-    from fuzzshard.findings.simulated import _onset, fold_one_bug
+    from fuzzshard.findings.onset import fold_one_bug, onset
 
     collective = _judged_by(lambda c: c.ranks >= 6 and _uneven(c))
     linear = simple_case(6, optim="SGD", placements={"layers.0.weight": ["S0"]})  # widths 5, 7, 3
@@ -291,7 +291,7 @@ def test_a_collective_bug_over_uneven_shards_from_6_ranks_met_in_two_modules_is_
     for case in (linear, norm):
         j = collective([case])[0]
         f = Finding(j.label, case, j.verdict, environment={}, stage="confirmed")
-        onsets[f.signature], rows = _onset(f, collective)
+        onsets[f.signature], rows = onset(f, collective)
         assert onsets[f.signature] == 6, table_text(rows)
         assert "world size, widths x30 + 1 (every shard uneven): fails with 6; passes with 5" in table_text(rows)
         assert "world size, widths x30 (every shard even): passes with 5, 6" in table_text(rows)
@@ -307,7 +307,7 @@ def test_a_collective_bug_over_uneven_shards_from_6_ranks_met_in_two_modules_is_
     tens = dataclasses.replace(linear, model=Model("features", 5, (Layer("linear", 5, 10), Layer("act", act="tanh"),
                                                                    Layer("linear", 10, 15))))
     j = shapes([tens])[0]
-    assert _onset(Finding(j.label, tens, j.verdict, environment={}, stage="confirmed"), shapes)[0] is None
+    assert onset(Finding(j.label, tens, j.verdict, environment={}, stage="confirmed"), shapes)[0] is None
 
 
 def test_a_replica_drift_met_as_the_checkpoint_face_it_leaves_too_is_one_finding(tmp_path):

@@ -253,3 +253,33 @@ def test_a_pass_tries_each_edit_once_not_once_per_edit_kept():
     r = minimize(case, lambda c: runs.append(c) or c.clip is not None)
     assert r.minimal and r.runs == len(runs)
     assert len(runs) < 3 * len(edits(case)), (len(runs), len(edits(case)), len(r.kept))
+
+
+def _on_mesh_dim_of_6_or_more(case) -> bool:
+    """A bug as the planted 6-rank Partial bug of test_simulate.py makes it: layers.0.weight's input dim sharded
+    (Shard(1): a Partial sum) over a mesh dim of 6 ranks or more."""
+    placement = case.target_options.get("placements", {}).get("layers.0.weight", [])
+    return any(p == "S1" and case.mesh_shape[d] >= 6 for d, p in enumerate(placement))
+
+
+def test_the_one_shrinker_takes_a_2d_mesh_to_the_1d_mesh_of_the_dim_the_bug_lives_on():
+    """A simulated finding on a [2, 8] mesh whose bug lives on mesh dim 1: the reducer's world edits (the
+    world pass of the one shrinker, shrink_world.py) keep that dim and its placement on a 1-D mesh of the
+    fewest ranks that still fail (6), where fewer ranks on mesh dim 0's placement lose it. The session's
+    reducer (every pass) and a simulated finding's least world (onset.least_worlds: the world pass alone)
+    get there the same way; a checkpoint's sides keep the plain edits only."""
+    from fuzzshard.findings.reduce import WORLD
+
+    case = dataclasses.replace(simple_case(16, optim="SGD", placements={"layers.0.weight": ["R", "S1"]}),
+                               mesh_shape=(2, 8))
+    assert _on_mesh_dim_of_6_or_more(case)
+    world = minimize(case, _on_mesh_dim_of_6_or_more, passes=WORLD)
+    assert world.minimal and world.kept == ["world size 16 -> 6; mesh [2, 8] -> [6]"], world.kept
+    assert (world.case.world_size, world.case.mesh_shape) == (6, (6,))
+    assert world.case.target_options["placements"]["layers.0.weight"] == ["S1"]
+    whole = minimize(case, _on_mesh_dim_of_6_or_more)  # every pass: the same world first, then the rest
+    assert whole.minimal and whole.kept[0] == world.kept[0] and whole.case.mesh_shape == (6,)
+    assert whole.case.target_options == {"placements": {"layers.0.weight": ["S1"]}}
+    # fewer ranks on mesh dim 0's placements alone (a plain 1-D edit) would have lost the bug
+    plain = dict(edits(case, WORLD))["world size 16 -> 6"]
+    assert plain.mesh_shape == (6,) and not _on_mesh_dim_of_6_or_more(plain)

@@ -1,5 +1,5 @@
-"""--simulate (fuzzshard/session/simulate.py; the world: kernel/simulated.py; the real check:
-findings/simulated.py): a case's ranks in one worker under LocalTensorMode; a simulated finding
+"""--simulate (fuzzshard/session/simulate.py; the world: kernel/simulated.py; the real check: the last
+step of a finding's life, findings/life.py's confirm_on_real): a case's ranks in one worker under LocalTensorMode; a simulated finding
 counts only once real process groups fail the same way, else it is a LocalTensor limitation kept apart."""
 import json
 
@@ -51,9 +51,11 @@ def test_a_simulated_finding_is_confirmed_on_real_processes_or_kept_apart_as_a_l
     big = Finding("dtensor.parity.big", wide_case(12), j.verdict, deterministic=True, environment={}, stage="confirmed")
     write_finding(tmp_path, big, None)
     options = PoolOptions(setup=(str(BUG),), simulate=True)
-    from fuzzshard.findings.simulated import LIMITS, confirm
+    from fuzzshard.findings.life import confirm_on_real
+    from fuzzshard.findings.real import LIMITS
+    from fuzzshard.session.simulate import CheckPools
 
-    result = confirm([found, bogus, big], tmp_path, options)
+    result = confirm_on_real([found, bogus, big], tmp_path, CheckPools(options))
     assert result == {"confirmed": [found.signature], "limits": [bogus.signature], "simulated_only": [big.signature]}
     data = json.loads((tmp_path / f"{found.signature}.json").read_text())
     assert data["simulation"]["real"]["signature"] == found.signature and data["simulation"]["real"]["world_size"] == 5
@@ -134,8 +136,10 @@ def test_localtensors_own_errors_are_recognised_up_front_and_judged_on_real_proc
     which LocalTensor cannot carry ("Non Tensor or int rank results must be equal for all ranks"). A
     simulated session sets such a case aside unshrunk (SimulatedBook); the real run judges it: on 5 gloo
     processes it is the known dtensor-item-on-partial-returns-local bug (silent), so a limitation, no finding."""
-    from fuzzshard.findings.simulated import LIMITS, confirm, local_tensor_error
-    from fuzzshard.session.simulate import SimulatedSession
+    from fuzzshard.findings.life import confirm_on_real
+    from fuzzshard.findings.localtensor import local_tensor_error
+    from fuzzshard.findings.real import LIMITS
+    from fuzzshard.session.simulate import CheckPools, SimulatedSession
 
     case = simple_case(5, optim="Adafactor", foreach=True)
     with Pool(1, options=PoolOptions(simulate=True, case_timeout=120)) as pool:
@@ -151,14 +155,14 @@ def test_localtensors_own_errors_are_recognised_up_front_and_judged_on_real_proc
     held = book.set_aside[j.signature]
     assert held[0] is case and held[3] == 2 and not book.tracks  # the smaller case kept, both hits counted
 
-    options = PoolOptions(simulate=True)
-    result = confirm([], tmp_path, options, set_aside=book.set_aside)
+    pools = CheckPools(PoolOptions(simulate=True))
+    result = confirm_on_real([], tmp_path, pools, set_aside=book.set_aside)
     assert result["limits"] == [j.signature] and result["found"] == [] and result["set_aside"] == [j.signature]
     limit = json.loads((tmp_path / LIMITS / f"{j.signature}.json").read_text())
     assert limit["simulation"]["real"]["known"] and limit["simulation"]["real"]["status"] == "finding", limit
     # more ranks than run for real here: only its world size shrinks (simulated), to 8, where the real run judges it
     big = simple_case(12, optim="Adafactor", foreach=True)
-    result = confirm([], tmp_path / "big", options, set_aside={j.signature: (big, j.verdict, "why", 1)})
+    result = confirm_on_real([], tmp_path / "big", pools, set_aside={j.signature: (big, j.verdict, "why", 1)})
     limit = json.loads((tmp_path / "big" / LIMITS / f"{j.signature}.json").read_text())
     assert result["limits"] == [j.signature] and limit["case"]["world_size"] == 8, limit["removed"]
     assert limit["removed"] == ["world size 12 -> 8"] and limit["simulation"]["real"]["world_size"] == 8
@@ -241,11 +245,15 @@ def test_one_bug_met_in_two_modules_at_other_world_sizes_is_one_finding_at_the_l
     signature allows (6 ranks on a 1-D mesh) and confirmed on real processes; both begin at 6 ranks (and pass
     at 5), so they are one bug: one file, whose case is the least case that fails, ``removed`` says how it
     got there, and the other is its face."""
-    from fuzzshard.findings.simulated import confirm, world_shrinks
+    from fuzzshard.findings.life import confirm_on_real
+    from fuzzshard.findings.reduce import WORLD, edits
+    from fuzzshard.session.simulate import CheckPools
 
     big = even_case(16, (2, 8), {"layers.0.weight": ["R", "S1"]})
-    assert [w for w, _ in world_shrinks(big)][:3] == [["world size 16 -> 1", "mesh [2, 8] -> [1]"]] * 2 + \
-        [["world size 16 -> 2", "mesh [2, 8] -> [2]"]]
+    # the one shrinker's world pass: the fewest ranks first, a 1-D mesh keeping mesh dim 0's placements, or
+    # mesh dim 1's (its own edit: the planted bug's Partial sum lives on dim 1)
+    assert [what for what, _ in edits(big, WORLD)][:3] == \
+        ["world size 16 -> 1", "world size 16 -> 1; mesh [2, 8] -> [1]", "world size 16 -> 2"]
     norm = Case.from_dict(LAYERNORM_FACE)
     with Pool(1, options=PoolOptions(simulate=True, setup=[str(BUG6)], case_timeout=120)) as pool:
         j, k = judge(pool, big), judge(pool, norm)
@@ -255,7 +263,8 @@ def test_one_bug_met_in_two_modules_at_other_world_sizes_is_one_finding_at_the_l
     g = Finding(k.signature, norm, k.verdict, environment={}, stage="confirmed")
     for found in (f, g):
         write_finding(tmp_path, found, "# script\n")
-    result = confirm([f, g], tmp_path, PoolOptions(setup=(str(BUG6),), simulate=True), optimizer_names=["SGD"])
+    result = confirm_on_real([f, g], tmp_path, CheckPools(PoolOptions(setup=(str(BUG6),), simulate=True)),
+                             optimizer_names=["SGD"])
     assert result == {"confirmed": [j.signature], "limits": [], "simulated_only": [],
                       "folded": {k.signature: j.signature}}, result
     assert sorted(p.name for p in tmp_path.glob("*.json")) == [f"{j.signature}.json"]
@@ -327,7 +336,9 @@ def test_the_replica_oracle_runs_simulated_each_rank_its_own_copy_and_finds_what
     (ReduceLROnPlateau), LocalTensor raises its own error (real ranks each take their own float: the replica
     finding): set aside, its real check meets the finding already written, whose file is kept as it is."""
     from fuzzshard.case import LRScheduler
-    from fuzzshard.findings import simulated as simulate
+    from fuzzshard.findings import localtensor, real as real_check
+    from fuzzshard.findings.life import confirm_on_real
+    from fuzzshard.session.simulate import CheckPools
 
     cases = [replicated_case(5), replicated_case(8, (2, 4)), replicated_case(8, (2, 2, 2))]
     plateau = replicated_case(5, lr_scheduler=LRScheduler("ReduceLROnPlateau", {"patience": 0}))
@@ -341,16 +352,16 @@ def test_the_replica_oracle_runs_simulated_each_rank_its_own_copy_and_finds_what
         first = j.verdict.first
         assert (first.step, first.extra["base_rank"], first.extra["replicas"]) == (0, 0, [[0], list(range(1, c.ranks))])
     assert real.signature == judged[0].signature and real.verdict.first == judged[0].verdict.first
-    assert simulate.local_tensor_error(late.verdict) and "float(loss)" in late.verdict.error_record.traceback
+    assert localtensor.local_tensor_error(late.verdict) and "float(loss)" in late.verdict.error_record.traceback
     assert real_late.signature == judged[0].signature
 
     found = Finding(judged[0].signature, cases[0], judged[0].verdict, deterministic=True, environment={},
                     stage="confirmed")
     write_finding(tmp_path, found, "# script\n")
     before = (tmp_path / f"{found.signature}.json").read_text()
-    monkeypatch.setattr(simulate, "_judge_for_real", lambda case, options, known: (
+    monkeypatch.setattr(real_check, "judge_for_real", lambda case, pools, known: (
         real_late, {}, {"signature": real_late.signature, "status": "finding", "world_size": 5}))
-    options = PoolOptions(setup=(str(REPLICA_BUG),), simulate=True)
-    result = simulate.confirm([], tmp_path, options, set_aside={late.signature: (plateau, late.verdict, "why", 1)})
+    pools = CheckPools(PoolOptions(setup=(str(REPLICA_BUG),), simulate=True))
+    result = confirm_on_real([], tmp_path, pools, set_aside={late.signature: (plateau, late.verdict, "why", 1)})
     assert result["met"] == {late.signature: found.signature} and not result["found"], result
     assert (tmp_path / f"{found.signature}.json").read_text() == before  # not overwritten by the unshrunk case

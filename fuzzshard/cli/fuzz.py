@@ -122,12 +122,13 @@ def run(args) -> int:
     findings = list(session.findings.values())
     set_aside = getattr(session.book, "set_aside", None) if session else None
     if args.simulate and (findings or set_aside):  # a simulated finding is one only once real processes fail the same way
-        from ..findings.simulated import confirm
+        from ..findings.life import confirm_on_real
         from ..pool.runner import PoolError
+        from ..session.simulate import CheckPools
 
         try:  # on pools made from the session's own options, simulated and real
-            found = confirm(findings, args.out, pool.options, set_aside=set_aside, workers=workers,
-                            optimizer_names=draws.strategy_kwargs().get("optimizer_names")).get("found", [])
+            found = confirm_on_real(findings, args.out, CheckPools(pool.options, workers), set_aside=set_aside,
+                                    optimizer_names=draws.strategy_kwargs().get("optimizer_names")).get("found", [])
         except PoolError as e:
             raise UsageError(f"could not start the workers that check the simulated findings: {e}") from None
         findings = [f for f in findings + found if os.path.exists(os.path.join(args.out, f"{f.signature}.json"))]

@@ -62,23 +62,24 @@ def run(args) -> int:
 
 def _simulated(args, recorded: dict, case) -> bool:
     """Whether the case replays simulated (LocalTensorMode, as ``fuzz --simulate`` runs it): more ranks than
-    real processes run here (simulate.REAL_MAX), or a file marked simulated only (never run on real processes;
+    real processes run here (real.REAL_MAX), or a file marked simulated only (never run on real processes;
     FUZZSHARD_REAL_MAX admits its world size explicitly). One it cannot simulate is refused in one line (exit 2),
     never started as that many real processes."""
-    from ..findings import simulated as simulate  # the real-process limit (REAL_MAX) and the stage it marks
+    from ..findings import real  # the real-process limit (REAL_MAX)
+    from ..findings.record import Stage
     from ..kernel.simulated import cannot_simulate
 
-    marked = simulate.SIMULATED_ONLY in (recorded.get("stage"), (recorded.get("simulation") or {}).get("status"))
-    if args.device != "cpu" or not (case.ranks > simulate.REAL_MAX or (marked and simulate.REAL_MAX_ENV not in
+    marked = Stage.SIMULATED_ONLY in (recorded.get("stage"), (recorded.get("simulation") or {}).get("status"))
+    if args.device != "cpu" or not (case.ranks > real.REAL_MAX or (marked and real.REAL_MAX_ENV not in
                                                                         os.environ)):
         return False
     why = cannot_simulate(case)
     if why:
-        raise UsageError(f"{args.file}: {case.ranks} ranks, more than the {simulate.REAL_MAX} real processes this "
-                         f"machine runs ({simulate.REAL_MAX_ENV}), and it cannot replay simulated: {why}")
+        raise UsageError(f"{args.file}: {case.ranks} ranks, more than the {real.REAL_MAX} real processes this "
+                         f"machine runs ({real.REAL_MAX_ENV}), and it cannot replay simulated: {why}")
     print(f"note: {args.file}: replaying simulated ({case.ranks} ranks in one process under LocalTensorMode, as "
-          f"fuzz --simulate ran it): " + (f"more than the {simulate.REAL_MAX} real processes this machine runs"
-                                          if case.ranks > simulate.REAL_MAX else "the file is marked simulated only"),
+          f"fuzz --simulate ran it): " + (f"more than the {real.REAL_MAX} real processes this machine runs"
+                                          if case.ranks > real.REAL_MAX else "the file is marked simulated only"),
           file=sys.stderr)
     args.simulate = True
     return True

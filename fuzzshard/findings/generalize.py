@@ -95,12 +95,12 @@ def up_to_the_save(case: Case) -> Case:
     """``case`` without its checkpoint (the reducer's "no checkpoint" edit) and without the steps after the
     save (its "drop step" edits, the last first): what the case runs before the save, and nothing after
     it that could fail first (an error in a later step would hide where the bug began)."""
-    from .reduce import _step_edits
+    from .reduce import step_edits
 
     data = case.to_dict()
     while len(data["schedule"]) > max(0, data["checkpoint"]["after"]) + 1:
         last = f"drop step {len(data['schedule']) - 1}"
-        data = next(new for what, new in _step_edits(data) if what == last)
+        data = next(new for what, new in step_edits(data) if what == last)
     data["checkpoint"] = None
     return Case.from_dict(data)
 
@@ -156,7 +156,7 @@ def carry(case: Case, to: str) -> Case | None:
     or has not the case's checkpoint kind."""
     from .. import targets
     from ..kernel.model import param_shapes
-    from .reduce import _batch_unit
+    from .shrink_world import batch_unit
 
     spec = targets.get(to).spec
     ck = case.checkpoint
@@ -172,7 +172,7 @@ def carry(case: Case, to: str) -> Case | None:
         return None
     moved = replace(case, target=to, target_options=options,
                     checkpoint=replace(ck, target_options=ck_options) if ck else None)
-    unit = _batch_unit(moved.to_dict())  # a data-parallel target gives every rank an equal slice
+    unit = batch_unit(moved.to_dict())  # a data-parallel target gives every rank an equal slice
     return replace(moved, batch=unit * -(-moved.batch // unit))
 
 

@@ -13,35 +13,29 @@ finding is a bug a user can trust, and nothing found is lost:
     root cause (rootcause.Matcher.known_hit) is a hit of that root cause, not
     a finding: counted, its case kept in ``OUT/known_faces/``;
   - *one finding per bug*: the confirmed case is re-run along the dimensions
-    a bug may not depend on (generalize.py), the other targets that can carry
-    it among them. A face a finding already has is folded into it; a face of
-    a known finding makes it a hit of that one (kept in ``OUT/known_faces/``);
-    an error met on another target with the same address and message as a
-    finding already made is that finding (unless a variant ran one's case on
-    the other's target and it did not fail so);
+    a bug may not depend on (onebug.py, FindingBook's base; generalize.py);
+    a face of a finding made or known is folded into it;
   - *shrinking*: each smaller case with that signature rewrites the file
     (stage ``shrinking``, at most every ``WRITE_EVERY`` seconds); right
-    after the round that found it (``reduce_round``, not when the search
-    ends) the smallest is made 1-minimal (reduce.py) in the budget the
-    session gives, its file saying how far the reducer got (``reduction``),
-    then (``settle``) confirmed fresh as well (stage ``confirmed``) or the
-    file goes back to the last confirmed case, and generalized again:
-    findings that turn out to be faces of one bug merge into one file. A
-    settled finding met again by a case no smaller is counted, not shrunk
-    again;
+    after the round that found it (``reduce_round``) the smallest is made
+    1-minimal (reduce.py, the one shrinker) in the budget the session gives,
+    its file saying how far the reducer got (``reduction``), then
+    (``settle``) confirmed fresh as well (stage ``confirmed``) or the file
+    goes back to the last confirmed case, and generalized again. A settled
+    finding met again by a case no smaller is counted, not shrunk again;
+  - *real processes*, for a simulated session's findings (``confirm_on_real``,
+    with the pools its caller hands in): each shrunk to its least world
+    (onset.py), then confirmed on real gloo process groups, or kept apart as
+    a LocalTensor limitation, or marked simulated only (real.py);
   - *writing*: every file of a finding is written through ``_write`` (its
-    script made by ``_script``, the one caller of repro.script here); a
-    soak's cells publish into one shared folder instead (SoakBook: the first
-    cell wins, the others count it as known). Both put files in place with
-    the writer at the end of this module (``put_finding``, ``amend_finding``,
-    ``keep_apart``, ``set_apart``, ``drop_finding``), which is also what the
-    real-process check of a simulated session's findings writes with
-    (findings/simulated.py): no other module writes a finding's files.
+    script: files.script_of); a soak's cells publish into one shared folder
+    instead (SoakBook: the first cell wins, the others count it as known).
+    Every file is put in place by files.py's writer: no other module writes
+    a finding's files.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -50,13 +44,12 @@ from pathlib import Path
 from typing import Callable
 
 from .. import oracle as oracles  # what a finding of each oracle is (no branch on its name here)
-from . import repro
-from .record import (Finding, Stage, atomic_write, environment, known_signature, load_finding, load_known, publish_finding,
-                       summary, write_finding)
-from .generalize import Face, generalize, kin
-from .judge import Judgement, judge, judge_many, label
+from .files import drop_finding, keep_apart, put_finding, script_of
+from .record import Finding, Stage, environment, known_signature, load_finding, load_known, publish_finding
+from .judge import Judgement, judge, label
+from .onebug import OneBug
 from .reduce import Reduction, minimize
-from .rootcause import Matcher, address, detail, template
+from .rootcause import Matcher, address
 from ..verdict import Verdict
 
 WRITE_EVERY = 2.0  # seconds between two rewrites of one finding's file while it shrinks
@@ -66,7 +59,6 @@ REDUCING = "reducing"  # the reducer (reduce.py) edits it, right after that roun
 MINIMAL = "1-minimal"  # reduced to a fixed point: no single edit keeps the bug
 CUT = "not 1-minimal"  # the reducer's budget ran out first (its file's ``reduction`` says how far it got)
 UNREDUCED = "not reduced"  # a hang, or a case no time was left to confirm: each edit could cost a timeout
-KNOWN_BY_ADDRESS = Stage.KNOWN_BY_ADDRESS  # a new signature the session counts as a known root cause's
 
 
 def rerun(pool, case, fresh: bool = True, timeout: float | None = None) -> Judgement:
@@ -97,7 +89,7 @@ class Track:
         return self.state not in (SHRINKING, REDUCING)
 
 
-class FindingBook:
+class FindingBook(OneBug):
     """Every new finding of one session, from first sight to its final file.
 
     The search asks ``new_signature`` (what a judged finding is), ``accept``
@@ -220,7 +212,7 @@ class FindingBook:
             self._say(f"new finding {sig}, {how} -> {self.findings_dir / sig}.json"
                       + (f" ({probably})" if probably else ""))
             return True
-        if _smaller(case, track.best[0]):
+        if smaller_case(case, track.best[0]):
             if track.settled:  # a smaller case than the settled one: Hypothesis shrinks it, the reducer goes on from it
                 track.state = SHRINKING
                 self._removed[sig] = []  # (the file keeps the confirmed case's until this one is confirmed)
@@ -391,148 +383,6 @@ class FindingBook:
         """OUT/<folder>/<name>.json: what is kept beside the findings, never one of them."""
         return keep_apart(self.out, folder, name, record)
 
-    # -- one finding per bug ---------------------------------------------------
-    def _generalize(self, sig: str, case, verdict: Verdict) -> set[str]:
-        """Re-run ``case`` along the dimensions a bug may not depend on
-        (generalize.py): its table is kept for the file; returns the signatures
-        this one bug shows under (``sig`` among them)."""
-        if oracles.costly(verdict) or verdict.unconfirmed:
-            return {sig}  # named by where it stops, whatever the optimizer; each variant could cost a timeout
-        if not self._time_left():
-            return {sig}  # stopped, or the session's time is up: its variants are not run
-        table, faces = generalize(self._judge_variants, case, verdict, self.optimizer_names, self._carried_to(case))
-        self._tables[sig] = table
-        self._generalized[sig] = case.to_json()
-        self.stats.generalized += len(table)
-        return faces | {sig}
-
-    def _carried_to(self, case) -> tuple:
-        """The other targets a finding's case is run on (generalize.kin): on a simulated pool, only
-        those --simulate runs."""
-        if self.pool.options.simulate:
-            from ..kernel.simulated import SIMULATED_TARGETS
-
-            return tuple(t for t in kin(case.target) if t in SIMULATED_TARGETS)
-        return kin(case.target)
-
-    def _judge_variants(self, cases: list) -> list[Judgement]:
-        """Variants and edits of a finding's case, side by side, each limited like a case that shrinks a hang."""
-        return judge_many(self.pool, cases, self.known, [self.variant_timeout(c) for c in cases])
-
-    def _known_face(self, sig: str, known: str, found: tuple) -> None:
-        """``sig`` is the known finding ``known`` in another face: a variant of
-        its case, changed in one dimension, fails the same way under that
-        signature. Counted as a known hit; its case is kept in
-        OUT/known_faces/<sig>.json for ``fuzzshard known`` to record."""
-        case, verdict = found
-        self._as_known[sig] = known
-        self.stats.known[known] += 1
-        rows = [f for f in self._tables.get(sig, []) if f.signature == self.known[known].signature]
-        how = f" with {rows[0].dimension} {rows[0].value}" if rows else " (another quantity of the same run)"
-        record = {"signature": sig, "known": known, "root_cause": self.known[known].root_cause,
-                  "generalization": [f.to_dict() for f in self._tables.get(sig, [])],
-                  "verdict": verdict.to_dict(), "case": case.to_dict()}
-        path = self._record("known_faces", sig, record)
-        self._say(f"new signature {sig}: the known finding {known} in another face (it fails the same way{how}; "
-                  f"root cause {self.known[known].root_cause or '?'}) -> {path}")
-
-    def _known_by_address(self, sig: str, hit, case, verdict: Verdict) -> None:
-        """``sig`` is known root cause ``hit.root_cause`` by its address (rootcause.Matcher.known_hit):
-        counted under it, its case kept in OUT/known_faces/<sig>.json, and known from here on (the
-        session's summary names it, with the op it met)."""
-        self.known[sig] = Finding(sig, case, verdict, root_cause=hit.root_cause, stage=KNOWN_BY_ADDRESS,
-                                  diagnosis=f"{KNOWN_BY_ADDRESS}: {hit.text}")
-        self.stats.known[sig] += 1
-        record = {"signature": sig, "root_cause": hit.root_cause, "address": hit.address, "detail": hit.detail,
-                  "named": hit.named, "verdict": verdict.to_dict(), "case": case.to_dict()}
-        path = self._record("known_faces", sig, record)
-        self._say(f"new signature {sig}: root cause {hit.root_cause} by its address ({hit.address}"
-                  f"{'; ' + hit.text if hit.detail else ''}), a known hit -> {path}")
-
-    def _fold(self, owner: str, faces: set[str]) -> None:
-        """``faces`` are ``owner``'s now; its file says so (a face on another target in its target row)."""
-        for s in faces:
-            self._owner.setdefault(s, owner)
-        self._met_on(owner, faces)
-        track = self.tracks.get(owner)
-        if track is not None:
-            self._write(owner, track.written, first=False)
-
-    def _met_on(self, owner: str, faces) -> None:
-        """The targets other than ``owner``'s that ``faces`` failed on, in their own cases: its target row."""
-        own = self._target_of(owner)
-        for s in sorted(faces):
-            target = self._target_of(s)
-            if target and target != own:
-                self._met.setdefault(owner, {}).setdefault(target, s)
-
-    def _target_of(self, sig: str) -> str:
-        track = self.tracks.get(sig)
-        return track.confirmed[0].target if track else sig.split(".", 1)[0]
-
-    def _same_error_elsewhere(self, sig: str, case, verdict: Verdict) -> str | None:
-        """A finding already made on a kin target (generalize.kin) that is this error: the same
-        address, message template and missing op, and no variant that ran either case on the other's
-        target passed or failed otherwise. Errors only: a divergence's address says where it showed,
-        not what made it, and two planted bugs there would read as one."""
-        if not oracles.raised(verdict):
-            return None
-        mine = (address(case, verdict), template(case, verdict), detail(case, verdict))
-        for other in sorted(self.tracks):
-            o_case, o_verdict = self.tracks[other].confirmed
-            if o_case.target not in kin(case.target) or case.target not in kin(o_case.target) \
-                    or not oracles.raised(o_verdict):
-                continue
-            if (address(o_case, o_verdict), template(o_case, o_verdict), detail(o_case, o_verdict)) != mine:
-                continue
-            if not self._ran_apart(sig, o_case.target) and not self._ran_apart(other, case.target):
-                return other
-        return None
-
-    def _ran_apart(self, sig: str, target: str) -> bool:
-        """Whether ``sig``'s case, carried to ``target``, passed there or failed otherwise."""
-        return any(f.dimension == "target" and f.value == target and f.outcome in ("passes", "fails otherwise")
-                   for f in self._tables.get(sig, []))
-
-    def _table(self, sig: str) -> list[Face]:
-        """``sig``'s generalization table, with the targets its other faces failed on in their own cases."""
-        table = list(self._tables.get(sig, []))
-        for target, face in sorted(self._met.get(sig, {}).items()):
-            rows = [f for f in table if f.dimension == "target" and f.value == target]
-            if not any(f.outcome == "fails" for f in rows):  # (a variant that ran otherwise stays beside it)
-                table.append(Face("target", target if not rows else f"{target} (in its own case)", "fails", face))
-        return table
-
-    def _generalize_again(self, sig: str) -> None:
-        """The table of ``sig``'s smallest case, and one finding per bug: a
-        finding that case's variants fail as (the same way) is a face of the
-        same bug. Its signature goes into this finding's file, then its own
-        files go (this one is written first: nothing found is lost)."""
-        track = self.tracks[sig]
-        if self._generalized.get(sig) == track.written[0].to_json():
-            return
-        faces = self._generalize(sig, *track.written)
-        merged = sorted(s for s in faces if s in self.tracks and s != sig)
-        for other in merged:
-            moved = {other, *self._met.pop(other, {}).values()}  # its faces, on any target, are this one's now
-            for s, o in list(self._owner.items()):
-                if o == other:
-                    self._owner[s] = sig
-                    moved.add(s)
-            self._met_on(sig, moved)
-            self.tracks.pop(other)
-            self.findings.pop(other, None)
-            self.stats.folded[sig] += 1
-        for s in faces:
-            self._owner.setdefault(s, sig)
-        self._write(sig, track.written, first=False)
-        self.findings[sig] = self._finding(sig, track.written)
-        for other in merged:
-            self._say(f"finding {other}: another face of finding {sig} (its smallest case fails the same way there), "
-                      f"folded into it")
-            for suffix in (".json", ".py"):
-                (self.findings_dir / f"{other}{suffix}").unlink(missing_ok=True)
-
     # -- reduction ---------------------------------------------------------------
     def _reduce(self, sig: str, track: Track, budget: float) -> None:
         """Make the smallest case 1-minimal (reduce.py): each structural edit
@@ -601,10 +451,7 @@ class FindingBook:
         put_finding(self.findings_dir, f)
         return True
 
-    @staticmethod
-    def _script(f: Finding) -> str:
-        """The finding's standalone .py (repro.py)."""
-        return repro.script(f.case, summary(f.verdict), f.environment, verdict=f.verdict)
+    _script = staticmethod(script_of)  # the finding's standalone .py (files.py: repro.py's)
 
     def _finding(self, sig: str, found: tuple) -> Finding:
         case, verdict = found
@@ -674,55 +521,79 @@ class SoakBook(FindingBook):
                     pass
 
 
-# -- the writer: every finding file in place ----------------------------------------------------------
-def put_finding(out, f: Finding, simulation: dict | None = None, replace: bool = True) -> tuple[Path, Path]:
-    """OUT/<sig>.json + .py of ``f`` (the script: FindingBook._script), whatever was there (unless not
-    ``replace``: then only over a larger case, record.write_finding); ``simulation``: what a simulated session
-    and the real-process check said of it (findings/simulated.py), in its file. Returns the two paths."""
-    out = Path(out)
-    paths = write_finding(out, f, FindingBook._script(f), replace=replace)
-    if simulation is not None:
-        amend_finding(out, f.signature, simulation=simulation)
-    return paths
-
-
-def amend_finding(out, sig: str, **fields) -> dict:
-    """OUT/<sig>.json with ``fields`` set at its top level (its stage, what a simulated session said of it,
-    its faces): the rest of the file as it is. Returns the file's record as written."""
-    path = Path(out) / f"{sig}.json"
-    data = json.loads(path.read_text())
-    data.update(fields)
-    atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-    return data
-
-
-def keep_apart(out, folder: str, name: str, record: dict) -> Path:
-    """OUT/<folder>/<name>.json: what is kept beside the findings, never one of them (known faces,
-    contaminated verdicts, internal errors, a simulated session's LocalTensor limitations)."""
-    path = Path(out) / folder / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-    return path
-
-
-def set_apart(out, folder: str, sig: str, record: dict) -> Path:
-    """A finding that is none after all, kept apart: ``record`` as OUT/<folder>/<sig>.json, its script
-    moved beside it, its files in OUT gone."""
-    import shutil
-
-    out = Path(out)
-    path = keep_apart(out, folder, sig, record)
-    if (out / f"{sig}.py").exists():
-        shutil.move(out / f"{sig}.py", path.parent / f"{sig}.py")
-    drop_finding(out, sig)
-    return path
-
-
-def drop_finding(out, sig: str) -> None:
-    """OUT/<sig>.json and .py gone (a finding folded into another, or none after all)."""
-    for suffix in (".json", ".py"):
-        (Path(out) / f"{sig}{suffix}").unlink(missing_ok=True)
-
-
-def _smaller(a, b) -> bool:
+def smaller_case(a, b) -> bool:
+    """Whether case ``a`` is a smaller repro than ``b``: fewer ranks, then a shorter case."""
     return (a.ranks, len(a.to_json())) < (b.ranks, len(b.to_json()))
+
+
+# -- a simulated finding's last step: real processes ----------------------------------------------------
+def confirm_on_real(findings: list, out: str | Path, pools, progress=None, set_aside: dict | None = None,
+                    optimizer_names: list | None = None) -> dict:
+    """The last step of a simulated session's findings (``fuzz --simulate``): each one shrunk, simulated, to
+    the least world its signature allows (onset.least_worlds: the one shrinker's world pass), then run on real
+    gloo process groups (fresh workers, its own world size) where it fits this machine (real.REAL_MAX): the
+    same signature confirms it (its file's ``simulation`` says so); anything else makes it a LocalTensor
+    limitation (or a harness one), its files moved to OUT/simulation_limits/ with what the real run said (a
+    real run that fails otherwise, with no known bug, is written as a finding of its own); more ranks than
+    REAL_MAX: "simulated only". Then findings that are one bug met in several modules fold into one file
+    (onset.fold_one_bug). Returns {"confirmed", "limits", "simulated_only": [signatures]}, and "folded"
+    (signature -> the finding it is a face of), "found" (Findings written), "met" (signature -> a finding
+    already written that its real run gave) where any.
+
+    ``set_aside`` (localtensor.SimulatedBook's: signature -> (case, verdict, why, hits)): LocalTensor's own
+    errors, unshrunk, judged on real processes too (real.confirm_set_aside; the result then holds
+    "set_aside"). ``pools``: the caller's (session/simulate.py's CheckPools): ``pools.simulated()`` and
+    ``pools.real(n)`` give started pools for a ``with``; nothing here starts one. ``optimizer_names``: what
+    generalizing may swap in (the session's --optimizers)."""
+    from .files import amend_finding, set_apart
+    from .onset import fold_one_bug, least_worlds
+    from .real import LIMITS, REAL_MAX, confirm_set_aside, judge_for_real, write_real
+    from .record import read_record
+
+    progress = progress or sys.stderr
+    known = load_known()
+    out = Path(out)
+    result: dict = {"confirmed": [], "limits": [], "simulated_only": []}
+    onsets = least_worlds(findings, out, pools, known, progress, optimizer_names)
+    for f in findings:
+        w = f.case.ranks
+        if not (out / f"{f.signature}.json").exists():  # a caller's own Finding: written first, then amended
+            put_finding(out, f)
+        if w > REAL_MAX:
+            f.stage = Stage.SIMULATED_ONLY  # what the session's FINDING line and index say of it
+            amend_finding(out, f.signature, stage=Stage.SIMULATED_ONLY.value, simulation={
+                "status": Stage.SIMULATED_ONLY.value, "world_size": w,
+                "why": f"{w} ranks: more than the {REAL_MAX} this machine runs for real"})
+            result["simulated_only"].append(f.signature)
+            print(f"fuzzshard: {f.signature}: SIMULATED ONLY (world size {w} > {REAL_MAX})", file=progress)
+            continue
+        print(f"fuzzshard: {f.signature}: confirming on {w} real gloo processes", file=progress, flush=True)
+        j, env, real = judge_for_real(f.case, pools, known)
+        if j.signature == f.signature:
+            amend_finding(out, f.signature, simulation={"status": "confirmed on real process groups", "real": real})
+            result["confirmed"].append(f.signature)
+            print(f"fuzzshard: {f.signature}: CONFIRMED on {w} real processes", file=progress)
+            continue
+        data = read_record(out, f.signature)
+        data["simulation"] = {"status": "LocalTensor limitation: not reproduced on real process groups", "real": real}
+        set_apart(out, LIMITS, f.signature, data)
+        result["limits"].append(f.signature)
+        print(f"fuzzshard: {f.signature}: not a finding: real processes give {j.label} "
+              f"-> {out / LIMITS}/{f.signature}.json (a LocalTensor limitation)", file=progress)
+        if j.verdict.is_finding and not j.known and (out / f"{j.signature}.json").exists():
+            result.setdefault("met", {})[f.signature] = j.signature  # a finding already written: its file kept
+        elif j.verdict.is_finding and not j.known:  # the real run fails otherwise, with no known bug: a finding
+            found = write_real(out, f.case, j, env, f"found on real process groups through the simulated "
+                               f"finding {f.signature}, which LocalTensor shows otherwise", real)
+            result.setdefault("found", []).append(found)
+            print(f"fuzzshard: {f.signature}: real processes give a NEW finding {j.signature} "
+                  f"-> {out}/{j.signature}.json", file=progress)
+    folded = fold_one_bug([f for f in findings if f.signature not in result["limits"]], onsets, out, progress)
+    if folded:
+        result["folded"] = folded
+        for key in ("confirmed", "simulated_only"):
+            result[key] = [s for s in result[key] if s not in folded]
+    if set_aside:
+        result.update(set_aside=[], found=[])
+        confirm_set_aside(set_aside, out, pools, result, progress)
+    return result

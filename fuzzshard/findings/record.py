@@ -205,6 +205,12 @@ def load_finding(path: str | os.PathLike) -> Finding:
     return Finding.from_dict(data)
 
 
+def read_record(out_dir: str | os.PathLike, sig: str) -> dict:
+    """OUT/<sig>.json's whole record, as written: the Finding's fields and those only a file holds (what a
+    simulated session and its real-process check said of it, ``simulation``)."""
+    return json.loads((Path(out_dir) / f"{sig}.json").read_text())
+
+
 def write_finding(out_dir: str | os.PathLike, finding: Finding, script: str | None,
                   replace: bool = False, name: str | None = None) -> tuple[Path, Path]:
     """OUT/<signature>.json and, given a script, .py (the .py first: a .json in

@@ -15,7 +15,12 @@ checkpoint, drop one target option, ...
 smaller by ``size()``; ``minimize`` keeps an edit that keeps the bug and goes
 on from it, to a fixed point, and says whether it got there (``Reduction``:
 1-minimal, or how many edits were left untried when its budget ran out). The
-edits work on ``case.to_dict()``.
+edits work on ``case.to_dict()``; each pass of them (EDITS, as Hypothesis
+registers shrink passes) is a generator in this module, shrink_model.py (the
+model) or shrink_world.py (the world, mesh, batch). ``passes`` runs some of
+them alone: a simulated finding's least world is ``minimize(...,
+passes=WORLD)`` (onset.least_worlds), the same edits the session's reducer
+tries, one shrinker.
 """
 from __future__ import annotations
 
@@ -29,12 +34,14 @@ from typing import Callable, Iterator
 
 from ..case import Case
 from ..kernel.model import param_shapes
+from .edit import Edit, changed_copy
+from .shrink_model import decoder_edits, layer_details, layer_drops, model_flags, modules
+from .shrink_world import fit_options, size_edits, world_edits
 
 # optimizer kwargs left alone: lr is the step itself, foreach/fused the implementation (a dimension of its own)
 KEEP_KWARGS = ("lr", "foreach", "fused")
 TENSOR_LR = ("", "0d", "1d")  # an lr from plainest to least plain: a float, a 0-d tensor, a 1-element tensor
 
-Edit = tuple[str, "dict | None"]  # (what it does, the edited case's dict; None: it cannot be made)
 
 
 @dataclass
@@ -69,7 +76,7 @@ def reduce(case: Case, keeps_bug: Callable[[Case], bool] | None = None, budget_s
 def minimize(case: Case, keeps_bug: Callable[[Case], bool] | None = None, budget_s: float | None = None,
              on_smaller: Callable[[Case], None] | None = None,
              keeps_bugs: Callable[[list[Case]], list[bool]] | None = None, batch: int = 1,
-             stop: Callable[[], bool] | None = None) -> Reduction:
+             stop: Callable[[], bool] | None = None, passes: tuple | None = None) -> Reduction:
     """Greedy, to a fixed point: keep an edit of the current case for which
     ``keeps_bug`` holds and go on from it; stop when no edit keeps the bug
     (1-minimal) or the budget is spent (or ``stop()`` says so). ``on_smaller``
@@ -81,7 +88,8 @@ def minimize(case: Case, keeps_bug: Callable[[Case], bool] | None = None, budget
     new case that an earlier one of the same pass did not keep (by what they
     do) wait for the next pass, so a pass costs about one run per edit, not
     one per edit per edit kept; the reduction ends after a pass that kept
-    nothing, every edit of its case judged on that case."""
+    nothing, every edit of its case judged on that case. ``passes``: these
+    of EDITS only (WORLD: the world edits), in their order; all by default."""
     judge = keeps_bugs or (lambda cases: [keeps_bug(c) for c in cases])
     started = time.monotonic()
     deadline = None if budget_s is None else started + budget_s
@@ -94,11 +102,11 @@ def minimize(case: Case, keeps_bug: Callable[[Case], bool] | None = None, budget
 
     def out(minimal: bool) -> Reduction:
         seconds = time.monotonic() - started
-        untried = 0 if minimal else len({what for what, _ in edits(case)} - tried)
+        untried = 0 if minimal else len({what for what, _ in edits(case, passes)} - tried)
         return Reduction(case, kept, minimal, seconds, runs, untried, budget_s)
 
     while True:
-        todo = [(what, c) for what, c in edits(case) if what not in failed]
+        todo = [(what, c) for what, c in edits(case, passes) if what not in failed]
         hit = None
         for at in range(0, len(todo), batch):
             if (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop()):
@@ -125,13 +133,14 @@ def minimize(case: Case, keeps_bug: Callable[[Case], bool] | None = None, budget
         failed, changed = set(tried), False  # the edits skipped since the last one kept: judged on this case now
 
 
-def edits(case: Case) -> list[tuple[str, Case]]:
+def edits(case: Case, passes: tuple | None = None) -> list[tuple[str, Case]]:
     """Every single structural edit of ``case`` that is a well-formed case and
     smaller (``size``), simplest and most-removing first, each with a short
-    description ("drop layer layers.2", "world size 3 -> 2", ...)."""
+    description ("drop layer layers.2", "world size 3 -> 2", ...); ``passes``:
+    of these passes of EDITS only."""
     data, before = case.to_dict(), size(case)
     out, seen = [], {case.to_json()}
-    for make in EDITS:
+    for make in EDITS if passes is None else passes:
         for what, edited_data in make(data):
             edited = _well_formed(edited_data)
             if edited is None or size(edited) >= before:
@@ -222,332 +231,9 @@ def _well_formed(data: dict | None) -> Case | None:
     return case
 
 
-def _copy(data: dict, **fields) -> dict:
-    new = copy.deepcopy(data)
-    new.update(fields)
-    return new
-
-
-def _target_class(target: str):
-    """``target``'s class; the base class's defaults for a target no longer registered."""
-    from .. import targets
-    from ..kernel.targets.base import Target
-
-    return targets.get(target) if target in targets.names() else Target
-
-
-def _spec(target: str):
-    return _target_class(target).spec
-
-
-# -- FQNs ---------------------------------------------------------------------
-
-def _renamer(rules: list[tuple[str, str | None]]) -> Callable[[str], str | None]:
-    """rename(fqn): the first rule whose old prefix names it (or a module above
-    it) gives its new name; None: it is gone; no rule: it stays."""
-    def rename(fqn: str) -> str | None:
-        for old, new in rules:
-            if fqn == old or fqn.startswith(old + "."):
-                return None if new is None else new + fqn[len(old):]
-        return fqn
-    return rename
-
-
-def _rename(data: dict, rules: list) -> None:
-    """Every FQN of the case renamed in place: groups, frozen, flips, the
-    checkpoint's missing keys and both sides' target options."""
-    rename = _renamer(rules)
-
-    def names(fqns):
-        return [n for n in map(rename, fqns) if n is not None]
-
-    for group in data["groups"]:
-        group["params"] = names(group["params"])
-    data["frozen"] = names(data["frozen"])
-    for step in data["schedule"]:
-        step["freeze"], step["unfreeze"] = names(step["freeze"]), names(step["unfreeze"])
-    data["target_options"] = _rename_in(data["target_options"], rename)
-    ck = data["checkpoint"]
-    if ck:
-        ck["missing"] = names(ck["missing"])
-        ck["target_options"] = _rename_in(ck["target_options"], rename)
-
-
-def _rename_in(value, rename):
-    """Target options with their FQNs renamed: dict keys (dtensor placements
-    keyed by param, fsdp2's TP plan by module), list items (wrapped units) and
-    string values. An entry naming what is gone is dropped; strings that are no
-    FQN (placements, styles) match no rule and stay."""
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            k, v = rename(k), _rename_in(v, rename)
-            if k is not None and v is not None:
-                out[k] = v
-        return out
-    if isinstance(value, list):
-        return [x for x in (_rename_in(v, rename) for v in value) if x is not None]
-    return rename(value) if isinstance(value, str) else value
-
-
-def _modules(shapes: dict) -> set[str]:
-    """Every param FQN and every module above one."""
-    return {".".join(n.split(".")[:i]) for n in shapes for i in range(1, n.count(".") + 2)}
-
-
-# -- the model's layers -------------------------------------------------------
-
-def _paths(layers: list, path: tuple = ()) -> Iterator[tuple]:
-    """Index paths of every layer, outermost first."""
-    for i, layer in enumerate(layers):
-        yield path + (i,)
-        yield from _paths(layer["children"], path + (i,))
-
-
-def _locate(layers: list, path: tuple) -> tuple[list, int, str]:
-    """(the list holding the layer at ``path``, its index there, its FQN)."""
-    holder, fqn = layers, "layers"
-    for i in path[:-1]:
-        parent = holder[i]
-        fqn += f".{i}" if parent["kind"] == "seq" else f".{i}.inner"  # Residual/Twice hold an ``inner`` Sequential
-        holder = parent["children"]
-    return holder, path[-1], f"{fqn}.{path[-1]}"
-
-
-def _chain(layers: list, d: int) -> int | None:
-    """Set each layer's d_in to what the one before gives, from width ``d``;
-    the output width (None: they cannot chain)."""
-    for layer in layers:
-        kind = layer["kind"]
-        if kind in ("linear", "conv1d"):
-            layer["d_in"], d = d, layer["d_out"]
-        elif kind == "layernorm":
-            if d < 2:  # over one feature it outputs its bias: grads are rounding noise (strategies/models.py)
-                return None
-            layer["d_in"] = layer["d_out"] = d
-        elif kind == "seq":
-            d = _chain(layer["children"], d)
-            if d is None:
-                return None
-        elif kind in ("residual", "twice"):  # x + f(x), f(f(x)): the body maps d to d
-            if not _fit(layer["children"], d, d):
-                return None
-            layer["d_in"] = layer["d_out"] = d
-        elif kind not in ("act", "dropout"):  # an embedding takes token ids: only as the first layer
-            return None
-    return d
-
-
-def _fit(layers: list, d: int, want: int) -> bool:
-    """Chain ``layers`` from width ``d`` to width ``want``, resizing the last
-    Linear or Conv1d of this level if it must."""
-    out = _chain(layers, d)
-    if out == want:
-        return True
-    resizable = [layer for layer in layers if layer["kind"] in ("linear", "conv1d")]
-    if out is None or not resizable:
-        return False
-    resizable[-1]["d_out"] = want
-    return _chain(layers, d) == want
-
-
-def _rechain(model: dict) -> bool:
-    """Re-fit every d_in of a topology to the layer before; False where it cannot chain."""
-    layers, d = model["layers"], model["d_in"]
-    if model["input"] == "tokens":
-        if not layers or layers[0]["kind"] != "embedding":
-            return False
-        layers[0]["d_in"], d = d, layers[0]["d_out"]
-        layers = layers[1:]
-    if model["tie_head"]:  # the head maps the embedding's width back to the vocabulary
-        return model["input"] == "tokens" and _fit(layers, d, d)
-    return _chain(layers, d) is not None
-
-
-def _model_edit(data: dict, change: Callable[[dict], None], rules: list = ()) -> dict | None:
-    """A copy of ``data`` with ``change(model)`` made, the widths re-chained and the FQNs renamed."""
-    new = copy.deepcopy(data)
-    change(new["model"])
-    if not _rechain(new["model"]):
-        return None
-    _rename(new, list(rules))
-    return new
-
-
-def _shift(prefix: str, i: int, n: int) -> list:
-    """Rules: the i-th of n siblings under ``prefix`` is gone, the later ones move up by one."""
-    return [(f"{prefix}.{i}", None)] + [(f"{prefix}.{k}", f"{prefix}.{k - 1}") for k in range(i + 1, n)]
-
-
-def _layer_drops(data: dict) -> Iterator[Edit]:
-    """Drop a layer (a composite keeps one child at least), or replace a composite by one of its children."""
-    if data["model"].get("factory"):
-        return
-    for path in list(_paths(data["model"]["layers"])):
-        holder, i, fqn = _locate(data["model"]["layers"], path)
-        layer, prefix = holder[i], fqn.rsplit(".", 1)[0]
-        if len(path) == 1 or len(holder) > 1:
-            yield f"drop layer {fqn}", _model_edit(data, lambda m, p=path: _pop(m, p), _shift(prefix, i, len(holder)))
-        inner = fqn if layer["kind"] == "seq" else f"{fqn}.inner"
-        for j, child in enumerate(layer["children"]):
-            yield (f"{fqn}: {layer['kind']} -> its child {child['kind']}",
-                   _model_edit(data, lambda m, p=path, j=j: _to_child(m, p, j), [(f"{inner}.{j}", fqn), (fqn, None)]))
-
-
-def _pop(model: dict, path: tuple) -> None:
-    holder, i, _ = _locate(model["layers"], path)
-    layer = holder.pop(i)
-    if path == (0,) and layer["kind"] == "embedding":  # the model then takes the embedding's floats
-        model["input"], model["d_in"] = "features", layer["d_out"]
-
-
-def _to_child(model: dict, path: tuple, j: int) -> None:
-    holder, i, _ = _locate(model["layers"], path)
-    holder[i] = holder[i]["children"][j]
-
-
-def _set(model: dict, path: tuple, **fields) -> None:
-    holder, i, _ = _locate(model["layers"], path)
-    holder[i].update(fields)
-
-
-def _model_flags(data: dict) -> Iterator[Edit]:
-    """Untie the head, drop the unused submodule, drop the buffer."""
-    model = data["model"]
-    if model["tie_head"]:
-        yield "untie the head", _model_edit(data, lambda m: m.update(tie_head=False))
-    if model["unused"]:
-        yield "drop the unused submodule", _model_edit(data, lambda m: m.update(unused=False), [("unused", None)])
-    if model["buffer"]:
-        yield "drop the buffer", _model_edit(data, lambda m: m.update(buffer=False))
-
-
-def _layer_details(data: dict) -> Iterator[Edit]:
-    """A bias less, a narrower layer (the next one re-fitted), a kernel of 1, a narrower input."""
-    model = data["model"]
-    if model.get("factory"):
-        return
-    for path in list(_paths(model["layers"])):
-        holder, i, fqn = _locate(model["layers"], path)
-        layer = holder[i]
-        if layer["bias"] and layer["kind"] in ("linear", "conv1d", "layernorm"):
-            bias = f"{fqn}.conv.bias" if layer["kind"] == "conv1d" else f"{fqn}.bias"
-            yield f"no bias in {fqn}", _model_edit(data, lambda m, p=path: _set(m, p, bias=False), [(bias, None)])
-        if layer["kind"] in ("linear", "conv1d", "embedding"):
-            for w in _smaller(layer["d_out"]):
-                yield (f"{fqn} width {layer['d_out']} -> {w}",
-                       _model_edit(data, lambda m, p=path, w=w: _set(m, p, d_out=w)))
-        if layer["kind"] == "conv1d" and layer["kernel"] > 1:
-            yield f"{fqn} kernel {layer['kernel']} -> 1", _model_edit(data, lambda m, p=path: _set(m, p, kernel=1))
-    what = "vocabulary" if model["input"] == "tokens" else "input width"
-    for w in _smaller(model["d_in"]):
-        yield f"{what} {model['d_in']} -> {w}", _model_edit(data, lambda m, w=w: m.update(d_in=w))
-
-
-def _smaller(n: int, least: int = 1) -> list[int]:
-    """The least value, then half: the smaller sizes an edit tries."""
-    return sorted({v for v in (least, n // 2) if least <= v < n})
-
-
-def _decoder_edits(data: dict) -> Iterator[Edit]:
-    """The decoder transformer's sizes: a block less, one head, narrower dims, RMSNorm, untied."""
-    model = data["model"]
-    if model.get("factory") != "decoder":
-        return
-    sizes = model["sizes"]
-
-    def resized(**changes) -> dict:
-        new = _copy(data)
-        new["model"]["sizes"].update(changes)
-        new["model"]["d_in"] = new["model"]["sizes"]["d_in"]  # the vocabulary, said twice
-        return new
-
-    n = sizes["n_layers"]
-    for i in range(n) if n > 1 else ():
-        new = resized(n_layers=n - 1)
-        _rename(new, _shift("layers", i, n))
-        yield f"drop block layers.{i}", new
-    if sizes["n_heads"] > 1:
-        heads = f"heads {sizes['n_heads']}/{sizes['n_kv_heads']}"
-        yield f"{heads} -> 1/1", resized(n_heads=1, n_kv_heads=1)
-        if sizes["n_kv_heads"] < sizes["n_heads"]:
-            yield f"{heads} -> {sizes['n_kv_heads']}/{sizes['n_kv_heads']}", resized(n_heads=sizes["n_kv_heads"])
-    for key, least in (("head_dim", 1), ("hidden", 1), ("d_in", 2)):
-        for v in _smaller(sizes[key], least):
-            yield f"{key} {sizes[key]} -> {v}", resized(**{key: v})
-    if sizes.get("norm") == "layer":
-        yield "LayerNorm -> RMSNorm", resized(norm="rms")
-    if sizes.get("tied"):
-        yield "untie the output head", resized(tied=False)
-    if sizes.get("dropout"):
-        yield "no dropout", resized(dropout=0.0)
-
-
-# -- world, mesh, batch -------------------------------------------------------
-
-def _fit_options(target: str, options: dict, mesh: list, n_steps: int) -> dict:
-    """Target options that name mesh dims or ranks, fitted to another mesh (the target's Spec.fit_options)."""
-    out, fit = copy.deepcopy(options), _spec(target).fit_options
-    return fit(out, mesh, n_steps) if fit else out
-
-
-def _batch_unit(data: dict) -> int:
-    """What the batch must be a multiple of: a data-parallel target gives every
-    rank of either side an equal slice, in equal microbatches (as strategies draw it)."""
-    if not _spec(data["target"]).data_parallel:
-        return 1
-    ck = data["checkpoint"]
-    sides = [data["target_options"]] + ([ck["target_options"]] if ck else [])
-    split = _target_class(data["target"]).microbatches
-    return math.lcm(data["world_size"], ck["world_size"] if ck else 1) * max(split(o) for o in sides)
-
-
-def _seq_unit(data: dict) -> int:
-    multiple = _spec(data["target"]).seq_multiple
-    if not multiple:
-        return 1
-    ck = data["checkpoint"]
-    sides = [(data["target_options"], data["mesh_shape"])] + ([(ck["target_options"], ck["mesh_shape"])] if ck else [])
-    return math.lcm(*(multiple(o, m) for o, m in sides))
-
-
-def _reworld(data: dict, checkpoint: bool, mesh: list) -> dict:
-    """A copy with one side on ``mesh`` (its options fitted) and the batch a multiple of its unit again."""
-    new = copy.deepcopy(data)
-    side = new["checkpoint"] if checkpoint else new
-    side.update(world_size=math.prod(mesh), mesh_shape=mesh,
-                target_options=_fit_options(new["target"], side["target_options"], mesh, len(new["schedule"])))
-    unit = _batch_unit(new)
-    new["batch"] = unit * max(1, new["batch"] // unit)
-    return new
-
-
-def _world_edits(data: dict) -> Iterator[Edit]:
-    """A smaller world (1-D mesh; the fewest ranks first) or the 1-D mesh of the same world, on either side."""
-    ck = data["checkpoint"]
-    for side, checkpoint, what in ((data, False, ""), (ck, True, "checkpoint ")):
-        if not side:
-            continue
-        world = side["world_size"]
-        for w in range(1, world):
-            yield f"{what}world size {world} -> {w}", _reworld(data, checkpoint, [w])
-        if len(side["mesh_shape"]) > 1:
-            yield f"{what}mesh {side['mesh_shape']} -> [{world}]", _reworld(data, checkpoint, [world])
-
-
-def _size_edits(data: dict) -> Iterator[Edit]:
-    """float64 -> float32, a smaller batch and sequence (multiples of what the target needs)."""
-    if data["dtype"] == "float64":
-        yield "float64 -> float32", _copy(data, dtype="float32")
-    for key, unit in (("batch", _batch_unit(data)), ("seq", _seq_unit(data))):
-        n = data[key] // unit
-        for m in _smaller(n):
-            yield f"{key} {data[key]} -> {m * unit}", _copy(data, **{key: m * unit})
-
-
 # -- schedule, groups, flags ---------------------------------------------------
 
-def _step_edits(data: dict) -> Iterator[Edit]:
+def step_edits(data: dict) -> Iterator[Edit]:
     """Drop a step (the last first), the checkpoint and the added groups kept at steps that still exist."""
     n = len(data["schedule"])
     for k in reversed(range(n)) if n > 1 else ():
@@ -596,7 +282,7 @@ def _group_edits(data: dict) -> Iterator[Edit]:
 def _flag_edits(data: dict) -> Iterator[Edit]:
     """Unfreeze a frozen param; drop a step's freeze or unfreeze."""
     for fqn in data["frozen"]:
-        yield f"unfreeze {fqn}", _copy(data, frozen=[n for n in data["frozen"] if n != fqn])
+        yield f"unfreeze {fqn}", changed_copy(data, frozen=[n for n in data["frozen"] if n != fqn])
     for k, step in enumerate(data["schedule"]):
         for flip in ("freeze", "unfreeze"):
             for fqn in step[flip]:
@@ -628,16 +314,16 @@ def _checkpoint_edits(data: dict) -> Iterator[Edit]:
     n_steps = len(data["schedule"])
     if ck["target_options"] != data["target_options"]:
         yield changed("the saving side's target options",
-                      target_options=_fit_options(data["target"], data["target_options"], ck["mesh_shape"], n_steps))
+                      target_options=fit_options(data["target"], data["target_options"], ck["mesh_shape"], n_steps))
         yield ("saving side: the loading side's target options",
-               _copy(data, target_options=_fit_options(data["target"], ck["target_options"], data["mesh_shape"], n_steps)))
+               changed_copy(data, target_options=fit_options(data["target"], ck["target_options"], data["mesh_shape"], n_steps)))
 
 
 def _option_edits(data: dict) -> Iterator[Edit]:
     """Drop a target option (back to the target's default), on either side;
     in an option keyed by FQN (placements, wrapped units, a TP plan) one entry
     at a time; a count (pp's microbatches, stages per rank) smaller."""
-    fqns = _modules(param_shapes(Case.from_dict(data).model))
+    fqns = modules(param_shapes(Case.from_dict(data).model))
     ck = data["checkpoint"]
     for side, what in ((data, ""), (ck, "checkpoint ")):
         if not side:
@@ -707,7 +393,7 @@ def _feature_drops(data: dict) -> Iterator[Edit]:
     checkpoint, its async save, the grad scaler, an overflow step, the LR
     scheduler, the clipping."""
     def changed(what, **fields) -> Edit:
-        return what, _copy(data, **fields)
+        return what, changed_copy(data, **fields)
 
     clip, sched, scaler, ck = data.get("clip"), data.get("lr_scheduler"), data.get("scaler"), data.get("checkpoint")
     if ck:
@@ -742,7 +428,7 @@ def _loop_details(data: dict) -> Iterator[Edit]:
     form; SequentialLR or ChainedScheduler as one of its children; the
     target's own grad scaler; the plainest async save."""
     def changed(what, **fields) -> Edit:
-        return what, _copy(data, **fields)
+        return what, changed_copy(data, **fields)
 
     clip, sched, scaler, ck = data.get("clip"), data.get("lr_scheduler"), data.get("scaler"), data.get("checkpoint")
     if clip:
@@ -761,5 +447,6 @@ def _loop_details(data: dict) -> Iterator[Edit]:
 
 # in order: the biggest steps first (a whole feature, then ranks, then the structure, then the finer things); a
 # pass tries each once (``minimize``), so an edit early in the list is also one that every pass tries first
-EDITS = (_feature_drops, _world_edits, _plain_lr, _layer_drops, _model_flags, _decoder_edits, _step_edits, _group_edits,
-         _flag_edits, _checkpoint_edits, _option_edits, _optim_edits, _loop_details, _size_edits, _layer_details)
+EDITS = (_feature_drops, world_edits, _plain_lr, layer_drops, model_flags, decoder_edits, step_edits, _group_edits,
+         _flag_edits, _checkpoint_edits, _option_edits, _optim_edits, _loop_details, size_edits, layer_details)
+WORLD = (world_edits,)  # the world pass alone: a simulated finding's least world (onset.least_worlds)

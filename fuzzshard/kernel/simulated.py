@@ -29,7 +29,7 @@ three things differently, and why:
 
 docs/simulate.md says which targets run simulated (``SIMULATED_TARGETS``) and
 why the others do not; session/simulate.py is the session's side,
-findings/simulated.py the check of a simulated finding on real process groups.
+findings/life.py (``confirm_on_real``) the check of a simulated finding on real process groups.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ a soak hands it to each cell's process whole, session/soak.py SoakOptions);
 what the pool decides (its log folder, the collective timeout, whether cases
 are placed side by side, the zygote) as ``Pool.options``, and each worker gets
 it as JSON in its environment (``to_worker``). Anyone who needs a pool like
-another (the real-process check of a simulated finding, findings/simulated.py)
+another (the real-process check of a simulated finding, session/simulate.py CheckPools)
 derives one from it with ``dataclasses.replace`` or ``simulated(on)``.
 """
 from __future__ import annotations

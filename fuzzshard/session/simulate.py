@@ -11,8 +11,9 @@ aside (``SimulatedSession``). Whether a case can run simulated is the world's to
 (kernel/simulated.py, ``cannot_simulate``).
 
 A simulated finding is a finding only once its shrunk case fails the same
-way on real gloo process groups: findings/simulated.py (``confirm``) checks
-it after the session; one that passes there is a LocalTensor limitation,
+way on real gloo process groups: the last step of its life
+(findings/life.py, ``confirm_on_real``) checks it after the session, on the
+pools this module makes (``CheckPools``: findings/ starts none); one that passes there is a LocalTensor limitation,
 written under OUT/simulation_limits/ and never reported as a finding; one too
 large for this machine is "simulated only". ``bench --simulate`` is in
 session/bench.py. docs/simulate.md says which targets run simulated and why
@@ -21,8 +22,9 @@ the others do not.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
-from ..findings.simulated import SimulatedBook
+from ..findings.localtensor import SimulatedBook
 from ..kernel.simulated import SIMULATED_TARGETS, THREE_DIM_TARGETS, available  # noqa: F401 (cli/fuzz.py's)
 from .engine import Session
 
@@ -42,6 +44,38 @@ def simulated_workers() -> int:
 
 
 class SimulatedSession(Session):
-    """fuzz --simulate's session: its book (findings/simulated.py's SimulatedBook) sets LocalTensor's own
+    """fuzz --simulate's session: its book (findings/localtensor.py's SimulatedBook) sets LocalTensor's own
     errors aside, unshrunk, for the real-process check at the session's end (``book.set_aside``)."""
     book_class = SimulatedBook  # Session's hook for the book a kind of session keeps (session/engine.py)
+
+
+class CheckPools:
+    """The pools the real-process check of a simulated session's findings runs on (findings/life.py's
+    ``confirm_on_real``), made from the session's typed pool options (pool/options.py): ``simulated()``, a
+    pool of ``workers`` simulated workers side by side (two where not said), and ``real(n)``, n fresh real
+    gloo processes; each started on entering its ``with`` and closed on leaving it."""
+
+    def __init__(self, options, workers: int | None = None):
+        self.options = options
+        self.workers = workers or max(1, min(2, os.cpu_count() or 1))
+
+    @contextmanager
+    def simulated(self):
+        with self._started(self.options.simulated(True), self.workers, placed=True) as pool:
+            yield pool
+
+    @contextmanager
+    def real(self, size: int):
+        with self._started(self.options.simulated(False), size) as pool:  # real gloo processes
+            yield pool
+
+    @staticmethod
+    @contextmanager
+    def _started(options, size: int, placed: bool = False):
+        from ..pool.runner import Pool
+
+        pool = Pool(size, options=options, placed=placed).start()
+        try:
+            yield pool
+        finally:
+            pool.close()

@@ -58,6 +58,10 @@ class Spec:
     # (options, mesh_shape, n_steps) -> the options fitted to another mesh (the reducer's world and mesh edits):
     # what names mesh dims or ranks; given a copy, it may change it
     fit_options: Callable | None = None
+    # (options, kept) -> the options on a mesh of only the ``kept`` dims of the case's (a tuple of mesh dims, in
+    # order; the reducer's world edits keep some of a mesh's dims, then fit_options fits the sizes): what names
+    # mesh dims by position; given a copy, it may change it. None: the options stay as they are
+    project_options: Callable | None = None
     seq_multiple: Callable | None = None  # (options, mesh_shape) -> the sequence length is a multiple of this
     compiled: Callable | None = None  # (case) -> "" or a tag for what runs under torch.compile (in signatures)
     facts: Callable | None = None  # (case) -> {name: value}: derived facts a known finding's trigger can name

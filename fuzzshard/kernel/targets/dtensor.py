@@ -40,6 +40,13 @@ def fit_placements(options: dict, mesh_shape: list, n_steps: int) -> dict:
     return options
 
 
+def project_placements(options: dict, kept: tuple) -> dict:
+    """Each param's placements on the ``kept`` mesh dims only (Spec.project_options)."""
+    if options.get("placements"):
+        options["placements"] = {n: [p[d] for d in kept] for n, p in options["placements"].items()}
+    return options
+
+
 def parse_placement(text: str):
     """"R" -> Replicate(), "S1" -> Shard(1)."""
     return Replicate() if text == "R" else Shard(int(text[1:]))
@@ -97,6 +104,7 @@ def placements_options(layout: dict) -> dict:
 class DTensorTarget(Target):
     name = "dtensor"
     spec = Spec(moe={"whole_batch": True, "local": True}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
+                project_options=project_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
                 layout=placements_layout, place_as=placements_options, ac=tuple(AC_HOWS), dropout="replica",
                 tie=dtensor_tie, facts=dtensor_facts)
