@@ -325,6 +325,14 @@ class DDPTarget(Target):
         return x[pick], y[pick], len(active) / len(counts)
 
     @classmethod
+    def held_grad_scale(cls, case, k: int) -> float:
+        """DDP all-reduces the accumulated ``.grad``; a joined rank shadows it with zeros (Join's documented
+        contribution), not with the grad a param in no param group held from the step before (zero_grad leaves
+        it; every rank holds the same): that grad enters the average as held x active / W."""
+        counts = case.target_options.get("uneven")
+        return sum(n > k for n in counts) / len(counts) if counts else 1.0
+
+    @classmethod
     def reference_loss_grads(cls, case: Case, model: nn.Module, options: dict, world: int, x, y,
                              scale: float = 1.0) -> tuple | None:
         """Where the math is not the plain model's on the whole batch: each
