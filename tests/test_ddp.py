@@ -151,3 +151,27 @@ def test_a_lossy_hook_leaves_an_ignored_params_grad_uncompressed(tmp_path):
     grad to inf as if fp16_compress_wrapper had compressed it; DDP never hands it to the hook."""
     r = run_cli("replay", Path(__file__).parent / "data" / "ddp_fp16_ignored_param_overflow.json")
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_join_averages_a_held_grad_with_the_joined_ranks_zeros(tmp_path):
+    """The lead's case (leads/README.md, the decoder under Join): output.weight is in no param group, so
+    zero_grad never clears it and its step-0 grad is held into step 1, where rank 1 has joined and shadows
+    the all-reduce with zeros (Join's documented contribution), not with that held grad: torch gives
+    (held + g_0) / 2, which the reference predicts (held x active / W, DDPTarget.held_grad_scale); before
+    it, ddp.parity.grad of output.weight after step 1 (max abs 0.204)."""
+    import json
+
+    from fuzzshard.case import Case
+    from fuzzshard.kernel.targets.ddp import DDPTarget
+
+    known = Path(__file__).parent.parent / "fuzzshard" / "known" / "ddp.crash.Killed_by_SIGABRT.fwdbwd.all_reduce.json"
+    case = Case.from_dict(json.loads(known.read_text())["case"])  # (its static_graph + find_unused: the known hang)
+    case = dataclasses.replace(case, target_options={"ddp": {"gradient_as_bucket_view": True,
+                                                             "broadcast_buffers": False}, "uneven": [2, 1]})
+    case.check()
+    assert "output.weight" not in {n for g in case.groups for n in g.params}
+    assert [DDPTarget.held_grad_scale(case, k) for k in (0, 1)] == [1.0, 0.5]
+    path = tmp_path / "case.json"
+    path.write_text(case.to_json())
+    r = run_cli("replay", path)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]

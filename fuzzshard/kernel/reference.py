@@ -66,6 +66,7 @@ def reference_error(case: Case, device: str, target_cls) -> dict | None:
                     p.grad = None if own[1][n] is None else scaled(own[1][n])
             else:
                 x, y, scale = target_cls.reference_batch(case, k, x, y)
+                scale_held(model, target_cls.held_grad_scale(case, k))
                 loss = target_cls.objective(model, x, y, options) * scale
                 scaled(loss).backward()
             loop.inject_full(k, {n: p.grad for n, p in model.named_parameters()})  # a partial overflow
@@ -75,6 +76,15 @@ def reference_error(case: Case, device: str, target_cls) -> dict | None:
     except Exception as e:
         return error_record(e)
     return None
+
+
+def scale_held(model, s: float) -> None:
+    """The grads held into this step (``Target.held_grad_scale``) times ``s``, before its backward adds to them."""
+    if s != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(s)
 
 
 def _scaler_path(target_cls, opt):
@@ -198,6 +208,7 @@ def _check_parity(case: Case, obs: dict, device: str, target_cls, localize: bool
                 loss, grads, tol, sens, extra = own
             else:
                 x, y, scale = target_cls.reference_batch(case, k, x, y)
+                scale_held(model, target_cls.held_grad_scale(case, k))
                 sens = None  # measured below, only if a comparison fails without it
                 # dropout: each data-parallel rank's slice from its own seed (kernel/dropout.py), else the objective
                 objective = replayed(target_cls.objective, target_cls.dropout_world(options, world),

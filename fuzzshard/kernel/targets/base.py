@@ -183,6 +183,12 @@ class Target:
         return x, y, 1.0
 
     @classmethod
+    def held_grad_scale(cls, case: Case, k: int) -> float:
+        """What a grad held from the steps before (a param in no param group: zero_grad leaves it) counts for
+        in step k's reduced grad: all of it, unless the target reduces less of it (ddp's Join)."""
+        return 1.0
+
+    @classmethod
     def documented_refusal(cls, case: Case, error: dict) -> bool:
         """Whether the sharded run's error (an error record: type, message) is
         a config the system under test refuses by design, as its docs say (pp's
