@@ -33,7 +33,8 @@ from .plain import sensitivity
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # one line at session start where torchao is missing (cli/common.py)
-FLOAT8_OFF = "fuzzshard: torchao is not installed: --ao's float8 draws are off (pip install 'fuzzshard[ao]')"
+FLOAT8_OFF = ("fuzzshard: torchao is not installed: --ao's draws (float8 training, low-bit optimizers) are off "
+              "(pip install 'fuzzshard[ao]')")
 
 
 def float8_available() -> bool:
