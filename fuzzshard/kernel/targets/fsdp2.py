@@ -334,7 +334,7 @@ def apply_tp(model: nn.Module, tp_mesh, options: dict, factory: str) -> None:
     if factory == "decoder":
         tied = model.output.weight is model.tok_embeddings.weight
         parallelize_decoder(model, tp_mesh, options.get("tp") or {}, options.get("sp", False),
-                            options.get("loss_parallel", False))
+                            options.get("loss_parallel", False), options.get("float8"))
         if tied:  # parallelize_module distributed each owner's weight on its own: tied again, as torchtitan does
             model.output.weight = model.tok_embeddings.weight
         return
