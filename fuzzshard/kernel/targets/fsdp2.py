@@ -97,7 +97,7 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
         # (not with TP: its low-precision partial sums are not replayed yet)
         out["mp"] = draw(st.composite(draw_mp_policy)())
     if context.get("ao") and not tp and "mp" not in out:  # --ao: torchao's float8 Linears (kernel/float8.py)
-        f8 = draw(st.composite(draw_float8)(shapes, tied))
+        f8 = draw(st.composite(draw_float8)(shapes, tied, out.get("wrap", ())))
         if f8:
             out["float8"] = f8
     if context.get("compile"):  # --compile: each block compiled, before fully_shard (torchtitan's order) or after
