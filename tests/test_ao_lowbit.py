@@ -135,3 +135,20 @@ def test_a_dcp_load_at_another_world_size_requantizes_within_the_bound(tmp_path,
     path.write_text(case.to_json())
     r = cli("replay", path)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_a_checkpoints_scale_shifted_by_a_block_is_caught_at_the_load(tmp_path, cli):
+    """The low-bit state through a DCP round trip at another world size (saved over 2 ranks, loaded over 1): with
+    the loaded scales one block off (planted in the quantized copy DCP's load makes), the checkpoint oracle names
+    the loaded moments (the clean round trip: test_a_dcp_load_at_another_world_size_requantizes_within_the_bound)."""
+    from fuzzshard.case import Checkpoint, Step
+
+    case = _lowbit_case("AdamW8bit")
+    case = dataclasses.replace(case, checkpoint=Checkpoint(0, "dcp", 1, (1,), dict(case.target_options)),
+                               schedule=(Step(), Step(), Step()), batch=4)
+    path = tmp_path / "case.json"
+    path.write_text(case.to_json())
+    r = cli("replay", path, setup="ao_lowbit_ckpt_scale_shift.py")
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    assert "FAIL: fsdp2.checkpoint.dcp.loaded.state.exp_avg" in r.stdout, r.stdout
+    assert "loaded.state.exp_avg of layers.1.weight (saved after step 0)" in r.stdout, r.stdout

@@ -17,11 +17,20 @@ from .releases import fixed_in, regression_table, release_of, root_cause_states
 # ---- the known list's numbers, said in one place: this command's first line, known/README.md, and the docs'
 # generated regions (ci/gen_docs.py's known-counts and known-short) all take them from here
 
+def by_project(causes: dict) -> tuple[int, int]:
+    """(root causes in torch, in torchao): a root cause of component "torchao" is torchao's bug, to file in
+    pytorch/ao (docs/ao/README.md); every other is torch's."""
+    ao = sum(1 for rc in causes.values() if rc.component == "torchao")
+    return len(causes) - ao, ao
+
+
 def headline(known: dict, causes: dict) -> str:
-    """"N known findings (signatures) and M root causes in torch", the root causes without a finding of their own
-    (root_causes.json records a torch bug fuzzshard met outside a finding: a hand-reduced script shows it) named."""
+    """"N known findings (signatures) and M root causes in torch and K in torchao", the root causes without a
+    finding of their own (root_causes.json records a bug fuzzshard met outside a finding: a hand-reduced script
+    shows it) named."""
     alone = sorted(rc.id for rc in causes.values() if not rc.signatures)
-    return (f"{len(known)} known findings (signatures) and {len(causes)} root causes in torch"
+    torch_n, ao_n = by_project(causes)
+    return (f"{len(known)} known findings (signatures) and {torch_n} root causes in torch and {ao_n} in torchao"
             + (f" ({len(alone)} of them with no finding of their own: {', '.join(alone)})" if alone else ""))
 
 
@@ -41,7 +50,8 @@ def counts_text(known: dict, causes: dict) -> str:
 
 def short_text(known: dict, causes: dict) -> str:
     silent = sum(1 for rc in causes.values() if rc.kind == "silent")
-    return f"{len(known)} findings and {len(causes)} torch root causes, {silent} of those silent"
+    torch_n, ao_n = by_project(causes)
+    return f"{len(known)} findings and {torch_n} torch root causes and {ao_n} in torchao, {silent} of those silent"
 
 
 def known_markdown(known: dict) -> str:

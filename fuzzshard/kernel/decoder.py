@@ -162,9 +162,12 @@ def plan_element(fqn: str) -> bool:
                                                                     "feed_forward")
 
 
-def parallelize_decoder(model: Decoder, tp_mesh, plan: dict, sp: bool = False, loss_parallel: bool = False) -> None:
+def parallelize_decoder(model: Decoder, tp_mesh, plan: dict, sp: bool = False, loss_parallel: bool = False,
+                        float8: dict | None = None) -> None:
     """Tensor parallelism on ``tp_mesh`` as torchtitan's ``apply_tp`` does it,
-    for the plan's elements (``TP_STYLES``). Between blocks the activation is
+    for the plan's elements (``TP_STYLES``); ``float8`` (the tp target's, --ao) as torchtitan's float8 plan: its
+    Linears take torchao's Float8ColwiseParallel / Float8RowwiseParallel and, with ``prepare_input``, their
+    element a PrepareFloat8ModuleInput (kernel/float8.py). Between blocks the activation is
     replicated, or with ``sp`` (sequence parallelism) sharded on the sequence
     dim: the norms ``SequenceParallel``, a ``PrepareModuleInput`` gathering the
     sequence in front of a sharded attention or MLP, and around an element left
@@ -177,6 +180,15 @@ def parallelize_decoder(model: Decoder, tp_mesh, plan: dict, sp: bool = False, l
                                                    parallelize_module)
 
     between = Shard(1) if sp else Replicate()
+    colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, None
+    colwise8, rowwise8 = colwise, rowwise
+    f8 = set((float8 or {}).get("linears", ()))
+    if f8:  # torchao's float8 TP styles (imported only here: torchao is optional)
+        from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                            PrepareFloat8ModuleInput)
+
+        colwise8, rowwise8 = Float8ColwiseParallel, Float8RowwiseParallel
+        prepare = PrepareFloat8ModuleInput if float8.get("prepare_input") else None
 
     def whole():  # an element left unsharded, under SP: the full sequence in, this rank's part out
         return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
@@ -206,12 +218,16 @@ def parallelize_decoder(model: Decoder, tp_mesh, plan: dict, sp: bool = False, l
                 if sp:
                     inner[part] = whole()
                 continue
-            if sp:
+            low = f"layers.{name}.{part}.{row}" in f8  # the element's Linears float8 (all of them, or none)
+            if low and prepare:  # the input cast to float8 once, with the first column-wise Linear's config
+                inner[part] = prepare(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                      fwd_config_submodule_fqn=col[0])
+            elif sp:
                 inner[part] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             for w in col:
                 if hasattr(block.get_submodule(part), w):
-                    inner[f"{part}.{w}"] = ColwiseParallel()
-            inner[f"{part}.{row}"] = RowwiseParallel(output_layouts=between)
+                    inner[f"{part}.{w}"] = (colwise8 if low else colwise)()
+            inner[f"{part}.{row}"] = (rowwise8 if low else rowwise)(output_layouts=between)
         if sp:
             inner["attention_norm"] = SequenceParallel()
             inner["ffn_norm"] = SequenceParallel()

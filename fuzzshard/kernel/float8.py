@@ -33,7 +33,8 @@ from .plain import sensitivity
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # one line at session start where torchao is missing (cli/common.py)
-FLOAT8_OFF = "fuzzshard: torchao is not installed: --ao's float8 draws are off (pip install 'fuzzshard[ao]')"
+FLOAT8_OFF = ("fuzzshard: torchao is not installed: --ao's draws (float8 training, low-bit optimizers) are off "
+              "(pip install 'fuzzshard[ao]')")
 
 
 def float8_available() -> bool:
@@ -41,9 +42,12 @@ def float8_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-def draw_float8(draw, shapes: dict, tied: tuple = ()) -> dict | None:
+def draw_float8(draw, shapes: dict, tied: tuple = (), wrap=()) -> dict | None:
     """None (off, the simplest) half the time; else a recipe, the Linears it converts (a nonempty subset
-    of the 2-D weights' owners, tied ones left out), and the recipe's FSDP2 switches (all off first)."""
+    of the 2-D weights' owners, tied ones left out), and the recipe's FSDP2 switches (all off first). Steered to
+    the float8 all-gather (two tensorwise cases in three take it), and with it away from the FSDP2 units (of
+    ``wrap``) gloo cannot all-gather (``float8_only_units``): their Linears stay high precision, or the all-gather
+    is off where none would be left."""
     import hypothesis.strategies as st
 
     owners = [n.rsplit(".", 1)[0] for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2]
@@ -54,10 +58,20 @@ def draw_float8(draw, shapes: dict, tied: tuple = ()) -> dict | None:
     recipe = draw(st.sampled_from(FLOAT8_RECIPES))
     linears = [o for o in owners if draw(st.booleans())] or owners[:1]
     out = {"recipe": recipe, "linears": linears}
-    if recipe == "tensorwise" and draw(st.booleans()):  # float8 all-gather: torchao takes it with tensorwise only
+    # float8 all-gather: torchao takes it with tensorwise only
+    if recipe == "tensorwise" and draw(st.sampled_from([False, True, True])):
         out["all_gather"] = True
         if draw(st.booleans()):
             out["precompute"] = True
+        bad = set(float8_only_units(shapes, wrap, linears))
+        if bad:  # (gloo's refusal: the rule says so on CPU; on a GPU the case loses those Linears only)
+            units = sorted({"", *wrap}, key=lambda u: -u.count(".") - 1 if u else 0)
+            kept = [o for o in linears
+                    if (next(u for u in units if not u or f"{o}.weight".startswith(u + ".")) or "(root)") not in bad]
+            if kept and not float8_only_units(shapes, wrap, kept):
+                out["linears"] = kept
+            else:
+                out.pop("all_gather"), out.pop("precompute", None)
     if draw(st.sampled_from([False, False, True])):
         out["recompute_bwd"] = True
     return out
@@ -82,6 +96,60 @@ def draw_float8_tp(draw, plan: dict, model, shapes: dict) -> dict | None:
     return out
 
 
+# the decoder's TP plan elements torchao's float8 styles take, with their Linears (the column-wise first: the one
+# whose forward config PrepareFloat8ModuleInput casts with) and the row-wise one
+FLOAT8_DECODER_PARTS = {"attention": (("wq", "wk", "wv"), "wo"), "feed_forward": (("w1", "w3"), "w2")}
+
+
+def float8_decoder_linears(plan: dict, shapes: dict, parts) -> list[str]:
+    """The Linears of the plan's sharded attention / MLP elements of kinds ``parts``, by FQN."""
+    out = []
+    for element in sorted(plan):
+        part = element.rsplit(".", 1)[-1]
+        if part in parts and element.startswith("layers."):
+            col, row = FLOAT8_DECODER_PARTS[part]
+            out += [f"{element}.{w}" for w in (*col, row) if f"{element}.{w}.weight" in shapes]
+    return out
+
+
+def draw_float8_decoder_tp(draw, options: dict, shapes: dict) -> dict | None:
+    """The tp target's float8 on the decoder (--ao), as torchtitan's float8 TP plan: None half the time; else
+    tensorwise float8 on every Linear of the sharded attention and / or MLP elements (the same kinds in every block),
+    which take Float8ColwiseParallel / Float8RowwiseParallel, and (``prepare_input``) a PrepareFloat8ModuleInput in
+    front of each, casting the element's input to float8 once for its column-wise Linears. Without sequence
+    parallelism only: under it that module all-gathers the sequence in float8, which gloo refuses (a backend limit,
+    docs/ao/gloo_float8_all_gather_invalid_scalar_type.json); NCCL takes it."""
+    import hypothesis.strategies as st
+
+    on = draw(st.booleans())
+    plan = options.get("tp") or {}
+    kinds = sorted({e.rsplit(".", 1)[-1] for e in plan if e.startswith("layers.")} & set(FLOAT8_DECODER_PARTS))
+    if not on or not kinds:
+        return None
+    parts = [k for k in kinds if draw(st.booleans())] or kinds[:1]
+    out = {"recipe": "tensorwise", "linears": float8_decoder_linears(plan, shapes, parts)}
+    if not options.get("sp") and draw(st.booleans()):
+        out["prepare_input"] = True
+    if draw(st.sampled_from([False, False, True])):
+        out["recompute_bwd"] = True
+    return out
+
+
+def float8_decoder_problem(case, options: dict, f8: dict) -> str | None:
+    """What the decoder's float8 under TP cannot be: whole sharded elements (PrepareFloat8ModuleInput's float8
+    input reaches each of the element's Linears), and its float8 all-gather not on gloo."""
+    plan = options.get("tp") or {}
+    shapes = param_shapes(case.model)
+    parts = {fqn.split(".")[2] for fqn in f8.get("linears", ()) if fqn.startswith("layers.") and fqn.count(".") == 3}
+    if not parts or set(f8["linears"]) != set(float8_decoder_linears(plan, shapes, parts)):
+        return ("float8 under the decoder's TP: every Linear of the plan's sharded attention and / or MLP elements "
+                "of each kind drawn")
+    if f8.get("prepare_input") and options.get("sp") and case.device == "cpu":
+        return ("float8 PrepareFloat8ModuleInput under sequence parallelism: it all-gathers the sequence in float8, "
+                "which gloo refuses (set apart)")
+    return None
+
+
 def float8_tp_problem(case, options: dict) -> str | None:
     """What the tp target's float8 option cannot be (its check)."""
     f8 = options.get("float8")
@@ -92,8 +160,14 @@ def float8_tp_problem(case, options: dict) -> str | None:
     if f8.get("recipe") != "tensorwise" or f8.get("all_gather") or f8.get("precompute"):
         return "float8 under TP: torchao's Float8ColwiseParallel / Float8RowwiseParallel take the tensorwise recipe"
     plan = options.get("tp") or {}
-    if case.model.factory or set(f8.get("linears", ())) - set(plan):
-        return "float8 under TP: on Linears the plan parallelizes, of a drawn topology"
+    if case.model.factory == "decoder":
+        problem = float8_decoder_problem(case, options, f8)
+        if problem:
+            return problem
+    elif f8.get("prepare_input"):
+        return "float8 PrepareFloat8ModuleInput: in front of the decoder's attention and MLP elements"
+    elif case.model.factory or set(f8.get("linears", ())) - set(plan):
+        return "float8 under TP: on Linears the plan parallelizes, of a drawn topology or the decoder"
     # a Linear narrower than the TP degree (a rank's empty shard fails torchao's amax: torch.max of a DTensor with an
     # empty local shard, root cause dtensor-max-empty-local-shard) and a Linear with a bias (its grad read from the
     # e5m2-rounded output grad, torchao-float8-tp-bias-grad-e5m2) are drawn: known bugs (fuzzshard/known/)

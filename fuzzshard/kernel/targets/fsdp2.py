@@ -97,7 +97,7 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
         # (not with TP: its low-precision partial sums are not replayed yet)
         out["mp"] = draw(st.composite(draw_mp_policy)())
     if context.get("ao") and not tp and "mp" not in out:  # --ao: torchao's float8 Linears (kernel/float8.py)
-        f8 = draw(st.composite(draw_float8)(shapes, tied))
+        f8 = draw(st.composite(draw_float8)(shapes, tied, out.get("wrap", ())))
         if f8:
             out["float8"] = f8
     if context.get("compile"):  # --compile: each block compiled, before fully_shard (torchtitan's order) or after
@@ -334,7 +334,7 @@ def apply_tp(model: nn.Module, tp_mesh, options: dict, factory: str) -> None:
     if factory == "decoder":
         tied = model.output.weight is model.tok_embeddings.weight
         parallelize_decoder(model, tp_mesh, options.get("tp") or {}, options.get("sp", False),
-                            options.get("loss_parallel", False))
+                            options.get("loss_parallel", False), options.get("float8"))
         if tied:  # parallelize_module distributed each owner's weight on its own: tied again, as torchtitan does
             model.output.weight = model.tok_embeddings.weight
         return

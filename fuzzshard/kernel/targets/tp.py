@@ -23,7 +23,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_map_only
 
 from ..decoder import plan_element
-from ..float8 import draw_float8_tp, float8_convert, float8_reference, float8_tp_problem
+from ..float8 import draw_float8_decoder_tp, draw_float8_tp, float8_convert, float8_reference, float8_tp_problem
 from ..model import loss_fn, tie_uses
 from ..moe import MoE
 from ..state_io import STATE_DICT_KINDS
@@ -41,7 +41,12 @@ def draw_tp_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **c
 
     model = context["model"]
     if model.factory == "decoder":
-        return draw(st.composite(draw_decoder_tp)(model.sizes, mesh_shape[-1]))
+        out = draw(st.composite(draw_decoder_tp)(model.sizes, mesh_shape[-1]))
+        if context.get("ao"):  # --ao: torchtitan's float8 TP plan (kernel/float8.py), drawn after the plan
+            f8 = draw(st.composite(draw_float8_decoder_tp)(out, shapes))
+            if f8:
+                out["float8"] = f8
+        return out
     out = {"tp": draw(st.composite(draw_tp_plan)(shapes, tied, model))}
     if context.get("ao"):  # --ao: torchao's float8 Linears under its float8 TP styles (kernel/float8.py)
         f8 = draw(st.composite(draw_float8_tp)(out["tp"], model, shapes))
