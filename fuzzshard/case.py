@@ -314,28 +314,53 @@ def _type_hints(tp) -> dict:
     return _TYPE_HINTS[tp]
 
 
+_SHAPES: dict = {}
+
+
+def _shape(tp) -> tuple:
+    """What _from_jsonable asks of a type, once per type (typing.get_origin, dataclasses.fields and the type
+    hints cost a few milliseconds of every case a worker reads, asked anew of each value): (origin, the
+    Union's non-None member or None, the dataclass's ((name, hint, required), ...) and field names or None)."""
+    try:
+        return _SHAPES[tp]
+    except (KeyError, TypeError):  # TypeError: an unhashable annotation (never cached)
+        pass
+    origin = typing.get_origin(tp)
+    member = fields = names = None
+    if origin in (typing.Union, types.UnionType):  # X | None
+        (member,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    elif dataclasses.is_dataclass(tp):
+        hints = _type_hints(tp)
+        fields = tuple((f.name, hints[f.name], f.default is dataclasses.MISSING
+                        and f.default_factory is dataclasses.MISSING) for f in dataclasses.fields(tp))
+        names = frozenset(f[0] for f in fields)
+    out = (origin, member, fields, names)
+    try:
+        _SHAPES[tp] = out
+    except TypeError:
+        pass
+    return out
+
+
 def _from_jsonable(tp: Any, value: Any, where: str) -> Any:
     """Rebuild a value of type ``tp`` from JSON data, with a clear error path."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):  # X | None
+    origin, member, fields, names = _shape(tp)
+    if member is not None:  # X | None
         if value is None:
             return None
-        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _from_jsonable(tp, value, where)
-    if dataclasses.is_dataclass(tp):
+        return _from_jsonable(member, value, where)
+    if fields is not None:
         if not isinstance(value, dict):
             raise CaseError(f"{where}: expected an object, got {type(value).__name__}")
-        hints = _type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp)}
         unknown = set(value) - names
         if unknown:
             raise CaseError(f"{where}: unknown field(s) {sorted(unknown)}")
         kwargs = {}
-        for f in dataclasses.fields(tp):
-            if f.name in value:
-                kwargs[f.name] = _from_jsonable(hints[f.name], value[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise CaseError(f"{where}: missing field {f.name!r}")
+        for name, hint, required in fields:
+            if name in value:
+                kwargs[name] = _from_jsonable(hint, value[name], f"{where}.{name}")
+            elif required:
+                raise CaseError(f"{where}: missing field {name!r}")
         return tp(**kwargs)
     if origin is tuple:
         if not isinstance(value, list):

@@ -330,7 +330,8 @@ def _train(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
     loop.every_rank = True  # its found_inf observed as every rank's (the reference compares each with its own)
 
     compared = target.replica_quantities(device)
-    moe = bool(moe_configs_of(case.model))
+    # an MoE routing bias to observe: its gather (an all_gather_object a step) only where a layer has one
+    biased = any(c.get("bias_coeff") is not None for c in moe_configs_of(case.model))
 
     def observe_grads() -> dict:  # collectives over the job, after backward
         with clock("gathers"), gather_batch(meshes.batchable) as batch:
@@ -353,7 +354,7 @@ def _train(meshes, case: Case, target, model, opt, loop, steps, device: str, kee
                    "groups": target.group_hparams(opt), "loop": loop.observe()}
             watched = [k for k in ("params", "state", "groups") if k in compared] + (["loop"] if rec["loop"] else [])
             rec["replica_step"] = batch.watch({k: rec[k] for k in watched})
-        if moe:  # every MoE's routing bias, as its ranks hold it: one value, every copy the same (kernel/moe.py)
+        if biased:  # every MoE's routing bias, as its ranks hold it: one value, every copy the same (kernel/moe.py)
             rec["expert_bias"], replicas = observe_biases(model, meshes.group(case.world_size), len(out))
             rec["replica_step"] = list(rec["replica_step"] or []) + replicas
         return rec

@@ -104,6 +104,17 @@ class ExpertParallel:
                                  input_fn=self._token_dispatch, output_fn=self._token_combine)
 
 
+def _divided(grad, world: int):
+    """``grad / world`` on a Shard(0) DTensor grad, divided shard by shard (the same numbers as DTensor's div,
+    without its sharding propagation for every new shape: a case's)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return grad / world
+    return DTensor.from_local(grad.to_local() / world, grad.device_mesh, grad.placements, run_check=False,
+                              shape=grad.shape, stride=grad.stride())
+
+
 def _moe_fqns(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, MoE)]
 
@@ -233,7 +244,7 @@ class EPTarget(FSDP2Target):
             unit.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM, then the divide (gloo has no PREMUL_SUM)
         if ignored:  # 1-D: the experts' grads, summed over every rank by the combine's backward, averaged
             for p in ignored:
-                p.register_hook(lambda g, world=world: g / world)
+                p.register_hook(lambda g, world=world: _divided(g, world))
         return model
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
