@@ -64,3 +64,4 @@ def test_the_script_falls_back_with_a_reason():
 
     why = fallback_reason(ep_case((2, 2), {"shared": 2}, {"tp": True}), {}, _grad_verdict("layers.0.router.gate.weight"))
     assert why and "tp" in why, why
+
