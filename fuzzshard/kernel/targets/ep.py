@@ -165,8 +165,12 @@ def ep_draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **c
     out = {"reshard_after_forward": raf}
     if wrap:
         out["wrap"] = wrap
-    # drawn last, off first: [dp, tp] with EP over the TP ranks (a 2-D mesh only; a checkpoint's side stays off)
-    if len(mesh_shape) == 2 and not context.get("loading") and draw(st.sampled_from([False, False, True])):
+    # drawn last, off first: [dp, tp] with EP over the TP ranks (a 2-D mesh only; a checkpoint's side stays off).
+    # A shared expert whose hidden width does not divide over TP meets a known torch bug (RowwiseParallel's local
+    # input assumed even: tp-rowwise-local-input-assumes-even): drawn rarely there, as fsdp2's TP MLP is
+    even = all(s[0] % mesh_shape[-1] == 0 for n, s in shapes.items() if n.endswith("shared_experts.w1.weight"))
+    if len(mesh_shape) == 2 and not context.get("loading") and draw(st.sampled_from([False, False, True])) and (
+            even or draw(st.integers(0, 7)) == 7):
         out["tp"] = True
     return out
 
