@@ -146,7 +146,8 @@ class Gate(nn.Linear):
         out = super().forward(x)
         with torch.no_grad():
             up = torch.float64 if x.dtype == torch.float64 else torch.float32
-            self.size = (x.detach().abs().to(up) @ self.weight.detach().abs().to(up).T).amax(-1)
+            size = (x.detach().abs().to(up) @ self.weight.detach().abs().to(up).T).amax(-1)
+            self.size = size.to_local() if hasattr(size, "to_local") else size  # a Replicate DTensor under ep's TP
         return out
 
 
@@ -268,6 +269,7 @@ class MoE(nn.Module):
         self.dp_groups, self.aux_batch = (), None
         self.aux_grad = 1.0  # the aux loss's grad: the loss scale of the backward it is in (_AuxLoss)
         self.margin = math.inf  # the smallest relative routing margin seen (module docstring)
+        self.tp_mesh = None  # ep's TP dim (targets/ep.py): each TP rank routes its 1/tp slice of the tokens
 
     def _apply(self, fn, recurse=True):
         """The load-balancing buffers stay float32 (torchtitan's) when the model is cast: a count in bfloat16
@@ -318,7 +320,15 @@ class MoE(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, slen, dim = x.shape
         x = x.reshape(-1, dim)
-        top_scores, idx, counts, scores, choice = self.router(x, self.expert_bias)
+        tp = self.tp_mesh
+        if tp is not None:  # ep's TP: torchtitan's MoE input Replicate, its routed path's grads Partial over TP
+            from torch.distributed.tensor import DTensor, Partial, Replicate
+
+            x_in = DTensor.from_local(x, tp, [Replicate()], run_check=False)
+            x = x_in.to_local(grad_placements=[Partial()])
+        else:
+            x_in = x
+        top_scores, idx, counts, scores, choice = self.router(x_in, self.expert_bias)
         with torch.no_grad():
             self.record_margin(self.router.gate.size, choice.detach(), idx.shape[-1])
             if self.training:
@@ -327,11 +337,36 @@ class MoE(nn.Module):
         if c["aux"] and self.training and torch.is_grad_enabled():
             coeff = c["aux_coeff"] * (bs / self.aux_batch if self.aux_batch else 1.0)
             aux = aux_loss(c["aux"], scores, idx, bs, c["top_k"], coeff, self.dp_groups)
-            top_scores = _AuxLoss.apply(top_scores, aux, self.aux_grad)
+            # under TP every rank computes it from the same scores, whose grads sum over TP: one rank's grad of one
+            grad = self.aux_grad if tp is None or tp.get_local_rank() == 0 else 0.0
+            top_scores = _AuxLoss.apply(top_scores, aux, grad)
+        tokens = bs * slen
+        if tp is not None:  # torchtitan's token dispatcher under sequence parallel (sp_size, sp_rank): a TP
+            # rank routes the tokens of its 1/tp slice (bs * slen a multiple of tp: ep_check)
+            n = tokens // tp.size()
+            lo = tp.get_local_rank() * n
+            x, top_scores, idx, tokens = x[lo:lo + n], top_scores[lo:lo + n], idx[lo:lo + n], n
+        out_experts = self._routed(x, top_scores, idx, tokens, dim, bs)
+        if tp is None:
+            out = self.shared_experts(x) if self.shared_experts is not None else None
+            out = out_experts if out is None else out + out_experts
+            return out.reshape(bs, slen, dim)
+        # this rank's slice in the full token range, plus the shared expert's Partial (RowwiseParallel's output):
+        # one Partial sum over TP, reduced to Replicate (torchtitan's MoE output)
+        full = torch.cat([out_experts.new_zeros(lo, dim), out_experts,
+                          out_experts.new_zeros(bs * slen - lo - tokens, dim)])
+        if self.shared_experts is not None:
+            full = full + self.shared_experts(x_in)
+        out = DTensor.from_local(full, tp, [Partial()], run_check=False).redistribute(tp, [Replicate()]).to_local()
+        return out.reshape(bs, slen, dim)
+
+    def _routed(self, x, top_scores, idx, tokens, dim, bs):
+        """The routed experts' output [tokens, dim] of ``x`` [tokens, dim], routed as ``idx`` says."""
+        c = self.cfg
         scores_sorted, slots_sorted, num_tokens_per_expert = self.reorderer(top_scores, idx)
         if c["capacity"] is not None:
             # each expert keeps its first `cap` slots in token order; the rest are dropped
-            cap = capacity_of(c["capacity"], bs * slen, c["top_k"], c["experts"])
+            cap = capacity_of(c["capacity"], tokens, c["top_k"], c["experts"])
             starts = torch.cumsum(num_tokens_per_expert, 0) - num_tokens_per_expert
             experts_sorted = idx.reshape(-1)[slots_sorted]
             keep = (torch.arange(slots_sorted.numel(), device=x.device) - starts[experts_sorted]) < cap
@@ -341,18 +376,14 @@ class MoE(nn.Module):
         if self.score_before_experts:
             routed_input = (routed_input.to(scores_sorted.dtype) * scores_sorted.reshape(-1, 1)).to(x.dtype)
         routed_output = self.experts(routed_input, num_tokens_per_expert)
-        out = self.shared_experts(x) if self.shared_experts is not None else None
-        unsorted = routed_output.new_zeros(bs * slen * c["top_k"], dim)
+        unsorted = routed_output.new_zeros(tokens * c["top_k"], dim)
         unsorted[slots_sorted] = routed_output
         unsorted = unsorted.reshape(-1, c["top_k"], dim)
         if self.score_before_experts:
-            out_experts = unsorted.sum(dim=1)
-        else:
-            sc = top_scores.new_zeros(bs * slen * c["top_k"])
-            sc[slots_sorted] = scores_sorted  # a dropped slot's score multiplies zero: it gets no grad
-            out_experts = torch.bmm(sc.reshape(-1, 1, c["top_k"]), unsorted.to(sc.dtype)).to(x.dtype).squeeze(1)
-        out = out_experts if out is None else out + out_experts
-        return out.reshape(bs, slen, dim)
+            return unsorted.sum(dim=1)
+        sc = top_scores.new_zeros(tokens * c["top_k"])
+        sc[slots_sorted] = scores_sorted  # a dropped slot's score multiplies zero: it gets no grad
+        return torch.bmm(sc.reshape(-1, 1, c["top_k"]), unsorted.to(sc.dtype)).to(x.dtype).squeeze(1)
 
 
 def moe_param_shapes(dim: int, cfg: dict) -> dict[str, tuple[int, ...]]:
