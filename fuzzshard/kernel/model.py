@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from ..case import Layer, Model
 from .decoder import decoder
-from .fqn import WRAPPERS, plain_fqn  # noqa: F401 (named here too: targets and scripts import them from here)
+# (named here too: targets and scripts import them from here; a flattened repro's import lines carry no comment)
+from .fqn import WRAPPERS, plain_fqn
 from .moe import MoE, moe_param_shapes
 
 
