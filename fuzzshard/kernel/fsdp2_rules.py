@@ -149,7 +149,7 @@ def coverage(case) -> dict:
     the embedding rowwise, the head colwise), sp, loss_parallel, a checkpoint;
     "no TP" without a plan. A float8 case's recipe and switches (--ao). Any case's training loop features (fsdp1.loop_coverage),
     apart under mixed precision and gradient accumulation."""
-    from .fsdp1 import loop_coverage
+    from .targets.fsdp1 import loop_coverage
 
     opts = case.target_options
     loop = loop_coverage(case, "mixed precision" if opts.get("mp") else "microbatches" if opts.get("microbatches")
@@ -232,7 +232,7 @@ def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     raf, shard = options.get("reshard_after_forward"), mesh_shape[0] if options.get("tp") else mesh_shape[-1]
     if type(raf) is int and not (1 < raf < shard and shard % raf == 0):
         options["reshard_after_forward"] = True
-    from ..sync import fit
+    from .sync import fit
 
     return fit(options, mesh_shape)
 
@@ -263,6 +263,6 @@ def facts(case) -> dict:
             # colwise splits a Linear's out-features (weight dim 0), an Embedding's dim (1); rowwise in-features (1)
             if shape and len(mesh) == 2 and shape[1 if style == "rowwise" or embedding else 0] < mesh[1]:
                 empty = True
-    from ..sync import divide_twice
+    from .sync import divide_twice
 
     return {"tp_empty_shard": empty, "sync_divide_twice": any(divide_twice(case, m, o) for m, o in sides)}
