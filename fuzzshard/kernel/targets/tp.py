@@ -30,7 +30,8 @@ from ..state_io import STATE_DICT_KINDS
 from ..ac import AC_HOWS, apply_ac
 from .base import Spec
 from .dtensor import DTensorTarget, distribute_params
-from .fsdp2 import apply_tp, coverage, draw_decoder_tp, draw_tp_plan, loss_context, seq_multiple, tp_problem
+from ..fsdp2_rules import coverage, draw_decoder_tp, draw_tp_plan, seq_multiple, tp_problem
+from .fsdp2 import apply_tp, loss_context
 
 
 def draw_tp_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **context) -> dict:
