@@ -186,7 +186,7 @@ def ep_draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **c
     return out
 
 
-def fit_options(options: dict, mesh_shape, n_steps: int) -> dict:
+def ep_fit_options(options: dict, mesh_shape, n_steps: int) -> dict:
     """``tp`` needs a 2-D mesh: off on another (the reducer's mesh edits)."""
     if len(mesh_shape) != 2:
         options.pop("tp", None)
@@ -251,7 +251,7 @@ class EPTarget(FSDP2Target):
     # every model drawn has MoE, its experts a multiple of the EP degree (the mesh's last dim; strategies'
     # _model), dropless: a rank's forward sees its own slice
     spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=ep_draw_options,
-                checkpoint_kinds=STATE_DICT_KINDS, fit_options=fit_options,
+                checkpoint_kinds=STATE_DICT_KINDS, fit_options=ep_fit_options,
                 data_parallel=True, named_params=True, check=ep_check, coverage=ep_coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout)
     localizable = False  # inside an MoE the routed tokens are this rank's experts', in another order
 
