@@ -14,7 +14,7 @@ def test_tp_rules_and_draw():
     from hypothesis import HealthCheck, given, settings
 
     from fuzzshard.case import CaseError
-    from fuzzshard.kernel.targets.ep import fit_options
+    from fuzzshard.kernel.targets.ep import ep_fit_options as fit_options
     from fuzzshard.strategies import cases
 
     with pytest.raises(CaseError, match="2-D"):
