@@ -15,6 +15,15 @@ SLOW = {
     "test_ep_tp.py::test_tp_with_aux_loss_routing_bias_and_own_units_passes_clean":
         "an ep+tp MoE at world size 4 with every router feature (368 s loaded): the plant's test replays its own "
         "ep+tp case clean before the planted run (test_router_grad_unreduced_over_tp_is_found)",
+    "test_ac.py::test_the_script_finds_the_planted_recompute_and_passes_without":
+        "69 s: the planted recompute is caught in the default tier by test_dropout.py's new-mask replays (three "
+        "targets) and test_ac.py's reentrant replay",
+    "test_moe_script.py::test_an_moe_finding_is_written_straight_line_and_replays[fsdp2_hsdp]":
+        "38 s: the MoE straight-line script stays proven by [dtensor]; fsdp2 HSDP scripts by test_scriptgen.py",
+    "test_ep.py::test_the_straight_line_script_writes_the_dispatch_and_finds_each_plant[router_2d]":
+        "43 s: the ep script's dispatch and its plant stay proven by [a2a_1d]",
+    "test_sync.py::test_the_scripts_write_the_controls_and_find_the_planted_bug[fsdp1]":
+        "39 s: the sync controls' script stays proven on fsdp2 ([fsdp2]); fsdp1's no_sync by its replay tests",
     "test_ao_tp.py::test_prepare_float8_module_input_in_the_decoders_plan_is_in_parity_and_a_shard_local_amax_is_caught":
         "a float8 decoder under TP (371 s loaded): float8 TP parity and its local-amax plant stay in the default tier "
         "through test_float8_tp_is_in_parity_and_a_shard_local_amax_is_caught, the plan's draw and rule through "
