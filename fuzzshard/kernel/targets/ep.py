@@ -245,6 +245,18 @@ def ep_coverage(case) -> dict:
     return {"ep cases": cells}
 
 
+def ep_facts(case) -> dict:
+    """``composable_ac_of_experts``: the composable checkpoint of an MoE's experts, the module whose forward
+    pre-hook is EP's token dispatch (distribute_module's input_fn), which the checkpoint's recompute runs again on
+    the dispatched tokens (a torch bug: known composable-checkpoint-reruns-forward-pre-hooks)."""
+    from ..ac import ac_how
+    from ..moe import moe_prefixes
+
+    experts = {p + "experts" for p in moe_prefixes(case.model)}
+    sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
+    return {"composable_ac_of_experts": any(ac_how(o) == "composable" and experts & set(o["ac"]) for o in sides)}
+
+
 def ep_layout(mesh_shape, options: dict, names) -> dict | None:
     return None  # experts Shard(0) over ep, the rest HSDP: no one plain layout
 
@@ -257,7 +269,7 @@ class EPTarget(FSDP2Target):
     spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=ep_draw_options,
                 checkpoint_kinds=STATE_DICT_KINDS, fit_options=ep_fit_options,
                 data_parallel=True, named_params=True, check=ep_check, coverage=ep_coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout,
-                ac=AC_NON_REENTRANT, dropout="replay")
+                ac=AC_NON_REENTRANT, dropout="replay", facts=ep_facts)
     localizable = False  # inside an MoE the routed tokens are this rank's experts', in another order
 
     @classmethod
