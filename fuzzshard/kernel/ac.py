@@ -138,10 +138,9 @@ def ac_problem(case, options: dict, spec) -> str | None:
 # torchtitan's SelectiveAC (torchtitan/distributed/activation_checkpoint.py): the compute-intensive ops (the
 # partitioner's list: matmuls, convolutions, attention) and max saved, every second mm (or linear) recomputed,
 # everything else recomputed (torchtitan's attention and reduce-scatter ops left out: the models here run none
-# of them outside the partitioner's list). The script writes the same set (scriptgen/common.py: _SAC), and ep's
-# writer the MoE's two below (an MoE elsewhere recomputes its topk to the same values: deterministic on the same
-# inputs, saved or not)
-SAC_MOE_SAVE = ("torch.ops.aten.topk.default", "torch.ops._c10d_functional.all_to_all_single.default")
+# of them outside the partitioner's list). The script writes the same set (scriptgen/common.py: _SAC) less the
+# MoE's two below: a script's MoE recomputes its topk to the same values (deterministic on the same inputs, saved
+# or not), and ep's script, the one with all-to-alls, falls back under selective AC (past 150 lines)
 
 
 def _sac_save_ops() -> set:

@@ -81,8 +81,6 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
     if ac.ac_how(options):  # activation checkpointing after EP, before fully_shard (the kernel's, torchtitan's order)
         out += (["ep_experts = " + made] if two else []) + common.ac_lines(case, options)
         made = "ep_experts" if two else made
-        if ac.ac_how(options) == "sac":  # (not written today: ac_unsupported)
-            out.append(f"SAVE |= {{{', '.join(ac.SAC_MOE_SAVE)}}}  # torchtitan's MoE saves: routing, EP's all-to-alls")
     units = ["*[fully_shard(e, mesh=mesh[\"d0\"]%s) for e in %s]" % (kw, made)] if two else []
     units += [f"fully_shard({_module(u)}, mesh=mesh{kw})" for u in
               sorted(options.get("wrap", []), key=lambda n: (-n.count("."), n))]
