@@ -5,6 +5,7 @@ replayed clean and with the planted recompute bugs: the finding's signature is c
 import dataclasses
 import math
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 
@@ -14,7 +15,7 @@ from fuzzshard.kernel import ac, dropout
 from fuzzshard.kernel.model import param_shapes
 
 
-def ep_block_case(mesh, how="composable", fqns=("layers.1",), p=0.0, options=None) -> Case:
+def ep_block_case(mesh, how="composable", fqns=("layers.1",), p=0.0, options=None, steps=2) -> Case:
     """A Linear, one transformer-like residual block (an MoE with a shared expert, top-2, and dropout of ``p``
     after it), a Linear; the block checkpointed (torchtitan's per-block AC) on ``mesh``."""
     world = math.prod(mesh)
@@ -24,7 +25,7 @@ def ep_block_case(mesh, how="composable", fqns=("layers.1",), p=0.0, options=Non
                                                     Layer("linear", 4, 3)))
     opts = {**(options or {}), "ac": list(fqns), **({"ac_how": how} if how != "composable" else {})}
     case = Case(target="ep", world_size=world, mesh_shape=tuple(mesh), model=model, optim=Optim("SGD", {"lr": 0.1}),
-                groups=(Group(tuple(param_shapes(model))),), schedule=(Step(),) * 2, batch=2 * world, seq=3,
+                groups=(Group(tuple(param_shapes(model))),), schedule=(Step(),) * steps, batch=2 * world, seq=3,
                 target_options=opts, seed=1)
     case.check()
     return case
@@ -59,17 +60,19 @@ def test_dropout_under_eps_tp_is_refused():
     assert dataclasses.replace(ep_block_case((2, 2)), target_options={"tp": True}).refusal() is None
 
 
-def test_a_recompute_that_differs_from_the_forward_is_caught_under_ep(tmp_path):
-    """The block (its MoE's dispatch and combine inside) checkpointed on a 2-D [dp, ep] mesh: clean passes; the
-    recompute fed a scaled input gives the block's grads wrong."""
-    buggy = replay_clean_then_buggy(tmp_path, ep_block_case((2, 2), "utils"), "ac_recompute_perturbed.py")
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)], ids=["1d", "2d"])
+def test_a_recompute_that_differs_from_the_forward_is_caught_under_ep(tmp_path, mesh):
+    """The block (its MoE's dispatch and combine inside) checkpointed on a 1-D [ep] or 2-D [dp, ep] mesh (the
+    experts FSDP-sharded over dp too): clean passes; the recompute fed a scaled input gives the block's grads wrong."""
+    buggy = replay_clean_then_buggy(tmp_path, ep_block_case(mesh, "utils", steps=1), "ac_recompute_perturbed.py")
     assert "ep.parity.grad" in buggy and "layers.1.inner.0." in buggy, buggy
 
 
 def test_a_recompute_that_draws_a_new_mask_is_caught_under_ep(tmp_path):
     """AC + dropout after the MoE: the reference replays each rank's masks (clean passes); a recompute that
     does not restore the generator differentiates another mask."""
-    buggy = replay_clean_then_buggy(tmp_path, ep_block_case((2,), "composable", p=0.5), "dropout_recompute_new_mask.py")
+    buggy = replay_clean_then_buggy(tmp_path, ep_block_case((2,), "composable", p=0.5, steps=1),
+                                    "dropout_recompute_new_mask.py")
     assert "ep.parity.grad" in buggy, buggy
 
 
@@ -114,3 +117,16 @@ def test_the_ep_script_finds_the_planted_recompute_and_passes_without(tmp_path):
     src = straight_script(ep_moe_case((2,), "utils"), "ep", {}, _grad_verdict("layers.0.experts.w1"))
     finds_with_and_passes_without(src, "ac_recompute_perturbed.py", "FINDING: the sharded run differs",
                                   "layers.0.experts.w1", "PASS: the sharded run matches", tmp_path)
+
+
+def test_composable_ac_of_the_experts_is_the_known_torch_bug_not_fsdp2s_frozen_unit():
+    """Composable checkpoint of an MoE's experts re-dispatches in its recompute (known
+    composable-checkpoint-reruns-forward-pre-hooks); ep's fact tells it apart from the fsdp2 finding of that
+    CheckpointError's signature, which any other ep case still meets through ep's known_as."""
+    from fuzzshard.findings.record import known_signature, load_known
+
+    known, sig = load_known(), "ep.error.fwdbwd.CheckpointError.bfe0c74e"
+    experts = ep_moe_case((2,), "composable")
+    experts = dataclasses.replace(experts, target_options={"ac": ["layers.0.experts"]})
+    assert known[known_signature(sig, experts, known)].root_cause == "composable-checkpoint-reruns-forward-pre-hooks"
+    assert known_signature(sig, ep_moe_case((2,), "composable"), known) == "fsdp2.error.fwdbwd.CheckpointError.bfe0c74e"
