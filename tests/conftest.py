@@ -11,6 +11,9 @@ PLANTED = Path(__file__).parent / "planted"
 # runs, leaves it out to stay within its budget on 2 cores. Each entry says what in the default tier proves
 # the same thing. Keyed by node id (a prefix or a parametrized id), measured with --durations.
 SLOW = {
+    "test_ep_ac.py::test_a_recompute_that_differs_from_the_forward_is_caught_under_ep[2d]":
+        "4 ranks (62 to 82 s at load 16 to 35): the 1-D id stays in the default tier, and the seeded --ac sessions "
+        "run 2-D [dp, ep] cases with AC",
     # added on 2026-12-02 (evening) for CI's budget (the last landing's CI took 1776 s of ~1500):
     "test_ep_tp.py::test_tp_with_aux_loss_routing_bias_and_own_units_passes_clean":
         "an ep+tp MoE at world size 4 with every router feature (368 s loaded): the plant's test replays its own "

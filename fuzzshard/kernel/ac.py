@@ -137,13 +137,20 @@ def ac_problem(case, options: dict, spec) -> str | None:
 
 # torchtitan's SelectiveAC (torchtitan/distributed/activation_checkpoint.py): the compute-intensive ops (the
 # partitioner's list: matmuls, convolutions, attention) and max saved, every second mm (or linear) recomputed,
-# everything else recomputed (torchtitan's few extra comm and attention ops left out: the models here run none
-# of them outside the partitioner's list). The script writes the same set (scriptgen/common.py: _SAC)
+# everything else recomputed (torchtitan's attention and reduce-scatter ops left out: the models here run none
+# of them outside the partitioner's list). The script writes the same set (scriptgen/common.py: _SAC) less the
+# MoE's two below: a script's MoE recomputes its topk to the same values (deterministic on the same inputs, saved
+# or not), and ep's script, the one with all-to-alls, falls back under selective AC (past 150 lines)
+
+
 def _sac_save_ops() -> set:
     from torch._functorch.partitioners import get_default_op_list
 
+    # torchtitan's MoE saves: the routing's topk (its expert assignment kept between forward and recompute) and
+    # EP's token dispatch and combine all-to-alls (not communicated again in the recompute)
+    moe = {torch.ops.aten.topk.default, torch.ops._c10d_functional.all_to_all_single.default}
     return {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.linear.default, torch.ops.aten.max.default} |\
+            torch.ops.aten.linear.default, torch.ops.aten.max.default} | moe |\
         {op.default for op in get_default_op_list().compute_intensive_ops}
 
 

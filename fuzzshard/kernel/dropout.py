@@ -7,7 +7,7 @@ of the batch (``Target.dropout_rank``), 0 where every rank runs the whole batch.
 to is the target's ``Spec.dropout`` (docs/oracles.md, "Dropout", says why for each):
 
 - ``"replay"``: each rank runs a plain forward (plain tensors, the default generator, as one process does) on
-  its own slice in its microbatches (FSDP2, FSDP1, DDP, DDP under ZeRO), or on the whole batch (ShardedOptimizer:
+  its own slice in its microbatches (FSDP2, EP, FSDP1, DDP, DDP under ZeRO), or on the whole batch (ShardedOptimizer:
   full param copies). The reference replays the same draws (``replayed``): for each data-parallel rank r its
   generator seeded as r's was, r's slice, in r's microbatches, in order; the mean of those losses. The same
   op on the same shape, dtype, device and generator state gives the same mask (a seeded generator's

@@ -366,6 +366,8 @@ def ac_unsupported(case: Case, options: dict, w) -> str | None:
     from ..kernel import ac
 
     h = ac.ac_how(options)
+    if h and getattr(w, "ac_unsupported", None) and w.ac_unsupported(case, options):  # a writer's own (ep's)
+        return w.ac_unsupported(case, options)
     if h in ac.AC_WRAPPED and not getattr(w, "AC_WRAPPERS", False):
         return f"activation checkpointing {h!r} (a CheckpointWrapper renames the params the script reads)"
     if h and moe_local(case):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from ..case import Case
+from ..kernel import ac, dropout
 from . import common, dsd
 from .dtensor import SNAPSHOT
 
@@ -48,6 +49,15 @@ def unsupported(case: Case, options: dict) -> str | None:
         return f"options {sorted(extra)}"
     if any(u.endswith("shared_experts") for u in options.get("wrap", ())):
         return "a shared expert with a fully_shard of its own (the script's shared expert has no forward)"
+    if dropout.has_dropout(case.model):  # (the kernel's replay: tests/test_ep_ac.py)
+        return "dropout (its per-rank seeds and the reference's replay take the ep script past 150 lines)"
+    return None
+
+
+def ac_unsupported(case: Case, options: dict) -> str | None:
+    """Selective AC's policy (and the MoE's saved all-to-alls) takes the ep script past 150 lines."""
+    if ac.ac_how(options) == "sac":
+        return "selective activation checkpointing (its policy and the MoE's saved ops take the ep script past 150 lines)"
     return None
 
 
@@ -67,7 +77,11 @@ def shard(case: Case, options: dict, shape: tuple, mesh: str, group: str) -> lis
         f", reshard_after_forward={options['reshard_after_forward']!r}"
     out = [f"mesh = {mesh}"] + ([] if two else
                                 ["experts = {q for e in expert_parallel(model, mesh) for q in e.parameters()}  # outside FSDP"])
-    units = ["*[fully_shard(e, mesh=mesh[\"d0\"]%s) for e in expert_parallel(model, mesh[\"d1\"])]" % kw] if two else []
+    made = "expert_parallel(model, mesh[\"d1\"])"
+    if ac.ac_how(options):  # activation checkpointing after EP, before fully_shard (the kernel's, torchtitan's order)
+        out += (["ep_experts = " + made] if two else []) + common.ac_lines(case, options)
+        made = "ep_experts" if two else made
+    units = ["*[fully_shard(e, mesh=mesh[\"d0\"]%s) for e in %s]" % (kw, made)] if two else []
     units += [f"fully_shard({_module(u)}, mesh=mesh{kw})" for u in
               sorted(options.get("wrap", []), key=lambda n: (-n.count("."), n))]
     units.append(f"fully_shard(model, mesh=mesh{kw}{'' if two else ', ignored_params=experts'})")

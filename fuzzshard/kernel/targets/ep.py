@@ -48,6 +48,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
 
 from ...case import Case
+from ..ac import AC_NON_REENTRANT, apply_ac
+from ..dropout import has_dropout
 from ..model import submodule
 from ..moe import MoE, moe_configs_of
 from ..state_io import STATE_DICT_KINDS
@@ -211,6 +213,8 @@ def ep_check(case: Case) -> str | None:
         if len(mesh) > 2:
             return f"{what}ep runs on a 1-D [ep] or 2-D [dp, ep] mesh, not {list(mesh)}"
         if options.get("tp"):
+            if has_dropout(case.model):  # each TP rank's masks on the same tokens: not the replay's per-dp-rank world
+                return f"{what}dropout under ep's tp: the reference replays one slice per rank of the world, not of dp"
             if len(mesh) != 2:
                 return f"{what}ep's tp runs on a 2-D [dp, tp] mesh, not {list(mesh)}"
             if (case.batch // mesh[0]) * case.seq % mesh[1]:
@@ -241,6 +245,18 @@ def ep_coverage(case) -> dict:
     return {"ep cases": cells}
 
 
+def ep_facts(case) -> dict:
+    """``composable_ac_of_experts``: the composable checkpoint of an MoE's experts, the module whose forward
+    pre-hook is EP's token dispatch (distribute_module's input_fn), which the checkpoint's recompute runs again on
+    the dispatched tokens (a torch bug: known composable-checkpoint-reruns-forward-pre-hooks)."""
+    from ..ac import ac_how
+    from ..moe import moe_prefixes
+
+    experts = {p + "experts" for p in moe_prefixes(case.model)}
+    sides = [case.target_options] + ([case.checkpoint.target_options] if case.checkpoint else [])
+    return {"composable_ac_of_experts": any(ac_how(o) == "composable" and experts & set(o["ac"]) for o in sides)}
+
+
 def ep_layout(mesh_shape, options: dict, names) -> dict | None:
     return None  # experts Shard(0) over ep, the rest HSDP: no one plain layout
 
@@ -252,7 +268,8 @@ class EPTarget(FSDP2Target):
     # _model), dropless: a rank's forward sees its own slice
     spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=ep_draw_options,
                 checkpoint_kinds=STATE_DICT_KINDS, fit_options=ep_fit_options,
-                data_parallel=True, named_params=True, check=ep_check, coverage=ep_coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout)
+                data_parallel=True, named_params=True, check=ep_check, coverage=ep_coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout,
+                ac=AC_NON_REENTRANT, dropout="replay", facts=ep_facts)
     localizable = False  # inside an MoE the routed tokens are this rank's experts', in another order
 
     @classmethod
@@ -300,6 +317,10 @@ class EPTarget(FSDP2Target):
             if tp:  # EP borrows the TP ranks: the router and shared expert under TP over the same dim
                 apply_moe_tp(moe, ep_mesh)
             experts.append(moe.experts)
+        # activation checkpointing after EP (and its TP) and before fully_shard: torchtitan's order (parallelize,
+        # apply_ac, apply_fsdp; kernel/ac.py, as fsdp2's); a checkpointed block's recompute runs its MoE's
+        # dispatch and combine all-to-alls again in backward (selective AC saves them: kernel/ac.py)
+        apply_ac(model, opts)
         units = []
         if self.mesh.ndim == 2:  # dp_shard_mod_ep: the experts FSDP-sharded over the dp dim too
             units += [fully_shard(e, mesh=self.mesh["d0"], **kw) for e in experts]
