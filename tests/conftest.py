@@ -11,6 +11,15 @@ PLANTED = Path(__file__).parent / "planted"
 # runs, leaves it out to stay within its budget on 2 cores. Each entry says what in the default tier proves
 # the same thing. Keyed by node id (a prefix or a parametrized id), measured with --durations.
 SLOW = {
+    # added on 2026-12-02 (late evening: CI at 1931 s of ~1500, new tests arriving): a session whose plant is caught
+    # in the default tier on a hand-written case by the same replays and torchrun runs, its search and shrinking
+    # proven by the same test's other sessions
+    "test_planted.py::test_planted_target_bug_is_found_shrunk_and_replays[sharded_optim_skip_dense]":
+        "a sharded_optim session (45 s loaded): the bug is caught, its parity signature checked, and its script "
+        "shown under torchrun both ways by test_sharded_optims_dense_params_are_stepped_and_a_skipped_one_is_caught_"
+        "by_replay_and_script (also the version smoke's planted check); sharded_optim's search by "
+        "test_clean_session.py's sessions, search and shrinking to world size 1 by this test's "
+        "[zero_drop_last_group_param] and [fsdp1_swap_state]",
     # added on 2026-12-02 (evening) for CI's budget (the last landing's CI took 1776 s of ~1500):
     "test_ep_tp.py::test_tp_with_aux_loss_routing_bias_and_own_units_passes_clean":
         "an ep+tp MoE at world size 4 with every router feature (368 s loaded): the plant's test replays its own "
