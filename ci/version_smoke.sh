@@ -10,9 +10,9 @@
 #            bug that no longer reproduces is counted (torch may have fixed it), a replay that fuzzshard itself
 #            cannot run there ("differs (error)") fails;
 #   planted  a planted bug on this release (SMOKE_PLANTED, a test_planted.py node): a hand-written sharded_optim
-#            case replayed clean and with sharded_optim_skip_dense.py (the parity finding's signature checked), and
-#            its script run under torchrun both ways (the search and the shrinking are fuzzshard's own, proven by
-#            the suite; the clean session below runs the search here);
+#            case judged clean (on the test's pool) and replayed with sharded_optim_skip_dense.py (the parity
+#            finding's signature checked), and its script run under torchrun both ways (the search and the
+#            shrinking are fuzzshard's own, proven by the suite; the clean session below runs the search here);
 #   clean    a session over every target (ci/smoke_session.py): each target must run cases to a verdict, and
 #            never a contaminated verdict or an internal error (OUT/contaminated/, OUT/internal/: fuzzshard's
 #            faults on this release, never torch's); a new signature is this release's own torch bug, counted,
