@@ -10,9 +10,9 @@
 #            bug that no longer reproduces is counted (torch may have fixed it), a replay that fuzzshard itself
 #            cannot run there ("differs (error)") fails;
 #   planted  a planted bug on this release (SMOKE_PLANTED, a test_planted.py node): a hand-written sharded_optim
-#            case replayed clean and with sharded_optim_skip_dense.py (the parity finding's signature checked), and
-#            its script run under torchrun both ways (the search and the shrinking are fuzzshard's own, proven by
-#            the suite; the clean session below runs the search here);
+#            case judged clean (on the test's pool) and replayed with sharded_optim_skip_dense.py (the parity
+#            finding's signature checked), and its script run under torchrun both ways (the search and the
+#            shrinking are fuzzshard's own, proven by the suite; the clean session below runs the search here);
 #   clean    a session over every target (ci/smoke_session.py): each target must run cases to a verdict, and
 #            never a contaminated verdict or an internal error (OUT/contaminated/, OUT/internal/: fuzzshard's
 #            faults on this release, never torch's); a new signature is this release's own torch bug, counted,
@@ -23,6 +23,9 @@
 # env:   VENVS          where the venvs live (default ~/.cache/fuzzshard/venvs; one per release, torch-V/)
 #        SMOKE_CACHED_ONLY=1  skip (one line, exit 0) unless the release's venv is already there
 #        SMOKE_VENV_ONLY=1    build (or check) the venv and stop: fills the cache ahead of CI
+#        SMOKE_TORCH_ONLY=1   build the release's torch into its venv when not cached (one "venv torch V:" line, not
+#                             counted as a check) and stop, nothing from this tree installed: .ci/run runs it in the
+#                             background while the suite runs (ci/versions_ci.sh --venvs), the smoke waits on its lock
 #        EXAMPLES (valid cases per target, default 5), SMOKE_WORLDS (default 2), KNOWN_SAMPLE (default 3),
 #        SMOKE_PLANTED (default the sharded_optim_skip_dense replay-and-script node),
 #        SMOKE_STEP_TIMEOUT (seconds per check, default 450: 2.5x the slowest seen under load)
@@ -93,6 +96,10 @@ EOF
   } >> "$OUT/venv.log" 2>&1 || { fail venv "pip could not install torch $V" "$OUT/venv.log"; finish; }
   have=$(holds)
   echo "torch=$V" > "$VENV/.fuzzshard-smoke"
+fi
+if [ "${SMOKE_TORCH_ONLY:-0}" = 1 ]; then  # the rest (this tree's requirements, fuzzshard -e) when the smoke runs
+  echo "venv torch $V: ${have:-not installed}, $how in $((SECONDS - t_step))s ($VENV)"
+  exit 0
 fi
 # fuzzshard's other requirements and its `test` extra as pyproject.toml states them now (a cached venv gets what was
 # added since), the suite's Hypothesis pinned; then fuzzshard itself from this tree

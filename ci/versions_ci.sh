@@ -6,11 +6,20 @@
 #   nothing (so the suite's own closing line stays the last). A release written V:cached runs only when its venv
 #   is already in the cache (VENVS, default ~/.cache/fuzzshard/venvs), else one "skip" line says so: building it
 #   from nothing downloads GBs (docs/versions.md, "CI over versions"); `ci/version_smoke.sh V` once caches it.
+# --venvs: only build (one after another) the torch of each release not cached, not V:cached ones, and print one
+#   "venv torch V:" line each: .ci/run starts this in the background before the suite, so a fresh machine's
+#   downloads (about 2 minutes a release) overlap the suite; the smoke then waits for each venv on its lock.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#SBATCH/d;/^#/s/^# \{0,1\}//p;}' "$0"; exit 0 ;; esac  # the comment above
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS=${FUZZSHARD_CI_VERSIONS-2.14.1 2.9.1}
 [ -n "${VERSIONS// /}" ] || exit 0
+if [ "${1:-}" = --venvs ]; then
+  for spec in $VERSIONS; do
+    [ "${spec%:cached}" = "$spec" ] && SMOKE_TORCH_ONLY=1 ci/version_smoke.sh "$spec"
+  done
+  exit 0
+fi
 LOGS=$(mktemp -d -t fuzzshard-versions-XXXX)
 t0=$SECONDS
 scripted_failures=0

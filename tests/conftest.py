@@ -14,6 +14,15 @@ SLOW = {
     "test_ep_ac.py::test_a_recompute_that_differs_from_the_forward_is_caught_under_ep[2d]":
         "4 ranks (62 to 82 s at load 16 to 35): the 1-D id stays in the default tier, and the seeded --ac sessions "
         "run 2-D [dp, ep] cases with AC",
+    # added on 2026-12-02 (late evening: CI at 1931 s of ~1500, new tests arriving): a session whose plant is caught
+    # in the default tier on a hand-written case by the same replays and torchrun runs, its search and shrinking
+    # proven by the same test's other sessions
+    "test_planted.py::test_planted_target_bug_is_found_shrunk_and_replays[sharded_optim_skip_dense]":
+        "a sharded_optim session (45 s loaded): the bug is caught, its parity signature checked, and its script "
+        "shown under torchrun both ways by test_sharded_optims_dense_params_are_stepped_and_a_skipped_one_is_caught_"
+        "by_replay_and_script (also the version smoke's planted check); sharded_optim's search by "
+        "test_clean_session.py's sessions, search and shrinking to world size 1 by this test's "
+        "[zero_drop_last_group_param] and [fsdp1_swap_state]",
     # added on 2026-12-02 (evening) for CI's budget (the last landing's CI took 1776 s of ~1500):
     "test_ep_tp.py::test_tp_with_aux_loss_routing_bias_and_own_units_passes_clean":
         "an ep+tp MoE at world size 4 with every router feature (368 s loaded): the plant's test replays its own "
@@ -169,13 +178,37 @@ def torchrun(script, nproc, *args, cwd, timeout=300):
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+_running = None  # the running test's request (_the_running_test): replay_clean_then_buggy's way to fuzz_pool
+
+
+@pytest.fixture(autouse=True)
+def _the_running_test(request):
+    global _running
+    _running = request
+    yield
+    _running = None
+
+
 def replay_clean_then_buggy(tmp_path, case, bug: str) -> str:
     """A hand-written case passes on clean torch and fails with ``bug``; the failing replay's output (the
-    caller checks the signature in it: exit 1 alone is any finding)."""
+    caller checks the signature in it: exit 1 alone is any finding). The clean run is judged as `fuzzshard
+    replay` judges it (judge() on the case read back from its file; replay's exit 0 is a "pass" verdict) on
+    fuzz_pool, the pool this xdist worker's sessions share, instead of a fresh CLI process and pool per test
+    (two interpreters and their workers importing torch: ~10 s each on CI's 2 cores, ~30 tests); the buggy run
+    is `fuzzshard replay --worker-setup BUG` as before (a plant patches the workers it runs in)."""
+    from fuzzshard.cli.common import load_file
+    from fuzzshard.findings.judge import judge
+    from fuzzshard.findings.record import summary
+
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
-    clean = run_cli("replay", path)
-    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    pool = _running.getfixturevalue("fuzz_pool") if _running is not None else None
+    if pool is not None and case.ranks <= pool.size and case.device == "cpu":
+        verdict = judge(pool, load_file(path).case).verdict
+        assert verdict.status == "pass", f"{verdict.status}: {summary(verdict)}"
+    else:
+        clean = run_cli("replay", path)
+        assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
     buggy = run_cli("replay", path, setup=bug)
     assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
     return buggy.stdout

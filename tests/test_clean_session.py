@@ -21,12 +21,17 @@ EVERY_CASE_HITS_A_KNOWN_BUG = {("fsdp2", "Rprop"), ("fsdp2", "Adafactor")}
 # same day (tests/test_fsdp2_reused_unit.py); it is back on 2024.)
 SEEDS = {("dtensor", "Rprop"): 2}
 
+# Cases per optimizer session: 8 since 2026-12-02 (15 before; CI's budget: the 28 sessions were ~400 s of the
+# default tier's test time), each session still passing cases of its optimizer at its seed (the assertions below
+# are unchanged); the sessions over every optimizer (60 cases each) and `fuzz` runs at large cover the rest.
+EXAMPLES = 8
+
 
 @pytest.mark.parametrize("optimizer", default_optimizers())
 @pytest.mark.parametrize("target", ["dtensor", "fsdp2"])
 def test_clean_session_finds_nothing_new(fuzz_pool, tmp_path, target, optimizer):
     session = Session(fuzz_pool, Draws((target,), optimizer_names=(optimizer,), checkpoint=False),
-                      SessionOptions(out=str(tmp_path), max_examples=15, seed=SEEDS.get((target, optimizer), 2024)))
+                      SessionOptions(out=str(tmp_path), max_examples=EXAMPLES, seed=SEEDS.get((target, optimizer), 2024)))
     findings = session.run()
     assert not findings, "\n".join(f"{f.signature}: {f.verdict.first or f.verdict.error}" for f in findings)
     st = session.stats

@@ -6,6 +6,30 @@ from conftest import run_cli
 from cases import simple_case
 
 
+def _cli(*args):
+    """`fuzzshard ARGS` in this process: fuzzshard.cli.main(ARGS), what `python -m fuzzshard` exits with, its exit
+    code (argparse's SystemExit too), stdout and stderr as run_cli returns them, without a fresh interpreter's
+    `import torch` per call (3 to 8 s each on CI's 2 cores: the error tests here took ~130 s). The entry point
+    itself stays proven in a subprocess by test_help_teaches_the_commands, test_version_says_... and
+    test_script_writes_a_standalone_repro (and every other test's run_cli)."""
+    import contextlib
+    import io
+    import types
+
+    from fuzzshard.cli import main
+
+    argv = [str(a) for a in args]
+    if argv and argv[0] in ("fuzz", "soak") and "--loop" not in argv:  # as run_cli
+        argv += ["--loop", "none"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's errors: exit 2
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def _one_line_error(r, *words):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -16,44 +40,44 @@ def _one_line_error(r, *words):
 def test_corrupt_repro_file(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"case": {"target": "dtensor", "world_size": ')
-    _one_line_error(run_cli("replay", bad), "not valid JSON")
-    _one_line_error(run_cli("show", bad), "not valid JSON")
-    _one_line_error(run_cli("replay", tmp_path / "missing.json"), "cannot read")
+    _one_line_error(_cli("replay", bad), "not valid JSON")
+    _one_line_error(_cli("show", bad), "not valid JSON")
+    _one_line_error(_cli("replay", tmp_path / "missing.json"), "cannot read")
     case = tmp_path / "case.json"  # a bare case: show and script take it, upstream wants a finding
     case.write_text(simple_case(2).to_json())
-    assert run_cli("show", case).returncode == 0
-    _one_line_error(run_cli("upstream", case), "case without a verdict", "fuzzshard replay")
+    assert _cli("show", case).returncode == 0
+    _one_line_error(_cli("upstream", case), "case without a verdict", "fuzzshard replay")
 
 
 def test_unknown_target():
-    _one_line_error(run_cli("fuzz", "--target", "nope", "--max-examples", 1), "unknown target", "nope")
+    _one_line_error(_cli("fuzz", "--target", "nope", "--max-examples", 1), "unknown target", "nope")
 
 
 def test_unknown_model_family():
-    _one_line_error(run_cli("fuzz", "--models", "decoder,gpt", "--max-examples", 1), "unknown model family", "gpt")
-    _one_line_error(run_cli("bench", "--models", "llama"), "unknown model family", "llama")
-    _one_line_error(run_cli("fuzz", "--target", "dtensor", "--compile", "--max-examples", 1), "--compile", "fsdp2")
+    _one_line_error(_cli("fuzz", "--models", "decoder,gpt", "--max-examples", 1), "unknown model family", "gpt")
+    _one_line_error(_cli("bench", "--models", "llama"), "unknown model family", "llama")
+    _one_line_error(_cli("fuzz", "--target", "dtensor", "--compile", "--max-examples", 1), "--compile", "fsdp2")
 
 
 def test_impossible_world_sizes(tmp_path):
-    _one_line_error(run_cli("fuzz", "--world-sizes", "0", "--max-examples", 1), "world sizes must be >= 1")
-    _one_line_error(run_cli("fuzz", "--world-sizes", "two", "--max-examples", 1), "comma-separated integers")
+    _one_line_error(_cli("fuzz", "--world-sizes", "0", "--max-examples", 1), "world sizes must be >= 1")
+    _one_line_error(_cli("fuzz", "--world-sizes", "two", "--max-examples", 1), "comma-separated integers")
     case = json.loads(simple_case(2).to_json())
     case["world_size"] = 0
     f = tmp_path / "zero.json"
     f.write_text(json.dumps({"case": case}))
-    _one_line_error(run_cli("replay", f), "impossible")
+    _one_line_error(_cli("replay", f), "impossible")
 
 
 def test_bad_duration_and_missing_setup_file():
-    _one_line_error(run_cli("fuzz", "--duration", "ten minutes"), "cannot read duration")
-    _one_line_error(run_cli("fuzz", "--max-examples", 1, "--worker-setup", "/no/such/file.py"), "no such file")
+    _one_line_error(_cli("fuzz", "--duration", "ten minutes"), "cannot read duration")
+    _one_line_error(_cli("fuzz", "--max-examples", 1, "--worker-setup", "/no/such/file.py"), "no such file")
 
 
 def test_show_prints_the_case_readably(tmp_path):
     f = tmp_path / "case.json"
     f.write_text(simple_case(3).to_json())
-    r = run_cli("show", f)
+    r = _cli("show", f)
     assert r.returncode == 0, r.stderr
     assert "dtensor on 3 rank(s)" in r.stdout and "Linear(5, 7, bias=True)" in r.stdout
     assert "group 1: layers.2.weight, layers.2.bias" in r.stdout
@@ -77,18 +101,18 @@ def test_every_command_and_positional_says_what_it_is():
 
 
 def test_one_spelling_per_flag_and_the_old_one_still_works_with_a_note(tmp_path):
-    r = run_cli("fuzz", "--targets", "nope", "--max-examples", 1)
+    r = _cli("fuzz", "--targets", "nope", "--max-examples", 1)
     assert "--targets is now --target" in r.stderr
     _one_line_error(r, "unknown target", "nope")  # read as --target
-    r = run_cli("soak", "--target", "nope", "--duration", "1s", "--out", tmp_path / "s")
+    r = _cli("soak", "--target", "nope", "--duration", "1s", "--out", tmp_path / "s")
     _one_line_error(r, "unknown target", "nope")
 
 
 def test_a_path_that_cannot_be_written_is_one_line(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
-    _one_line_error(run_cli("fuzz", "--max-examples", 1, "--out", afile / "out"), "--out", "Not a directory")
-    _one_line_error(run_cli("script", simple_case_file(tmp_path), "-o", afile / "x.py"), "Not a directory")
+    _one_line_error(_cli("fuzz", "--max-examples", 1, "--out", afile / "out"), "--out", "Not a directory")
+    _one_line_error(_cli("script", simple_case_file(tmp_path), "-o", afile / "x.py"), "Not a directory")
 
 
 def simple_case_file(tmp_path):
@@ -128,9 +152,9 @@ def test_version_says_fuzzshard_torch_and_python_in_one_line():
 
 
 def test_flags_that_go_with_another_say_so_and_unknown_loop_features_are_named():
-    _one_line_error(run_cli("known", "--sample", 2), "--sample goes with --check")
-    _one_line_error(run_cli("known", "--json", "x.json"), "--json goes with --check")
-    _one_line_error(run_cli("fuzz", "--loop", "clip,warp", "--max-examples", 1), "--loop", "warp", "lr_scheduler")
+    _one_line_error(_cli("known", "--sample", 2), "--sample goes with --check")
+    _one_line_error(_cli("known", "--json", "x.json"), "--json goes with --check")
+    _one_line_error(_cli("fuzz", "--loop", "clip,warp", "--max-examples", 1), "--loop", "warp", "lr_scheduler")
 
 
 # ---- issue 45: bad input everywhere is one line and exit 2; every ci/ script answers --help
@@ -235,7 +259,7 @@ def test_script_refuses_an_unknown_optimizer_in_one_line_not_a_fallback_script(t
     """(It wrote the 4,409-line flattened kernel and exited 0; show, replay and upstream read the file through
     the same load_file, tested above in this process.)"""
     path = _finding(tmp_path, "optimizer", _BROKEN["optimizer"][0])
-    r = run_cli("script", path)
+    r = _cli("script", path)
     _one_line_error(r, "unknown optimizer 'Adamz'", "known: Adam")
     assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (r.stdout[:300], r.stderr)
 
