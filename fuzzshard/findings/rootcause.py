@@ -18,7 +18,9 @@ root cause; new findings with one address are grouped as one suspected bug.
 Where several root causes share an address, the case decides: a wrapper's own
 bug is no other target's, then the features their known findings share with
 it (the message template, a missing strategy's op, the torch code that called
-it). A new *error* whose address comes down to one root cause so is that bug
+it). An address that names no code of the bug (no torch frame, or a dispatch point
+such as DTensor's ``__torch_dispatch__``, where every DTensor op raises) matches
+only with the same message template or a known finding's ``only_when``. A new *error* whose address comes down to one root cause so is that bug
 in a face not recorded: a known hit (``Matcher.known_hit``), not a finding.
 """
 from __future__ import annotations
@@ -238,7 +240,8 @@ class Matcher:
         ``LACKS_HPARAM``) say what made it; another divergence's says where it
         showed (a step's optimizer, a checkpoint's API), so it stays new. One root cause must be left, one
         that runs on this target and was seen on this device; where the address
-        names no torch code, with the same message template; a missing strategy
+        names no code of the bug (no torch frame, a dispatch point: ``uninformative``),
+        with the same message template or a known finding's ``only_when`` that holds; a missing strategy
         for an op it does not name, only where torch called that op from the
         same package as in its known findings (the optimizers', whatever op)."""
         localized = oracle.of(verdict).localized
