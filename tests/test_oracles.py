@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
-from fuzzshard.findings.record import _digest, signature
+from fuzzshard.findings.record import message_digest, signature
 from fuzzshard.verdict import ErrorRecord, Mismatch, Verdict
 from fuzzshard.kernel.oracles import (SCALAR_STATE, UNIT_ROUNDOFF, compare, compare_hparams,
                                       compiled_scalar_state_tolerance, compiled_state_allowance, compiled_step_allowance,
@@ -255,7 +255,7 @@ def test_signatures_name_the_bug_not_the_case():
     e2 = Verdict("finding", "error_parity", error=ErrorRecord("RuntimeError", phase="step 2: optimizer.step",
                  message="aten.lerp.Scalar: in-place operations that require placement changes are not supported. The input has placement (_NormPartial(2),)"))
     assert signature(_case("Adam"), e1) == signature(_case("SGD"), e2)
-    assert _digest("shape [3, 4] bad") == _digest("shape [7, 1] bad") != _digest("another message")
+    assert message_digest("shape [3, 4] bad") == message_digest("shape [7, 1] bad") != message_digest("another message")
 
 
 def test_mixed_precision_bound_has_float16s_underflow_floor_and_no_more():
@@ -327,9 +327,9 @@ def test_replica_signature_names_what_diverged():
 
 
 def test_a_message_number_in_exponent_form_has_the_decimal_forms_template():
-    from fuzzshard.oracle.error_parity import _digest
+    from fuzzshard.oracle.error_parity import message_digest
 
     # one ZeRO bug met as "max abs diff 2.89e-06" and "0.00067" was two signatures (a 10-minute session, seed 5)
-    assert _digest("the replicas of a param differ: rank 1 vs rank 0, max abs diff 2.89e-06") == \
-        _digest("the replicas of a param differ: rank 1 vs rank 0, max abs diff 0.00067") == "9a19bd4f"
-    assert _digest("max abs diff 2.89e-06") != _digest("max abs diff 2.89e-06 at step")
+    assert message_digest("the replicas of a param differ: rank 1 vs rank 0, max abs diff 2.89e-06") == \
+        message_digest("the replicas of a param differ: rank 1 vs rank 0, max abs diff 0.00067") == "9a19bd4f"
+    assert message_digest("max abs diff 2.89e-06") != message_digest("max abs diff 2.89e-06 at step")

@@ -127,7 +127,7 @@ def test_a_sharding_propagation_failure_is_named_by_its_op_not_by_the_call_it_du
     """torch 2.9's "Sharding propagation failed for Op(op=aten.index_put_, args_schema=...)" prints the
     call's specs, shapes and a mask's values: one bug gave 6 signatures in a 2.9 session. The op alone
     names it (another op's failure stays another signature)."""
-    from fuzzshard.oracle.error_parity import _digest
+    from fuzzshard.oracle.error_parity import message_digest
 
     masks = ["Sharding propagation failed for Op(op=aten.index_put_.default, args_schema=Spec(S(0) on (2, 2)), "
              "[DTensor(local_tensor=tensor([[False, False],",
@@ -136,15 +136,15 @@ def test_a_sharding_propagation_failure_is_named_by_its_op_not_by_the_call_it_du
              "placements=(Shard(dim=0),))], Spec(R on ()) @ mesh: (1,))"]
     conv = "Sharding propagation failed for Op(op=aten.convolution.default, args_schema=Spec(R on (2, 5, 1)), " \
            "Spec(S(1) on (3, 5, 1)), None, [1], [0], [1], False, [0], 1 @ mesh: (1,))."
-    assert _digest(masks[0]) == _digest(masks[1]) != _digest(conv)
+    assert message_digest(masks[0]) == message_digest(masks[1]) != message_digest(conv)
 
 
 def test_an_op_named_the_cpp_way_is_no_part_of_the_template():
     """torch 2.10 says "found no DeviceMesh from dtensor args for aten::_fused_sgd_" (C++'s aten::X): one
     template for every op, as aten.X always was (4 signatures of one 2.10 bug in a clean session, now 1)."""
-    from fuzzshard.oracle.error_parity import _digest
+    from fuzzshard.oracle.error_parity import message_digest
 
     said = [f"found no DeviceMesh from dtensor args for aten::{op}" for op in
             ("_fused_sgd_", "_fused_sgd_.tensor_lr", "_foreach_lerp_.ScalarList", "_foreach_copy_")]
-    assert len({_digest(m) for m in said}) == 1
-    assert _digest(said[0]) != _digest("Cannot find device mesh from args for op : aten::index_put_")
+    assert len({message_digest(m) for m in said}) == 1
+    assert message_digest(said[0]) != message_digest("Cannot find device mesh from args for op : aten::index_put_")

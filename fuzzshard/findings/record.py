@@ -19,7 +19,7 @@ from .. import oracle
 from ..case import Case, CaseError
 # each oracle's knowledge lives in oracle/; these names stay importable from here (cli, tests)
 from ..oracle import ORACLES, Oracle  # noqa: F401
-from ..oracle.error_parity import _digest, missing_strategy_op  # noqa: F401
+from ..oracle.error_parity import message_digest, missing_strategy_op  # noqa: F401
 from ..verdict import Verdict
 
 KNOWN_DIR = Path(__file__).resolve().parent.parent / "known"

@@ -18,7 +18,9 @@ root cause; new findings with one address are grouped as one suspected bug.
 Where several root causes share an address, the case decides: a wrapper's own
 bug is no other target's, then the features their known findings share with
 it (the message template, a missing strategy's op, the torch code that called
-it). A new *error* whose address comes down to one root cause so is that bug
+it). An address that names no code of the bug (no torch frame, or a dispatch point
+such as DTensor's ``__torch_dispatch__``, where every DTensor op raises) matches
+only with the same message template or a known finding's ``only_when``. A new *error* whose address comes down to one root cause so is that bug
 in a face not recorded: a known hit (``Matcher.known_hit``), not a finding.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .. import oracle
 from .record import KNOWN_DIR, ROOT_CAUSES, Finding, compiled_tag
-from ..oracle.error_parity import _digest, missing_strategy_op
+from ..oracle.error_parity import message_digest, missing_strategy_op
 # reading where a traceback points is the oracles' (their addresses use it); still importable from here
 from ..oracle.source import telling_frame, torch_frames  # noqa: F401
 from ..verdict import Verdict
@@ -125,7 +127,7 @@ def detail(case, verdict: Verdict) -> str:
 
 def template(case, verdict: Verdict) -> str:
     """An error's message template (its signature's digest, whatever the phase), "" for other findings."""
-    return _digest(verdict.error_record.message, names=True) if oracle.raised(verdict) else ""
+    return message_digest(verdict.error_record.message, names=True) if oracle.raised(verdict) else ""
 
 
 def caller(case, verdict: Verdict) -> str:
@@ -142,6 +144,18 @@ def caller(case, verdict: Verdict) -> str:
 _FEATURES = (template, detail, caller)
 # an address that names no torch code says little: there only the same message template makes a known hit
 _NO_CODE = ("(no torch frame)", "(no telling frame)")
+# nor does a dispatch point: DTensor's ``_api.py:__torch_dispatch__`` is where every DTensor op raises whatever went
+# wrong (a strategy that kept a sharded weight, a plain tensor met in a recompute, a mask DTensor refuses), and
+# checkpoint's ``__torch_dispatch__`` every op under selective AC: on torch 2.9.1 two of three new signatures matched
+# by that address alone were other bugs than its one root cause (leads/2026-12-02-moe-10min)
+_DISPATCH_POINTS = ("__torch_dispatch__", "__torch_function__")
+
+
+def uninformative(where: str) -> bool:
+    """Whether an address names no code of the bug (no torch frame, or a tensor subclass's dispatch point): a
+    known finding there is the case's root cause only with the same message template, or where the known finding
+    is known only under conditions (``only_when``) that hold for the case."""
+    return any(no in where for no in _NO_CODE) or where.rsplit(":", 1)[-1] in _DISPATCH_POINTS
 
 
 @dataclass(frozen=True)
@@ -183,8 +197,13 @@ class Matcher:
         path, a tensor lr under ReduceLROnPlateau) is none of a case they do not hold for."""
         from .record import _holds
 
-        found = self.by_address.get(address(case, verdict), {})
+        where = address(case, verdict)
+        found = self.by_address.get(where, {})
         mine = {rid: [f for f in fs if not f.only_when or _holds(case, f.only_when)] for rid, fs in found.items()}
+        if uninformative(where):  # the address alone says nothing: the message, or a condition met, must agree
+            said = template(case, verdict)
+            mine = {rid: [f for f in fs if f.only_when or template(f.case, f.verdict) == said]
+                    for rid, fs in mine.items()}
         return {rid: fs for rid, fs in mine.items() if fs}
 
     def suspects(self, case, verdict: Verdict) -> list[str]:
@@ -221,7 +240,8 @@ class Matcher:
         ``LACKS_HPARAM``) say what made it; another divergence's says where it
         showed (a step's optimizer, a checkpoint's API), so it stays new. One root cause must be left, one
         that runs on this target and was seen on this device; where the address
-        names no torch code, with the same message template; a missing strategy
+        names no code of the bug (no torch frame, a dispatch point: ``uninformative``),
+        with the same message template or a known finding's ``only_when`` that holds; a missing strategy
         for an op it does not name, only where torch called that op from the
         same package as in its known findings (the optimizers', whatever op)."""
         localized = oracle.of(verdict).localized
@@ -236,15 +256,14 @@ class Matcher:
             theirs = [f for f in theirs if f.case.target in _known_as(case.target)]
         if not theirs:
             return None
-        weak = any(no in where for no in _NO_CODE)
-        if weak and template(case, verdict) not in {template(f.case, f.verdict) for f in theirs}:
-            return None
+        weak = uninformative(where)  # (_found kept only the known findings whose message or conditions agree)
         op = detail(case, verdict)
         named = op in {detail(f.case, f.verdict) for f in theirs}
         if op and not named and (not caller(case, verdict) or
                                  caller(case, verdict) not in {caller(f.case, f.verdict) for f in theirs}):
             return None
-        return KnownHit(ids[0], where, op, named or not op, weak)
+        return KnownHit(ids[0], where, op, named or not op,
+                        weak and template(case, verdict) in {template(f.case, f.verdict) for f in theirs})
 
     def label(self, case, verdict: Verdict) -> str:
         """"probably root cause X: title" or "" ."""

@@ -27,7 +27,7 @@ def signature(case, verdict: Verdict) -> str:
     (but a missing sharding strategy names its op)."""
     err = verdict.error_record
     phase = err.extra.get("stage") or _phase_kind(err.phase or "")  # (records older than "stage")
-    digest = _digest(err.message, names=phase in ("save", "load"))
+    digest = message_digest(err.message, names=phase in ("save", "load"))
     op = missing_strategy_op(err.message)
     return f"{case.target}.error.{phase}.{err.type or 'Error'}.{digest}" + (f".{op}" if op else "")
 
@@ -89,7 +89,7 @@ def _phase_kind(phase: str) -> str:
     return "other"
 
 
-def _digest(message: str, names: bool = False) -> str:
+def message_digest(message: str, names: bool = False) -> str:
     """Same message template -> same digest: op names, numbers and placements
     vary per case; ``names``: so do quoted strings and dotted keys
     (``optim.state.layers.0.bias.step``), as in state-dict messages."""
