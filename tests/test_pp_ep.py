@@ -38,6 +38,11 @@ def test_pp_ep_rules_fit_and_facts():
     assert "ep" not in draws.fit_options(dict(case.target_options), [2], 1)
     assert describe.facts(case)["ep"] and not describe.facts(_case(ep=False))["ep"]
     assert describe.coverage(case)["schedule x world"] == ["GPipe W4 FSDP2 [2,2] + EP over dp"]
+    from fuzzshard.findings.record import Finding
+    from fuzzshard.report.show import render
+
+    assert "(ep: each stage's MoE experts Shard(0) over the dp dim (2 ranks)" in render(
+        Finding(signature="", case=case, verdict=None))
 
 
 def test_pp_ep_is_drawn_off_first_and_only_where_the_experts_divide():
