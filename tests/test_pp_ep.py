@@ -24,8 +24,8 @@ def _case(schedule="GPipe", n_microbatches=2, experts=4, ep=True, steps=1) -> Ca
 
 
 def test_pp_ep_rules_fit_and_facts():
-    """ep needs the 2-D mesh's dp and experts dividing over it; it is dropped on a 1-D mesh; the facts and the
-    coverage name it."""
+    """ep needs the 2-D mesh's dp and experts dividing over it, and is refused with AC or a checkpoint; it is
+    dropped on a 1-D mesh; the facts, the coverage and show name it; the script falls back saying why."""
     case = _case()
     case.check()
     assert draws.check(case) is None
@@ -35,9 +35,15 @@ def test_pp_ep_rules_fit_and_facts():
     assert "2-D mesh" in draws.check(one_d)
     plain = Model("features", 3, tuple(Layer("linear", 3, 3) for _ in range(4)))
     assert "no MoE" in draws.check(dataclasses.replace(case, model=plain, groups=(Group(tuple(param_shapes(plain))),)))
+    assert "activation checkpointing" in draws.check(dataclasses.replace(
+        case, target_options={**case.target_options, "ac": ["layers.1"]}))
     assert "ep" not in draws.fit_options(dict(case.target_options), [2], 1)
     assert describe.facts(case)["ep"] and not describe.facts(_case(ep=False))["ep"]
     assert describe.coverage(case)["schedule x world"] == ["GPipe W4 FSDP2 [2,2] + EP over dp"]
+    from fuzzshard.scriptgen import fallback_reason
+
+    # the pp script writes no MoE layer yet (with or without ep): the flattened kernel is the repro, saying why
+    assert fallback_reason(case) == "an MoE layer under pp (its writer does not write one)"
     from fuzzshard.findings.record import Finding
     from fuzzshard.report.show import render
 
