@@ -57,7 +57,8 @@ def test_pp_fsdp_and_accumulation_clean_session(tmp_path):
     scale_grads) among its passing cases, and finds nothing new on clean torch (the torch bugs it meets are
     known ones)."""
     out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", "pp", "--max-examples", 20, "--seed", 7, "--world-sizes", "2,4",
+    # seed 6 (7 until pp drew ep on [pp, dp] meshes: the draws after a 2-D MoE case moved)
+    r = run_cli("fuzz", "--target", "pp", "--max-examples", 20, "--seed", 6, "--world-sizes", "2,4",
                 "--optimizers", "SGD", "--checkpoints", "none", "--case-timeout", 60, "--shrink-budget", "20s",
                 "--out", out)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
