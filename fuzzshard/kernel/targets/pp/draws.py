@@ -55,7 +55,8 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
             out["wrap"] = wrap
         # drawn last, off first, only where the model's MoE experts divide over dp (else no draw: such cases stay
         # as they were): expert parallelism over the dp dim (``ep``)
-        if ep_fits(model, mesh_shape[1]) and draw(st.booleans()):
+        # (not on a checkpoint's loading side, and dropped late on a saving side: pp's ep takes no checkpoint yet)
+        if not context.get("loading") and ep_fits(model, mesh_shape[1]) and draw(st.booleans()):
             out["ep"] = True
     return out
 
@@ -131,6 +132,8 @@ def draw_late_options_both_sides(draw, case: Case) -> dict:
 
     out = draw_late_options(draw, case)
     ck = case.checkpoint
+    if ck is not None:
+        out.pop("ep", None)  # not with a checkpoint yet (check)
     if ck is not None and "schedule" in ck.target_options:
         loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=tuple(ck.mesh_shape),
                                       target_options=ck.target_options, checkpoint=None)
