@@ -57,7 +57,8 @@ def test_pp_fsdp_and_accumulation_clean_session(tmp_path):
     scale_grads) among its passing cases, and finds nothing new on clean torch (the torch bugs it meets are
     known ones)."""
     out = tmp_path / "out"
-    r = run_cli("fuzz", "--target", "pp", "--max-examples", 20, "--seed", 7, "--world-sizes", "2,4",
+    # seed 6 (7 until pp drew ep on [pp, dp] meshes: the draws after a 2-D MoE case moved)
+    r = run_cli("fuzz", "--target", "pp", "--max-examples", 20, "--seed", 6, "--world-sizes", "2,4",
                 "--optimizers", "SGD", "--checkpoints", "none", "--case-timeout", 60, "--shrink-budget", "20s",
                 "--out", out)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
@@ -73,7 +74,8 @@ def test_planted_fsdp_reduce_sum_under_pp_is_found_and_replays(tmp_path):
     """Under PP, the last stage's FSDP2 reduce over dp sums the dp ranks' grads instead of averaging them: a
     short session at world size 4 finds it as a grad parity finding on a [2, 2] mesh (dp 2), in the last
     stage's params only; it replays as itself with the bug and passes on unmodified torch."""
-    finding = hunt_shrink_replay(tmp_path, "pp_fsdp_last_stage_reduce_sum.py", 0, 8, "15s", world_sizes="4")
+    # seed 1 (0 until pp drew ep on [pp, dp] meshes: the draws after a 2-D MoE case moved)
+    finding = hunt_shrink_replay(tmp_path, "pp_fsdp_last_stage_reduce_sum.py", 1, 8, "15s", world_sizes="4")
     case = finding["case"]
     o = case["target_options"]
     assert case["mesh_shape"] == [2, 2] and o["dp"] == 2, case

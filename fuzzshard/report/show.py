@@ -62,6 +62,9 @@ def render(finding: Finding) -> str:
         from ..kernel.sync import describe
 
         lines.append(f"  (gradient sync: {describe(c.target_options, c.target)})")
+    if c.target == "pp" and c.target_options.get("ep"):  # expert parallelism inside the stages, in words
+        lines.append(f"  (ep: each stage's MoE experts Shard(0) over the dp dim ({c.target_options.get('dp')} ranks), their "
+                     "tokens dispatched and combined by all-to-all over dp, outside the stage's FSDP2)")
     ck = c.checkpoint
     if ck:
         from .. import targets

@@ -53,6 +53,13 @@ the reference's objective is that recursion (``accumulate``), not a plain sum
 or mean. Params, grads and state are gathered to full plain tensors over dp
 (``full_tensor``), then over the stages as above.
 
+With expert parallelism (``ep``, on [pp, dp] only, where every MoE's experts
+divide over dp): each stage's MoE experts Shard(0) over the dp sub-mesh with
+ep's ``ExpertParallel`` (its tokens dispatched and combined by all-to-all
+over dp), left out of the stage's FSDP2 (``ignored_params``), their grads
+divided by dp by a hook (the combine's backward sums them over the dp ranks'
+tokens). Not with activation checkpointing or a checkpoint yet.
+
 The rooms (torchtitan splits a model's ``pipelining_fn`` from its
 ``parallelize_fn`` so):
 

@@ -25,7 +25,7 @@ def facts(case: Case) -> dict:
     out = {"schedule": o.get("schedule"), "n_stages": n_stages(o, case.world_size),
            "n_microbatches": n_mb, "scale_grads": o.get("scale_grads"),
            "uneven_microbatches": bool(n_mb) and (case.batch // o.get("dp", 1) // o.get("accum", 1)) % n_mb != 0,
-           "dp": o.get("dp", 1), "accum": o.get("accum", 1),
+           "dp": o.get("dp", 1), "accum": o.get("accum", 1), "ep": bool(o.get("ep")),
            "split_backward_input_without_grad": o.get("schedule") in SPLIT_BACKWARD and _input_without_grad(case),
            # FSDP2 resharding a stage after its forward: its input backward sees the sharded params (known/)
            "split_backward_fsdp_resharded": o.get("schedule") in SPLIT_BACKWARD and bool(o.get("dp"))
@@ -87,6 +87,7 @@ def pp_tie(case: Case) -> str:
 def coverage(case: Case) -> dict:
     o = case.target_options
     fsdp = f" FSDP2 [{pp_degree(o, case.world_size)},{o['dp']}]" if o.get("dp") else ""
+    fsdp += " + EP over dp" if o.get("ep") else ""  # the stages' MoE experts sharded over dp (target.py)
     return {"schedule x world": [f"{o.get('schedule')} W{case.world_size}{fsdp}"],
             "accum x scale_grads": [f"accum {o.get('accum', 1)} scale_grads {bool(o.get('scale_grads'))}"]}
 

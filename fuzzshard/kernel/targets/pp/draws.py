@@ -15,6 +15,7 @@ import math
 
 from ....case import Case
 from ...model import tie_uses
+from ...moe import moe_configs_of
 from .checkpoint import CHECKPOINT_KINDS
 from .schedules import (SCHEDULES, accepts, available, is_multi, n_stages, n_units, pp_degree, stage_layers,
                         stage_ranks, stages_per_rank, tie_span, uncuttable)
@@ -26,8 +27,9 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     rank, the cut points, scale_grads. A model with fewer of them than ranks
     (or a plugin's model, a tied head) cannot be cut: rejected. On a
     2-D mesh [pp, dp], FSDP2 on each stage: ``dp``, ``reshard_after_forward``,
-    the top-level layers with their own fully_shard (``wrap``); drawn after the
-    rest, and only there, so the 1-D draws stay as they were."""
+    the top-level layers with their own fully_shard (``wrap``), and where the
+    model's MoE experts divide over dp, expert parallelism over dp (``ep``); drawn
+    after the rest, and only there, so the 1-D draws stay as they were."""
     import hypothesis.strategies as st
     from hypothesis import assume
 
@@ -51,7 +53,39 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
         wrap = [f"layers.{i}" for i in range(n) if draw(st.booleans())]
         if wrap:
             out["wrap"] = wrap
+        # drawn last, off first, only where the model's MoE experts divide over dp (else no draw: such cases stay
+        # as they were): expert parallelism over the dp dim (``ep``)
+        # (not on a checkpoint's loading side, and dropped late on a saving side: pp's ep takes no checkpoint yet)
+        if not context.get("loading") and ep_fits(model, mesh_shape[1]) and draw(st.booleans()):
+            out["ep"] = True
     return out
+
+
+def ep_fits(model, dp: int) -> bool:
+    """Whether ``ep`` may be drawn: the model has MoE layers and their experts divide over ``dp``."""
+    cfgs = moe_configs_of(model)
+    return bool(cfgs) and all(c.get("experts", 2) % dp == 0 for c in cfgs)
+
+
+def ep_problem(case: Case) -> str | None:
+    """``ep``'s rules: FSDP2's 2-D mesh (the experts shard over its dp dim), MoE layers whose experts divide over
+    dp (torchtitan's num_experts % ep == 0)."""
+    o = case.target_options
+    if not o.get("ep"):
+        return None
+    if o["ep"] is not True:
+        return f"pp: ep is True or absent, not {o['ep']!r}"
+    if not o.get("dp"):
+        return "pp: ep shards the experts over the dp dim of a 2-D mesh [pp, dp]"
+    if not moe_configs_of(case.model):
+        return "pp: ep shards an MoE's experts: the model has no MoE layer"
+    bad = [c.get("experts", 2) for c in moe_configs_of(case.model) if c.get("experts", 2) % o["dp"]]
+    if bad:
+        return f"pp: {bad[0]} experts do not divide over the EP degree (dp) {o['dp']}"
+    if o.get("ac"):
+        return ("pp: ep with activation checkpointing (the recomputation reruns the experts' all-to-alls inside "
+                "the stage's backward): not composed yet")
+    return None
 
 
 def draw_late_options(draw, case: Case) -> dict:
@@ -98,6 +132,8 @@ def draw_late_options_both_sides(draw, case: Case) -> dict:
 
     out = draw_late_options(draw, case)
     ck = case.checkpoint
+    if ck is not None:
+        out.pop("ep", None)  # not with a checkpoint yet (check)
     if ck is not None and "schedule" in ck.target_options:
         loading = dataclasses.replace(case, world_size=ck.world_size, mesh_shape=tuple(ck.mesh_shape),
                                       target_options=ck.target_options, checkpoint=None)
@@ -125,6 +161,8 @@ def check(case: Case) -> str | None:
     if o.get("dp") != dp:
         return f"pp: dp {o.get('dp')} is not the mesh {list(case.mesh_shape)}'s second dim" if dp else \
             "pp: dp (FSDP2 over the mesh's second dim) needs a 2-D mesh [pp, dp]"
+    if ep_problem(case):
+        return ep_problem(case)
     if not dp and any(k in o for k in ("wrap", "reshard_after_forward")):
         return "pp: wrap and reshard_after_forward are FSDP2's, on a 2-D mesh [pp, dp]"
     if dp and case.batch % dp:
@@ -132,6 +170,8 @@ def check(case: Case) -> str | None:
     accum = o.get("accum", 1)
     if type(accum) is not int or accum < 1 or (case.batch // (dp or 1)) % accum:
         return f"pp: accum {accum} must be a positive int dividing each dp rank's slice of the batch"
+    if case.checkpoint and (o.get("ep") or case.checkpoint.target_options.get("ep")):
+        return "pp: ep with a checkpoint (the experts' DTensor shards over dp through DCP): not composed yet"
     if case.checkpoint:
         problem = check_checkpoint(case)
         if problem:
@@ -204,12 +244,13 @@ def stateless_ranks(case: Case) -> list[int]:
 
 def fit_options(options: dict, mesh_shape: list, n_steps: int) -> dict:
     """Another world size: the first cuts, as many as its stages need (the check refuses too few); ``dp``
-    the mesh's second dim (FSDP2's options dropped on a 1-D mesh)."""
+    the mesh's second dim (FSDP2's options and ``ep`` dropped on a 1-D mesh; experts that no longer divide over
+    the new dp: the check refuses)."""
     if len(mesh_shape) == 2:
         options["dp"] = mesh_shape[1]
         options.setdefault("reshard_after_forward", False)
     else:
-        for key in ("dp", "wrap", "reshard_after_forward"):
+        for key in ("dp", "wrap", "reshard_after_forward", "ep"):
             options.pop(key, None)
     if "cuts" in options:
         options["cuts"] = options["cuts"][:n_stages(options, math.prod(mesh_shape)) - 1]

@@ -83,7 +83,7 @@ class PPTarget(PipelineCheckpoint, Target):
             ends.update(stage_ends(model, s, last))
             module = _StageModule(layers, scale if s == last else None, stage_ends(model, s, last))
             if o.get("dp"):
-                self._fully_shard(module)
+                self._fully_shard(module, self._expert_parallel(module) if o.get("ep") else set())
             self.stages.append(PipelineStage(module, s, len(self.rank_of), device, group=self.group))
         cls = schedule_class(o["schedule"])
         kw = {"n_microbatches": o["n_microbatches"], "loss_fn": loss_fn, "scale_grads": bool(o.get("scale_grads"))}
@@ -125,13 +125,35 @@ class PPTarget(PipelineCheckpoint, Target):
         r = dist.get_rank(self.dp_group)
         return tuple(chunks[r].shape) if r < len(chunks) else (0, *shape[1:])
 
-    def _fully_shard(self, module: nn.Module) -> None:
+    def _expert_parallel(self, module: nn.Module) -> set:
+        """``ep``: every MoE's routed experts of this stage Shard(0) over the dp sub-mesh, their tokens dispatched
+        and combined with all-to-all over it (ep's ``ExpertParallel``, torchtitan's EP borrowing the dp ranks).
+        The combine's backward sums an expert's grad over the dp ranks' tokens; a hook divides it by dp (the
+        reference's mean over the dp slices), as ep's 1-D mesh does (``_divided``). Returns the experts' params:
+        FSDP2 leaves them out (``ignored_params``; the dp degree is the EP degree, nothing left to shard)."""
+        from ..ep import ExpertParallel, _divided
+        from ...moe import MoE
+
+        dp = self.mesh["d1"]
+        ignored = set()
+        for m in module.modules():
+            if isinstance(m, MoE):
+                ExpertParallel().apply(m.experts, dp)
+                ignored |= set(m.experts.parameters())
+        for p in ignored:
+            p.register_hook(lambda g, world=dp.size(): _divided(g, world))
+        return ignored
+
+    def _fully_shard(self, module: nn.Module, ignored: set = frozenset()) -> None:
         """FSDP2 on the dp sub-mesh, as torchtitan's parallelize does to each model part: the ``wrap`` layers
-        of this stage first, then the stage's module (the FSDPModule the schedule drives)."""
+        of this stage first, then the stage's module (the FSDPModule the schedule drives); ``ignored``: EP's
+        experts, left out of every unit."""
         from torch.distributed.fsdp import fully_shard
 
         o = self.case.target_options
         kw = {"mesh": self.mesh["d1"], "reshard_after_forward": bool(o.get("reshard_after_forward"))}
+        if ignored:
+            kw["ignored_params"] = set(ignored)
         for fqn in o.get("wrap", ()):
             if fqn.split(".")[1] in module.layers:
                 fully_shard(submodule(module, fqn), **kw)
