@@ -45,9 +45,9 @@ def float8_available() -> bool:
 def draw_float8(draw, shapes: dict, tied: tuple = (), wrap=()) -> dict | None:
     """None (off, the simplest) half the time; else a recipe, the Linears it converts (a nonempty subset
     of the 2-D weights' owners, tied ones left out), and the recipe's FSDP2 switches (all off first). Steered to
-    the float8 all-gather (two tensorwise cases in three take it), and with it away from the FSDP2 units (of
-    ``wrap``) gloo cannot all-gather (``float8_only_units``): their Linears stay high precision, or the all-gather
-    is off where none would be left."""
+    the float8 all-gather (two float8 cases in three take it, and with it tensorwise; shrunk: off), and with it
+    away from the FSDP2 units (of ``wrap``) gloo cannot all-gather (``float8_only_units``): their Linears stay high
+    precision, or the all-gather is off where none would be left."""
     import hypothesis.strategies as st
 
     owners = [n.rsplit(".", 1)[0] for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2]
@@ -55,11 +55,11 @@ def draw_float8(draw, shapes: dict, tied: tuple = (), wrap=()) -> dict | None:
     on = draw(st.booleans())  # asked for (--ao): half the cases (drawn first: a composite always draws)
     if not owners or not on:
         return None
-    recipe = draw(st.sampled_from(FLOAT8_RECIPES))
+    gather = draw(st.sampled_from([False, True, True]))  # the float8 all-gather (torchao's: tensorwise only)
+    recipe = "tensorwise" if gather else draw(st.sampled_from(FLOAT8_RECIPES))
     linears = [o for o in owners if draw(st.booleans())] or owners[:1]
     out = {"recipe": recipe, "linears": linears}
-    # float8 all-gather: torchao takes it with tensorwise only
-    if recipe == "tensorwise" and draw(st.sampled_from([False, True, True])):
+    if gather:
         out["all_gather"] = True
         if draw(st.booleans()):
             out["precompute"] = True
