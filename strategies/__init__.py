@@ -298,7 +298,8 @@ def cases(
     f8 = options.get("float8") if context.get("ao") else None
     if f8 and checkpoint is True:  # (--checkpoints all: every case has one, and a float8 case is refused as before)
         f8 = None
-    if f8 and f8.get("all_gather") and n_steps == 1 and max_steps > 1 and draw(st.sampled_from([False, True, True, True])):
+    if (f8 and f8.get("all_gather") and n_steps == 1 and max_steps > 1
+            and draw(st.sampled_from([False, True, True, True]))):
         n_steps = draw(st.integers(2, max_steps))
     ck = None
     if plan and plan[1] and not f8:
