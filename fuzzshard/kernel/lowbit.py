@@ -105,9 +105,9 @@ def lowbit_problem(case, mesh: tuple, options: dict) -> str | None:
         # save left alone, and OptimState4bit / OptimStateFp8 implement no aten.clone
         return (f"{case.optim.name} with an async save: fuzzshard's staging check clones the live optimizer state, "
                 "which its state subclass cannot (no aten.clone)")
-    # float64 params (root cause torchao-lowbit-float64-lerp), a full state dict of a mixed layout
-    # (torchao-lowbit-full-state-dict-mixed) and a DCP load that cuts saved blocks (torchao-lowbit-dcp-load-cuts-blocks)
-    # are drawn: known torchao bugs (fuzzshard/known/; lowbit_layout and lowbit_cuts_blocks say where the last two show)
+    # amsgrad (root cause torchao-lowbit-amsgrad-maximum), float64 params (torchao-lowbit-float64-lerp), a full state
+    # dict of a mixed layout (torchao-lowbit-full-state-dict-mixed) and a DCP load that cuts saved blocks
+    # (torchao-lowbit-dcp-load-cuts-blocks) are drawn: known torchao bugs (fuzzshard/known/; lowbit_layout and lowbit_cuts_blocks say where the last two show)
     return None
 
 
