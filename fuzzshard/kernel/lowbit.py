@@ -107,7 +107,8 @@ def lowbit_problem(case, mesh: tuple, options: dict) -> str | None:
                 "which its state subclass cannot (no aten.clone)")
     # amsgrad (root cause torchao-lowbit-amsgrad-maximum), float64 params (torchao-lowbit-float64-lerp), a full state
     # dict of a mixed layout (torchao-lowbit-full-state-dict-mixed) and a DCP load that cuts saved blocks
-    # (torchao-lowbit-dcp-load-cuts-blocks) are drawn: known torchao bugs (fuzzshard/known/; lowbit_layout and lowbit_cuts_blocks say where the last two show)
+    # (torchao-lowbit-dcp-load-cuts-blocks) are drawn: known torchao bugs (fuzzshard/known/; lowbit_layout and
+    # lowbit_cuts_blocks say where the last two show)
     return None
 
 
