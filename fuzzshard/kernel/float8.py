@@ -209,8 +209,9 @@ def float8_problem(case, mesh: tuple, options: dict) -> str | None:
     if f8.get("all_gather") and f8["recipe"] != "tensorwise":
         return "float8 all-gather: torchao takes it with the tensorwise recipe only"
     shapes = param_shapes(case.model)
-    # an uneven float8 all-gather (torchao sends the shard unpadded: root cause torchao-float8-uneven-all-gather) is
-    # drawn: a known bug (fuzzshard/known/)
+    # an uneven float8 all-gather (torchao sends the shard unpadded: root cause torchao-float8-uneven-all-gather), an
+    # empty shard's amax (torchao-float8-fsdp-amax-empty-shard) and, with precompute, an empty shard's inf norm
+    # (dtensor-inf-norm-empty-local-shard) are drawn: known bugs (fuzzshard/known/)
     if f8.get("all_gather") and case.device == "cpu":
         # FSDP2 all-gathers a unit's inputs in their dtype where they share one (else as uint8 bytes): a unit
         # holding only float8 weights all-gathers float8, which gloo refuses ("RuntimeError: Invalid scalar
