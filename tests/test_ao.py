@@ -94,3 +94,44 @@ def test_units_holding_float8_weights_only_are_named_for_the_gloo_rule():
     assert float8_only_units(shapes, [], ["a.x", "a.y", "b"]) == []  # the root holds b.bias too
     assert float8_only_units(shapes, ["a", "a.x"], ["a.x", "b"]) == ["a.x"]  # a holds a.y (high precision)
     assert float8_only_units(shapes, ["a", "b"], ["a.x", "a.y", "b"]) == ["a"]
+
+
+def test_ao_draws_are_steered_to_the_planted_corners_and_shrink_to_off():
+    """--ao as a timed session's first round draws it (the schedule's steer): a float8 case runs float32 without a
+    checkpoint (else it would be refused), its float8 all-gather runs 2+ steps most often (ao_float8_stale_scale's
+    corner), and a low-bit optimizer's checkpoint goes through DCP most often (ao_lowbit_ckpt_scale_shift's);
+    the simplest --ao case stays float8-off, with torch's optimizer."""
+    from hypothesis import HealthCheck, Phase, find, given, seed, settings
+
+    import fuzzshard.strategies as fst
+    from fuzzshard.kernel.lowbit import LOWBIT_OPTIMIZERS
+    from fuzzshard.session.schedule import Scheduler
+
+    worlds = [1, 2, 4]
+    kw = {"target": "fsdp2", "world_sizes": worlds, "ao": True}
+    f8s, gathers, lowbit_cks = [], [], []
+    for s in range(10):  # six as `fuzzshard fuzz --ao`, four as with --checkpoints all (ao_lowbit_ckpt_scale_shift's)
+        more = {"checkpoint": True} if s >= 6 else {}
+        pin = Scheduler().steer("fsdp2", worlds, {"ao": True, **more})
+
+        @seed(s)
+        @settings(max_examples=10, database=None, deadline=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck))
+        @given(fst.cases(**kw, **more, **pin))
+        def draws(case):
+            f8 = case.target_options.get("float8")
+            if f8 and not more:
+                f8s.append((case.dtype, case.checkpoint))
+                if f8.get("all_gather") and case.world_size > 1:
+                    gathers.append(len(case.schedule))
+            if case.optim.name in LOWBIT_OPTIMIZERS and case.checkpoint:
+                lowbit_cks.append(case.checkpoint.kind)
+
+        draws()
+    assert f8s and all(d == "float32" and ck is None for d, ck in f8s), f8s
+    assert len(gathers) >= 3 and sum(n >= 2 for n in gathers) > len(gathers) / 2, gathers
+    # (a session's plan draws each of fsdp2's three kinds alike: a third would be dcp unsteered)
+    assert lowbit_cks and lowbit_cks.count("dcp") > len(lowbit_cks) / 3, lowbit_cks
+    simplest = find(fst.cases(**kw), lambda c: True, settings=settings(database=None, deadline=None,
+                                                                        suppress_health_check=list(HealthCheck)))
+    assert not simplest.target_options.get("float8") and simplest.optim.name not in LOWBIT_OPTIMIZERS

@@ -1,4 +1,4 @@
-"""Two crash leads recorded as faces of known root causes (leads/README.md), each known only under the
+"""Crash leads recorded as faces of known root causes (leads/README.md), each known only under the
 conditions its root cause needs, so the same generic crash signature elsewhere still reports as new."""
 import dataclasses
 import json
@@ -36,3 +36,17 @@ def test_a_ddp_abort_under_join_is_known_only_with_static_graph_and_find_unused(
         assert not is_known(sig, other, known)
     even = dataclasses.replace(case, target_options={k: v for k, v in o.items() if k != "uneven"})
     assert not is_known(sig, even, known)
+
+
+def test_the_lowbit_full_state_dict_faces_are_known_only_with_a_lowbit_optimizer_and_a_full_checkpoint():
+    """torchao-lowbit-full-state-dict-mixed's faces met by the --ao hunt (the abort met at funcol's wait, the
+    unpad's slice raising first, the mismatched all-gathers hanging): known only for a low-bit optimizer with a full
+    or broadcast checkpoint, so the same generic signature elsewhere still reports as new."""
+    known = load_known()
+    for sig in ("fsdp2.crash.Killed_by_SIGABRT.save.unpad_tensor", "fsdp2.error.save.ValueError.7b0481a1",
+                "fsdp2.hang.save.redispatch"):
+        case = _case(sig)
+        assert known[sig].root_cause == "torchao-lowbit-full-state-dict-mixed"
+        plain = dataclasses.replace(case, optim=dataclasses.replace(case.optim, name="AdamW"))
+        dcp = dataclasses.replace(case, checkpoint=dataclasses.replace(case.checkpoint, kind="dcp"))
+        assert is_known(sig, case, known) and not is_known(sig, plain, known) and not is_known(sig, dcp, known), sig
