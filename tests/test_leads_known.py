@@ -50,3 +50,17 @@ def test_the_lowbit_full_state_dict_faces_are_known_only_with_a_lowbit_optimizer
         plain = dataclasses.replace(case, optim=dataclasses.replace(case.optim, name="AdamW"))
         dcp = dataclasses.replace(case, checkpoint=dataclasses.replace(case.checkpoint, kind="dcp"))
         assert is_known(sig, case, known) and not is_known(sig, plain, known) and not is_known(sig, dcp, known), sig
+
+
+def test_the_lowbit_async_wrapper_load_face_is_known_only_with_a_lowbit_optimizer_and_a_full_checkpoint():
+    """torchao-lowbit-full-state-dict-async-wrapper (the ao48 hunt's lead): a low-bit optimizer's full state dict
+    saved over 4 ranks keeps funcol's AsyncCollectiveTensors inside its OptimState, which the weights-only load
+    refuses. Known only for a low-bit optimizer with a full or broadcast checkpoint, so an UnpicklingError at the
+    load elsewhere still reports as new."""
+    known, sig = load_known(), "fsdp2.error.load.UnpicklingError.0c283fdf"
+    case = _case(sig)
+    assert known[sig].root_cause == "torchao-lowbit-full-state-dict-async-wrapper"
+    assert "AsyncCollectiveTensor" in known[sig].verdict.error_record.traceback
+    plain = dataclasses.replace(case, optim=dataclasses.replace(case.optim, name="AdamW"))
+    dcp = dataclasses.replace(case, checkpoint=dataclasses.replace(case.checkpoint, kind="dcp"))
+    assert is_known(sig, case, known) and not is_known(sig, plain, known) and not is_known(sig, dcp, known)

@@ -109,7 +109,9 @@ def lowbit_problem(case, mesh: tuple, options: dict) -> str | None:
     # amsgrad (root cause torchao-lowbit-amsgrad-maximum), float64 params (torchao-lowbit-float64-lerp), a full state
     # dict of a mixed layout (torchao-lowbit-full-state-dict-mixed) and a DCP load that cuts saved blocks
     # (torchao-lowbit-dcp-load-cuts-blocks) are drawn: known torchao bugs (fuzzshard/known/; lowbit_layout and
-    # lowbit_cuts_blocks say where the last two show)
+    # lowbit_cuts_blocks say where those two show); so is a full state dict of quantized state saved over more than
+    # one rank, which keeps funcol's AsyncCollectiveTensors that the weights-only load refuses (torch >= 2.11:
+    # torchao-lowbit-full-state-dict-async-wrapper)
     return None
 
 
