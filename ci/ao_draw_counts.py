@@ -5,6 +5,11 @@ low-bit optimizers at W>1, with a checkpoint, through DCP, resharded. Independen
     python ci/ao_draw_counts.py [N [TARGET [ckall]]]   # N cases (10 per seed), ckall: as --checkpoints all
 """
 import sys, collections
+
+if "-h" in sys.argv or "--help" in sys.argv:
+    print(__doc__.strip())
+    sys.exit(0)
+
 from hypothesis import HealthCheck, Phase, given, settings, seed as hseed
 import fuzzshard.strategies as fst
 from fuzzshard.session.schedule import Scheduler
