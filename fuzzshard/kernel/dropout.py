@@ -140,6 +140,16 @@ class Draws:
     def rank(self, r: int) -> None:
         _seed_generator(seed(self.case.seed, self.step, r), self.device)
 
+    def state(self):
+        """The generator's state now (CUDA's too on a CUDA device): ``restore`` continues from it (pp's LoopedBFS:
+        a rank's next stage draws where its previous one left the generator)."""
+        return torch.get_rng_state(), torch.cuda.get_rng_state() if self.device.startswith("cuda") else None
+
+    def restore(self, state) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+
     def kept(self):
         devices = [torch.device(self.device)] if self.device.startswith("cuda") else []
         return torch.random.fork_rng(devices=devices)

@@ -31,11 +31,12 @@ LR scheduler (ReduceLROnPlateau fed the last stage's loss); the checkpoint
 (``dcp``, torchtitan's: each rank's model ``part`` and its optimizer state
 dict flattened by plain FQN, in one DCP checkpoint, or dcp.async_save; loaded
 into the loading side's parts at its own pp degree, world size and mesh, as
-kernel/targets/pp/checkpoint.py's save / load). Anything else (cuda, groups added later)
+kernel/targets/pp/checkpoint.py's save / load). Anything else (cuda, groups added later, dropout)
 falls back to the flattened kernel and ``unsupported`` says what."""
 from __future__ import annotations
 
 from ..case import Case
+from ..kernel.dropout import has_dropout
 from ..kernel.model import param_shapes, tie_uses
 from ..kernel.targets.pp import draws, schedules
 from . import common
@@ -60,6 +61,9 @@ def unsupported(case: Case, options: dict) -> str | None:
         return "on cuda (the script gathers the stages' tensors on the CPU)"
     if case.optim.added_groups:
         return "param groups added after the constructor (each rank adds only its own)"
+    if has_dropout(case.model):
+        return ("dropout (the kernel's reference replays each stage's masks from its rank's seed, stage after stage "
+                "over the microbatches: not written)")
     if schedules.uncuttable(case.model) or draws.check(case):
         return draws.check(case) or schedules.uncuttable(case.model)
     if tie_uses(case.model) and (options.get("dp") or case.checkpoint):  # (fully_shard renames a stage's tied

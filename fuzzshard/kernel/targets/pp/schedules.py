@@ -170,3 +170,59 @@ def pp_objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: di
         parts = zip(torch.tensor_split(xd, options.get("accum", 1), 0), torch.tensor_split(yd, options.get("accum", 1), 0))
         per.append(accumulate([microbatch_losses(model, xa, ya, n) for xa, ya in parts], options))
     return per[0] if dp == 1 else sum(per[1:], per[0]) / dp
+
+
+# ---- dropout: each stage's masks, drawn by its rank, replayed stage after stage (kernel/dropout.py) ----
+
+# the schedules whose ranks draw their masks in an order the reference follows: one stage a rank (each rank's
+# forwards: its stage on microbatch 0, 1, ... in order), and LoopedBFS (each rank's stages one after another,
+# each over every microbatch in order); the interleaved, zero-bubble and V schedules interleave several stages'
+# forwards on one rank's generator in the schedule's own order, which the reference does not follow
+DROPOUT_SCHEDULES = ("GPipe", "1F1B", "LoopedBFS")
+
+
+def dropout_problem(options: dict) -> str | None:
+    """Why a pp case's dropout masks are not replayed under these options, or None."""
+    if options.get("schedule") in DROPOUT_SCHEDULES:
+        return None
+    return (f"pp: dropout under Schedule{options.get('schedule')}: a rank's several stages draw their masks in "
+            "the schedule's interleaved order, which the reference's replay does not follow (kernel/dropout.py)")
+
+
+def dropout_index(pp_rank: int, dp_rank: int, dp: int) -> int:
+    """The seed index a pipeline rank draws its masks from (kernel/dropout.py ``draw_from``): its row-major
+    index on the [pp] or [pp, dp] mesh, so every stage rank and every dp rank draws its own."""
+    return pp_rank * dp + dp_rank
+
+
+def replayed_stages(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict, draws) -> torch.Tensor:
+    """``pp_objective`` with the pipeline's dropout masks (``draws``: kernel/dropout.py's ``Draws``): the plain
+    model cut into the pipeline's stages, for each dp slice the stages run one after another, each over every
+    microbatch of every ``accum`` part in order, from its rank's generator: seeded as that rank's was
+    (``dropout_index``), or where the rank ran a stage before (LoopedBFS), as that stage left it. The same math
+    per microbatch as the whole model's (the stages compose to it), in the order each rank drew its masks."""
+    from .stages import _StageModule, stage_ends
+
+    dp, n, accum = options.get("dp", 1), options["n_microbatches"], options.get("accum", 1)
+    total = len(options["cuts"]) + 1
+    rank_of = stage_ranks(options, total // options.get("stages", 1) * dp)
+    keyed = isinstance(model.layers, nn.ModuleDict)
+    mods = [_StageModule({str(i): model.layers[str(i) if keyed else i] for i in layers},
+                         getattr(model, "scale", None) if s == total - 1 else None, stage_ends(model, s, total - 1))
+            for s, layers in enumerate(stage_layers(options, len(model.layers)))]
+    per = []
+    for d, (xd, yd) in enumerate(zip(torch.tensor_split(x, dp, 0), torch.tensor_split(y, dp, 0))):
+        parts = list(zip(torch.tensor_split(xd, accum, 0), torch.tensor_split(yd, accum, 0)))
+        hs = [list(torch.tensor_split(xa, n, 0)) for xa, _ in parts]
+        states = {}
+        for s, mod in enumerate(mods):
+            r = rank_of[s]
+            if r in states:
+                draws.restore(states[r])
+            else:
+                draws.rank(dropout_index(r, d, dp))
+            hs = [[mod(h) for h in hm] for hm in hs]
+            states[r] = draws.state()
+        steps = [[loss_fn(h, ym) for h, ym in zip(hm, torch.tensor_split(ya, n, 0))] for hm, (_, ya) in zip(hs, parts)]
+        per.append(accumulate(steps, options))
+    return per[0] if dp == 1 else sum(per[1:], per[0]) / dp

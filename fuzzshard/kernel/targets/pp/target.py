@@ -18,14 +18,15 @@ import torch.nn as nn
 
 from ....case import Case
 from ...ac import AC_NON_REENTRANT, apply_ac
+from ...dropout import draws
 from ...model import loss_fn, named_params, param_shapes, submodule, tie_uses
 from ...optim import build_optimizer, group_hparams, state_by_fqn
 from ..base import Spec, Target
 from .checkpoint import CHECKPOINT_KINDS, PipelineCheckpoint
 from .describe import coverage_with_checkpoint, facts_with_checkpoint, pp_tie
 from .draws import check, draw_late_options_both_sides, draw_options, fit_options
-from .schedules import (REFUSALS, accumulate, is_multi, n_units, pp_objective, schedule_class, stage_layers,
-                        stage_ranks, tie_span)
+from .schedules import (REFUSALS, accumulate, dropout_index, is_multi, n_units, pp_objective, replayed_stages,
+                        schedule_class, stage_layers, stage_ranks, tie_span)
 from .stages import _Local, _StageModule, stage_ends
 
 
@@ -37,7 +38,9 @@ class PPTarget(PipelineCheckpoint, Target):
                 lr_scheduler=True, lr_scheduler_checkpoint=False, max_depth=8,
                 # activation checkpointing inside each stage, non-reentrant only (the zero-bubble schedules'
                 # split backward calls torch.autograd.grad, which reentrant checkpoint does not support)
-                ac=AC_NON_REENTRANT, tie=pp_tie)
+                ac=AC_NON_REENTRANT, tie=pp_tie,
+                # each stage rank's masks from its own seed, replayed stage after stage (objective; kernel/dropout.py)
+                dropout="replay")
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
@@ -45,7 +48,14 @@ class PPTarget(PipelineCheckpoint, Target):
         """The unsplit model on the schedule's microbatches: the mean of their
         losses with scale_grads (the schedule divides the summed grads by
         their number), else their sum; with ``dp`` and ``accum``, pp_objective."""
-        return pp_objective(model, x, y, options)
+        replay = draws()  # dropout: each stage's masks from its rank's seed, stage after stage (kernel/dropout.py)
+        return pp_objective(model, x, y, options) if replay is None else replayed_stages(model, x, y, options, replay)
+
+    def dropout_rank(self) -> int:
+        """The seed this rank draws its stages' masks from: its own on the [pp] or [pp, dp] mesh (every stage rank
+        draws its stage's masks, every dp rank on its slice), ``dropout_index``."""
+        dp = self.mesh.size(1) if self.mesh.ndim == 2 else 1
+        return dropout_index(self.rank, self.dp_rank(), dp)
 
     @classmethod
     def documented_refusal(cls, case: Case, error: dict) -> bool:
