@@ -3,7 +3,8 @@
 A dropout mask is drawn from the device's default generator at each forward. In a case with dropout
 (``has_dropout``) every rank seeds that generator before each step's forward with ``seed(case.seed, step, r)``
 (``draw_from``): ``r`` is the rank's index among the data-parallel ranks that each train on their own slice
-of the batch (``Target.dropout_rank``), 0 where every rank runs the whole batch. What the masks are compared
+of the batch (``Target.dropout_rank``), 0 where every rank runs the whole batch (pp: its row-major index on the
+[pp] or [pp, dp] mesh, each stage's rank its own). What the masks are compared
 to is the target's ``Spec.dropout`` (docs/oracles.md, "Dropout", says why for each):
 
 - ``"replay"``: each rank runs a plain forward (plain tensors, the default generator, as one process does) on
@@ -14,6 +15,14 @@ to is the target's ``Spec.dropout`` (docs/oracles.md, "Dropout", says why for ea
   reproducibility, torch's promise within a release), so loss and grads are compared as without dropout.
   Activation checkpointing must give the recomputation the forward's mask (``preserve_rng_state``, on by
   default, restores the generator): one that draws a new mask makes grads the reference does not.
+  pp replays too: a rank draws only its stages' masks, GPipe's and 1F1B's one stage in microbatch order (the
+  backwards draw nothing), LoopedBFS's stages one after another, each over every microbatch. Its objective
+  replays them itself (``dropout_world`` 1: ``replayed`` hands it the whole batch): the plain model cut into the
+  same stages, run one after another over every microbatch, each from its rank's seed or, where the rank ran a
+  stage before, from the generator as that stage left it (``state``/``restore``; pp/schedules.py
+  ``replayed_stages``). The interleaved and V schedules (Interleaved1F1B, InterleavedZeroBubble,
+  ZBVZeroBubble, DualPipeV) interleave several stages' draws on one rank's generator in the schedule's own
+  order: refused with dropout (pp's check, ``DROPOUT_SCHEDULES``).
 - ``"replica"``: the masks are drawn on DTensor activations (dtensor) or on TP's local shards (tp). A random op
   on a DTensor goes through DTensor's RNG tracker (torch/distributed/tensor/_random.py), which torch runs on
   CUDA-like devices only: on a CPU mesh ``is_rng_supported_mesh`` is False (``torch.cpu`` has no
@@ -24,7 +33,7 @@ to is the target's ``Spec.dropout`` (docs/oracles.md, "Dropout", says why for ea
   stream's). The loss and grads are therefore not compared to the reference (their masks differ by design);
   the step (from the sharded run's own grads), the checkpoint and the replicas (every rank's copy of a
   replicated grad, param and state, bit for bit: ranks seeded alike draw alike) are.
-- ``""``: not drawn (pp: the stages run their microbatches in the schedule's order, which no replay follows).
+- ``""``: not drawn (a target with no replay; none of the built-in ones now).
 """
 from __future__ import annotations
 
@@ -241,7 +250,9 @@ def dropout_coverage(case: Case) -> dict:
         where += [f"{layer.kind} body" for layer in case.model.layers
                   if layer.kind in ("residual", "twice") and any(c.kind == "dropout" and c.p > 0 for c in layer.children)]
     opts = case.target_options
-    around = (["checkpointed"] if opts.get("ac") else []) + (["microbatches"] if opts.get("microbatches", 1) > 1 else [])
+    # (pp's microbatches are its schedule's n_microbatches)
+    mbs = max(opts.get("microbatches", 1), opts.get("n_microbatches", 1))
+    around = (["checkpointed"] if opts.get("ac") else []) + (["microbatches"] if mbs > 1 else [])
     return {"dropout": {how: 1, **{w: 1 for w in set(where)}, **{a: 1 for a in around}}}
 
 

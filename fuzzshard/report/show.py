@@ -181,7 +181,11 @@ def _dropout(c) -> list[str]:
     how = dropout.mode(c)
     if not how:
         return []
-    if how == "replay":
+    if how == "replay" and c.target == "pp":
+        what = (f"each stage rank's masks from its own seed per step ({c.target_options.get('schedule')}: "
+                "its stages' forwards in microbatch order), replayed by the reference stage after stage "
+                "(loss and grads compared)")
+    elif how == "replay":
         what = ("each data-parallel rank's masks from its own seed per step, replayed by the reference "
                 "(loss and grads compared)")
     else:

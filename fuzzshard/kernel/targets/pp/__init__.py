@@ -60,6 +60,13 @@ over dp), left out of the stage's FSDP2 (``ignored_params``), their grads
 divided by dp by a hook (the combine's backward sums them over the dp ranks'
 tokens). Not with activation checkpointing or a checkpoint yet.
 
+Dropout (``fuzz --dropout``; kernel/dropout.py): each rank seeds its
+generator before the step from its row-major index on the mesh
+(``dropout_rank``) and draws its stages' masks; the reference replays them
+stage after stage (``replayed_stages``) under GPipe, 1F1B and LoopedBFS,
+whose ranks draw in an order it follows; the schedules that interleave a
+rank's stages are refused with dropout (the check).
+
 The rooms (torchtitan splits a model's ``pipelining_fn`` from its
 ``parallelize_fn`` so):
 
