@@ -3,7 +3,8 @@ forks it around the stages' metadata inference (schedules.py _initialize_pp_stag
 the real forward. The generator is given back after every microbatch, so each of a stage's microbatches draws
 the first one's dropout masks instead of the next ones in the stream. Nothing raises; the masks differ from a
 run of the whole model per microbatch from the rank's seed from the second microbatch on, and the loss and
-every grad before the dropout with them. A single microbatch, or a model without dropout, hides it."""
+every grad before the dropout with them. One microbatch in one schedule step (no accum), or a model without
+dropout, hides it."""
 import torch
 from torch.distributed.pipelining import stage
 
