@@ -160,3 +160,42 @@ def test_a_load_balancing_hook_that_does_not_sum_the_counts_over_the_ranks_is_fo
                              "aux": "batch"})
     out = replay_clean_then_buggy(tmp_path, case, "moe_bias_local_counts.py")
     assert "FAIL: fsdp2.parity.SGD.forloop.moe.expert_bias" in out, out
+
+
+def test_dtensor_draws_moe_in_fewer_cases_than_the_others_still_some_and_each_shrinks_to_none():
+    """dtensor's Spec.moe "odds" (its MoE runs on full copies: a case with one costs ~3x, docs/search.md): one
+    topology in 32 has one, not 8 as elsewhere; seeded draws still reach it (a dtensor session's cases too),
+    a model shrinks to none and an MoE one to the plainest config."""
+    import importlib
+
+    from hypothesis import Phase, given
+    from hypothesis import seed as hseed
+
+    import fuzzshard.strategies as fst
+    from fuzzshard import targets
+
+    sm = importlib.import_module("fuzzshard.strategies.models")
+    assert fst.moe_odds(targets.get("dtensor").spec) == 32 and fst.moe_odds(targets.get("tp").spec) == sm.MOE_ODDS
+    draws = dict(max_examples=300, database=None, phases=[Phase.generate], deadline=None,
+                 suppress_health_check=list(HealthCheck))
+
+    def with_moe(strategy, seed: int) -> int:
+        seen = []
+
+        @hseed(seed)
+        @settings(**draws)
+        @given(strategy)
+        def collect(x):
+            seen.append(bool(moe_configs_of(x.model if hasattr(x, "model") else x)))
+
+        collect()
+        return sum(seen)
+
+    rare = sum(with_moe(sm.models(2, moe={}, odds=32), s) for s in range(3))
+    common = sum(with_moe(sm.models(2, moe={}, odds=sm.MOE_ODDS), s) for s in range(3))
+    assert 0 < rare < common / 2, (rare, common)
+    assert with_moe(fst.cases(target="dtensor", world_sizes=[1, 2]), 1) > 0
+    quiet = settings(database=None, suppress_health_check=list(HealthCheck), max_examples=300)
+    assert not moe_configs_of(find(sm.models(2, moe={}, odds=32), lambda m: True, settings=quiet))
+    m = find(sm.models(1, moe={}, odds=32), lambda m: bool(moe_configs_of(m)), settings=quiet)
+    assert moe_configs_of(m) == [{"experts": 2, "hidden": 1, "top_k": 1}]

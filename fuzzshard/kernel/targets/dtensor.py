@@ -101,9 +101,17 @@ def placements_options(layout: dict) -> dict:
     return {"placements": layout}
 
 
+# one topology in this many has an MoE layer (Spec.moe "odds"; MOE_ODDS = 8 elsewhere). Here the MoE runs on full
+# copies of its params (MoE._forward_local: a full_tensor of each per forward, its grad back through it): a case
+# with one costs ~2.8x one without, restarts the pool ~4x as often, and most hit a known DTensor bug first
+# (dtensor-grad-placement-differs-from-param, dtensor-missing-strategy-optimizer-ops on its extra params): at one
+# in 8 it took about a quarter of a session's time (docs/search.md). --models moe still puts one in every case.
+MOE_ODDS = 32
+
+
 class DTensorTarget(Target):
     name = "dtensor"
-    spec = Spec(moe={"whole_batch": True, "local": True}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
+    spec = Spec(moe={"whole_batch": True, "local": True, "odds": MOE_ODDS}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 project_options=project_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
                 layout=placements_layout, place_as=placements_options, ac=tuple(AC_HOWS), dropout="replica",
