@@ -99,7 +99,8 @@ class Spec:
     # "microbatched": a rank runs its slice in microbatches (no batch-wise aux loss), "aux": False (no aux loss),
     # "bias": False (no routing bias), "local": its MoE sees DTensor activations and runs on full plain copies
     # (MoE._forward_local: no AC of a module inside it, kernel/ac.py ac_moe_problem), "odds": one topology or
-    # decoder in this many has one (strategies/models.py MOE_ODDS where it says none; --models moe: every one)}
+    # decoder in this many has one (strategies/models.py MOE_ODDS where it says none; 0: only with --models moe,
+    # which puts one in every case)}
     moe: dict | None = None
 
 
