@@ -173,8 +173,17 @@ def checkpoints(draw, target: str, world_sizes, n_steps: int, shapes: dict, tied
 
 def moe_rules(spec) -> dict | None:
     """What MoE layers the target takes (its Spec's ``moe``), as moe_configs' arguments; None: no MoE drawn.
-    ("local" is the AC draw's, kernel/ac.py ac_moe_problem: no argument of the config's draw.)"""
-    return None if spec.moe is None else {k: v for k, v in spec.moe.items() if k != "local"}
+    ("local" is the AC draw's, kernel/ac.py ac_moe_problem, and "odds" the model's (moe_odds): no argument of
+    the config's draw.)"""
+    return None if spec.moe is None else {k: v for k, v in spec.moe.items() if k not in ("local", "odds")}
+
+
+def moe_odds(spec) -> int:
+    """One topology or decoder in this many has an MoE layer where the target takes one and the session asks
+    for none in every case: its Spec.moe's "odds", models.py's MOE_ODDS where it says none."""
+    from .models import MOE_ODDS
+
+    return (spec.moe or {}).get("odds", MOE_ODDS)
 
 
 @st.composite
@@ -200,8 +209,8 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9, m
         if over is not None:
             moe["experts_multiple"] = mesh_shape[over]
     if family == "decoder":
-        return draw(decoders(spec.max_depth or 2, moe, always))
-    return draw(models(depth, max_dim, moe, always))
+        return draw(decoders(spec.max_depth or 2, moe, always, moe_odds(spec)))
+    return draw(models(depth, max_dim, moe, always, moe_odds(spec)))
 
 
 @st.composite

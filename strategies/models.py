@@ -27,7 +27,7 @@ KINDS = ["linear", "act", "layernorm", "conv1d", "residual", "twice"]
 # a mixture-of-experts layer (kernel/moe.py), d -> d: not among KINDS (drawn per layer it would fill the
 # topologies); one now and then, after the body (``MOE_ODDS``), shrinking to none
 MOE_KIND = "moe"
-MOE_ODDS = 8  # one topology or decoder in 8 has MoE
+MOE_ODDS = 8  # one topology or decoder in 8 has MoE (a target's Spec.moe "odds" may say otherwise: dtensor's 0)
 
 
 @st.composite
@@ -63,6 +63,12 @@ def moe_configs(draw, whole_batch: bool = True, microbatched: bool = False, aux:
                 "aux": None, "bias_coeff": None, "grouped": False, "score_before_experts": True}
     cfg.update({k: v for k, v in extra.items() if v != defaults[k]})  # the config says only what it changes
     return cfg
+
+
+def moe_drawn(draw, odds: int = MOE_ODDS) -> bool:
+    """Whether the model has an MoE layer: one in ``odds`` (shrinking to none); ``odds`` 0: none, and nothing
+    drawn (a target whose default draws leave MoE to ``--models moe``: dtensor's stay the bytes they were)."""
+    return odds > 0 and draw(st.integers(1, odds)) == odds
 
 
 def dims(max_dim: int = 9):
@@ -101,9 +107,10 @@ def layers(draw, d: int, max_dim: int) -> tuple[Layer, int]:
 
 
 @st.composite
-def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None, always: bool = False) -> Model:
+def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None, always: bool = False,
+           odds: int = MOE_ODDS) -> Model:
     """``moe``: moe_configs' arguments where this target takes an MoE layer (None: none drawn); ``always``:
-    every topology has one (the "moe" family)."""
+    every topology has one (the "moe" family); else one in ``odds`` (moe_drawn)."""
     tokens = draw(st.booleans())
     d_in = draw(dims(max_dim))
     body: list[Layer] = []
@@ -114,7 +121,7 @@ def models(draw, depth: int, max_dim: int = 9, moe: dict | None = None, always: 
     for _ in range(depth):
         layer, d = draw(layers(d, max_dim))
         body.append(layer)
-    if moe is not None and (always or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):
+    if moe is not None and (always or moe_drawn(draw, odds)):
         body.append(Layer(MOE_KIND, d, d, moe=draw(moe_configs(**moe))))
     tie = tokens and draw(st.booleans())
     if tie and d != body[0].d_out:  # the tied head maps the embedding dim back to the vocab
@@ -158,7 +165,7 @@ def dropouts(draw, model: Model) -> Model:
 
 
 @st.composite
-def decoders(draw, max_layers: int = 2, moe: dict | None = None, always: bool = False) -> Model:
+def decoders(draw, max_layers: int = 2, moe: dict | None = None, always: bool = False, odds: int = MOE_ODDS) -> Model:
     """The decoder's sizes (kernel/decoder.py's DECODER_SIZES). Each shrinks to
     the smallest: one block, one head, head dim 1, a SwiGLU MLP of width 1,
     RMSNorm, non-causal, untied. Up to ``max_layers`` blocks (pp's stages need more). Head counts are drawn small, so some do not
@@ -177,7 +184,7 @@ def decoders(draw, max_layers: int = 2, moe: dict | None = None, always: bool = 
         "causal": draw(st.booleans()),
         "tied": draw(st.booleans()),
     }
-    if moe is not None and (always or draw(st.integers(1, MOE_ODDS)) == MOE_ODDS):  # drawn last: shrinks to the MLP
+    if moe is not None and (always or moe_drawn(draw, odds)):  # drawn last: shrinks to the MLP
         sizes["moe"] = draw(moe_configs(**moe))
     return Model(input="tokens", d_in=sizes["d_in"], layers=(), factory="decoder", sizes=sizes)
 

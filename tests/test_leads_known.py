@@ -23,6 +23,13 @@ def test_a_dtensor_abort_is_known_only_with_a_sharded_conv_param():
     for sig in ("dtensor.crash.Killed_by_SIGABRT.fwdbwd", "dtensor.crash.Killed_by_SIGABRT.fwdbwd.redispatch"):
         assert known[sig].root_cause == "dtensor-conv-handlers-skip-redistribution"
         assert is_known(sig, case, known) and not is_known(sig, replicated, known)
+    # its raising face (--models moe on dtensor): the MoE's routing on the wrongly sized full copy of its input
+    sig = "dtensor.error.fwdbwd.RuntimeError.13745e5e"
+    case = _case(sig)
+    placements = {**case.target_options["placements"], "layers.0.conv.weight": ["R"]}
+    replicated = dataclasses.replace(case, target_options={**case.target_options, "placements": placements})
+    assert known[sig].root_cause == "dtensor-conv-handlers-skip-redistribution"
+    assert is_known(sig, case, known) and not is_known(sig, replicated, known)
 
 
 def test_a_ddp_abort_under_join_is_known_only_with_static_graph_and_find_unused():

@@ -160,3 +160,43 @@ def test_a_load_balancing_hook_that_does_not_sum_the_counts_over_the_ranks_is_fo
                              "aux": "batch"})
     out = replay_clean_then_buggy(tmp_path, case, "moe_bias_local_counts.py")
     assert "FAIL: fsdp2.parity.SGD.forloop.moe.expert_bias" in out, out
+
+
+def test_dtensor_draws_moe_only_with_models_moe_and_its_default_draws_take_no_byte_for_it():
+    """dtensor's Spec.moe "odds" 0 (its MoE runs on full copies: a case with one costs ~3x, docs/search.md): its
+    default draws have no MoE and spend no draw on one (a seed's cases are those of the tree before MoE);
+    --models moe still puts one in every case; elsewhere one topology in 8 has one, shrinking to none."""
+    import importlib
+
+    from hypothesis import Phase, given
+    from hypothesis import seed as hseed
+
+    import fuzzshard.strategies as fst
+    from fuzzshard import targets
+
+    sm = importlib.import_module("fuzzshard.strategies.models")
+    assert fst.moe_odds(targets.get("dtensor").spec) == 0 and fst.moe_odds(targets.get("tp").spec) == sm.MOE_ODDS
+    draws = dict(max_examples=200, database=None, phases=[Phase.generate], deadline=None,
+                 suppress_health_check=list(HealthCheck))
+
+    def collected(strategy, seed: int) -> list:
+        seen = []
+
+        @hseed(seed)
+        @settings(**draws)
+        @given(strategy)
+        def collect(x):
+            seen.append(x)
+
+        collect()
+        return seen
+
+    none = collected(sm.models(2, moe={}, odds=0), 1)
+    plain = collected(sm.models(2), 1)  # no MoE asked for: the same bytes, so the same models
+    assert none == plain and not any(moe_configs_of(m) for m in none)
+    assert any(moe_configs_of(m) for m in collected(sm.models(2, moe={}, odds=sm.MOE_ODDS), 1))
+    assert all(moe_configs_of(c.model) for c in collected(fst.cases(target="dtensor", world_sizes=[1, 2],
+                                                                    models=("moe",)), 1)[:20])
+    quiet = settings(database=None, suppress_health_check=list(HealthCheck), max_examples=300)
+    m = find(sm.models(1, moe={}, odds=sm.MOE_ODDS), lambda m: bool(moe_configs_of(m)), settings=quiet)
+    assert moe_configs_of(m) == [{"experts": 2, "hidden": 1, "top_k": 1}]

@@ -35,7 +35,7 @@ MODELS_HELP = ("model families to draw, comma-separated: topologies (random tree
                "head or not, cross-entropy on token targets; fsdp2 draws torchtitan-style TP plans for it), "
                "moe (every case of the other families named, topologies where none is, with a "
                "torchtitan-style mixture-of-experts layer: routing, experts, load balancing; without it "
-               "one topology or decoder in 8 has one)")
+               "one topology or decoder in 8 has one, none on dtensor, whose MoE runs on full copies)")
 
 
 @dataclass(frozen=True)

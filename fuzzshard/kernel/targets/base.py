@@ -98,7 +98,9 @@ class Spec:
     # none; {"whole_batch": every forward sees the whole global batch (capacity-factor dropping may be drawn),
     # "microbatched": a rank runs its slice in microbatches (no batch-wise aux loss), "aux": False (no aux loss),
     # "bias": False (no routing bias), "local": its MoE sees DTensor activations and runs on full plain copies
-    # (MoE._forward_local: no AC of a module inside it, kernel/ac.py ac_moe_problem)}
+    # (MoE._forward_local: no AC of a module inside it, kernel/ac.py ac_moe_problem), "odds": one topology or
+    # decoder in this many has one (strategies/models.py MOE_ODDS where it says none; 0: only with --models moe,
+    # which puts one in every case)}
     moe: dict | None = None
 
 

@@ -101,9 +101,18 @@ def placements_options(layout: dict) -> dict:
     return {"placements": layout}
 
 
+# MoE layers only with --models moe (Spec.moe "odds" 0; MOE_ODDS = 8 elsewhere). Here the MoE runs on full copies
+# of its params (MoE._forward_local: a full_tensor of each per forward, its grad back through it): a case with one
+# costs ~2.8x one without, restarts the pool ~4x as often, and most hit a known DTensor bug first
+# (dtensor-grad-placement-differs-from-param, dtensor-missing-strategy-optimizer-ops on its extra params): at one
+# in 8 it took about a quarter of a session's time, and any draw of it moves every later byte of a seed's cases
+# (docs/search.md). MoE's home is ep, fsdp2, fsdp1, ddp and pp, which draw it by default.
+MOE_ODDS = 0
+
+
 class DTensorTarget(Target):
     name = "dtensor"
-    spec = Spec(moe={"whole_batch": True, "local": True}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
+    spec = Spec(moe={"whole_batch": True, "local": True, "odds": MOE_ODDS}, options=draw_placements, checkpoint_kinds=STATE_DICT_KINDS, named_params=True, fit_options=fit_placements,
                 project_options=project_placements,
                 component="DTensor", clips=("norm", "two_part", "value"), lr_scheduler=True, scaler=True,
                 layout=placements_layout, place_as=placements_options, ac=tuple(AC_HOWS), dropout="replica",
