@@ -100,6 +100,14 @@ class Spec:
     # "bias": False (no routing bias), "local": its MoE sees DTensor activations and runs on full plain copies
     # (MoE._forward_local: no AC of a module inside it, kernel/ac.py ac_moe_problem)}
     moe: dict | None = None
+    # a corner of its own options that a timed session's schedule steers toward (session/schedule.py, "option
+    # corner"), where a drawn mesh allows it: None, none; {"option": the target option a case in it has on,
+    # "mesh_dims": the dims of the meshes that allow it, "experts_over": (where its MoE is optional) the mesh dim an
+    # aimed case's MoE experts divide over, "checkpoint": False where the corner takes no checkpoint, "batch":
+    # (mesh_shape) -> the batch sizes an aimed case draws from (a target that is not data_parallel)}. A case aimed
+    # there (drawn after the mesh, off first: it shrinks to today's draw) draws the option on (and that MoE); its
+    # options and late options are drawn with aim=True
+    corner: dict | None = None
 
 
 def case_problem(case: Case, target: type | None) -> str | None:
