@@ -138,6 +138,7 @@ def features(case) -> list[tuple[str, str]]:
 
 
 def _spec(case):
+    """The case's target's Spec; None for a plugin's target this process has not registered."""
     from fuzzshard import targets
 
     try:
@@ -158,12 +159,8 @@ def corner_cell(case) -> str:
 
 def _tie(case) -> str:
     """The target's words for how it shards the case's tied weight (Spec.tie), "" untied or unsaid."""
-    from fuzzshard import targets
-
-    try:
-        tie = targets.get(case.target).spec.tie
-    except KeyError:  # a plugin's target this process has not registered
-        return ""
+    spec = _spec(case)
+    tie = spec.tie if spec is not None else None
     return tie(case) if tie else ""
 
 
