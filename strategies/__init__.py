@@ -187,10 +187,13 @@ def moe_odds(spec) -> int:
 
 
 @st.composite
-def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9, mesh_shape: tuple = (1,)):
+def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9, mesh_shape: tuple = (1,),
+           aim: bool = False):
     """A plugin's model (only those a target names in ``spec.models``, if it
     does), or one of ``families``: a drawn topology (dims 1..``max_dim``), the
-    decoder transformer. No plugin model and topologies alone: the draw is as it always was."""
+    decoder transformer. No plugin model and topologies alone: the draw is as it always was. ``aim``: a case aimed
+    at the target's steered corner (Spec.corner) whose "experts_over" asks for an MoE: one, its experts dividing
+    over that mesh dim."""
     from .models import USER, decoders, user_models
 
     names = [n for n in USER if n in spec.models] if spec.models else list(USER)
@@ -208,6 +211,8 @@ def _model(draw, spec, depth: int, families=("topologies",), max_dim: int = 9, m
         moe = {k: v for k, v in moe.items() if k not in ("always", "experts_over")}
         if over is not None:
             moe["experts_multiple"] = mesh_shape[over]
+    if aim and moe is not None and (spec.corner or {}).get("experts_over") is not None:
+        always, moe = True, {**moe, "experts_multiple": mesh_shape[spec.corner["experts_over"]]}
     if family == "decoder":
         return draw(decoders(spec.max_depth or 2, moe, always, moe_odds(spec)))
     return draw(models(depth, max_dim, moe, always, moe_odds(spec)))
@@ -266,7 +271,12 @@ def cases(
     n_groups = draw(st.integers(1, 1 if spec.single_group or flat else max_groups))
     n_steps = draw(st.integers(1, max_steps))
     mesh_shape = draw(st.sampled_from((steer.get("mesh") or {}).get(world) or _meshes(spec, world, mesh_dims)))
-    model = draw(_model(spec, depth, tuple(models), max(9, world) if dims_up_to_world else 9, mesh_shape))
+    # a timed session's steered corner of the target's options (Spec.corner), where this mesh allows it: aimed there
+    # or not (off first, so an aimed case shrinks to today's draw); no draw at all elsewhere (the draws stay)
+    corner = spec.corner or {}
+    aim = bool(steer.get("corner") and len(mesh_shape) == corner.get("mesh_dims")
+               and draw(st.sampled_from(steer["corner"])))
+    model = draw(_model(spec, depth, tuple(models), max(9, world) if dims_up_to_world else 9, mesh_shape, aim))
     shapes = param_shapes(model)
     if spec.elementwise_only:
         optimizer_names = [n for n in optimizer_names or default_optimizers() if n not in NOT_ELEMENTWISE]
@@ -302,7 +312,7 @@ def cases(
             context["ao"] = True
     if spec.may_flatten:
         context["flat"] = flat
-    options = draw(target_options(target, shapes, mesh_shape, tied, **context))
+    options = draw(target_options(target, shapes, mesh_shape, tied, **context, **({"aim": True} if aim else {})))
     # --ao's float8 (kernel/float8.py) runs float32 without a checkpoint (float8_problem): such a case takes neither,
     # and its float8 all-gather most often runs 2+ steps (a scale from the step before shows from the second step
     # on); the step count's extension shrinks to off. Without float8 (always without --ao) the draws stay as they were
@@ -311,7 +321,8 @@ def cases(
             and draw(st.sampled_from([False, True, True, True]))):
         n_steps = draw(st.integers(2, max_steps))
     ck = None
-    if plan and plan[1] and not f8:
+    no_ck = f8 or aim and corner.get("checkpoint") is False  # (an aimed case whose corner takes none: none)
+    if plan and plan[1] and not no_ck:
         kind = plan[1][0]
         # --ao: a low-bit optimizer's checkpoint goes through DCP (its quantized state saved and loaded as it is, the
         # load copying it into the new shards' state) two cases in three; shrunk: the kind the plan drew
@@ -320,7 +331,7 @@ def cases(
             kind = "dcp"
         ck = draw(checkpoints(target, [plan[1][1]], n_steps, shapes, tied, kinds=[kind], mesh_dims=mesh_dims,
                               async_saves="async_save" in loop and device == "cpu", **context))
-    elif not plan and not f8 and spec.checkpoint_kinds and (checkpoint or (checkpoint is None and draw(st.booleans()))):
+    elif not plan and not no_ck and spec.checkpoint_kinds and (checkpoint or (checkpoint is None and draw(st.booleans()))):
         ck = draw(checkpoints(target, world_sizes, n_steps, shapes, tied, mesh_dims=mesh_dims,
                               async_saves="async_save" in loop and device == "cpu", **context))
     # data parallel: every rank of either side gets an equal slice, in equal microbatches
@@ -339,7 +350,8 @@ def cases(
         groups=groups,
         schedule=draw(schedules(n_steps, list(shapes) if _flips_allowed(spec, options, ck) else [])),
         frozen=frozen,
-        batch=draw(st.integers(1, 2)) * ranks_per_sample if spec.data_parallel else draw(st.integers(1, 4)),
+        batch=draw(st.integers(1, 2)) * ranks_per_sample if spec.data_parallel else
+        draw(st.sampled_from(corner["batch"](mesh_shape))) if aim and "batch" in corner else draw(st.integers(1, 4)),
         seq=draw(st.integers(1, 3)) * _seq_multiple(spec, options, mesh_shape, ck),
         dtype="float32" if f8 and "float32" in dtypes else draw(st.sampled_from(steer.get("dtype") or list(dtypes))),
         device=device,
@@ -353,7 +365,7 @@ def cases(
         added_at = draw(st.integers(1, n_steps - 1)) if added and n_steps > 1 and draw(st.booleans()) else 0
         case = dataclasses.replace(case, optim=dataclasses.replace(optim, added_groups=added, added_at=added_at))
     if spec.late_options:  # the target's options that depend on the whole case: drawn last of all
-        case = dataclasses.replace(case, target_options=spec.late_options(draw, case))
+        case = dataclasses.replace(case, target_options=spec.late_options(draw, case, **({"aim": True} if aim else {})))
     if loop:  # the training loop around the step (strategies/loop.py): after everything, so the draws before stay
         loop = _loop_taken(case, loop)
         case = dataclasses.replace(case, **draw(loop_features(spec, case, loop, steer.get("loop"))))

@@ -89,3 +89,45 @@ def test_planted_scale_grads_skipping_experts_is_caught_under_pp_ep(tmp_path):
     named = set(re.findall(r"grad (layers\.\d+\.[\w.]+)", buggy))
     assert named and all(".experts.w" in n for n in named), (named, buggy)
     assert {n.split(".")[1] for n in named} == {"1", "3"}, named  # both stages' experts
+
+
+
+def test_a_timed_session_steers_toward_pp_ep_and_ep_tp_where_the_mesh_allows():
+    """The schedule's option corner (Spec.corner; session/schedule.py): a timed session's 2-D cases are aimed at pp's
+    ``ep`` (an MoE whose experts divide over dp, no checkpoint) and at ep's ``tp`` (no checkpoint) half the time,
+    until the corner is covered as often as its absence. Seeded draws at world size 4, as the hunt's: pp reaches ep
+    many times more often than unsteered (1 case in ~300 of a session's before: ci/moe_corner_counts.py), ep its tp
+    more often; the aim is off first (an aimed case shrinks to today's draw), and once the corner has had its cases
+    the aim turns mostly off."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    import fuzzshard.strategies as fst
+    from fuzzshard.session.schedule import Scheduler, corner_cell
+
+    for target, option, times in (("pp", "ep", 4), ("ep", "tp", 1.5)):
+        pin = Scheduler().steer(target, [4], {})
+        assert pin["steer"]["corner"] == [False, True]  # off first
+        reached = {}
+        for steered in (False, True):
+            seen = []
+
+            @hseed(0)
+            @settings(max_examples=80, database=None, phases=[Phase.generate], deadline=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(fst.cases(target=target, world_sizes=[4], **(pin if steered else {})))
+            def collect(case):
+                seen.append(case)
+
+            collect()
+            reached[steered] = [c for c in seen if corner_cell(c) == option]
+        assert len(reached[True]) >= 10 and len(reached[True]) >= times * len(reached[False]), \
+            (target, len(reached[True]), len(reached[False]))
+        for c in reached[True]:
+            assert c.refusal() is None and len(c.mesh_shape) == 2
+            assert target != "pp" or draws.ep_fits(c.model, c.mesh_shape[1])
+        assert any(c.checkpoint is None for c in reached[True])
+        sched = Scheduler()
+        for c in reached[True][:6]:
+            sched.record(c, valid=True)
+        assert sched.steer(target, [4], {})["steer"]["corner"] == [False] * 4 + [True], target  # covered: mostly off

@@ -22,7 +22,11 @@ Steered jointly, as one cell each:
   - *world size x checkpoint*: none, or kind x the world size it loads at (a
     case saved at 4 ranks and loaded at 3 is one cell); with checkpoints in
     some cases, the cases without one keep half of each world size's weight;
-  - *mesh* of each world size, and *dtype*.
+  - *mesh* of each world size, and *dtype*;
+  - the target's *option corner* (its Spec's ``corner``: pp's ``ep``, ep's ``tp``), on the meshes that allow
+    it: a case there is aimed at it or not (off first, so it shrinks to today's draw), on and off evened out,
+    so a corner that needs several rare draws at once (pp's ep: a [pp, dp] mesh, an MoE whose experts divide
+    over dp, ep drawn, no checkpoint: 1 case in ~300 of a session's at world size 4) gets its share.
 A case that hit a known bug counts ``KNOWN_DRAWS`` times: its cells get
 less of the next rounds (such a case shows nothing new, and its run stopped
 at that bug); but one whose bug was raised before its optimizer first
@@ -52,9 +56,9 @@ KNOWN_DRAWS = 3  # a case that hit a known bug counts as this many draws of its 
 
 PAIRS = "world x optimizer"  # steered, counted, but not a table row: optimizers x world sizes cells are many
 OPTIMIZER_DIMS = ("optimizer", PAIRS, "optimizer flag")  # what a known bug before the first step says nothing of
-STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype")
+STEERED = ("optimizer", "world x checkpoint", "mesh", "dtype", "option corner")
 DIMENSIONS = ("optimizer", "optimizer flag", "world x checkpoint", "mesh", "dtype", "model", "target option",
-              "groups", "frozen", "steps", "loop", "dropout")
+              "option corner", "groups", "frozen", "steps", "loop", "dropout")
 
 
 def _opt_flags(optim) -> list[str]:
@@ -127,17 +131,36 @@ def features(case) -> list[tuple[str, str]]:
         out.append(("model", f"{m.input} in"))
         out += [("model", f"layer {k}") for k in dict.fromkeys(layer.kind for layer in m.layers) if k in KINDS]
     out += [("model", c) for c in moe_cells(m)]
+    corner = corner_cell(case)
+    if corner:
+        out.append(("option corner", corner))
     return out
+
+
+def _spec(case):
+    """The case's target's Spec; None for a plugin's target this process has not registered."""
+    from fuzzshard import targets
+
+    try:
+        return targets.get(case.target).spec
+    except KeyError:  # a plugin's target this process has not registered
+        return None
+
+
+def corner_cell(case) -> str:
+    """The target's steered corner (its Spec's ``corner``) where the case's mesh allows it: the option's name if
+    the case has it on, "no OPTION" if not; "" where the mesh does not allow it (or the target has none)."""
+    spec = _spec(case)
+    corner = spec.corner if spec is not None else None
+    if not corner or len(case.mesh_shape) != corner["mesh_dims"]:
+        return ""
+    return corner["option"] if case.target_options.get(corner["option"]) else f"no {corner['option']}"
 
 
 def _tie(case) -> str:
     """The target's words for how it shards the case's tied weight (Spec.tie), "" untied or unsaid."""
-    from fuzzshard import targets
-
-    try:
-        tie = targets.get(case.target).spec.tie
-    except KeyError:  # a plugin's target this process has not registered
-        return ""
+    spec = _spec(case)
+    tie = spec.tie if spec is not None else None
     return tie(case) if tie else ""
 
 
@@ -243,6 +266,10 @@ class Scheduler:
             clip, lr = drawn("clip"), drawn("lr")
             steer["loop"] = {"clip": weights({f: clip.get(f, 0) for f in spec.clips}),
                              "lr_scheduler": weights({s: lr.get(s, 0) for s in SCHEDULERS}) if spec.lr_scheduler else []}
+        if spec.corner:  # the target's corner, where a mesh allows it: on and off evened out; off first (it shrinks there)
+            option = spec.corner["option"]
+            steer["corner"] = sorted(weights({False: seen["option corner", f"no {option}"],
+                                              True: seen["option corner", option]}), key=bool)
         if strategy_kwargs.get("ac") and spec.ac:  # activation checkpointing's forms, the least drawn first
             steer["ac"] = weights({h: seen["target option", f"ac form {h}"] for h in spec.ac})
         return {"steer": steer}

@@ -102,6 +102,14 @@ class Spec:
     # decoder in this many has one (strategies/models.py MOE_ODDS where it says none; 0: only with --models moe,
     # which puts one in every case)}
     moe: dict | None = None
+    # a corner of its own options that a timed session's schedule steers toward (session/schedule.py, "option
+    # corner"), where a drawn mesh allows it: None, none; {"option": the target option a case in it has on,
+    # "mesh_dims": the dims of the meshes that allow it, "experts_over": (where its MoE is optional) the mesh dim an
+    # aimed case's MoE experts divide over, "checkpoint": False where the corner takes no checkpoint, "batch":
+    # (mesh_shape) -> the batch sizes an aimed case draws from (a target that is not data_parallel)}. A case aimed
+    # there (drawn after the mesh, off first: it shrinks to today's draw) draws the option on (and that MoE); its
+    # options and late options are drawn with aim=True
+    corner: dict | None = None
 
 
 def case_problem(case: Case, target: type | None) -> str | None:

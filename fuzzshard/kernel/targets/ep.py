@@ -182,7 +182,9 @@ def ep_draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **c
     # A shared expert whose hidden width does not divide over TP meets a known torch bug (RowwiseParallel's local
     # input assumed even: tp-rowwise-local-input-assumes-even): drawn rarely there, as fsdp2's TP MLP is
     even = all(s[0] % mesh_shape[-1] == 0 for n, s in shapes.items() if n.endswith("shared_experts.w1.weight"))
-    if len(mesh_shape) == 2 and not context.get("loading") and draw(st.sampled_from([False, False, True])) and (
+    # On, undrawn, in a case a timed session aimed at it (``aim``: the Spec's steered corner; strategies.cases)
+    if len(mesh_shape) == 2 and not context.get("loading") and (
+            context.get("aim") or draw(st.sampled_from([False, False, True]))) and (
             even or draw(st.integers(0, 7)) == 7):
         out["tp"] = True
     return out
@@ -269,7 +271,10 @@ class EPTarget(FSDP2Target):
     spec = Spec(moe={"whole_batch": False, "always": True, "experts_over": -1}, options=ep_draw_options,
                 checkpoint_kinds=STATE_DICT_KINDS, fit_options=ep_fit_options,
                 data_parallel=True, named_params=True, check=ep_check, coverage=ep_coverage, component="FSDP2", clips=("norm", "two_part", "value"), lr_scheduler=True, layout=ep_layout,
-                ac=AC_NON_REENTRANT, dropout="replay", facts=ep_facts)
+                ac=AC_NON_REENTRANT, dropout="replay", facts=ep_facts,
+                # a timed session steers [dp, tp] cases toward ``tp``, without a checkpoint: its loading side draws
+                # no tp (ep_draw_options), so a checkpointed tp case runs only the steps before the save under tp
+                corner={"option": "tp", "mesh_dims": 2, "checkpoint": False})
     localizable = False  # inside an MoE the routed tokens are this rank's experts', in another order
 
     @classmethod

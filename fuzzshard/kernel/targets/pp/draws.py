@@ -45,7 +45,10 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
     total = world * stages
     cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=total - 1, max_size=total - 1, unique=True))) \
         if total > 1 else []
-    out = {"schedule": schedule, "cuts": cuts, "scale_grads": draw(st.booleans())}
+    # a case a timed session aimed at ``ep`` (``aim``: the Spec's corner) most often with scale_grads: the schedule's
+    # divide of the grads the experts, outside FSDP2, get too (off first, as every aimed draw)
+    scale = st.sampled_from([False, True, True, True]) if context.get("aim") else st.booleans()
+    out = {"schedule": schedule, "cuts": cuts, "scale_grads": draw(scale)}
     if stages > 1:
         out["stages"] = stages
     if len(mesh_shape) == 2:
@@ -56,8 +59,9 @@ def draw_options(draw, shapes: dict, mesh_shape: tuple, tied: tuple = (), **cont
             out["wrap"] = wrap
         # drawn last, off first, only where the model's MoE experts divide over dp (else no draw: such cases stay
         # as they were): expert parallelism over the dp dim (``ep``)
-        # (not on a checkpoint's loading side, and dropped late on a saving side: pp's ep takes no checkpoint yet)
-        if not context.get("loading") and ep_fits(model, mesh_shape[1]) and draw(st.booleans()):
+        # (not on a checkpoint's loading side, and dropped late on a saving side: pp's ep takes no checkpoint yet);
+        # on, undrawn, in a case a timed session aimed at it (``aim``: the Spec's steered corner; strategies.cases)
+        if not context.get("loading") and ep_fits(model, mesh_shape[1]) and (context.get("aim") or draw(st.booleans())):
             out["ep"] = True
     return out
 
@@ -89,7 +93,7 @@ def ep_problem(case: Case) -> str | None:
     return None
 
 
-def draw_late_options(draw, case: Case) -> dict:
+def draw_late_options(draw, case: Case, aim: bool = False) -> dict:
     """``n_microbatches``, once the batch is known: three times in four a
     divisor of the batch (each dp rank's slice of it on a [pp, dp] mesh, which
     must divide it) that the schedule takes (equal microbatches; any
@@ -97,7 +101,10 @@ def draw_late_options(draw, case: Case) -> dict:
     (unequal microbatches, which torch's split makes; fewer than 1F1B's
     stages, or one past the batch: torch refuses them, an invalid case).
     Then ``accum``, where the slice splits into that many equal parts of
-    ``n_microbatches`` samples or more (drawn last: the draws before stay)."""
+    ``n_microbatches`` samples or more (drawn last: the draws before stay).
+    ``aim``: a case a timed session aimed at ``ep`` (the Spec's corner) takes 2+ microbatches most often, where the
+    schedule takes them (the experts' all-to-alls per microbatch, their grads summed over them outside FSDP2); off
+    first."""
     import hypothesis.strategies as st
     from hypothesis import assume
 
@@ -109,7 +116,10 @@ def draw_late_options(draw, case: Case) -> dict:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
         pp = pp_degree(opts, case.world_size)
         taken = [d for d in divisors if accepts(opts["schedule"], d, pp, opts.get("stages", 1))]
-        if draw(st.integers(0, 3)):
+        several = [d for d in taken if d > 1]
+        if aim and several and draw(st.sampled_from([False, True, True, True])):
+            opts["n_microbatches"] = draw(st.sampled_from(several))
+        elif draw(st.integers(0, 3)):
             opts["n_microbatches"] = draw(st.sampled_from(taken or divisors))
         else:
             opts["n_microbatches"] = draw(st.integers(1, batch + 1))
@@ -121,7 +131,7 @@ def draw_late_options(draw, case: Case) -> dict:
     return opts
 
 
-def draw_late_options_both_sides(draw, case: Case) -> dict:
+def draw_late_options_both_sides(draw, case: Case, aim: bool = False) -> dict:
     """``draw_late_options`` for the case, and for a checkpoint's loading side its own microbatch count (its own
     schedule at its own world size): one the schedule takes, a divisor of the batch where one is taken, else
     any count up to the batch it takes (unequal microbatches), else a divisor (refused: an invalid case). The
@@ -131,7 +141,7 @@ def draw_late_options_both_sides(draw, case: Case) -> dict:
     import hypothesis.strategies as st
     from hypothesis import assume
 
-    out = draw_late_options(draw, case)
+    out = draw_late_options(draw, case, aim)
     ck = case.checkpoint
     if ck is not None:
         out.pop("ep", None)  # not with a checkpoint yet (check)

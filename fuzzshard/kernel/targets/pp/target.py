@@ -40,7 +40,11 @@ class PPTarget(PipelineCheckpoint, Target):
                 # split backward calls torch.autograd.grad, which reentrant checkpoint does not support)
                 ac=AC_NON_REENTRANT, tie=pp_tie,
                 # each stage rank's masks from its own seed, replayed stage after stage (objective; kernel/dropout.py)
-                dropout="replay")
+                dropout="replay",
+                # a timed session steers [pp, dp] cases toward ``ep`` (an MoE, its experts over dp; no checkpoint),
+                # where it bites: 2+ samples a dp rank, so 2+ microbatches can carry them (draws.py, aim)
+                corner={"option": "ep", "mesh_dims": 2, "experts_over": 1, "checkpoint": False,
+                        "batch": lambda mesh_shape: [k * mesh_shape[1] for k in (2, 3, 4)]})
     localizable = False  # a rank runs only its stages' modules, once per microbatch
 
     @classmethod
