@@ -18,7 +18,7 @@ from ...dropout import has_dropout
 from ...model import tie_uses
 from ...moe import moe_configs_of
 from .checkpoint import CHECKPOINT_KINDS
-from .schedules import (SCHEDULES, accepts, available, dropout_problem, is_multi, n_stages, n_units, pp_degree,
+from .schedules import (SCHEDULES, accepts, available, schedule_dropout_problem, is_multi, n_stages, n_units, pp_degree,
                         stage_layers, stage_ranks, stages_per_rank, tie_span, uncuttable)
 
 
@@ -205,8 +205,8 @@ def check(case: Case) -> str | None:
         return f"pp: cuts {cuts} do not split {n} top-level layers into {total} non-empty stages"
     if not isinstance(o.get("n_microbatches"), int) or o["n_microbatches"] < 1:
         return "pp: n_microbatches must be a positive int"
-    if has_dropout(case.model) and dropout_problem(o):  # (kernel/dropout.py: which schedules' masks are replayed)
-        return dropout_problem(o)
+    if has_dropout(case.model) and schedule_dropout_problem(o):  # (kernel/dropout.py: which schedules' masks are replayed)
+        return schedule_dropout_problem(o)
     if dp and tie_span(case) == "stages":
         return ("pp: a tied weight on two stages of one rank under FSDP2: each stage module is a fully_shard root of "
                 "its own, and FSDP2 keeps a shared param in one group only (fully_shard([a, b]))")

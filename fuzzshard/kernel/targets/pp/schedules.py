@@ -181,7 +181,7 @@ def pp_objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: di
 DROPOUT_SCHEDULES = ("GPipe", "1F1B", "LoopedBFS")
 
 
-def dropout_problem(options: dict) -> str | None:
+def schedule_dropout_problem(options: dict) -> str | None:
     """Why a pp case's dropout masks are not replayed under these options, or None."""
     if options.get("schedule") in DROPOUT_SCHEDULES:
         return None
