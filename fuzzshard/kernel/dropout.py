@@ -165,13 +165,10 @@ class Draws:
 
     def same_masks(self, fn):
         """``fn`` drawing from the generator as it is now at every call (a sensitivity probe's passes)."""
-        cuda = self.device.startswith("cuda")
-        state = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
+        state = self.state()
 
         def run(*args, **kwargs):
-            torch.set_rng_state(state[0])
-            if cuda:
-                torch.cuda.set_rng_state(state[1])
+            self.restore(state)
             return fn(*args, **kwargs)
 
         return run
