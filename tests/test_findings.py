@@ -232,6 +232,20 @@ def test_a_known_finding_with_a_generic_signature_is_known_only_where_its_condit
     assert even.batch % 2 == 0 and known_signature("pp.parity.loss", even, known) is None
 
 
+def test_a_pp_error_fsdp2_or_dtensor_raises_with_the_same_message_is_their_known_bug_but_pp_parity_is_its_own():
+    """A [pp, dp] stage is FSDP2 over dp: Rprop's in-place index_put_ on a Shard(0) param raises there as under
+    fsdp2 (a timed pp session called it new, 5 cases in 200); pp's parity signatures are not mapped (a pp.parity.grad
+    must never hide behind fsdp2's known one)."""
+    from fuzzshard.findings.record import known_signature, load_known
+
+    known = load_known()
+    case = known["pp.parity.loss"].case
+    assert known_signature("pp.error.step.RuntimeError.61658fa9", case, known) == "fsdp2.error.step.RuntimeError.61658fa9"
+    assert "dtensor.parity.forward.Conv1d" in known and "fsdp2.parity.grad" in known
+    assert known_signature("pp.parity.forward.Conv1d", case, known) is None
+    assert not (known_signature("pp.parity.grad", case, known) or "pp.").startswith("fsdp2.")  # its own, or none
+
+
 def test_an_async_saves_face_of_a_known_blocking_save_bug_is_known():
     """A load after dcp.async_save that loses what a blocking save's load loses is that known DSD bug."""
     import dataclasses

@@ -281,7 +281,9 @@ def known_signature(sig: str, case: Case, known: dict[str, Finding]) -> str | No
     (``under``), the first whose ``only_when`` holds for the case."""
     from .. import targets
 
-    family = getattr(targets.get(case.target), "known_as", ()) if case.target in targets.names() else ()
+    target = targets.get(case.target) if case.target in targets.names() else None
+    family = getattr(target, "known_as", ())
+    errors_as = getattr(target, "known_errors_as", ())  # their known errors only (a raise of the same message)
     sigs = [sig]
     tag = compiled_tag(case)
     head = f"{case.target}.{tag}."
@@ -292,7 +294,8 @@ def known_signature(sig: str, case: Case, known: dict[str, Finding]) -> str | No
         # an async save whose load loses what a blocking save's load loses is that known bug (the state-dict
         # API's), unless recorded as the async path's own
         sigs.append(sig.replace(".checkpoint.dcp_async.", ".checkpoint.dcp.", 1))
-    for s in [x for one in sigs for x in [one] + _as_family(one, case.target, family)]:
+    for s in [x for one in sigs for x in [one] + _as_family(one, case.target, family)
+              + (_as_family(one, case.target, errors_as) if one.startswith(f"{case.target}.error.") else [])]:
         for name in under(s, known):
             f = known[name]
             if (not f.devices or case.device in f.devices) and _holds(case, f.only_when):
