@@ -59,9 +59,6 @@ def add(sub) -> None:
 def run(args) -> int:
     import signal
 
-    from ..session.engine import Session
-    from ..session.options import SessionOptions
-
     workers, simulated = _simulate(args) if args.simulate else (0, {})
     sizes = parse_world_sizes(args.world_sizes or WORLD_SIZES)
     duration = parse_duration(args.duration, "--duration") if args.duration else None
@@ -71,6 +68,12 @@ def run(args) -> int:
     check_pool_args(args)
     check_gpus(args, 1 if args.simulate else max(sizes))
     names = resolve_targets(args.target)
+    from ..pool.zygote import prestart
+
+    prestart()  # the workers' imports beside this process's (the session's and the strategies' import torch)
+    from ..session.engine import Session as Plain
+    from ..session.options import SessionOptions
+
     draws = read_draws(args, names, sizes, **simulated)
     from .. import targets
 
@@ -101,6 +104,7 @@ def run(args) -> int:
     pool = start_pool(args, workers if args.simulate else max(sizes), log_dir=os.path.join(args.out, "logs"),
                       spare=True, placed=not args.one_at_a_time)
     try:
+        Session = Plain
         if args.simulate:  # its book sets LocalTensor's own errors aside unshrunk, for the real check (simulate.py)
             from ..session.simulate import SimulatedSession as Session
         options = SessionOptions(out=args.out, max_examples=args.max_examples or 100, duration=duration, seed=seed,

@@ -31,6 +31,9 @@ def run(args) -> int:
     args.plugin = (args.plugin or []) + recorded_plugins(recorded.get("environment"), args.plugin or [])
     # a case replays where it was found, unless told otherwise
     check_pool_args(args, device=recorded.get("case", {}).get("device"))
+    from ..pool.zygote import prestart
+
+    prestart()  # the workers' imports beside this process's (load_file imports torch)
     finding = load_file(args.file)
     case = finding.case
     if args.device != case.device:
