@@ -178,6 +178,26 @@ def torchrun(script, nproc, *args, cwd, timeout=300):
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def replays_clean(path) -> None:
+    """The case or finding file at ``path`` passes on clean torch, judged as `fuzzshard replay` judges it (judge() on
+    the case read back from its file; replay's exit 0 is a "pass" verdict) on fuzz_pool, the pool this xdist
+    worker's sessions share, instead of a fresh CLI process and pool per test (two interpreters and their workers
+    importing torch: ~10 s each on CI's 2 cores, ~45 tests); a fresh `fuzzshard replay` where the pool cannot run
+    it (more ranks, another device). The replay command itself is tested by test_trust.py and test_cli.py."""
+    from fuzzshard.cli.common import load_file
+    from fuzzshard.findings.judge import judge
+    from fuzzshard.findings.record import summary
+
+    case = load_file(path).case
+    pool = _running.getfixturevalue("fuzz_pool") if _running is not None else None
+    if pool is not None and case.ranks <= pool.size and case.device == "cpu":
+        verdict = judge(pool, case).verdict
+        assert verdict.status == "pass", f"{path}: {verdict.status}: {summary(verdict)}"
+    else:
+        clean = run_cli("replay", path)
+        assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+
+
 _running = None  # the running test's request (_the_running_test): replay_clean_then_buggy's way to fuzz_pool
 
 
@@ -192,23 +212,11 @@ def _the_running_test(request):
 def replay_clean_then_buggy(tmp_path, case, bug: str) -> str:
     """A hand-written case passes on clean torch and fails with ``bug``; the failing replay's output (the
     caller checks the signature in it: exit 1 alone is any finding). The clean run is judged as `fuzzshard
-    replay` judges it (judge() on the case read back from its file; replay's exit 0 is a "pass" verdict) on
-    fuzz_pool, the pool this xdist worker's sessions share, instead of a fresh CLI process and pool per test
-    (two interpreters and their workers importing torch: ~10 s each on CI's 2 cores, ~30 tests); the buggy run
-    is `fuzzshard replay --worker-setup BUG` as before (a plant patches the workers it runs in)."""
-    from fuzzshard.cli.common import load_file
-    from fuzzshard.findings.judge import judge
-    from fuzzshard.findings.record import summary
-
+    replay` judges it (replays_clean); the buggy run is `fuzzshard replay --worker-setup BUG` as before (a plant
+    patches the workers it runs in)."""
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
-    pool = _running.getfixturevalue("fuzz_pool") if _running is not None else None
-    if pool is not None and case.ranks <= pool.size and case.device == "cpu":
-        verdict = judge(pool, load_file(path).case).verdict
-        assert verdict.status == "pass", f"{verdict.status}: {summary(verdict)}"
-    else:
-        clean = run_cli("replay", path)
-        assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    replays_clean(path)
     buggy = run_cli("replay", path, setup=bug)
     assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
     return buggy.stdout

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cases import simple_case
-from conftest import PLANTED, replay_clean_then_buggy, run_cli, torchrun
+from conftest import PLANTED, replay_clean_then_buggy, replays_clean, run_cli, torchrun
 from fuzzshard.case import CaseError, Checkpoint, Group, Layer, Model, Step
 from fuzzshard.scriptgen import fallback_reason, straight_script
 
@@ -47,8 +47,7 @@ CLEAN = {
 def test_ddp_features_train_in_parity(tmp_path, name):
     path = tmp_path / "case.json"
     path.write_text(CLEAN[name].to_json())
-    r = run_cli("replay", path)
-    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    replays_clean(path)
 
 
 def test_ddp_rules_refuse_what_ddp_documents():
@@ -81,7 +80,7 @@ def test_no_sync_that_still_all_reduces_on_one_rank_is_caught(tmp_path):
     """Rank 1 all-reduces inside no_sync: its collectives no longer pair with rank 0's (a hang)."""
     path = tmp_path / "case.json"
     path.write_text(ddp_case(microbatches=2).to_json())
-    assert run_cli("replay", path).returncode == 0
+    replays_clean(path)
     buggy = run_cli("replay", path, "--case-timeout", 15, setup="ddp_no_sync_one_rank.py")
     assert buggy.returncode == 1 and "FAIL: ddp.hang.fwdbwd." in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
 
@@ -173,5 +172,4 @@ def test_join_averages_a_held_grad_with_the_joined_ranks_zeros(tmp_path):
     assert [DDPTarget.held_grad_scale(case, k) for k in (0, 1)] == [1.0, 0.5]
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
-    r = run_cli("replay", path)
-    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    replays_clean(path)

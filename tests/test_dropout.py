@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from cases import simple_case
-from conftest import replay_clean_then_buggy
+from conftest import replay_clean_then_buggy, replays_clean
 from fuzzshard.case import Case, CaseError, Group, Layer, Model, Step
 from fuzzshard.kernel import dropout
 from fuzzshard.kernel.decoder import decoder
@@ -143,8 +143,6 @@ def test_replica_targets_leave_loss_and_grads_uncompared_and_pass(tmp_path):
     """dtensor on 2 ranks, every param replicated but the block's last weight (Shard(0): the block's output
     sharded on the features, where its mask is drawn on each rank's shard from the rank's own generator): no
     mask the reference could have, so no loss or grad compared; the step and the replicas are, and pass."""
-    from conftest import run_cli
-
     case = dropout_case("dtensor", placements={"layers.2.inner.2.weight": ["S0"]})
     # (without the top-level dropout: layers.3 reads the sharded features and gives a Partial output, and a
     # dropout of a Partial DTensor raises on CPU, a torch bug: test_a_partial_dtensor_dropout_raises_on_cpu)
@@ -152,8 +150,7 @@ def test_replica_targets_leave_loss_and_grads_uncompared_and_pass(tmp_path):
     assert not dropout.compares_loss_and_grads(case)
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
-    r = run_cli("replay", path)
-    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    replays_clean(path)
 
 
 def test_a_partial_dtensor_dropout_raises_on_cpu(tmp_path):
@@ -178,13 +175,10 @@ def test_an_moe_aux_loss_is_averaged_over_the_replayed_ranks_slices(tmp_path):
     and each forward's aux loss takes its grad in the forward (moe.py _AuxLoss); it must take 1/world of it, as
     the ranks' averaged grads do, not the whole (the router's and every earlier layer's grads were 2x the aux
     term: zero.parity.grad of layers.0.weight, 6/21 elements)."""
-    from conftest import run_cli
-
     case = Case.from_json(open("tests/data/moe/zero_dropout_aux_seq.json").read())
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
-    r = run_cli("replay", path)
-    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    replays_clean(path)
 
 
 def test_a_batch_wise_moe_aux_loss_with_replayed_dropout_is_refused():

@@ -7,7 +7,7 @@ import pytest
 
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 
-from conftest import run_cli
+from conftest import replays_clean, run_cli
 
 
 def ep_case(mesh, moe=None, options=None, steps=2) -> Case:
@@ -28,8 +28,7 @@ def ep_case(mesh, moe=None, options=None, steps=2) -> Case:
 def replay_both(tmp_path, case, bug):
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
-    clean = run_cli("replay", path)
-    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    replays_clean(path)
     buggy = run_cli("replay", path, setup=bug)
     assert buggy.returncode == 1, buggy.stdout + buggy.stderr[-2000:]
     return buggy.stdout
@@ -73,8 +72,7 @@ def test_aux_loss_and_routing_bias_pass_clean(tmp_path):
     reference's: the target summed the grads of a loss it divided by the ranks, the aux loss's undivided)."""
     path = tmp_path / "case.json"
     path.write_text(ep_case((2,), {"aux": "seq", "bias_coeff": 0.25, "top_k": 2}).to_json())
-    clean = run_cli("replay", path)
-    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    replays_clean(path)
 
 
 def _grad_verdict(fqn):

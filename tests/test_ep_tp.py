@@ -3,7 +3,7 @@ router under NoParallel with a Partial output grad, the shared expert column-/ro
 its slice of the tokens. Replayed clean, and with a planted bug whose finding's signature is checked."""
 import pytest
 
-from conftest import run_cli
+from conftest import replays_clean
 from test_ep import ep_case, replay_both
 
 
@@ -44,8 +44,7 @@ def test_tp_with_aux_loss_routing_bias_and_own_units_passes_clean(tmp_path):
                    {"tp": True, "wrap": ["layers.0.router", "layers.0.shared_experts"], "reshard_after_forward": False})
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
-    clean = run_cli("replay", path)
-    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    replays_clean(path)
 
 
 def test_router_grad_unreduced_over_tp_is_found(tmp_path):

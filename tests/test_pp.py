@@ -7,7 +7,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 
 import fuzzshard.strategies as fst
-from conftest import PLANTED, run_cli, torchrun
+from conftest import PLANTED, replays_clean, run_cli, torchrun
 from fuzzshard.case import Case, Group, Layer, Model, Optim, Step
 from fuzzshard.kernel.model import param_shapes
 from fuzzshard.kernel.targets import pp
@@ -77,8 +77,7 @@ def test_pp_a_documented_refusal_is_invalid_and_a_case_trains_in_parity(tmp_path
                                   groups=(Group(("layers.0.weight", "layers.0.bias")),
                                           Group(("layers.1.weight", "layers.1.bias"), {"lr": 0.1})))
     ok.write_text(ok_case.to_json())
-    r = run_cli("replay", ok)
-    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    replays_clean(ok)
 
 
 def test_planted_1f1b_bug_is_found_shrunk_and_replays(tmp_path):
@@ -166,8 +165,7 @@ def test_pp_lr_scheduler_steps_each_ranks_groups_in_the_case_order(tmp_path):
                                lr_scheduler=LRScheduler("StepLR", {"step_size": 1, "gamma": 0.5}))
     path = tmp_path / "lr.json"
     path.write_text(case.to_json())
-    r = run_cli("replay", path)
-    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    replays_clean(path)
     assert pp.PPTarget.spec.lr_scheduler and not pp.PPTarget.spec.clips
 
 

@@ -4,7 +4,7 @@ the first stage's rank, cross-entropy per microbatch on the last; trained in par
 and a planted schedule bug found through it."""
 import dataclasses
 
-from conftest import run_cli
+from conftest import replays_clean, run_cli
 from fuzzshard.case import Case, Group, Model, Optim, Step
 from fuzzshard.kernel.model import param_shapes
 from fuzzshard.kernel.targets.pp import describe, draws, schedules
@@ -40,8 +40,7 @@ def test_pp_decoder_trains_in_parity_and_a_planted_looped_bug_is_found(tmp_path)
     planted mis-scaling of a later virtual stage's grads is a grad parity finding through the same case."""
     path = tmp_path / "decoder.json"
     path.write_text(_case().to_json())
-    clean = run_cli("replay", path)
-    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    replays_clean(path)
     buggy = run_cli("replay", path, setup="pp_looped_stage_scale.py")
     assert buggy.returncode == 1 and "FAIL: pp.parity.grad" in buggy.stdout, buggy.stdout + buggy.stderr[-2000:]
 
