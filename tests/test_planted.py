@@ -125,7 +125,7 @@ def test_planted_checkpoint_bug_is_found_shrunk_and_replays(tmp_path, target, bu
     assert len([x for x in case["model"]["layers"] if x["kind"] != "act"]) <= 3 and len(case["schedule"]) <= 2  # shrunk
     buggy = run_cli("replay", found[0], setup=bug)
     assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
-    assert run_cli("replay", found[0]).returncode == 0
+    replays_clean(found[0])
     if bug == "ckpt_reshard_swap.py":  # the standalone script reshards on its own, under torchrun
         script = found[0].with_suffix(".py")
         ranks = max(case["world_size"], case["checkpoint"]["world_size"])
@@ -165,7 +165,7 @@ def test_planted_target_bug_is_found_shrunk_and_replays(tmp_path, target, bug, o
     assert len(case["model"]["layers"]) <= 3 and len(case["schedule"]) == 1  # shrunk
     buggy = run_cli("replay", found[0], setup=bug)
     assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
-    assert run_cli("replay", found[0]).returncode == 0
+    replays_clean(found[0])
     script = found[0].with_suffix(".py")  # standalone: the target's module and the base class flattened in
     ranks = max(case["world_size"], (case["checkpoint"] or {}).get("world_size", 0))
     buggy = torchrun(script, ranks, "--setup", PLANTED / bug, cwd=tmp_path)
@@ -217,7 +217,7 @@ def test_planted_loop_bug_is_found_shrunk_to_its_feature_and_replays(tmp_path, b
     assert len([x for x in case["model"]["layers"] if x["kind"] != "act"]) <= 2 and len(case["schedule"]) <= 2
     buggy = run_cli("replay", found[0], setup=bug)
     assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
-    assert run_cli("replay", found[0]).returncode == 0
+    replays_clean(found[0])
 
 
 def test_planted_sharded_scaler_found_inf_bug_is_found_from_a_partial_overflow_and_replays(tmp_path):
@@ -245,7 +245,7 @@ def test_planted_sharded_scaler_found_inf_bug_is_found_from_a_partial_overflow_a
     assert case["world_size"] == 2 and len(case["schedule"]) == 1 and at["step"] == 0, case
     buggy = run_cli("replay", found[0], setup=bug)
     assert buggy.returncode == 1 and f"FAIL: {finding['signature']}" in buggy.stdout, buggy.stdout
-    assert run_cli("replay", found[0]).returncode == 0
+    replays_clean(found[0])
     script = found[0].with_suffix(".py")
     assert "overflows on the ranks that hold it" in script.read_text()  # straight-line, not the flattened kernel
     buggy = torchrun(script, 2, "--setup", PLANTED / bug, cwd=tmp_path)
