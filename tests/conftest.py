@@ -11,6 +11,12 @@ PLANTED = Path(__file__).parent / "planted"
 # runs, leaves it out to stay within its budget on 2 cores. Each entry says what in the default tier proves
 # the same thing. Keyed by node id (a prefix or a parametrized id), measured with --durations.
 SLOW = {
+    # added on 2026-12-03 (the last landing's CI took 2088 s of ~1500; the suite is CPU-bound, 87% of both cores busy,
+    # and a torchrun of a repro script costs ~8 s of CPU, three interpreters importing torch):
+    "test_scriptgen.py::test_the_script_passes_on_torch_and_fails_standalone_with_a_planted_bug[fsdp2]":
+        "fsdp2's straight-line script with fsdp2_skip_average.py planted and without, under torchrun: the same plant "
+        "through the same writer (scriptgen/fsdp2.py) is shown both ways by test_planted.py's "
+        "[fsdp2_skip_average] session test; a script's naming of the divergence by [dtensor] and [zero]",
     "test_ep_ac.py::test_a_recompute_that_differs_from_the_forward_is_caught_under_ep[2d]":
         "4 ranks (62 to 82 s at load 16 to 35): the 1-D id stays in the default tier, and the seeded --ac sessions "
         "run 2-D [dp, ep] cases with AC",

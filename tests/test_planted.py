@@ -9,6 +9,7 @@ import re
 import pytest
 
 from conftest import PLANTED, replay_clean_then_buggy, replays_clean, run_cli, torchrun
+from fuzzshard.cli import main as cli_main
 
 BUGS = [
     # target, bug file, optimizers to draw, world sizes, seed, the finding's file pattern, smallest world size that shows it
@@ -91,7 +92,7 @@ def test_known_silent_torch_bug_reproduces_standalone(tmp_path):
     known = KNOWN_DIR / "dtensor.parity.forward.Conv1d.json"
     world = json.loads(known.read_text())["case"]["world_size"]
     script = tmp_path / "conv.py"
-    assert run_cli("script", known, "-o", script).returncode == 0
+    assert cli_main(["script", str(known), "-o", str(script)]) == 0  # `fuzzshard script`, in this process
     r = torchrun(script, world, cwd=tmp_path)
     assert r.returncode != 0 and "FINDING" in r.stdout, r.stdout + r.stderr[-2000:]
 
@@ -544,7 +545,7 @@ def test_sharded_optims_dense_params_are_stepped_and_a_skipped_one_is_caught_by_
     assert re.search(r"^FAIL: sharded_optim\.parity\.SGD\.\w+\.(param|state\.momentum_buffer)$", buggy, re.M), buggy
     assert re.search(r"layers\.(0\.bias|2\.weight|2\.bias)", buggy), buggy  # a dense param
     script = tmp_path / "repro.py"
-    assert run_cli("script", tmp_path / "case.json", "-o", script).returncode == 0
+    assert cli_main(["script", str(tmp_path / "case.json"), "-o", str(script)]) == 0  # in this process
     bad = torchrun(script, 2, "--setup", PLANTED / "sharded_optim_skip_dense.py", cwd=tmp_path)
     assert bad.returncode != 0 and "FINDING" in bad.stdout, bad.stdout + bad.stderr[-2000:]
     ok = torchrun(script, 2, cwd=tmp_path)
