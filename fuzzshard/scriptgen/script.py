@@ -271,5 +271,6 @@ class Writer(Checks):
 
 
 _END = '''sys.stdout.flush()
+dist.barrier()  # rank 0 has printed: a rank's failing exit makes torchrun stop the others, rank 0's print with them
 dist.destroy_process_group()
 os._exit(1 if fail else 0)  # skip interpreter teardown: gloo's threads can abort the process there'''
