@@ -71,7 +71,7 @@ def run(args) -> int:
     from ..pool.zygote import prestart
 
     prestart()  # the workers' imports beside this process's (the session's and the strategies' import torch)
-    from ..session.engine import Session as Plain
+    from ..session.engine import Session
     from ..session.options import SessionOptions
 
     draws = read_draws(args, names, sizes, **simulated)
@@ -104,13 +104,13 @@ def run(args) -> int:
     pool = start_pool(args, workers if args.simulate else max(sizes), log_dir=os.path.join(args.out, "logs"),
                       spare=True, placed=not args.one_at_a_time)
     try:
-        Session = Plain
+        make = Session
         if args.simulate:  # its book sets LocalTensor's own errors aside unshrunk, for the real check (simulate.py)
-            from ..session.simulate import SimulatedSession as Session
+            from ..session.simulate import SimulatedSession as make
         options = SessionOptions(out=args.out, max_examples=args.max_examples or 100, duration=duration, seed=seed,
                                  shrink_budget=shrink_budget, database=database, plugins=tuple(args.plugin or ()),
                                  pack=pool.size if args.simulate and not args.one_at_a_time else None)
-        session = Session(pool, draws, options)
+        session = make(pool, draws, options)
         session.log = Path(args.out, "cells", "fuzz.jsonl")  # a line per case: `fuzzshard report OUT` reads them
         session.log.parent.mkdir(parents=True, exist_ok=True)
         if session.pack > 1:

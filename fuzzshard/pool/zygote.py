@@ -149,8 +149,8 @@ def zygote() -> Zygote:
 def prestart() -> None:
     """Start this process's zygote now, before the driver imports torch itself: its imports (torch, the kernel,
     the targets: ~4 s of CPU) then run beside the driver's (~2 s) instead of after them, and a `fuzzshard replay`
-    or `fuzz` has its first workers ~2 s sooner where a core is free. The CLI calls it once its arguments are
-    read (a bad one is still refused in one line, before any of it)."""
+    or `fuzz` has its first workers ~2 s sooner where a core is free. The CLI calls it once it has read its
+    arguments (a zygote started for a command that is then refused dies with the driver)."""
     zygote()
 
 
