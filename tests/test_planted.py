@@ -90,11 +90,13 @@ def test_known_silent_torch_bug_reproduces_standalone(tmp_path):
     from fuzzshard.findings.record import KNOWN_DIR
 
     known = KNOWN_DIR / "dtensor.parity.forward.Conv1d.json"
-    world = json.loads(known.read_text())["case"]["world_size"]
+    recorded = json.loads(known.read_text())
+    world, fqn = recorded["case"]["world_size"], recorded["verdict"]["first"]["fqn"]
     script = tmp_path / "conv.py"
     assert cli_main(["script", str(known), "-o", str(script)]) == 0  # `fuzzshard script`, in this process
     r = torchrun(script, world, cwd=tmp_path)
-    assert r.returncode != 0 and "FINDING" in r.stdout, r.stdout + r.stderr[-2000:]
+    # the recorded bug, not any failure: the script names the module the finding names (layers.1.conv)
+    assert r.returncode != 0 and "FINDING" in r.stdout and fqn in r.stdout, r.stdout + r.stderr[-2000:]
 
 
 CHECKPOINT_BUGS = [
